@@ -1,0 +1,1 @@
+"""SGLang adapter (see README "Use with SGLang")."""

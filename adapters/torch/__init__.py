@@ -1,0 +1,1 @@
+"""Adapter for any torch.nn.Module."""

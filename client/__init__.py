@@ -1,0 +1,1 @@
+"""Trainer-side client and CLI."""

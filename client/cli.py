@@ -1,0 +1,46 @@
+"""The ``weightwire`` command line. Each subcommand lives with the code it drives and registers
+itself here: ``serve`` (weightwire.server.cli), ``manifest``/``status``/``push``/``demo``
+(weightwire.client)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from weightwire import __version__
+
+# module providing add_parser(subparsers) for each subcommand; modules arrive with their issues.
+_SUBCOMMAND_MODULES = (
+    "weightwire.server.cli",
+    "weightwire.client.commands",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weightwire", description="Move fresh weights from a trainer into engine workers.")
+    parser.add_argument("--version", action="version", version=f"weightwire {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for mod_name in _SUBCOMMAND_MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ModuleNotFoundError as e:
+            if e.name != mod_name:
+                raise
+            continue
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The one exception type of weightwire and the table from error reason to gRPC status code.
+
+Server code raises ``WeightwireError(Reason.X, message, **metadata)``; the servicer turns it into a
+status with one ``google.rpc.ErrorInfo`` (domain ``weightwire``). The client turns such a status back
+into a ``WeightwireError``. Status codes are carried as their names (``"FAILED_PRECONDITION"``) so
+this module does not import grpc.
+"""
+
+from __future__ import annotations
+
+import enum
+
+ERROR_DOMAIN = "weightwire"
+
+
+class Reason(enum.Enum):
+    """ErrorInfo reasons; the value is the gRPC status code name each maps to.
+
+    The names equal the proto's ``ErrorReason`` values without the ``ERROR_REASON_`` prefix
+    (a test checks the two lists agree).
+    """
+
+    MALFORMED_STREAM = "INVALID_ARGUMENT"
+    SCOPE_UNSPECIFIED = "INVALID_ARGUMENT"
+    INVALID_VERSION = "INVALID_ARGUMENT"
+    DTYPE_UNSPECIFIED = "INVALID_ARGUMENT"
+    DEVICE_KIND_UNSPECIFIED = "INVALID_ARGUMENT"
+    INVALID_SHAPE = "INVALID_ARGUMENT"
+    INVALID_OFFSET = "INVALID_ARGUMENT"
+    INVALID_SIZE = "INVALID_ARGUMENT"
+    TENSOR_OUT_OF_BOUNDS = "INVALID_ARGUMENT"
+    PAYLOAD_COUNT_MISMATCH = "INVALID_ARGUMENT"
+    PAYLOAD_LABEL_MISSING = "INVALID_ARGUMENT"
+    DUPLICATE_PAYLOAD_LABEL = "INVALID_ARGUMENT"
+    HANDLE_MISSING = "INVALID_ARGUMENT"
+    INVALID_SHM_NAME = "INVALID_ARGUMENT"
+    DUPLICATE_TENSOR = "INVALID_ARGUMENT"
+    DUPLICATE_BUCKET = "INVALID_ARGUMENT"
+    INVALID_CHECKSUM = "INVALID_ARGUMENT"
+    NO_PAYLOAD_FOR_DEVICE = "FAILED_PRECONDITION"
+    PEER_DEVICE_UNAVAILABLE = "FAILED_PRECONDITION"
+    SHAPE_MISMATCH = "FAILED_PRECONDITION"
+    DTYPE_MISMATCH = "FAILED_PRECONDITION"
+    STALE_VERSION = "FAILED_PRECONDITION"
+    MANIFEST_CHANGED = "FAILED_PRECONDITION"
+    INCOMPLETE_UPDATE = "FAILED_PRECONDITION"
+    BUCKET_COUNT_MISMATCH = "FAILED_PRECONDITION"
+    TRANSPORT_UNAVAILABLE = "FAILED_PRECONDITION"
+    HANDLE_OPEN_FAILED = "FAILED_PRECONDITION"
+    UPDATE_IN_PROGRESS = "ABORTED"
+    CHECKSUM_MISMATCH = "DATA_LOSS"
+    LOAD_FAILED = "INTERNAL"
+    MISSING_TOKEN = "UNAUTHENTICATED"
+    INVALID_TOKEN = "UNAUTHENTICATED"
+
+    # Several members share a value; keep them distinct members (Enum would alias them).
+    def __new__(cls, code: str) -> Reason:
+        obj = object.__new__(cls)
+        obj._value_ = (len(cls.__members__), code)
+        return obj
+
+    @property
+    def code(self) -> str:
+        """gRPC status code name, e.g. ``"FAILED_PRECONDITION"``."""
+        return self.value[1]
+
+
+class WeightwireError(Exception):
+    """An error with a reason, a message a person can act on, and machine-readable metadata.
+
+    ``code`` is the gRPC status code name. ``worker`` is set by the client when the error came
+    from a named worker.
+    """
+
+    def __init__(
+        self,
+        reason: Reason | str,
+        message: str,
+        *,
+        code: str | None = None,
+        worker: str | None = None,
+        **metadata: str,
+    ) -> None:
+        self.reason_name = reason.name if isinstance(reason, Reason) else str(reason)
+        known = Reason.__members__.get(self.reason_name)
+        self.code = code or (known.code if known else "UNKNOWN")
+        self.message = message
+        self.worker = worker
+        self.metadata = {k: str(v) for k, v in metadata.items()}
+        super().__init__(self.__str__())
+
+    @property
+    def reason(self) -> str:
+        return self.reason_name
+
+    def __str__(self) -> str:
+        where = f"{self.worker}: " if self.worker else ""
+        return f"{where}{self.code}/{self.reason_name}: {self.message}"
+
+
+class PushError(Exception):
+    """Raised by the client when an update failed on one or more workers.
+
+    ``failures`` maps a worker's name (its address) to the error it reported; ``results`` holds
+    the workers that did commit (their result objects), so a caller can see the whole picture.
+    """
+
+    def __init__(self, failures: dict[str, WeightwireError], results: dict[str, object] | None = None) -> None:
+        self.failures = failures
+        self.results = results or {}
+        lines = [f"weight update failed on {len(failures)} worker(s):"]
+        for worker, err in failures.items():
+            lines.append(f"  - {worker}: {err.code}/{err.reason}: {err.message}")
+        if self.results:
+            lines.append(f"  ({len(self.results)} worker(s) committed: {', '.join(self.results)})")
+        super().__init__("\n".join(lines))

@@ -1,0 +1,135 @@
+"""Shard manifests as Python values: what one worker owns, and its fingerprint.
+
+Adapters build a ``ShardManifest``; the server publishes it (``to_proto``); the client reads it back
+(``from_proto``) and plans routing from the union of all workers' manifests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterable, Mapping
+
+from weightwire.core import dtypes
+from weightwire.core.devices import DeviceRef
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelRank:
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    sp_rank: int = 0
+    sp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size"), ("dp_rank", "dp_size"), ("sp_rank", "sp_size")):
+            r, s = getattr(self, rank), getattr(self, size)
+            if s < 1 or not 0 <= r < s:
+                raise ValueError(f"{rank}={r} out of range for {size}={s}")
+
+    def to_proto(self) -> pb.ParallelRank:
+        return pb.ParallelRank(**dataclasses.asdict(self))
+
+    @classmethod
+    def from_proto(cls, msg: pb.ParallelRank) -> ParallelRank:
+        return cls(
+            tp_rank=msg.tp_rank, tp_size=msg.tp_size or 1, pp_rank=msg.pp_rank, pp_size=msg.pp_size or 1,
+            dp_rank=msg.dp_rank, dp_size=msg.dp_size or 1, sp_rank=msg.sp_rank, sp_size=msg.sp_size or 1,
+        )
+
+    def short(self) -> str:
+        parts = [f"tp{self.tp_rank}/{self.tp_size}", f"pp{self.pp_rank}/{self.pp_size}"]
+        if self.dp_size > 1:
+            parts.append(f"dp{self.dp_rank}/{self.dp_size}")
+        if self.sp_size > 1:
+            parts.append(f"sp{self.sp_rank}/{self.sp_size}")
+        return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnedTensor:
+    """A checkpoint tensor a worker consumes: the full checkpoint dtype and shape to be sent."""
+
+    name: str
+    dtype: int
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * dtypes.itemsize(self.dtype)
+
+    def to_proto(self) -> pb.OwnedTensor:
+        return pb.OwnedTensor(name=self.name, dtype=self.dtype, shape=list(self.shape))  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardManifest:
+    device: DeviceRef
+    rank: ParallelRank
+    tensors: Mapping[str, OwnedTensor]
+    layer_start: int = 0
+    layer_end: int = 0
+    num_layers: int = 0
+    engine: str = "torch"
+    worker_id: str = ""
+    transports: tuple[int, ...] = (pb.TRANSPORT_KIND_HOST_SHM, pb.TRANSPORT_KIND_INLINE)
+    instance_id: str = ""
+
+    @classmethod
+    def build(cls, device: DeviceRef, rank: ParallelRank, tensors: Iterable[OwnedTensor], **kw: object) -> ShardManifest:
+        by_name: dict[str, OwnedTensor] = {}
+        for t in tensors:
+            if t.name in by_name:
+                raise ValueError(f"manifest lists {t.name!r} twice")
+            by_name[t.name] = t
+        return cls(device=device, rank=rank, tensors=by_name, **kw)  # type: ignore[arg-type]
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 over device, ranks, layer range and every owned tensor (sorted), plus instance id."""
+        h = hashlib.sha256()
+        h.update(f"{self.device.kind}:{self.device.uuid}|{self.rank}|{self.layer_start}:{self.layer_end}:{self.num_layers}|{self.instance_id}".encode())
+        for name in sorted(self.tensors):
+            t = self.tensors[name]
+            h.update(f"\n{name}|{t.dtype}|{','.join(map(str, t.shape))}".encode())
+        return h.hexdigest()[:32]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def to_proto(self) -> pb.ShardManifest:
+        return pb.ShardManifest(
+            device=self.device.to_proto(),
+            rank=self.rank.to_proto(),
+            tensors=[self.tensors[n].to_proto() for n in sorted(self.tensors)],
+            layer_range=pb.LayerRange(start_layer=self.layer_start, end_layer=self.layer_end, num_layers=self.num_layers),
+            fingerprint=self.fingerprint,
+            engine=self.engine,
+            worker_id=self.worker_id,
+            transports=list(self.transports),  # type: ignore[arg-type]
+            instance_id=self.instance_id,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: pb.ShardManifest) -> ShardManifest:
+        return cls.build(
+            DeviceRef(msg.device.kind, msg.device.uuid),
+            ParallelRank.from_proto(msg.rank),
+            (OwnedTensor(t.name, t.dtype, tuple(t.shape)) for t in msg.tensors),
+            layer_start=msg.layer_range.start_layer,
+            layer_end=msg.layer_range.end_layer,
+            num_layers=msg.layer_range.num_layers,
+            engine=msg.engine,
+            worker_id=msg.worker_id,
+            transports=tuple(msg.transports),
+            instance_id=msg.instance_id,
+        )

@@ -1,0 +1,442 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DeviceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DEVICE_KIND_UNSPECIFIED: _ClassVar[DeviceKind]
+    DEVICE_KIND_CUDA: _ClassVar[DeviceKind]
+    DEVICE_KIND_HOST: _ClassVar[DeviceKind]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT64: _ClassVar[DType]
+    DTYPE_INT8: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
+    DTYPE_INT16: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
+    DTYPE_BOOL: _ClassVar[DType]
+    DTYPE_FLOAT8_E4M3FN: _ClassVar[DType]
+    DTYPE_FLOAT8_E5M2: _ClassVar[DType]
+
+class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKSUM_ALGORITHM_UNSPECIFIED: _ClassVar[ChecksumAlgorithm]
+    CHECKSUM_ALGORITHM_CRC32: _ClassVar[ChecksumAlgorithm]
+
+class UpdateScope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPDATE_SCOPE_UNSPECIFIED: _ClassVar[UpdateScope]
+    UPDATE_SCOPE_FULL: _ClassVar[UpdateScope]
+    UPDATE_SCOPE_PARTIAL: _ClassVar[UpdateScope]
+
+class TransportKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_KIND_UNSPECIFIED: _ClassVar[TransportKind]
+    TRANSPORT_KIND_CUDA_IPC: _ClassVar[TransportKind]
+    TRANSPORT_KIND_HOST_SHM: _ClassVar[TransportKind]
+    TRANSPORT_KIND_INLINE: _ClassVar[TransportKind]
+
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    WORKER_STATE_CONSISTENT: _ClassVar[WorkerState]
+    WORKER_STATE_UPDATING: _ClassVar[WorkerState]
+    WORKER_STATE_INCONSISTENT: _ClassVar[WorkerState]
+
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    ERROR_REASON_MALFORMED_STREAM: _ClassVar[ErrorReason]
+    ERROR_REASON_SCOPE_UNSPECIFIED: _ClassVar[ErrorReason]
+    ERROR_REASON_INVALID_VERSION: _ClassVar[ErrorReason]
+    ERROR_REASON_DTYPE_UNSPECIFIED: _ClassVar[ErrorReason]
+    ERROR_REASON_DEVICE_KIND_UNSPECIFIED: _ClassVar[ErrorReason]
+    ERROR_REASON_INVALID_SHAPE: _ClassVar[ErrorReason]
+    ERROR_REASON_INVALID_OFFSET: _ClassVar[ErrorReason]
+    ERROR_REASON_INVALID_SIZE: _ClassVar[ErrorReason]
+    ERROR_REASON_TENSOR_OUT_OF_BOUNDS: _ClassVar[ErrorReason]
+    ERROR_REASON_PAYLOAD_COUNT_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_PAYLOAD_LABEL_MISSING: _ClassVar[ErrorReason]
+    ERROR_REASON_DUPLICATE_PAYLOAD_LABEL: _ClassVar[ErrorReason]
+    ERROR_REASON_HANDLE_MISSING: _ClassVar[ErrorReason]
+    ERROR_REASON_INVALID_SHM_NAME: _ClassVar[ErrorReason]
+    ERROR_REASON_DUPLICATE_TENSOR: _ClassVar[ErrorReason]
+    ERROR_REASON_DUPLICATE_BUCKET: _ClassVar[ErrorReason]
+    ERROR_REASON_INVALID_CHECKSUM: _ClassVar[ErrorReason]
+    ERROR_REASON_NO_PAYLOAD_FOR_DEVICE: _ClassVar[ErrorReason]
+    ERROR_REASON_PEER_DEVICE_UNAVAILABLE: _ClassVar[ErrorReason]
+    ERROR_REASON_SHAPE_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_DTYPE_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_STALE_VERSION: _ClassVar[ErrorReason]
+    ERROR_REASON_MANIFEST_CHANGED: _ClassVar[ErrorReason]
+    ERROR_REASON_INCOMPLETE_UPDATE: _ClassVar[ErrorReason]
+    ERROR_REASON_BUCKET_COUNT_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_TRANSPORT_UNAVAILABLE: _ClassVar[ErrorReason]
+    ERROR_REASON_HANDLE_OPEN_FAILED: _ClassVar[ErrorReason]
+    ERROR_REASON_UPDATE_IN_PROGRESS: _ClassVar[ErrorReason]
+    ERROR_REASON_CHECKSUM_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_LOAD_FAILED: _ClassVar[ErrorReason]
+    ERROR_REASON_MISSING_TOKEN: _ClassVar[ErrorReason]
+    ERROR_REASON_INVALID_TOKEN: _ClassVar[ErrorReason]
+DEVICE_KIND_UNSPECIFIED: DeviceKind
+DEVICE_KIND_CUDA: DeviceKind
+DEVICE_KIND_HOST: DeviceKind
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT64: DType
+DTYPE_INT8: DType
+DTYPE_UINT8: DType
+DTYPE_INT16: DType
+DTYPE_INT32: DType
+DTYPE_INT64: DType
+DTYPE_BOOL: DType
+DTYPE_FLOAT8_E4M3FN: DType
+DTYPE_FLOAT8_E5M2: DType
+CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
+CHECKSUM_ALGORITHM_CRC32: ChecksumAlgorithm
+UPDATE_SCOPE_UNSPECIFIED: UpdateScope
+UPDATE_SCOPE_FULL: UpdateScope
+UPDATE_SCOPE_PARTIAL: UpdateScope
+TRANSPORT_KIND_UNSPECIFIED: TransportKind
+TRANSPORT_KIND_CUDA_IPC: TransportKind
+TRANSPORT_KIND_HOST_SHM: TransportKind
+TRANSPORT_KIND_INLINE: TransportKind
+WORKER_STATE_UNSPECIFIED: WorkerState
+WORKER_STATE_CONSISTENT: WorkerState
+WORKER_STATE_UPDATING: WorkerState
+WORKER_STATE_INCONSISTENT: WorkerState
+ERROR_REASON_UNSPECIFIED: ErrorReason
+ERROR_REASON_MALFORMED_STREAM: ErrorReason
+ERROR_REASON_SCOPE_UNSPECIFIED: ErrorReason
+ERROR_REASON_INVALID_VERSION: ErrorReason
+ERROR_REASON_DTYPE_UNSPECIFIED: ErrorReason
+ERROR_REASON_DEVICE_KIND_UNSPECIFIED: ErrorReason
+ERROR_REASON_INVALID_SHAPE: ErrorReason
+ERROR_REASON_INVALID_OFFSET: ErrorReason
+ERROR_REASON_INVALID_SIZE: ErrorReason
+ERROR_REASON_TENSOR_OUT_OF_BOUNDS: ErrorReason
+ERROR_REASON_PAYLOAD_COUNT_MISMATCH: ErrorReason
+ERROR_REASON_PAYLOAD_LABEL_MISSING: ErrorReason
+ERROR_REASON_DUPLICATE_PAYLOAD_LABEL: ErrorReason
+ERROR_REASON_HANDLE_MISSING: ErrorReason
+ERROR_REASON_INVALID_SHM_NAME: ErrorReason
+ERROR_REASON_DUPLICATE_TENSOR: ErrorReason
+ERROR_REASON_DUPLICATE_BUCKET: ErrorReason
+ERROR_REASON_INVALID_CHECKSUM: ErrorReason
+ERROR_REASON_NO_PAYLOAD_FOR_DEVICE: ErrorReason
+ERROR_REASON_PEER_DEVICE_UNAVAILABLE: ErrorReason
+ERROR_REASON_SHAPE_MISMATCH: ErrorReason
+ERROR_REASON_DTYPE_MISMATCH: ErrorReason
+ERROR_REASON_STALE_VERSION: ErrorReason
+ERROR_REASON_MANIFEST_CHANGED: ErrorReason
+ERROR_REASON_INCOMPLETE_UPDATE: ErrorReason
+ERROR_REASON_BUCKET_COUNT_MISMATCH: ErrorReason
+ERROR_REASON_TRANSPORT_UNAVAILABLE: ErrorReason
+ERROR_REASON_HANDLE_OPEN_FAILED: ErrorReason
+ERROR_REASON_UPDATE_IN_PROGRESS: ErrorReason
+ERROR_REASON_CHECKSUM_MISMATCH: ErrorReason
+ERROR_REASON_LOAD_FAILED: ErrorReason
+ERROR_REASON_MISSING_TOKEN: ErrorReason
+ERROR_REASON_INVALID_TOKEN: ErrorReason
+
+class DeviceId(_message.Message):
+    __slots__ = ("kind", "uuid")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    kind: DeviceKind
+    uuid: str
+    def __init__(self, kind: _Optional[_Union[DeviceKind, str]] = ..., uuid: _Optional[str] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset_bytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("memory_handle", "storage_offset_bytes", "storage_size_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    MEMORY_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    memory_handle: bytes
+    storage_offset_bytes: int
+    storage_size_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, memory_handle: _Optional[bytes] = ..., storage_offset_bytes: _Optional[int] = ..., storage_size_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class HostShmHandle(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class Payload(_message.Message):
+    __slots__ = ("device", "size_bytes", "cuda_ipc", "host_shm", "inline_data")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    HOST_SHM_FIELD_NUMBER: _ClassVar[int]
+    INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
+    device: DeviceId
+    size_bytes: int
+    cuda_ipc: CudaIpcHandle
+    host_shm: HostShmHandle
+    inline_data: bytes
+    def __init__(self, device: _Optional[_Union[DeviceId, _Mapping]] = ..., size_bytes: _Optional[int] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., host_shm: _Optional[_Union[HostShmHandle, _Mapping]] = ..., inline_data: _Optional[bytes] = ...) -> None: ...
+
+class Checksum(_message.Message):
+    __slots__ = ("algorithm", "value")
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    algorithm: ChecksumAlgorithm
+    value: int
+    def __init__(self, algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., value: _Optional[int] = ...) -> None: ...
+
+class Bucket(_message.Message):
+    __slots__ = ("index", "tensors", "payloads", "checksum")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    payloads: _containers.RepeatedCompositeFieldContainer[Payload]
+    checksum: Checksum
+    def __init__(self, index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payloads: _Optional[_Iterable[_Union[Payload, _Mapping]]] = ..., checksum: _Optional[_Union[Checksum, _Mapping]] = ...) -> None: ...
+
+class UpdateHeader(_message.Message):
+    __slots__ = ("version", "scope", "manifest_fingerprint", "verify_checksums", "allow_peer_device_import", "update_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_PEER_DEVICE_IMPORT_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    scope: UpdateScope
+    manifest_fingerprint: str
+    verify_checksums: bool
+    allow_peer_device_import: bool
+    update_id: str
+    def __init__(self, version: _Optional[int] = ..., scope: _Optional[_Union[UpdateScope, str]] = ..., manifest_fingerprint: _Optional[str] = ..., verify_checksums: _Optional[bool] = ..., allow_peer_device_import: _Optional[bool] = ..., update_id: _Optional[str] = ...) -> None: ...
+
+class UpdateCommit(_message.Message):
+    __slots__ = ("bucket_count",)
+    BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
+    bucket_count: int
+    def __init__(self, bucket_count: _Optional[int] = ...) -> None: ...
+
+class PushWeightsRequest(_message.Message):
+    __slots__ = ("header", "bucket", "commit")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    header: UpdateHeader
+    bucket: Bucket
+    commit: UpdateCommit
+    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., bucket: _Optional[_Union[Bucket, _Mapping]] = ..., commit: _Optional[_Union[UpdateCommit, _Mapping]] = ...) -> None: ...
+
+class BucketAck(_message.Message):
+    __slots__ = ("index", "tensors_loaded", "tensors_skipped", "bytes_loaded", "source_device", "transport", "peer_device_import", "handle_opened", "open_duration_ns", "load_duration_ns")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PEER_DEVICE_IMPORT_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_OPENED_FIELD_NUMBER: _ClassVar[int]
+    OPEN_DURATION_NS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_DURATION_NS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    tensors_loaded: int
+    tensors_skipped: int
+    bytes_loaded: int
+    source_device: DeviceId
+    transport: TransportKind
+    peer_device_import: bool
+    handle_opened: bool
+    open_duration_ns: int
+    load_duration_ns: int
+    def __init__(self, index: _Optional[int] = ..., tensors_loaded: _Optional[int] = ..., tensors_skipped: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., source_device: _Optional[_Union[DeviceId, _Mapping]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., peer_device_import: _Optional[bool] = ..., handle_opened: _Optional[bool] = ..., open_duration_ns: _Optional[int] = ..., load_duration_ns: _Optional[int] = ...) -> None: ...
+
+class UpdateResult(_message.Message):
+    __slots__ = ("version", "previous_version", "scope", "bucket_count", "tensors_loaded", "bytes_loaded", "handles_opened", "duration_ns", "state", "update_id", "finish_time")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_OPENED_FIELD_NUMBER: _ClassVar[int]
+    DURATION_NS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_TIME_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    previous_version: int
+    scope: UpdateScope
+    bucket_count: int
+    tensors_loaded: int
+    bytes_loaded: int
+    handles_opened: int
+    duration_ns: int
+    state: WorkerState
+    update_id: str
+    finish_time: _timestamp_pb2.Timestamp
+    def __init__(self, version: _Optional[int] = ..., previous_version: _Optional[int] = ..., scope: _Optional[_Union[UpdateScope, str]] = ..., bucket_count: _Optional[int] = ..., tensors_loaded: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., handles_opened: _Optional[int] = ..., duration_ns: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., update_id: _Optional[str] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class PushWeightsResponse(_message.Message):
+    __slots__ = ("ack", "result")
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ack: BucketAck
+    result: UpdateResult
+    def __init__(self, ack: _Optional[_Union[BucketAck, _Mapping]] = ..., result: _Optional[_Union[UpdateResult, _Mapping]] = ...) -> None: ...
+
+class ParallelRank(_message.Message):
+    __slots__ = ("tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size", "sp_rank", "sp_size")
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SP_RANK_FIELD_NUMBER: _ClassVar[int]
+    SP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    sp_rank: int
+    sp_size: int
+    def __init__(self, tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., sp_rank: _Optional[int] = ..., sp_size: _Optional[int] = ...) -> None: ...
+
+class OwnedTensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LayerRange(_message.Message):
+    __slots__ = ("start_layer", "end_layer", "num_layers")
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    start_layer: int
+    end_layer: int
+    num_layers: int
+    def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
+class ShardManifest(_message.Message):
+    __slots__ = ("device", "rank", "tensors", "layer_range", "fingerprint", "engine", "worker_id", "transports", "instance_id")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_RANGE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    device: DeviceId
+    rank: ParallelRank
+    tensors: _containers.RepeatedCompositeFieldContainer[OwnedTensor]
+    layer_range: LayerRange
+    fingerprint: str
+    engine: str
+    worker_id: str
+    transports: _containers.RepeatedScalarFieldContainer[TransportKind]
+    instance_id: str
+    def __init__(self, device: _Optional[_Union[DeviceId, _Mapping]] = ..., rank: _Optional[_Union[ParallelRank, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[OwnedTensor, _Mapping]]] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., worker_id: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[TransportKind, str]]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class GetManifestRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetManifestResponse(_message.Message):
+    __slots__ = ("manifest",)
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    manifest: ShardManifest
+    def __init__(self, manifest: _Optional[_Union[ShardManifest, _Mapping]] = ...) -> None: ...
+
+class ErrorDetail(_message.Message):
+    __slots__ = ("code", "reason", "message", "time", "version")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    reason: str
+    message: str
+    time: _timestamp_pb2.Timestamp
+    version: int
+    def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("weights_version", "state", "last_result", "last_error", "device", "rank", "manifest_fingerprint", "worker_id", "updates_succeeded", "updates_failed", "open_mappings", "instance_id")
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_RESULT_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FAILED_FIELD_NUMBER: _ClassVar[int]
+    OPEN_MAPPINGS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    weights_version: int
+    state: WorkerState
+    last_result: UpdateResult
+    last_error: ErrorDetail
+    device: DeviceId
+    rank: ParallelRank
+    manifest_fingerprint: str
+    worker_id: str
+    updates_succeeded: int
+    updates_failed: int
+    open_mappings: int
+    instance_id: str
+    def __init__(self, weights_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_result: _Optional[_Union[UpdateResult, _Mapping]] = ..., last_error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., device: _Optional[_Union[DeviceId, _Mapping]] = ..., rank: _Optional[_Union[ParallelRank, _Mapping]] = ..., manifest_fingerprint: _Optional[str] = ..., worker_id: _Optional[str] = ..., updates_succeeded: _Optional[int] = ..., updates_failed: _Optional[int] = ..., open_mappings: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...

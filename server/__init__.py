@@ -1,0 +1,1 @@
+"""Engine-side worker service."""

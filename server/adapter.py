@@ -1,0 +1,45 @@
+"""The engine adapter interface: what the worker service needs from an inference engine.
+
+The service (``weightwire.server``) owns identity, selection, validation and the update state
+machine; an adapter only describes what its engine owns and copies tensors in. Implementations:
+``weightwire.adapters.torch.TorchAdapter`` (any nn.Module) and
+``weightwire.adapters.sglang`` (a scheduler process of SGLang).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from weightwire.core.manifest import ShardManifest
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """Engine glue, called by the worker service on its update thread, one update at a time."""
+
+    def manifest(self) -> ShardManifest:
+        """Device, ranks and every checkpoint tensor this worker consumes (full checkpoint dtype and
+        shape). Called once at start and again for each GetManifest; must be stable while the
+        engine runs."""
+        ...
+
+    def begin_update(self, version: int) -> None:
+        """Called after a header was accepted, before the first load (e.g. SGLang's
+        begin_weight_update)."""
+        ...
+
+    def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Copy these full checkpoint tensors into the model (slicing its own TP part).
+
+        The tensors are read-only views into the sender's buffer, valid only during this call: the
+        adapter must copy, and the copy must have finished on the device when it returns (the
+        service acks the bucket right after). Names are validated against ``manifest()`` already.
+        """
+        ...
+
+    def end_update(self, success: bool) -> None:
+        """Called once after commit (success) or after a failed/cancelled update (e.g. SGLang's
+        end_weight_update, which post-processes quantised weights)."""
+        ...
