@@ -191,7 +191,7 @@ class CudaIpcHandle(_message.Message):
     ref_counter_offset: int
     event_handle: bytes
     event_sync_required: bool
-    def __init__(self, memory_handle: _Optional[bytes] = ..., storage_offset_bytes: _Optional[int] = ..., storage_size_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+    def __init__(self, memory_handle: _Optional[bytes] = ..., storage_offset_bytes: _Optional[int] = ..., storage_size_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: bool = ...) -> None: ...
 
 class HostShmHandle(_message.Message):
     __slots__ = ("name",)
@@ -247,7 +247,7 @@ class UpdateHeader(_message.Message):
     verify_checksums: bool
     allow_peer_device_import: bool
     update_id: str
-    def __init__(self, version: _Optional[int] = ..., scope: _Optional[_Union[UpdateScope, str]] = ..., manifest_fingerprint: _Optional[str] = ..., verify_checksums: _Optional[bool] = ..., allow_peer_device_import: _Optional[bool] = ..., update_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., scope: _Optional[_Union[UpdateScope, str]] = ..., manifest_fingerprint: _Optional[str] = ..., verify_checksums: bool = ..., allow_peer_device_import: bool = ..., update_id: _Optional[str] = ...) -> None: ...
 
 class UpdateCommit(_message.Message):
     __slots__ = ("bucket_count",)
@@ -287,7 +287,7 @@ class BucketAck(_message.Message):
     handle_opened: bool
     open_duration_ns: int
     load_duration_ns: int
-    def __init__(self, index: _Optional[int] = ..., tensors_loaded: _Optional[int] = ..., tensors_skipped: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., source_device: _Optional[_Union[DeviceId, _Mapping]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., peer_device_import: _Optional[bool] = ..., handle_opened: _Optional[bool] = ..., open_duration_ns: _Optional[int] = ..., load_duration_ns: _Optional[int] = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., tensors_loaded: _Optional[int] = ..., tensors_skipped: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., source_device: _Optional[_Union[DeviceId, _Mapping]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., peer_device_import: bool = ..., handle_opened: bool = ..., open_duration_ns: _Optional[int] = ..., load_duration_ns: _Optional[int] = ...) -> None: ...
 
 class UpdateResult(_message.Message):
     __slots__ = ("version", "previous_version", "scope", "bucket_count", "tensors_loaded", "bytes_loaded", "handles_opened", "duration_ns", "state", "update_id", "finish_time")

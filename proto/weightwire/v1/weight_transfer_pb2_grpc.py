@@ -5,7 +5,7 @@ import warnings
 
 from weightwire.v1 import weight_transfer_pb2 as weightwire_dot_v1_dot_weight__transfer__pb2
 
-GRPC_GENERATED_VERSION = '1.84.0'
+GRPC_GENERATED_VERSION = '1.75.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in weightwire/v1/weight_transfer_pb2_grpc.py depends on'
+        + f' but the generated code in weightwire/v1/weight_transfer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class WeightTransferServiceStub:
+class WeightTransferServiceStub(object):
     """The engine-side service. One instance per engine worker process.
     """
 
@@ -52,7 +52,7 @@ class WeightTransferServiceStub:
                 _registered_method=True)
 
 
-class WeightTransferServiceServicer:
+class WeightTransferServiceServicer(object):
     """The engine-side service. One instance per engine worker process.
     """
 
@@ -128,7 +128,7 @@ def add_WeightTransferServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class WeightTransferService:
+class WeightTransferService(object):
     """The engine-side service. One instance per engine worker process.
     """
 
