@@ -34,3 +34,50 @@ def check_shm_name(name: str) -> str:
             name=name,
         )
     return bare
+
+
+_OWNER_RE = re.compile(r"^ww-(\d+)-")
+SHM_DIR = "/dev/shm"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def sweep_orphans(directory: str = SHM_DIR) -> list[str]:
+    """Unlink ``ww-<pid>-...`` segments whose creating process is gone; return the names removed.
+
+    A trainer that is SIGKILLed cannot unlink its own segments, and nothing else owns them (workers
+    never unlink). Trainers call this at start (and tests after killing one) to reclaim that memory.
+    Only segments owned by this user are touched, and a live pid keeps its segments even if the pid
+    was reused, so the sweep never removes memory a running sender may still be writing.
+    """
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    uid = os.geteuid()
+    for entry in entries:
+        m = _OWNER_RE.match(entry.name)
+        if not m:
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != uid or not entry.is_file(follow_symlinks=False):
+                continue
+        except OSError:
+            continue
+        if _pid_alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            continue  # another sweeper got there first
+        removed.append(entry.name)
+    return removed
