@@ -1,0 +1,339 @@
+"""Payload exporters: the trainer-side half of a transport.
+
+An exporter owns staging buffers (bounded, reused across buckets and updates) and turns the first
+``size_bytes`` of one into a labelled ``weightwire.v1.Payload``. ``WeightPusher`` packs buckets into
+buffers from ``allocate``, or exports a caller's already-flat buffer in place through ``wrap`` (no
+packing copy), and asks ``export`` for the payload it puts into each worker's ``Bucket``.
+
+Built in: ``host_shm`` (POSIX shared memory under the ``ww-`` prefix; the client creates, writes,
+reuses and finally unlinks segments; workers map them read-only) and ``inline`` (the bytes go inside
+the message; bounded by the gRPC message limit). CUDA IPC registers itself from
+``weightwire.client.cuda_export`` with ``register_exporter``; ``choose_transport`` picks one for
+``transport="auto"`` from the workers' devices.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import importlib
+import mmap
+import os
+import threading
+import zlib
+from collections.abc import Callable, Sequence
+
+import torch
+from weightwire.core.devices import DeviceRef
+from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.shm import new_shm_name
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+_SHM_DIR = "/dev/shm"
+# Modules that register more exporters when imported (they arrive with their issues).
+_PLUGIN_MODULES = ("weightwire.client.cuda_export",)
+
+
+def crc32_of(data: torch.Tensor) -> int:
+    """zlib CRC-32 of a flat uint8 tensor's bytes (the contract's CHECKSUM_ALGORITHM_CRC32)."""
+    return zlib.crc32(memoryview(data.detach().cpu().contiguous().numpy())) & 0xFFFFFFFF
+
+
+class StagingBuffer(abc.ABC):
+    """A flat byte buffer an exporter can hand to workers.
+
+    ``base_offset_bytes`` is where the caller's data starts inside the exported storage (non-zero
+    when ``wrap`` exported a view into a larger buffer); tensor offsets sent on the wire are relative
+    to the storage, so the pusher adds it to every spec.
+    """
+
+    capacity_bytes: int
+    base_offset_bytes: int = 0
+
+    @abc.abstractmethod
+    def tensor(self) -> torch.Tensor:
+        """1-D uint8 tensor over the usable bytes (starting at ``base_offset_bytes``)."""
+
+    def ready(self) -> None:  # noqa: B027 - optional hook
+        """Called after packing and before export: make the writes visible to other processes
+        (a CUDA buffer synchronises or records an event here)."""
+
+    def crc32(self, size_bytes: int) -> int:
+        """zlib CRC-32 of the storage's first ``size_bytes`` bytes (for verify_checksums)."""
+        if self.base_offset_bytes:
+            raise WeightwireError(
+                Reason.INVALID_CHECKSUM,
+                "cannot checksum a wrapped buffer that does not start at its storage's first byte",
+            )
+        return crc32_of(self.tensor()[:size_bytes])
+
+    def close(self) -> None:  # noqa: B027 - buffers that own nothing need no cleanup
+        """Release the buffer (unlink a segment, free device memory). Idempotent."""
+
+
+class Exporter(abc.ABC):
+    """One transport on the trainer side.
+
+    ``label`` is the device every payload of this exporter is labelled with, or None when the bytes
+    are valid anywhere (inline), in which case the pusher labels each worker's payload with that
+    worker's own device.
+    """
+
+    name: str = ""
+    transport: int = pb.TRANSPORT_KIND_UNSPECIFIED
+    label: DeviceRef | None = None
+    # Largest bucket (bytes) this transport can carry; None = unbounded.
+    max_bucket_bytes: int | None = None
+
+    @abc.abstractmethod
+    def allocate(self, capacity_bytes: int) -> StagingBuffer:
+        """A new staging buffer of at least ``capacity_bytes`` (the pusher pools and reuses it)."""
+
+    def wrap(self, flat: torch.Tensor) -> StagingBuffer | None:
+        """Export an existing flat buffer in place, or None if this transport cannot (the pusher
+        then copies it into a staging buffer)."""
+        return None
+
+    @abc.abstractmethod
+    def export(self, buffer: StagingBuffer, size_bytes: int, label: DeviceRef) -> pb.Payload:
+        """The payload for the storage's first ``size_bytes`` bytes, labelled ``label``."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release everything this exporter still holds."""
+
+
+# --------------------------------------------------------------------------------------------
+# Host shared memory
+# --------------------------------------------------------------------------------------------
+
+
+class ShmSegment(StagingBuffer):
+    """A POSIX shared-memory segment ``/dev/shm/<name>`` created by this process, mapped read-write."""
+
+    def __init__(self, capacity_bytes: int, tag: str = "") -> None:
+        self.capacity_bytes = max(int(capacity_bytes), 1)
+        self.name = new_shm_name(tag)
+        path = os.path.join(_SHM_DIR, self.name)
+        # O_EXCL: a name collision must never make two pushers share a segment.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self.capacity_bytes)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, self.capacity_bytes)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        os.close(fd)
+        self._tensor: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._closed = False
+
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise RuntimeError(f"shared-memory segment {self.name} is closed")
+        return self._tensor
+
+    def contains(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s bytes lie inside this segment."""
+        if self._tensor is None or t.device.type != "cpu":
+            return False
+        start = self._tensor.data_ptr()
+        ptr = t.data_ptr()
+        return start <= ptr and ptr + t.numel() * t.element_size() <= start + self.capacity_bytes
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(_SHM_DIR, self.name))
+        self._tensor = None
+        mm, self._mmap = self._mmap, None
+        if mm is not None:
+            # Views a caller still holds keep the buffer exported; the mapping then goes with them.
+            with contextlib.suppress(BufferError):
+                mm.close()
+
+
+@dataclasses.dataclass
+class _ShmView(StagingBuffer):
+    """A caller's flat tensor that lies inside one of our segments (exported with no copy)."""
+
+    segment: ShmSegment
+    flat: torch.Tensor
+    base_offset_bytes: int
+    capacity_bytes: int
+
+    def tensor(self) -> torch.Tensor:
+        return self.flat
+
+    def crc32(self, size_bytes: int) -> int:
+        return crc32_of(self.segment.tensor()[:size_bytes])
+
+
+class HostShmExporter(Exporter):
+    """Host shared memory on this machine, labelled with ``DeviceRef.host()`` (the boot id)."""
+
+    name = "host_shm"
+    transport = pb.TRANSPORT_KIND_HOST_SHM
+
+    def __init__(self) -> None:
+        self.label = DeviceRef.host()
+        self._segments: list[ShmSegment] = []
+        self._lock = threading.Lock()
+
+    def allocate(self, capacity_bytes: int) -> ShmSegment:
+        seg = ShmSegment(capacity_bytes, tag=str(len(self._segments)))
+        with self._lock:
+            self._segments = [s for s in self._segments if not s._closed]
+            self._segments.append(seg)
+        return seg
+
+    def wrap(self, flat: torch.Tensor) -> StagingBuffer | None:
+        if flat.device.type != "cpu" or not flat.is_contiguous():
+            return None
+        if flat.dtype != torch.uint8:
+            flat = flat.reshape(-1).view(torch.uint8)
+        with self._lock:
+            segments = list(self._segments)
+        for seg in segments:
+            if seg.contains(flat):
+                base = flat.data_ptr() - seg.tensor().data_ptr()
+                return _ShmView(seg, flat.reshape(-1), base, flat.numel())
+        return None
+
+    def export(self, buffer: StagingBuffer, size_bytes: int, label: DeviceRef) -> pb.Payload:
+        seg = buffer.segment if isinstance(buffer, _ShmView) else buffer
+        if not isinstance(seg, ShmSegment):
+            raise TypeError(f"host_shm cannot export a {type(buffer).__name__}")
+        return pb.Payload(device=label.to_proto(), size_bytes=size_bytes, host_shm=pb.HostShmHandle(name=seg.name))
+
+    def close(self) -> None:
+        with self._lock:
+            segments, self._segments = self._segments, []
+        for seg in segments:
+            seg.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Inline bytes
+# --------------------------------------------------------------------------------------------
+
+# The workers accept 64 MiB messages; an ordinary inline bucket stays well under gRPC's default
+# 4 MiB so that it also passes proxies left at defaults. A tensor larger than that travels in a
+# bucket of its own, up to INLINE_MAX_BYTES.
+INLINE_BUCKET_BYTES = 4 * 1024 * 1024 - 64 * 1024
+INLINE_MAX_BYTES = 60 * 1024 * 1024
+
+
+@dataclasses.dataclass
+class _HostBytes(StagingBuffer):
+    flat: torch.Tensor
+    capacity_bytes: int
+    base_offset_bytes: int = 0
+
+    def tensor(self) -> torch.Tensor:
+        return self.flat
+
+
+class InlineExporter(Exporter):
+    """The bytes themselves inside the Bucket message; valid on any device (label per worker)."""
+
+    name = "inline"
+    transport = pb.TRANSPORT_KIND_INLINE
+    label = None
+    max_bucket_bytes = INLINE_MAX_BYTES
+
+    def allocate(self, capacity_bytes: int) -> StagingBuffer:
+        return _HostBytes(torch.empty(max(int(capacity_bytes), 1), dtype=torch.uint8), max(int(capacity_bytes), 1))
+
+    def wrap(self, flat: torch.Tensor) -> StagingBuffer | None:
+        if flat.device.type != "cpu" or not flat.is_contiguous():
+            return None
+        raw = flat.reshape(-1).view(torch.uint8)
+        return _HostBytes(raw, raw.numel())
+
+    def export(self, buffer: StagingBuffer, size_bytes: int, label: DeviceRef) -> pb.Payload:
+        data = buffer.tensor()[:size_bytes].numpy().tobytes()
+        return pb.Payload(device=label.to_proto(), size_bytes=size_bytes, inline_data=data)
+
+
+# --------------------------------------------------------------------------------------------
+# Registry and the "auto" choice
+# --------------------------------------------------------------------------------------------
+
+# Called with the devices of the workers an update goes to and the torch device the tensors are on;
+# returns whether this transport should be the automatic choice.
+AutoRule = Callable[[Sequence[DeviceRef], torch.device], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExporterKind:
+    """A registered transport: ``factory(source_device)`` makes its exporter; ``auto`` (optional)
+    says when ``transport="auto"`` picks it; lower ``auto_rank`` is asked first."""
+
+    name: str
+    factory: Callable[[torch.device], Exporter]
+    auto: AutoRule | None = None
+    auto_rank: int = 100
+
+
+_REGISTRY: dict[str, ExporterKind] = {}
+_plugins_loaded = False
+
+
+def register_exporter(
+    name: str, factory: Callable[[torch.device], Exporter], *, auto: AutoRule | None = None, auto_rank: int = 100
+) -> None:
+    """Add (or replace) a transport; ``weightwire.client.cuda_export`` registers ``cuda_ipc`` here."""
+    _REGISTRY[name] = ExporterKind(name, factory, auto, auto_rank)
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for mod in _PLUGIN_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+
+
+def available_transports() -> list[str]:
+    _load_plugins()
+    return sorted(_REGISTRY)
+
+
+def _all_local_host(devices: Sequence[DeviceRef], source: torch.device) -> bool:
+    own = DeviceRef.host()
+    return source.type == "cpu" and bool(devices) and all(d == own for d in devices)
+
+
+def choose_transport(devices: Sequence[DeviceRef], source: torch.device) -> str:
+    """What ``transport="auto"`` means for workers on ``devices`` and tensors on ``source``: the
+    first registered rule that fits (cuda_ipc, once registered, for CUDA workers; host_shm when
+    every worker is a host worker of this machine), else inline."""
+    _load_plugins()
+    for kind in sorted(_REGISTRY.values(), key=lambda k: k.auto_rank):
+        if kind.auto is not None and kind.auto(devices, source):
+            return kind.name
+    return "inline"
+
+
+def make_exporter(name: str, source: torch.device) -> Exporter:
+    _load_plugins()
+    kind = _REGISTRY.get(name)
+    if kind is None:
+        raise WeightwireError(
+            Reason.TRANSPORT_UNAVAILABLE,
+            f"transport {name!r} is not available in this process; available: {', '.join(available_transports())}",
+        )
+    return kind.factory(source)
+
+
+register_exporter("host_shm", lambda source: HostShmExporter(), auto=_all_local_host, auto_rank=50)
+register_exporter("inline", lambda source: InlineExporter())
