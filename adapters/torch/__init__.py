@@ -1,1 +1,152 @@
-"""Adapter for any torch.nn.Module."""
+"""Engine adapter for any ``torch.nn.Module`` whose parameter names are checkpoint names.
+
+Used by ``weightwire serve --model demo``, by tests and by anyone who serves a plain PyTorch model.
+The module's parameters ARE the shard: a parameter matched by a ``TPRule`` holds slice ``tp_rank``
+of one dimension of the full checkpoint tensor, every other parameter is replicated. With
+``num_layers`` set, only the parameters of this pipeline stage (``core.topology``) are published.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+from weightwire.core import dtypes
+from weightwire.core.devices import DeviceRef, cuda_device_uuid
+from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
+from weightwire.core.topology import pp_layer_span, stage_owns, tp_slice_bounds
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+__all__ = ["TPRule", "TorchAdapter", "default_worker_id", "shard_tensor", "tp_split_dim"]
+
+
+class TPRule(NamedTuple):
+    """Parameters whose name matches ``pattern`` (``re.search``) are split over TP ranks along ``dim``."""
+
+    pattern: str
+    dim: int
+
+
+def tp_split_dim(name: str, rules: Sequence[TPRule]) -> int | None:
+    """The dimension ``name`` is split along under tensor parallelism, or None if replicated."""
+    for rule in rules:
+        if re.search(rule.pattern, name):
+            return rule.dim
+    return None
+
+
+def shard_tensor(name: str, full: torch.Tensor, rank: ParallelRank, rules: Sequence[TPRule]) -> torch.Tensor:
+    """The part of the full checkpoint tensor that ``rank`` holds (a view; no copy)."""
+    dim = tp_split_dim(name, rules)
+    if dim is None or rank.tp_size == 1:
+        return full
+    start, end = tp_slice_bounds(full.shape[dim], rank.tp_rank, rank.tp_size)
+    return full.narrow(dim, start, end - start)
+
+
+def default_worker_id(rank: ParallelRank) -> str:
+    """Stable readable worker name: ``tp0-pp1`` plus ``-dp0``/``-sp1`` when those sizes exceed 1."""
+    parts = [f"tp{rank.tp_rank}", f"pp{rank.pp_rank}"]
+    if rank.dp_size > 1:
+        parts.append(f"dp{rank.dp_rank}")
+    if rank.sp_size > 1:
+        parts.append(f"sp{rank.sp_rank}")
+    return "-".join(parts)
+
+
+def own_device_of(device: torch.device) -> DeviceRef:
+    """The physical identity of a torch device: its GPU UUID on CUDA, the host's boot id on CPU."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return DeviceRef.cuda(cuda_device_uuid(index))
+    return DeviceRef.host()
+
+
+class TorchAdapter:
+    """``EngineAdapter`` over an ``nn.Module``: publishes its parameters, copies full tensors in."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        rank: ParallelRank,
+        device: torch.device,
+        own_device: DeviceRef | None,
+        tp_rules: Sequence[TPRule] = (),
+        num_layers: int = 0,
+        engine: str = "torch",
+        worker_id: str | None = None,
+    ) -> None:
+        self.module = module
+        self.rank = rank
+        self.device = torch.device(device)
+        self.own_device = own_device if own_device is not None else own_device_of(self.device)
+        self.tp_rules = tuple(tp_rules)
+        self.num_layers = num_layers
+        self.engine = engine
+        self.worker_id = worker_id or default_worker_id(rank)
+        self.instance_id = uuid.uuid4().hex
+        self.span = pp_layer_span(num_layers, rank.pp_rank, rank.pp_size) if num_layers > 0 else None
+        self._params: dict[str, torch.nn.Parameter] = {}
+        owned: list[OwnedTensor] = []
+        for name, param in module.named_parameters():
+            if self.span is not None and not stage_owns(name, self.span, rank.pp_rank, rank.pp_size):
+                continue
+            self._params[name] = param
+            owned.append(OwnedTensor(name, dtypes.from_torch(param.dtype), self._full_shape(name, param)))
+        transports: tuple[int, ...] = (pb.TRANSPORT_KIND_HOST_SHM, pb.TRANSPORT_KIND_INLINE)
+        if self.own_device.is_cuda:
+            transports = (pb.TRANSPORT_KIND_CUDA_IPC, *transports)
+        self._manifest = ShardManifest.build(
+            self.own_device,
+            rank,
+            owned,
+            layer_start=self.span.start if self.span else 0,
+            layer_end=self.span.end if self.span else 0,
+            num_layers=num_layers,
+            engine=engine,
+            worker_id=self.worker_id,
+            transports=transports,
+            instance_id=self.instance_id,
+        )
+
+    def _full_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
+        shape = list(param.shape)
+        dim = tp_split_dim(name, self.tp_rules)
+        if dim is not None:
+            shape[dim] *= self.rank.tp_size
+        return tuple(shape)
+
+    # --- EngineAdapter -------------------------------------------------------------------------
+
+    def manifest(self) -> ShardManifest:
+        return self._manifest
+
+    def begin_update(self, version: int) -> None:
+        pass
+
+    def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, full in named_tensors:
+                param = self._params[name]
+                part = shard_tensor(name, full, self.rank, self.tp_rules)
+                if tuple(part.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"{name}: slice of shape {tuple(part.shape)} does not fit parameter of shape {tuple(param.shape)}"
+                    )
+                param.copy_(part, non_blocking=False)
+        if self.device.type == "cuda":
+            # The service acks right after load returns; the sender may then reuse its buffer.
+            torch.cuda.synchronize(self.device)
+
+    def end_update(self, success: bool) -> None:
+        pass
+
+    # --- helpers for dumps and tests -----------------------------------------------------------
+
+    def state(self) -> Mapping[str, torch.Tensor]:
+        """This worker's local shard, by checkpoint name (live parameters; do not modify)."""
+        return dict(self._params)

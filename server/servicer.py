@@ -1,0 +1,128 @@
+"""The thin gRPC layer over ``WorkerService``: messages in and out, errors mapped in one place.
+
+``to_rpc_status`` is the only place a ``WeightwireError`` becomes a gRPC status (code + one
+``google.rpc.ErrorInfo``, domain "weightwire"); ``TokenAuthInterceptor`` checks bearer tokens. Used by
+``weightwire.server.grpc_server.serve``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+from weightwire.core.errors import ERROR_DOMAIN, Reason, WeightwireError
+from weightwire.server.service import WorkerService
+from weightwire.v1 import weight_transfer_pb2 as pb
+from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightTransferService"].full_name
+# Status details travel in a trailer whose size the receiver limits (8 KiB by default).
+_MAX_MESSAGE_CHARS = 2000
+_MAX_METADATA_VALUE_CHARS = 3000
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def to_rpc_status(err: WeightwireError) -> grpc.Status:
+    """gRPC status for ``err``: its code, its message and one ErrorInfo(reason, metadata)."""
+    code = code_pb2.Code.Value(err.code) if err.code in code_pb2.Code.keys() else code_pb2.UNKNOWN
+    status = status_pb2.Status(code=code, message=_clip(err.message, _MAX_MESSAGE_CHARS))
+    if err.reason:
+        info = error_details_pb2.ErrorInfo(
+            reason=err.reason,
+            domain=ERROR_DOMAIN,
+            metadata={k: _clip(v, _MAX_METADATA_VALUE_CHARS) for k, v in err.metadata.items()},
+        )
+        detail = any_pb2.Any()
+        detail.Pack(info)
+        status.details.append(detail)
+    return rpc_status.to_status(status)
+
+
+class WeightTransferServicer(pb_grpc.WeightTransferServiceServicer):
+    """Converts requests for ``WorkerService`` and its errors into statuses."""
+
+    def __init__(self, service: WorkerService) -> None:
+        self.service = service
+
+    def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestResponse:
+        return self.service.get_manifest()
+
+    def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
+        return self.service.get_status()
+
+    def PushWeights(
+        self, request_iterator: Iterator[pb.PushWeightsRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.PushWeightsResponse]:
+        try:
+            yield from self.service.push(request_iterator)
+        except WeightwireError as err:
+            context.abort_with_status(to_rpc_status(err))
+
+
+def _bearer(metadata: Any) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return None
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Requires ``authorization: Bearer <token>`` on WeightTransferService calls.
+
+    Health checks and reflection stay open (probes and ``grpcurl list`` carry no secrets).
+    """
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("an empty token would accept every caller")
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        method = handler_call_details.method or ""
+        if not method.startswith(f"/{SERVICE_NAME}/"):
+            return continuation(handler_call_details)
+        received = _bearer(handler_call_details.invocation_metadata)
+        if received is None:
+            err = WeightwireError(
+                Reason.MISSING_TOKEN, "this worker requires 'authorization: Bearer <token>' metadata on every call"
+            )
+        elif hmac.compare_digest(received.encode(), self._expected):
+            return continuation(handler_call_details)
+        else:
+            err = WeightwireError(Reason.INVALID_TOKEN, "the bearer token does not match this worker's token")
+        handler = continuation(handler_call_details)
+        return _rejecting_handler(handler, to_rpc_status(err))
+
+
+def _rejecting_handler(handler: grpc.RpcMethodHandler | None, status: grpc.Status) -> grpc.RpcMethodHandler:
+    def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort_with_status(status)
+
+    def streaming(request_iterator: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        context.abort_with_status(status)
+        yield  # pragma: no cover - makes this a generator for stream responses
+
+    req_stream = bool(handler and handler.request_streaming)
+    resp_stream = bool(handler and handler.response_streaming)
+    deser = handler.request_deserializer if handler else None
+    ser = handler.response_serializer if handler else None
+    if req_stream and resp_stream:
+        return grpc.stream_stream_rpc_method_handler(streaming, deser, ser)
+    if req_stream:
+        return grpc.stream_unary_rpc_method_handler(unary, deser, ser)
+    if resp_stream:
+        return grpc.unary_stream_rpc_method_handler(streaming, deser, ser)
+    return grpc.unary_unary_rpc_method_handler(unary, deser, ser)

@@ -1,0 +1,243 @@
+"""Payload import: turn a ``Payload``'s ``oneof handle`` into readable tensor views.
+
+The worker service calls ``make_importers()`` once and then, per bucket, the importer registered for
+the payload's handle field: ``check`` (before any memory is touched), ``open`` and finally
+``ImportedPayload.view`` for each owned tensor. Built in: host shared memory (``host_shm``; mapped
+read-only, never unlinked: the sender owns the segment) and inline bytes (``inline_data``). CUDA IPC
+(``cuda_ipc``) plugs in from ``weightwire.server.cuda_import`` via ``register_importer``.
+
+Mappings of ordinary importers belong to one update: the service opens each distinct handle once per
+update (``cache_key``) and closes them all when the update ends. An importer with ``reusable = True``
+keeps its own cache across updates (CUDA IPC handles are costly to open and senders reuse them); the
+service then never closes its mappings and counts them through ``held_mappings``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+import mmap
+import os
+import warnings
+import zlib
+from collections.abc import Callable, Hashable, Sequence
+from typing import Protocol
+
+import torch
+from weightwire.core.devices import DeviceRef
+from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.shm import check_shm_name
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+# torch warns once per process that a read-only buffer gives a writable-typed tensor. The views are
+# only ever read (copied into the model), so the warning carries no information here.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+_SHM_DIR = "/dev/shm"
+
+
+class ImportedPayload(Protocol):
+    """An opened payload. ``size_bytes`` is the real size of the underlying storage."""
+
+    size_bytes: int
+
+    def view(self, offset_bytes: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """A tensor over bytes [offset, offset + nbytes) of the storage; read it, never write it."""
+        ...
+
+    def crc32(self, size_bytes: int) -> int:
+        """zlib CRC-32 of the first ``size_bytes`` bytes (only for verify_checksums)."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportContext:
+    """What an importer may need to know about where the bytes must end up.
+
+    ``source`` is the payload's label, ``own_device`` the worker's device, ``peer`` True when the
+    header allowed a peer-GPU import and this payload is one, ``target`` the torch device the engine
+    loads into (a CUDA importer opens handles on it).
+    """
+
+    own_device: DeviceRef
+    source: DeviceRef
+    peer: bool
+    target: torch.device
+
+
+class PayloadImporter(abc.ABC):
+    """One transport's importer. Subclasses set ``field_name`` (the oneof field) and ``transport``."""
+
+    field_name: str = ""
+    transport: int = pb.TRANSPORT_KIND_UNSPECIFIED
+    # True: the importer caches mappings across updates itself; the service never closes them.
+    reusable: bool = False
+
+    def check(self, payload: pb.Payload) -> None:  # noqa: B027 - optional hook
+        """Validate handle fields before any memory is touched; raise WeightwireError."""
+
+    def cache_key(self, payload: pb.Payload) -> Hashable | None:
+        """Payloads with equal keys in one update share one mapping; None: never share."""
+        return None
+
+    @abc.abstractmethod
+    def open(self, payload: pb.Payload, ctx: ImportContext) -> tuple[ImportedPayload, bool]:
+        """Open the payload; returns the mapping and whether a new handle was opened (False: cached).
+
+        Raise WeightwireError(HANDLE_OPEN_FAILED, ...) when the handle cannot be opened.
+        """
+
+    def held_mappings(self) -> int:
+        """Mappings a reusable importer keeps open between updates."""
+        return 0
+
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """Drop every cached mapping (worker shutdown, or the sender said it is done with them)."""
+
+
+ImporterFactory = Callable[[], PayloadImporter]
+_FACTORIES: dict[str, ImporterFactory] = {}
+_OPTIONAL_MODULES = ("weightwire.server.cuda_import",)
+
+
+def register_importer(field_name: str, factory: ImporterFactory) -> None:
+    """Make ``factory`` the importer for payloads whose handle is the oneof field ``field_name``."""
+    if field_name not in {f.name for f in pb.Payload.DESCRIPTOR.oneofs_by_name["handle"].fields}:
+        raise ValueError(f"{field_name!r} is not a field of Payload.handle")
+    _FACTORIES[field_name] = factory
+
+
+def _load_optional_importers() -> None:
+    for mod_name in _OPTIONAL_MODULES:
+        try:
+            importlib.import_module(mod_name)
+        except ModuleNotFoundError as e:
+            if e.name != mod_name:
+                raise
+
+
+def make_importers() -> dict[str, PayloadImporter]:
+    """Fresh importer instances (one per worker service), keyed by handle field name."""
+    _load_optional_importers()
+    return {name: factory() for name, factory in _FACTORIES.items()}
+
+
+def transport_name(field_name: str) -> str:
+    return {"cuda_ipc": "CUDA IPC", "host_shm": "host shared memory", "inline_data": "inline bytes"}.get(
+        field_name, field_name
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared buffer views (host memory)
+# ---------------------------------------------------------------------------------------------
+
+
+def _view_buffer(buf: object, size_bytes: int, offset_bytes: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    if offset_bytes + numel * dtype.itemsize > size_bytes:
+        # The service validated bounds already; this guards the raw pointer arithmetic below.
+        raise WeightwireError(Reason.TENSOR_OUT_OF_BOUNDS, f"view [{offset_bytes}, +{numel * dtype.itemsize}) beyond {size_bytes} bytes")
+    return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset_bytes).view(tuple(shape))  # type: ignore[arg-type]
+
+
+class _HostShmMapping:
+    def __init__(self, name: str, mm: mmap.mmap, size_bytes: int) -> None:
+        self.name = name
+        self._mm: mmap.mmap | None = mm
+        self.size_bytes = size_bytes
+
+    def view(self, offset_bytes: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        if self._mm is None:
+            raise WeightwireError(Reason.HANDLE_OPEN_FAILED, f"shared memory {self.name!r} was already closed")
+        return _view_buffer(self._mm, self.size_bytes, offset_bytes, dtype, shape)
+
+    def crc32(self, size_bytes: int) -> int:
+        if self._mm is None:
+            raise WeightwireError(Reason.HANDLE_OPEN_FAILED, f"shared memory {self.name!r} was already closed")
+        with memoryview(self._mm) as mv:
+            return zlib.crc32(mv[:size_bytes])
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+
+class HostShmImporter(PayloadImporter):
+    """POSIX shared memory created by the sender; mapped O_RDONLY + PROT_READ, never unlinked."""
+
+    field_name = "host_shm"
+    transport = pb.TRANSPORT_KIND_HOST_SHM
+
+    def check(self, payload: pb.Payload) -> None:
+        check_shm_name(payload.host_shm.name)
+
+    def cache_key(self, payload: pb.Payload) -> Hashable | None:
+        return ("host_shm", check_shm_name(payload.host_shm.name))
+
+    def open(self, payload: pb.Payload, ctx: ImportContext) -> tuple[ImportedPayload, bool]:
+        bare = check_shm_name(payload.host_shm.name)
+        path = os.path.join(_SHM_DIR, bare)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise WeightwireError(
+                Reason.HANDLE_OPEN_FAILED,
+                f"cannot open shared memory {bare!r}: {e.strerror}; the sender must keep the segment alive until acked",
+                name=bare,
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise WeightwireError(Reason.INVALID_SIZE, f"shared memory {bare!r} is empty", name=bare)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except OSError as e:
+            raise WeightwireError(Reason.HANDLE_OPEN_FAILED, f"cannot map shared memory {bare!r}: {e}", name=bare) from None
+        finally:
+            os.close(fd)
+        return _HostShmMapping(bare, mm, size), True
+
+
+class _InlineMapping:
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self.size_bytes = len(data)
+
+    def view(self, offset_bytes: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        return _view_buffer(self._data, self.size_bytes, offset_bytes, dtype, shape)
+
+    def crc32(self, size_bytes: int) -> int:
+        return zlib.crc32(memoryview(self._data)[:size_bytes])
+
+    def close(self) -> None:
+        self._data = b""
+
+
+class InlineImporter(PayloadImporter):
+    """Bytes carried in the message itself (small updates, fallback). Length must equal size_bytes."""
+
+    field_name = "inline_data"
+    transport = pb.TRANSPORT_KIND_INLINE
+
+    def check(self, payload: pb.Payload) -> None:
+        if len(payload.inline_data) != payload.size_bytes:
+            raise WeightwireError(
+                Reason.INVALID_SIZE,
+                f"inline payload carries {len(payload.inline_data)} bytes but size_bytes says {payload.size_bytes}",
+            )
+
+    def open(self, payload: pb.Payload, ctx: ImportContext) -> tuple[ImportedPayload, bool]:
+        return _InlineMapping(payload.inline_data), True
+
+
+register_importer("host_shm", HostShmImporter)
+register_importer("inline_data", InlineImporter)

@@ -1,0 +1,340 @@
+"""Shared test helpers: spawn a real ``weightwire serve`` process, build raw PushWeights requests from
+the generated stubs (not the client library), make shared-memory payloads, read statuses back.
+
+Used by tests/server and by other test suites that need a real worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from multiprocessing import shared_memory
+from typing import Any
+
+import grpc
+import torch
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from weightwire.core import dtypes
+from weightwire.core.devices import DeviceRef
+from weightwire.core.shm import new_shm_name
+from weightwire.v1 import weight_transfer_pb2 as pb
+from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
+
+LISTENING_PREFIX = "weightwire-serve listening "
+ALIGN = 64
+
+# ---------------------------------------------------------------------------------------------
+# Worker processes
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class WorkerProcess:
+    """A ``weightwire serve`` subprocess; ``address`` is the gRPC target it printed."""
+
+    proc: subprocess.Popen[str]
+    address: str
+    args: list[str]
+    stderr_lines: list[str]
+
+    def channel(self, **kw: Any) -> grpc.Channel:
+        return grpc.insecure_channel(self.address, **kw)
+
+    def stub(self) -> pb_grpc.WeightTransferServiceStub:
+        return pb_grpc.WeightTransferServiceStub(self.channel())
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signal the worker and wait for it; returns its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def stderr_text(self) -> str:
+        return "".join(self.stderr_lines)
+
+
+def serve_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "weightwire.client.cli", "serve", *args]
+
+
+def spawn_worker(*args: str, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> WorkerProcess:
+    """Start ``weightwire serve ARGS`` and wait for its ``listening`` line (raises if it dies first)."""
+    cmd = serve_command(*args)
+    proc_env = dict(os.environ)
+    proc_env.setdefault("PYTHONUNBUFFERED", "1")
+    if env:
+        proc_env.update(env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=proc_env)
+    stderr_lines: list[str] = []
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump_stdout() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    def pump_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            stderr_lines.append(line)
+
+    threading.Thread(target=pump_stdout, daemon=True).start()
+    threading.Thread(target=pump_stderr, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"worker did not report listening within {timeout}s: {cmd}\n{''.join(stderr_lines)}") from None
+        if line is None:
+            proc.wait()
+            raise RuntimeError(f"worker exited with {proc.returncode} before listening: {cmd}\n{''.join(stderr_lines)}")
+        if line.startswith(LISTENING_PREFIX):
+            return WorkerProcess(proc, line[len(LISTENING_PREFIX) :].strip(), cmd, stderr_lines)
+
+
+def demo_args(
+    *, tp: tuple[int, int] = (0, 1), pp: tuple[int, int] = (0, 1), seed: int = 0, listen: str | None = None,
+    dump_dir: str | os.PathLike[str] | None = None, extra: Sequence[str] = (),
+) -> list[str]:
+    """Arguments of ``weightwire serve`` for a demo worker of rank (tp, pp)."""
+    args = ["--model", "demo", "--tp-rank", str(tp[0]), "--tp-size", str(tp[1]), "--pp-rank", str(pp[0]),
+            "--pp-size", str(pp[1]), "--seed", str(seed), "--log-level", "WARNING"]
+    if listen:
+        args += ["--listen", listen]
+    if dump_dir is not None:
+        args += ["--dump-dir", str(dump_dir)]
+    return [*args, *extra]
+
+
+def load_dump(dump_dir: str | os.PathLike[str], worker_id: str, version: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(str(dump_dir), f"{worker_id}-v{version}.safetensors"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared memory and packing
+# ---------------------------------------------------------------------------------------------
+
+
+class ShmSegments:
+    """Creates ``ww-`` shared-memory segments for a test and unlinks them all on ``close``."""
+
+    def __init__(self) -> None:
+        self.segments: list[shared_memory.SharedMemory] = []
+
+    def create(self, data: bytes | bytearray | memoryview, *, size: int | None = None, name: str | None = None) -> shared_memory.SharedMemory:
+        size = max(size if size is not None else len(data), 1)
+        seg = shared_memory.SharedMemory(name=name or new_shm_name("test"), create=True, size=size)
+        seg.buf[: len(data)] = bytes(data)
+        self.segments.append(seg)
+        return seg
+
+    def close(self) -> None:
+        for seg in self.segments:
+            with contextlib.suppress(Exception):
+                seg.close()
+            with contextlib.suppress(FileNotFoundError):
+                seg.unlink()
+        self.segments.clear()
+
+
+@dataclasses.dataclass
+class Packed:
+    """Tensors packed into one row-major buffer with their specs (the layout of one bucket)."""
+
+    data: bytearray
+    specs: list[pb.TensorSpec]
+
+
+def pack(named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], align: int = ALIGN) -> Packed:
+    items = list(named.items()) if isinstance(named, Mapping) else list(named)
+    specs: list[pb.TensorSpec] = []
+    chunks: list[tuple[int, bytes]] = []
+    offset = 0
+    for name, t in items:
+        offset = (offset + align - 1) // align * align
+        raw = t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        specs.append(pb.TensorSpec(name=name, dtype=dtypes.from_torch(t.dtype), shape=list(t.shape), offset_bytes=offset))  # type: ignore[arg-type]
+        chunks.append((offset, raw))
+        offset += len(raw)
+    data = bytearray(offset)
+    for off, raw in chunks:
+        data[off : off + len(raw)] = raw
+    return Packed(data, specs)
+
+
+def split_buckets(named: Mapping[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+    """Round-robin split into ``n`` non-empty buckets (fewer if there are fewer tensors)."""
+    names = list(named)
+    groups = [names[i::n] for i in range(n)]
+    return [{k: named[k] for k in g} for g in groups if g]
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------
+
+
+def host_device() -> pb.DeviceId:
+    return DeviceRef.host().to_proto()
+
+
+def header(version: int, *, scope: int = pb.UPDATE_SCOPE_FULL, **kw: Any) -> pb.PushWeightsRequest:
+    return pb.PushWeightsRequest(header=pb.UpdateHeader(version=version, scope=scope, **kw))  # type: ignore[arg-type]
+
+
+def shm_payload(seg: shared_memory.SharedMemory | str, size_bytes: int, device: pb.DeviceId | None = None) -> pb.Payload:
+    name = seg if isinstance(seg, str) else seg.name
+    return pb.Payload(device=device if device is not None else host_device(), size_bytes=size_bytes, host_shm=pb.HostShmHandle(name=name))
+
+
+def inline_payload(data: bytes | bytearray, device: pb.DeviceId | None = None, size_bytes: int | None = None) -> pb.Payload:
+    return pb.Payload(
+        device=device if device is not None else host_device(),
+        size_bytes=len(data) if size_bytes is None else size_bytes,
+        inline_data=bytes(data),
+    )
+
+
+def bucket(index: int, specs: Sequence[pb.TensorSpec], payloads: Sequence[pb.Payload], **kw: Any) -> pb.PushWeightsRequest:
+    return pb.PushWeightsRequest(bucket=pb.Bucket(index=index, tensors=list(specs), payloads=list(payloads), **kw))
+
+
+def commit(bucket_count: int) -> pb.PushWeightsRequest:
+    return pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=bucket_count))
+
+
+def full_update_requests(
+    version: int, named: Mapping[str, torch.Tensor], segments: ShmSegments | None, *, buckets: int = 2, **header_kw: Any
+) -> list[pb.PushWeightsRequest]:
+    """A complete update: header, ``buckets`` buckets (shm if ``segments`` else inline), commit."""
+    reqs = [header(version, **header_kw)]
+    groups = split_buckets(named, buckets)
+    for i, group in enumerate(groups):
+        packed = pack(group)
+        if segments is not None:
+            seg = segments.create(packed.data)
+            payload = shm_payload(seg, len(packed.data))
+        else:
+            payload = inline_payload(packed.data)
+        reqs.append(bucket(i, packed.specs, [payload]))
+    reqs.append(commit(len(groups)))
+    return reqs
+
+
+# ---------------------------------------------------------------------------------------------
+# Calls and statuses
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class PushOutcome:
+    responses: list[pb.PushWeightsResponse]
+    code: grpc.StatusCode
+    message: str = ""
+    reason: str = ""
+    domain: str = ""
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def acks(self) -> list[pb.BucketAck]:
+        return [r.ack for r in self.responses if r.WhichOneof("message") == "ack"]
+
+    @property
+    def result(self) -> pb.UpdateResult | None:
+        results = [r.result for r in self.responses if r.WhichOneof("message") == "result"]
+        return results[-1] if results else None
+
+
+def error_info(err: grpc.RpcError) -> tuple[str, str, dict[str, str]]:
+    """(reason, domain, metadata) of the one ErrorInfo in a failed call's status details."""
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    if status is None:
+        return "", "", {}
+    infos = []
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            infos.append(info)
+    if len(infos) != 1:
+        return "", "", {}
+    return infos[0].reason, infos[0].domain, dict(infos[0].metadata)
+
+
+def push(
+    stub: pb_grpc.WeightTransferServiceStub,
+    requests: Iterable[pb.PushWeightsRequest],
+    *,
+    metadata: Sequence[tuple[str, str]] | None = None,
+    timeout: float = 60.0,
+) -> PushOutcome:
+    """Run one PushWeights stream to its end and collect responses and the final status."""
+    responses: list[pb.PushWeightsResponse] = []
+    try:
+        for resp in stub.PushWeights(iter(list(requests)), metadata=metadata, timeout=timeout):
+            responses.append(resp)
+    except grpc.RpcError as err:
+        reason, domain, md = error_info(err)
+        return PushOutcome(responses, err.code(), err.details() or "", reason, domain, md)  # type: ignore[attr-defined]
+    return PushOutcome(responses, grpc.StatusCode.OK)
+
+
+def unary_error(call: Callable[[], Any]) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    """Run a unary call expected to fail: (code, reason, metadata)."""
+    try:
+        call()
+    except grpc.RpcError as err:
+        reason, _, md = error_info(err)
+        return err.code(), reason, md  # type: ignore[attr-defined]
+    return grpc.StatusCode.OK, "", {}
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until true; False if it never became true (tests then fail on the state)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+class RequestFeed:
+    """A request iterator the test feeds message by message (to interleave with acks and status)."""
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self._q: queue.Queue[object] = queue.Queue()
+
+    def send(self, req: pb.PushWeightsRequest) -> None:
+        self._q.put(req)
+
+    def end(self) -> None:
+        self._q.put(self._END)
+
+    def __iter__(self) -> Iterator[pb.PushWeightsRequest]:
+        while True:
+            item = self._q.get()
+            if item is self._END:
+                return
+            yield item  # type: ignore[misc]
