@@ -255,7 +255,7 @@ def open_cuda_storage(fields: CudaIpcFields, device_index: int) -> torch.Tensor:
             )
             flat = torch.empty((0,), dtype=torch.uint8, device=torch.device("cuda", device_index))
             flat.set_(storage, 0, (storage.nbytes(),), (1,))
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # torch.AcceleratorError is a RuntimeError
         raise WeightwireError(
             Reason.HANDLE_OPEN_FAILED,
             f"could not open the CUDA IPC handle on local device {device_index}: {exc}. The producer must "
