@@ -1,1 +1,25 @@
-"""Trainer-side client and CLI."""
+"""Trainer-side client and CLI.
+
+``WeightPusher`` pushes weights into engine workers (``push``, ``push_flat``, ``push_gathered``);
+``PushError`` (from ``weightwire.core.errors``) names every worker that failed; ``PlanError`` is
+raised before anything is sent. The ``weightwire`` command line lives in ``cli`` and ``commands``.
+"""
+
+from weightwire.client.plan import PlanError, TensorSpec, layout_flat, pack_into, strip_wrapper_prefixes
+from weightwire.client.pusher import FlatBucket, GatheredBucket, PushProgress, PushResult, WeightPusher
+from weightwire.core.errors import PushError, WeightwireError
+
+__all__ = [
+    "FlatBucket",
+    "GatheredBucket",
+    "PlanError",
+    "PushError",
+    "PushProgress",
+    "PushResult",
+    "TensorSpec",
+    "WeightPusher",
+    "WeightwireError",
+    "layout_flat",
+    "pack_into",
+    "strip_wrapper_prefixes",
+]

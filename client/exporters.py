@@ -156,14 +156,14 @@ class ShmSegment(StagingBuffer):
                 mm.close()
 
 
-@dataclasses.dataclass
 class _ShmView(StagingBuffer):
     """A caller's flat tensor that lies inside one of our segments (exported with no copy)."""
 
-    segment: ShmSegment
-    flat: torch.Tensor
-    base_offset_bytes: int
-    capacity_bytes: int
+    def __init__(self, segment: ShmSegment, flat: torch.Tensor, base_offset_bytes: int) -> None:
+        self.segment = segment
+        self.flat = flat
+        self.base_offset_bytes = base_offset_bytes
+        self.capacity_bytes = flat.numel()
 
     def tensor(self) -> torch.Tensor:
         return self.flat
@@ -200,7 +200,7 @@ class HostShmExporter(Exporter):
         for seg in segments:
             if seg.contains(flat):
                 base = flat.data_ptr() - seg.tensor().data_ptr()
-                return _ShmView(seg, flat.reshape(-1), base, flat.numel())
+                return _ShmView(seg, flat.reshape(-1), base)
         return None
 
     def export(self, buffer: StagingBuffer, size_bytes: int, label: DeviceRef) -> pb.Payload:
@@ -227,11 +227,12 @@ INLINE_BUCKET_BYTES = 4 * 1024 * 1024 - 64 * 1024
 INLINE_MAX_BYTES = 60 * 1024 * 1024
 
 
-@dataclasses.dataclass
 class _HostBytes(StagingBuffer):
-    flat: torch.Tensor
-    capacity_bytes: int
-    base_offset_bytes: int = 0
+    """Ordinary CPU memory (inline transport: the bytes are copied into the message anyway)."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+        self.capacity_bytes = flat.numel()
 
     def tensor(self) -> torch.Tensor:
         return self.flat
@@ -246,13 +247,13 @@ class InlineExporter(Exporter):
     max_bucket_bytes = INLINE_MAX_BYTES
 
     def allocate(self, capacity_bytes: int) -> StagingBuffer:
-        return _HostBytes(torch.empty(max(int(capacity_bytes), 1), dtype=torch.uint8), max(int(capacity_bytes), 1))
+        return _HostBytes(torch.empty(max(int(capacity_bytes), 1), dtype=torch.uint8))
 
     def wrap(self, flat: torch.Tensor) -> StagingBuffer | None:
         if flat.device.type != "cpu" or not flat.is_contiguous():
             return None
         raw = flat.reshape(-1).view(torch.uint8)
-        return _HostBytes(raw, raw.numel())
+        return _HostBytes(raw)
 
     def export(self, buffer: StagingBuffer, size_bytes: int, label: DeviceRef) -> pb.Payload:
         data = buffer.tensor()[:size_bytes].numpy().tobytes()
@@ -309,8 +310,9 @@ def available_transports() -> list[str]:
 
 
 def _all_local_host(devices: Sequence[DeviceRef], source: torch.device) -> bool:
+    # Staging copies from any device, so the tensors' device does not matter here.
     own = DeviceRef.host()
-    return source.type == "cpu" and bool(devices) and all(d == own for d in devices)
+    return bool(devices) and all(d == own for d in devices)
 
 
 def choose_transport(devices: Sequence[DeviceRef], source: torch.device) -> str:

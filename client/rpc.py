@@ -1,0 +1,87 @@
+"""gRPC plumbing of the client: channels to workers, call metadata, and turning a failed call back
+into a ``WeightwireError`` (status code + the ``google.rpc.ErrorInfo`` reason from the status details).
+
+Used by ``weightwire.client.pusher`` and the CLI commands.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from weightwire.core.errors import ERROR_DOMAIN, WeightwireError
+from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
+
+# The workers accept up to 64 MiB; leave room for the specs around an inline payload.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024 + 1024 * 1024
+
+
+def open_channel(address: str, *, tls_ca: bytes | None = None) -> grpc.Channel:
+    """A channel to ``address`` (``unix:/path.sock`` or ``HOST:PORT``); TLS when ``tls_ca`` is given."""
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        # A restarted worker must be reachable again at once, not after a reconnect backoff.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+    if tls_ca is not None:
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=options)
+    return grpc.insecure_channel(address, options=options)
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class Worker:
+    """One worker endpoint: its address, channel and stub."""
+
+    def __init__(self, address: str, *, tls_ca: bytes | None = None) -> None:
+        self.address = address
+        self.channel = open_channel(address, tls_ca=tls_ca)
+        self.stub = pb_grpc.WeightTransferServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+_FALLBACK_HINTS = {
+    grpc.StatusCode.UNAVAILABLE: "the worker is unreachable or went away (process exited, socket closed)",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the worker did not answer within the deadline (hung, stopped or overloaded)",
+    grpc.StatusCode.CANCELLED: "the call was cancelled",
+}
+
+
+def error_from_rpc(err: grpc.RpcError, *, worker: str | None = None, context: str = "") -> WeightwireError:
+    """The ``WeightwireError`` a failed call carries: code, ErrorInfo reason and metadata, message.
+
+    A status without an ErrorInfo (raised by gRPC itself: UNAVAILABLE, DEADLINE_EXCEEDED, ...) gets
+    the code name as its reason and a hint about what it usually means.
+    """
+    code = err.code() if isinstance(err, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = (err.details() if isinstance(err, grpc.Call) else str(err)) or ""
+    status = None
+    if isinstance(err, grpc.Call):
+        try:
+            status = rpc_status.from_call(err)
+        except ValueError:
+            # The status message and the rich status disagree; keep the plain one.
+            status = None
+    if status is not None:
+        for any_msg in status.details:
+            if any_msg.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                any_msg.Unpack(info)
+                if info.domain and info.domain != ERROR_DOMAIN:
+                    continue
+                return WeightwireError(
+                    info.reason, status.message or details, code=code.name, worker=worker, **dict(info.metadata)
+                )
+    hint = _FALLBACK_HINTS.get(code)
+    message = details
+    if hint and hint not in message:
+        message = f"{hint}: {details}" if details else hint
+    if context:
+        message = f"{context}: {message}"
+    return WeightwireError(code.name, message, code=code.name, worker=worker)
