@@ -546,6 +546,31 @@ class WeightPusher:
         self._user_buffers.append(seg)
         return seg.tensor()[:nbytes]
 
+    def export_payload(self, flat: torch.Tensor, size_bytes: int | None = None) -> pb.Payload:
+        """Export a local flat buffer in place as a labelled ``Payload`` (no copy), e.g. for a trainer
+        rank that hands its payload to the rank calling ``push_gathered`` (send
+        ``payload.SerializeToString()``; the receiver parses it with ``Payload.FromString``).
+
+        CPU buffers must come from ``host_buffer``; CUDA buffers go through CUDA IPC. The buffer must
+        stay alive and unchanged until the push that carries the payload returned.
+        """
+        raw = _flat_bytes(flat, "export_payload")
+        exporter = self._exporter("host_shm" if raw.device.type == "cpu" else "cuda_ipc", raw.device)
+        staged = exporter.wrap(raw)
+        if staged is None or exporter.label is None:
+            raise PlanError(
+                "HANDLE_MISSING",
+                "export_payload needs a buffer from WeightPusher.host_buffer (CPU) or a CUDA tensor",
+                code="INVALID_ARGUMENT",
+            )
+        if staged.base_offset_bytes:
+            raise PlanError(
+                "INVALID_OFFSET", "export_payload needs a buffer that starts at its allocation's first byte", code="INVALID_ARGUMENT"
+            )
+        staged.ready()
+        size = raw.numel() if size_bytes is None else int(size_bytes)
+        return exporter.export(staged, size, exporter.label)
+
     def _transport_for(self, manifests: Mapping[str, ShardManifest], source: torch.device) -> str:
         if self.transport != "auto":
             return self.transport
