@@ -22,9 +22,12 @@ import grpc
 import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from weightwire.adapters.torch import TorchAdapter
+from weightwire.adapters.torch.demo import DEMO_TP_RULES, DemoConfig, build_demo_model
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import ERROR_DOMAIN, Reason
+from weightwire.core.manifest import ParallelRank
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 
@@ -184,6 +187,16 @@ class TestSegment:
     def close(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def demo_adapter(seed: int = 0) -> TorchAdapter:
+    """The demo model (one rank, CPU) behind the torch adapter, as `weightwire serve` builds it."""
+    config = DemoConfig()
+    rank = ParallelRank()
+    return TorchAdapter(
+        build_demo_model(config, rank, "cpu", seed), rank=rank, device=torch.device("cpu"),
+        own_device=DeviceRef.host(), tp_rules=DEMO_TP_RULES, num_layers=config.num_layers,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
