@@ -1,22 +1,17 @@
-"""Shared pieces of the reliability tests: raw-stub pushes, ErrorInfo extraction, worker processes,
-shared-memory bookkeeping and /proc readings.
+"""Shared pieces of the reliability tests: raw-stub pushes with the exact ErrorInfo count, worker
+processes (through ``tests/helpers.py``), shared-memory bookkeeping and /proc readings.
 
-Everything here talks to workers the way an arbitrary client would (generated stubs, no weightwire
-client code), so the tests see exactly what the wire carries.
+Raw pushes talk to workers the way an arbitrary client would (generated stubs, no weightwire client
+code), so the tests see exactly what the wire carries.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import os
-import selectors
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import grpc
 import torch
@@ -24,15 +19,15 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from weightwire.adapters.torch import TorchAdapter
 from weightwire.adapters.torch.demo import DEMO_TP_RULES, DemoConfig, build_demo_model
-from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import ERROR_DOMAIN, Reason
 from weightwire.core.manifest import ParallelRank
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 
+from . import helpers
+
 SHM_DIR = "/dev/shm"
-READY_PREFIX = "weightwire-serve listening "
 RPC_TIMEOUT_S = 60.0
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Filled by the adversarial tests (kind of case -> examples run); printed at the end of the session.
@@ -130,63 +125,13 @@ def rpc_error_of(fn: object, *args: object, **kw: object) -> grpc.RpcError:
 
 
 # ---------------------------------------------------------------------------------------------
-# Building valid updates by hand (inline or in a test-owned segment)
+# Updates, workers and /proc
 # ---------------------------------------------------------------------------------------------
 
 
-def pack(named: Mapping[str, torch.Tensor], align: int = 64) -> tuple[bytes, list[pb.TensorSpec]]:
-    """Lay tensors out back to back (aligned) in one byte string; return it and the specs."""
-    parts: list[bytes] = []
-    specs: list[pb.TensorSpec] = []
-    offset = 0
-    for name, t in named.items():
-        data = t.detach().contiguous().view(torch.uint8).numpy().tobytes()
-        specs.append(pb.TensorSpec(name=name, dtype=dtypes.from_torch(t.dtype), shape=list(t.shape), offset_bytes=offset))  # type: ignore[arg-type]
-        parts.append(data)
-        offset += len(data)
-        pad = -offset % align
-        parts.append(b"\0" * pad)
-        offset += pad
-    return b"".join(parts), specs
-
-
-def inline_update(
-    named: Mapping[str, torch.Tensor],
-    version: int,
-    device: DeviceRef,
-    *,
-    scope: int = pb.UPDATE_SCOPE_FULL,
-    fingerprint: str = "",
-) -> list[pb.PushWeightsRequest]:
-    """A complete valid update (header, one inline bucket, commit)."""
-    blob, specs = pack(named)
-    bucket = pb.Bucket(
-        index=0, tensors=specs, payloads=[pb.Payload(device=device.to_proto(), size_bytes=len(blob), inline_data=blob)]
-    )
-    return [
-        pb.PushWeightsRequest(header=pb.UpdateHeader(version=version, scope=scope, manifest_fingerprint=fingerprint)),  # type: ignore[arg-type]
-        pb.PushWeightsRequest(bucket=bucket),
-        pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=1)),
-    ]
-
-
-class TestSegment:
-    """A shared-memory segment created by the test itself (``ww-<pid>-...``), unlinked on close."""
-
-    __test__ = False  # not a pytest class
-
-    def __init__(self, name: str, data: bytes) -> None:
-        self.name = name
-        self.path = os.path.join(SHM_DIR, name)
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+def inline_update(named: Mapping[str, torch.Tensor], version: int, **header_kw: object) -> list[pb.PushWeightsRequest]:
+    """A complete valid update in one inline bucket (header, bucket, commit)."""
+    return helpers.full_update_requests(version, named, None, buckets=1, **header_kw)
 
 
 def demo_adapter(seed: int = 0) -> TorchAdapter:
@@ -204,92 +149,20 @@ def demo_adapter(seed: int = 0) -> TorchAdapter:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class WorkerProcess:
-    proc: subprocess.Popen[str]
-    address: str
-    args: tuple[str, ...]
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def channel(self, **kw: object) -> grpc.Channel:
-        return grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-
-    def stub(self) -> pb_grpc.WeightTransferServiceStub:
-        return pb_grpc.WeightTransferServiceStub(self.channel())
-
-    def stop(self) -> None:
-        stop_process(self.proc)
-
-
-def serve_command(
-    *,
-    tp: tuple[int, int] = (0, 1),
-    pp: tuple[int, int] = (0, 1),
-    listen: str | None = None,
-    seed: int = 0,
-    extra: Sequence[str] = (),
+def serve_args(
+    *, tp: tuple[int, int] = (0, 1), pp: tuple[int, int] = (0, 1), listen: str | None = None,
+    dump_dir: str | os.PathLike[str] | None = None, extra: Sequence[str] = (),
 ) -> list[str]:
-    cmd = [
-        sys.executable, "-m", "weightwire.client.cli", "serve", "--model", "demo",
-        "--tp-rank", str(tp[0]), "--tp-size", str(tp[1]), "--pp-rank", str(pp[0]), "--pp-size", str(pp[1]),
-        "--seed", str(seed), "--device", "cpu",
-    ]
-    if listen is not None:
-        cmd += ["--listen", listen]
-    return [*cmd, *extra]
+    """`weightwire serve` arguments of a CPU demo worker (helpers.demo_args plus the device)."""
+    return helpers.demo_args(tp=tp, pp=pp, listen=listen, dump_dir=dump_dir, extra=["--device", "cpu", *extra])
 
 
-def start_worker(cmd: Sequence[str], *, timeout: float = 120.0, env: Mapping[str, str] | None = None) -> WorkerProcess:
-    """Start a `weightwire serve` process and wait for its 'listening ADDR' line."""
-    proc = subprocess.Popen(
-        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
-        env=dict(env) if env is not None else None,
-    )
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if sel.select(timeout=0.5):
-                line = proc.stdout.readline()
-                if line.startswith(READY_PREFIX):
-                    return WorkerProcess(proc, line[len(READY_PREFIX):].strip(), tuple(cmd))
-    finally:
-        sel.close()
-    stop_process(proc)
-    err = proc.stderr.read() if proc.stderr else ""
-    raise RuntimeError(f"worker did not start (exit {proc.returncode}): {' '.join(cmd)}\n{err[-4000:]}")
+def serve_command(**kw: Any) -> list[str]:
+    return helpers.serve_command(*serve_args(**kw))
 
 
-def stop_process(proc: subprocess.Popen[str], timeout: float = 15.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    for stream in (proc.stdout, proc.stderr):
-        if stream is not None:
-            with contextlib.suppress(OSError):
-                stream.close()
-
-
-@contextlib.contextmanager
-def workers(cmds: Sequence[Sequence[str]]) -> Iterator[list[WorkerProcess]]:
-    """Start several workers concurrently-ish (each waits for its ready line) and stop them all."""
-    started: list[WorkerProcess] = []
-    try:
-        for cmd in cmds:
-            started.append(start_worker(cmd))
-        yield started
-    finally:
-        for w in started:
-            w.stop()
+def start_worker(**kw: Any) -> helpers.WorkerProcess:
+    return helpers.spawn_worker(*serve_args(**kw), timeout=120.0)
 
 
 def proc_memory_kib(pid: int) -> dict[str, int]:
@@ -317,12 +190,4 @@ def segments_of(pids: Iterable[int]) -> set[str]:
     return {n for n in shm_segments() if n.startswith(prefixes)}
 
 
-def wait_for(predicate: object, timeout: float = 30.0, interval: float = 0.05) -> bool:
-    """Poll ``predicate()`` until true or timeout (for asynchronous cleanup, never for timing)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():  # type: ignore[operator]
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
+wait_until = helpers.wait_until

@@ -25,12 +25,11 @@ from weightwire.server import serve
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 
-from . import hostile
+from . import helpers, hostile
 from .common import (
     CASES_RUN,
     CHANNEL_OPTIONS,
     MAX_MESSAGE_BYTES,
-    TestSegment,
     assert_weightwire_error,
     inline_update,
     push_raw,
@@ -87,8 +86,9 @@ class Harness:
         self.stub = pb_grpc.WeightTransferServiceStub(self.channel)
         manifest = self.adapter.manifest()
         probe = hostile.Target.build(manifest, self.checkpoint, shm_name="ww-unused")
-        self.segment = TestSegment(new_shm_name("adv"), probe.blob)
-        self.target = hostile.Target.build(manifest, self.checkpoint, shm_name=self.segment.name)
+        self.segments = helpers.ShmSegments()
+        segment = self.segments.create(probe.blob, name=new_shm_name("adv"))
+        self.target = hostile.Target.build(manifest, self.checkpoint, shm_name=segment.name)
 
     def status(self) -> pb.GetStatusResponse:
         return self.stub.GetStatus(pb.GetStatusRequest(), timeout=30)
@@ -96,13 +96,13 @@ class Harness:
     def close(self) -> None:
         self.channel.close()
         self.server.stop(grace=None)
-        self.segment.close()
+        self.segments.close()
 
     def finish_with_valid_update(self, version: int) -> None:
         """The worker still serves: a full valid update lands bit for bit."""
         before = len(self.adapter.loaded)
         owned = self.adapter.manifest().tensors
-        outcome = push_raw(self.stub, inline_update({n: self.checkpoint[n] for n in owned}, version, DeviceRef.host()))
+        outcome = push_raw(self.stub, inline_update({n: self.checkpoint[n] for n in owned}, version))
         assert outcome.code == grpc.StatusCode.OK, outcome.describe()
         assert outcome.result is not None and outcome.result.version == version
         status = self.status()

@@ -20,7 +20,6 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from weightwire.adapters.torch.demo import full_checkpoint
 from weightwire.client import WeightPusher
-from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import PushError
 from weightwire.server import serve
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -67,7 +66,7 @@ def test_default_listener_is_a_unix_socket_in_a_private_directory(inproc_worker:
 
 
 def test_cli_default_listener_is_private_too() -> None:
-    w = start_worker(serve_command())
+    w = start_worker()
     try:
         assert w.address.startswith("unix:")
         directory = os.path.dirname(w.address.removeprefix("unix:"))
@@ -85,7 +84,7 @@ def test_non_loopback_without_token_refuses_to_start(listen: str) -> None:
 
 def test_cli_non_loopback_without_token_exits_before_listening() -> None:
     proc = subprocess.run(
-        [*serve_command(listen="0.0.0.0:0")], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+        serve_command(listen="0.0.0.0:0"), capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
     )
     assert proc.returncode != 0
     assert "listening" not in proc.stdout
@@ -111,7 +110,7 @@ def test_tokens(inproc_worker: Callable[..., object]) -> None:
     config = worker.config  # type: ignore[attr-defined]
     owned = worker.adapter.manifest().tensors  # type: ignore[attr-defined]
     full = full_checkpoint(config, seed=3)
-    update = inline_update({n: full[n] for n in owned}, 1, DeviceRef.host())
+    update = inline_update({n: full[n] for n in owned}, 1)
     before = worker.state()  # type: ignore[attr-defined]
     outcome = push_raw(stub, update, metadata=(("authorization", "Bearer nope"),))
     assert_weightwire_error(outcome, "INVALID_TOKEN")
@@ -169,10 +168,10 @@ def test_tls_with_a_self_signed_ca(inproc_worker: Callable[..., object], tmp_pat
 def test_cli_tls_worker_inspected_with_grpcurl(tmp_path: pathlib.Path) -> None:
     """`weightwire serve --tls-cert/--tls-key --token` in a real process, seen by grpcurl with the CA."""
     tls = make_self_signed(tmp_path / "tls")
-    w = start_worker(serve_command(
+    w = start_worker(
         listen="127.0.0.1:0",
         extra=["--token", TOKEN, "--tls-cert", str(tls.server_cert), "--tls-key", str(tls.server_key)],
-    ))
+    )
     try:
         grpcurl = str(pathlib.Path(sys.executable).parent / "grpcurl")
         base = [grpcurl, "-cacert", str(tls.ca_cert), "-max-time", "60"]
