@@ -169,10 +169,12 @@ def _unknown_message(unknown: Sequence[str], owners: Mapping[str, object]) -> st
             " These look like parameter names of a wrapped module (FSDP '_fsdp_wrapped_module.', DDP "
             "'module.', torch.compile '_orig_mod.'); strip the wrapper segments (weightwire.client."
             "strip_wrapper_prefixes) to get the checkpoint names:\n  " + "\n  ".join(hints[:_LIST_LIMIT])
+            + (f"\n  ... and {len(hints) - _LIST_LIMIT} more" if len(hints) > _LIST_LIMIT else "")
+            + "\n"
         )
     elif any(strip_wrapper_prefixes(n) != n for n in unknown):
         msg += " Some carry wrapper segments ('_fsdp_wrapped_module.', 'module.', '_orig_mod.'); workers expect checkpoint names."
-    msg += " Pass allow_unowned=True to skip names no worker owns on purpose."
+    msg += ("" if msg.endswith("\n") else " ") + "Pass allow_unowned=True to skip names no worker owns on purpose."
     return msg
 
 
