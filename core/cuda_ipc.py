@@ -45,7 +45,10 @@ _REF_COUNTER_RE = re.compile(r"^/torch_[0-9A-Za-z_]{1,120}$")
 # little more). Anything far larger is not a handle.
 MAX_MEMORY_HANDLE_BYTES = 4096
 MAX_EVENT_HANDLE_BYTES = 4096
-DEFAULT_CACHE_CAPACITY = 64
+# A sender that reuses its staging buffers needs a handful of entries per worker (pipeline depth x
+# trainers feeding it). Entries of a sender that went away keep its device memory mapped until they
+# are evicted, so the bound stays small.
+DEFAULT_CACHE_CAPACITY = 8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,6 +77,11 @@ class LineProcess:
     """A child that answers one stdout line per stdin line."""
 
     proc: subprocess.Popen[str]
+    # stderr goes to a file (a pipe nobody drains could fill up and block the child).
+    errlog: Path | None = None
+
+    def stderr_tail(self) -> str:
+        return self.errlog.read_text(errors="replace")[-6000:] if self.errlog and self.errlog.exists() else ""
 
     def ask(self, line: str) -> str:
         if self.proc.stdin is None or self.proc.stdout is None:
@@ -84,14 +90,16 @@ class LineProcess:
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline()
         if not answer:
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise RuntimeError(f"process exited (rc={self.proc.wait()}) while answering {line!r}:\n{err}")
+            raise RuntimeError(f"process exited (rc={self.proc.wait()}) while answering {line!r}:\n{self.stderr_tail()}")
         return answer.strip()
 
     def close(self) -> None:
         if self.proc.poll() is None:
+            # "quit" gets no answer: the child just exits.
             with contextlib.suppress(BrokenPipeError, OSError):
-                self.ask("quit")
+                if self.proc.stdin is not None:
+                    self.proc.stdin.write("quit\n")
+                    self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -102,16 +110,148 @@ class LineProcess:
 @contextlib.contextmanager
 def producer(visible: str, size: int, lead: int = 0) -> Iterator[LineProcess]:
     """tests/gpu/ipc_producer.py on the GPU(s) ``visible`` (a CUDA_VISIBLE_DEVICES value)."""
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "ipc_producer.py"), str(size), str(lead)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=gpu_env(visible),
-    )
-    lp = LineProcess(proc)
+    errlog = Path(tempfile.mkstemp(prefix="ww-producer-", suffix=".log")[1])
+    with open(errlog, "w") as errf:
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "ipc_producer.py"), str(size), str(lead)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errf,
+            text=True,
+            env=gpu_env(visible),
+        )
+    lp = LineProcess(proc, errlog)
     try:
         yield lp
     finally:
         lp.close()
+        errlog.unlink(missing_ok=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """One ``weightwire serve --model demo --device cuda`` process and the GPUs it may see."""
+
+    visible: str
+    worker_id: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    sp_rank: int = 0
+    sp_size: int = 1
+    seed: int = 0
+
+    def rank(self):  # type: ignore[no-untyped-def]
+        from weightwire.core.manifest import ParallelRank
+
+        return ParallelRank(
+            tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
+            sp_rank=self.sp_rank, sp_size=self.sp_size,
+        )
+
+
+@dataclasses.dataclass
+class RunningWorker:
+    spec: WorkerSpec
+    proc: subprocess.Popen[str]
+    address: str
+    log: Path
+
+
+def _first_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    import select
+
+    if proc.stdout is None:
+        return ""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    return proc.stdout.readline() if ready else ""
+
+
+@contextlib.contextmanager
+def workers(specs: list[WorkerSpec], workdir: Path, *, dump_dir: Path | None = None) -> Iterator[list[RunningWorker]]:
+    """Start every worker (concurrently), wait for each one's 'listening' line, stop them after."""
+    started: list[tuple[WorkerSpec, subprocess.Popen[str], Path]] = []
+    running: list[RunningWorker] = []
+    try:
+        for spec in specs:
+            log = workdir / f"{spec.worker_id}.log"
+            cmd = [
+                sys.executable, "-m", "weightwire.client.cli", "serve", "--model", "demo", "--device", "cuda",
+                "--listen", "127.0.0.1:0", "--worker-id", spec.worker_id, "--seed", str(spec.seed),
+                "--tp-rank", str(spec.tp_rank), "--tp-size", str(spec.tp_size),
+                "--pp-rank", str(spec.pp_rank), "--pp-size", str(spec.pp_size),
+                "--sp-rank", str(spec.sp_rank), "--sp-size", str(spec.sp_size),
+            ]
+            if dump_dir is not None:
+                cmd += ["--dump-dir", str(dump_dir)]
+            with open(log, "w") as errf:
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, text=True, env=gpu_env(spec.visible))
+            started.append((spec, proc, log))
+        for spec, proc, log in started:
+            line = _first_line(proc, 120.0)
+            prefix = "weightwire-serve listening "
+            if not line.startswith(prefix):
+                raise RuntimeError(f"worker {spec.worker_id} did not start (got {line!r}):\n{log.read_text()[-4000:]}")
+            running.append(RunningWorker(spec, proc, line[len(prefix) :].strip(), log))
+        yield running
+    finally:
+        for _, proc, _ in started:
+            if proc.poll() is None:
+                proc.terminate()
+        for _, proc, _ in started:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.contextmanager
+def trainer(visible: str, endpoints: list[str], bucket_size_bytes: int = 128 * 1024) -> Iterator[JsonProcess]:
+    """tests/gpu/trainer.py (weightwire's client) on GPU ``visible``."""
+    errlog = Path(tempfile.mkstemp(prefix="ww-trainer-", suffix=".log")[1])
+    with open(errlog, "w") as errf:
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "trainer.py"), "--endpoints", ",".join(endpoints),
+             "--bucket-size-bytes", str(bucket_size_bytes)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errf,
+            text=True,
+            env=gpu_env(visible),
+        )
+    jp = JsonProcess(proc, errlog)
+    try:
+        yield jp
+    finally:
+        jp.close()
+        errlog.unlink(missing_ok=True)
+
+
+class JsonProcess(LineProcess):
+    """A LineProcess whose answers are JSON."""
+
+    def call(self, cmd: str, version: int = 0, opts: dict[str, object] | None = None):  # type: ignore[no-untyped-def]
+        import json
+
+        line = f"{cmd} {version}" + (f" {json.dumps(opts)}" if opts is not None else "")
+        return json.loads(self.ask(line))
+
+
+def expect_dump(dump_dir: Path, spec: WorkerSpec, version: int) -> None:
+    """The worker's dump of ``version`` holds exactly its shard of the weights of that version."""
+    from safetensors.torch import load_file
+    from weightwire.adapters.torch.demo import DemoConfig, expected_shard, full_checkpoint
+
+    path = dump_dir / f"{spec.worker_id}-v{version}.safetensors"
+    if not path.exists():
+        raise AssertionError(f"no dump {path.name}; have {sorted(p.name for p in dump_dir.iterdir())}")
+    got = load_file(str(path))
+    config = DemoConfig()
+    want = expected_shard(full_checkpoint(config, version), spec.rank(), config)
+    if set(got) != set(want):
+        raise AssertionError(f"{spec.worker_id}: dumped names differ: {sorted(set(got) ^ set(want))}")
+    for name, t in want.items():
+        if not torch.equal(got[name], t):
+            raise AssertionError(f"{spec.worker_id} v{version}: {name} differs from the weights of that version")

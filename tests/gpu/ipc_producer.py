@@ -45,6 +45,7 @@ def main() -> int:
             shared = share_cuda_tensor(buf)
             shares.append(shared)
             reply(f"payload {shared.payload().SerializeToString().hex()} {shared.base_offset_bytes}")
+            del shared  # only `shares` may keep the buffer alive ("free" drops them)
         elif cmd == "fill":
             assert buf is not None
             buf.fill_(int(args[0]))
