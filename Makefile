@@ -26,6 +26,18 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed ## Create .venv and install weightwire with test and dev extras (idempotent)
 
+# SGLang's real model classes, parallel state and plugin registry on CPU, for tests/sglang. sglang's
+# own requirements pull a CUDA torch and GPU kernels, so it goes in with --no-deps plus the few
+# packages its LLM code imports, all under constraints that keep the CPU torch.
+SGLANG_REQS := tests/sglang/requirements-cpu.txt
+SGLANG_CONSTRAINTS := tests/sglang/constraints-cpu.txt
+$(VENV)/.sglang-installed: $(SGLANG_REQS) $(SGLANG_CONSTRAINTS) | $(VENV)/.installed
+	$(PIP) install -q -c $(SGLANG_CONSTRAINTS) --no-deps sglang==0.5.23 torchvision==0.28.0 compressed-tensors==0.18.0
+	$(PIP) install -q -c $(SGLANG_CONSTRAINTS) -r $(SGLANG_REQS)
+	@touch $@
+
+install-sglang: $(VENV)/.sglang-installed ## Add SGLang 0.5.23 (CPU test stack, ~1.6 GB) to .venv (idempotent)
+
 proto: install ## Regenerate the checked-in stubs from $(PROTO_SRC)
 	$(PROTOC) --python_out=proto --pyi_out=proto --grpc_python_out=proto --mypy_grpc_out=proto $(PROTO_SRC)
 
@@ -42,8 +54,11 @@ lint: install ## ruff over the sources (generated code excluded)
 typecheck: install ## mypy over the packages
 	$(VENV)/bin/mypy core server client adapters
 
-test: install ## Run the CPU test suite (what CI runs)
+test: install install-sglang ## Run the CPU test suite (what CI runs)
 	$(PY) -m pytest -q
+
+test-sglang: install install-sglang ## Run only the SGLang adapter tests (CPU, SGLang's real classes)
+	$(PY) -m pytest -q -m sglang tests/sglang
 
 test-gpu: ## Run the GPU suite on a CUDA machine (uses the current python, not .venv)
 	$(PYTHON) -m pytest -q -m "gpu or gpu2" -p no:cacheprovider tests/gpu
@@ -60,4 +75,4 @@ bench-cpu: install ## Host shared-memory path vs memcpy, and scaling over worker
 clean: ## Remove build outputs (keeps .venv)
 	rm -rf build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
 
-.PHONY: help install proto checkproto lint typecheck test test-gpu smoke demo bench-cpu clean
+.PHONY: help install install-sglang test-sglang proto checkproto lint typecheck test test-gpu smoke demo bench-cpu clean

@@ -1,0 +1,262 @@
+"""``EngineAdapter`` for one SGLang rank: its manifest from the real model, loads through SGLang.
+
+The worker service calls ``begin_update`` / ``load`` / ``end_update`` on its gRPC thread. Every one
+of them runs on SGLang's scheduler thread instead (through an ``EngineTaskQueue`` the scheduler's
+event loop drains between batches), after checking that the engine is paused or idle, so a
+forward pass never sees a half-written parameter and never runs while one is written.
+
+Loading goes through SGLang's own path: ``model.load_weights`` with checkpoint names (its weight
+loaders slice this rank's TP part and pack q/k/v and gate/up), between the same
+``begin_weight_update()`` / ``end_weight_update()`` steps SGLang 0.5.23's ``WeightUpdater`` takes
+(they undo and redo quantization packing; for unquantized models they change nothing). Each
+tensor is handed to ``load_weights`` on its own with the weight loaders of its target parameters
+instrumented, and a tensor that no loader consumed is an error: SGLang's Qwen2/Llama loaders skip
+names they do not know with at most a log line.
+
+Built by ``weightwire.adapters.sglang.plugin`` inside each scheduler process; tests build it on a
+model constructed under SGLang's parallel state.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import torch
+from weightwire.adapters.sglang.engine_thread import EngineTaskQueue
+from weightwire.adapters.sglang.manifest import LoadTarget, ModelLayout, model_layout
+from weightwire.adapters.sglang.settings import worker_id as default_worker_id
+from weightwire.core import dtypes
+from weightwire.core.devices import DeviceRef, cuda_device_uuid
+from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+EngineGate = Callable[[], "str | None"]
+"""Returns None when the engine may be written to now, else why not (a message for the trainer)."""
+
+
+class WeightUpdateSession(Protocol):
+    """SGLang's per-runner update steps: ``ModelRunner.weight_updater`` has exactly these."""
+
+    def begin_weight_update(self) -> None: ...
+
+    def end_weight_update(self, *, run_post_load: bool) -> None: ...
+
+
+class LoaderWeightSession:
+    """The steps of SGLang's ``WeightUpdater.begin/end_weight_update`` for a model that has no
+    ``ModelRunner`` around it (tests): the same ``DefaultModelLoader`` calls."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+
+    def begin_weight_update(self) -> None:
+        from sglang.srt.model_loader.loader import DefaultModelLoader
+
+        DefaultModelLoader.restore_weights_before_loading(self.model, self.device)
+
+    def end_weight_update(self, *, run_post_load: bool) -> None:
+        from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
+
+        if run_post_load:
+            post_load_weights(self.model)
+        DefaultModelLoader.postprocess_weights(self.model, self.device)
+
+
+def own_device_for(device: torch.device) -> DeviceRef:
+    """The physical device a rank's weights live on: its GPU's UUID, or the host for CPU."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return DeviceRef.cuda(cuda_device_uuid(index))
+    return DeviceRef.host()
+
+
+class SGLangAdapter:
+    """Publishes what one SGLang rank consumes and loads pushed tensors through SGLang."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        hf_config: Any,
+        *,
+        rank: ParallelRank,
+        device: torch.device,
+        own_device: DeviceRef | None = None,
+        worker_id: str | None = None,
+        engine_queue: EngineTaskQueue | None = None,
+        weight_session: WeightUpdateSession | None = None,
+        engine_gate: EngineGate | None = None,
+        on_committed: Callable[[int], None] | None = None,
+    ) -> None:
+        """``engine_queue``: where steps run (None: on the calling thread, for a model that no
+        engine is running). ``engine_gate``: refuses writes while the engine serves requests.
+        ``on_committed(version)``: runs on the engine thread after a successful update."""
+        self.model = model
+        self.rank = rank
+        self.device = torch.device(device)
+        self.own_device = own_device if own_device is not None else own_device_for(self.device)
+        self.worker_id = worker_id or default_worker_id(rank)
+        self.layout: ModelLayout = model_layout(model, hf_config)
+        self._queue = engine_queue
+        self._session = weight_session if weight_session is not None else LoaderWeightSession(model, self.device)
+        self._gate = engine_gate
+        self._on_committed = on_committed
+        self._params = dict(model.named_parameters())
+        self._version: int | None = None
+        transports: tuple[int, ...] = (pb.TRANSPORT_KIND_HOST_SHM, pb.TRANSPORT_KIND_INLINE)
+        if self.own_device.is_cuda:
+            transports = (pb.TRANSPORT_KIND_CUDA_IPC, *transports)
+        self._manifest = ShardManifest.build(
+            self.own_device,
+            rank,
+            (
+                OwnedTensor(name, dtypes.from_torch(found[0].dtype), found[0].shape)
+                for name, found in self.layout.targets.items()
+            ),
+            layer_start=self.layout.layer_start,
+            layer_end=self.layout.layer_end,
+            num_layers=self.layout.num_layers,
+            engine="sglang",
+            worker_id=self.worker_id,
+            transports=transports,
+            instance_id=uuid.uuid4().hex,
+        )
+
+    # --- EngineAdapter -------------------------------------------------------------------------
+
+    def manifest(self) -> ShardManifest:
+        return self._manifest
+
+    def begin_update(self, version: int) -> None:
+        def step() -> None:
+            self._check_gate(f"begin update {version}")
+            self._session.begin_weight_update()
+
+        self._on_engine(step, what=f"begin update {version}")
+        self._version = version
+
+    def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            self._check_tensor(name, tensor)
+        if not named_tensors:
+            return
+
+        def step() -> None:
+            self._check_gate(f"load {len(named_tensors)} tensor(s)")
+            self._synchronize()  # a forward launched before the pause may still read the weights
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    self._load_one(name, tensor)
+            self._synchronize()  # the service acks when we return; the sender may then reuse its buffer
+
+        self._on_engine(step, what=f"load {len(named_tensors)} tensor(s)")
+
+    def end_update(self, success: bool) -> None:
+        version = self._version
+        self._version = None
+
+        def step() -> None:
+            # Always close SGLang's session: it re-packs what begin unpacked.
+            self._session.end_weight_update(run_post_load=False)
+            if success and version is not None and self._on_committed is not None:
+                self._on_committed(version)
+
+        self._on_engine(step, what="end update")
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _on_engine(self, fn: Callable[[], T], *, what: str) -> T:
+        if self._queue is None:
+            return fn()
+        return self._queue.call(fn, what=what)
+
+    def _check_gate(self, what: str) -> None:
+        if self._gate is None:
+            return
+        refusal = self._gate()
+        if refusal is not None:
+            # The contract has no "engine busy" reason; LOAD_FAILED with the remedy in the message.
+            raise WeightwireError(Reason.LOAD_FAILED, f"{self.worker_id}: cannot {what}: {refusal}")
+
+    def _check_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        found = self.layout.targets.get(name)
+        if found is None:
+            # The service filters by manifest already; anything else reaching here is a bug upstream.
+            raise WeightwireError(
+                Reason.LOAD_FAILED, f"{self.worker_id}: {name!r} is not in this worker's manifest; refusing to load it"
+            )
+        target = found[0]
+        if tensor.dtype != target.dtype:
+            raise WeightwireError(
+                Reason.DTYPE_MISMATCH, f"{name}: got {tensor.dtype}, this worker expects {target.dtype}", tensor=name
+            )
+        if tuple(tensor.shape) != target.shape:
+            raise WeightwireError(
+                Reason.SHAPE_MISMATCH,
+                f"{name}: got shape {tuple(tensor.shape)}, this worker expects the full checkpoint shape {target.shape}",
+                tensor=name,
+            )
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        expected = self.layout.targets[name]
+        calls: list[tuple[str, object]] = []
+        restore = [self._instrument(t, calls) for t in expected]
+        try:
+            self.model.load_weights([(name, tensor)])
+        finally:
+            for undo in restore:
+                undo()
+        wanted = sorted((t.param_name, repr(t.shard_id)) for t in expected)
+        seen = sorted((p, repr(s)) for p, s in calls)
+        if seen != wanted:
+            raise WeightwireError(
+                Reason.LOAD_FAILED,
+                f"{self.worker_id}: SGLang's load_weights did not consume {name} as expected: it should fill "
+                f"{_describe(expected)}, its weight loaders were called for {seen or 'nothing'}",
+                tensor=name,
+            )
+
+    def _instrument(self, target: LoadTarget, calls: list[tuple[str, object]]) -> Callable[[], None]:
+        """Wrap the weight loader of ``target``'s parameter so its calls are recorded; returns undo.
+
+        SGLang's loaders look the loader up as ``getattr(param, "weight_loader", default_weight_loader)``
+        at call time, so a wrapper set on the parameter sees every write to it.
+        """
+        from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+        param = self._params[target.param_name]
+        own = "weight_loader" in param.__dict__
+        original = param.__dict__["weight_loader"] if own else getattr(param, "weight_loader", default_weight_loader)
+        param_name = target.param_name
+
+        def recording_loader(p: torch.Tensor, loaded: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            shard = args[0] if args else kwargs.get("loaded_shard_id", kwargs.get("shard_id"))
+            calls.append((param_name, shard))
+            return original(p, loaded, *args, **kwargs)
+
+        param.weight_loader = recording_loader  # type: ignore[attr-defined]
+
+        def undo() -> None:
+            if own:
+                param.weight_loader = original  # type: ignore[attr-defined]
+            else:
+                del param.weight_loader  # type: ignore[attr-defined]
+
+        return undo
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _describe(targets: Sequence[LoadTarget]) -> str:
+    return ", ".join(
+        f"{t.param_name}" + (f" (shard {t.shard_id!r})" if t.shard_id is not None else "") for t in targets
+    )

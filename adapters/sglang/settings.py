@@ -1,0 +1,196 @@
+"""Where each SGLang worker listens, and the environment variables that say so.
+
+Read once per scheduler process by the plugin (``weightwire.adapters.sglang.plugin``) and by
+``discover`` on the trainer side, so that both derive the same address from the same ranks. Pure:
+no sglang, no gRPC.
+
+Environment variables (documented in docs/sglang.md):
+
+- ``WEIGHTWIRE_SGLANG_SOCKET_DIR``: a directory; each worker listens on the Unix socket
+  ``<dir>/<worker_id>.sock`` (e.g. ``tp1-pp0.sock``). Created with mode 0700 if missing.
+- ``WEIGHTWIRE_SGLANG_BASE_PORT``: TCP instead; a worker listens on ``HOST:(BASE_PORT + index)``,
+  index = ``(dp_rank * pp_size + pp_rank) * tp_size + tp_rank``.
+- ``WEIGHTWIRE_SGLANG_HOST``: the TCP host (default ``127.0.0.1``); a non-loopback host needs
+  ``WEIGHTWIRE_TOKEN`` (and TLS).
+- ``WEIGHTWIRE_TOKEN``, ``WEIGHTWIRE_TLS_CERT``, ``WEIGHTWIRE_TLS_KEY``: passed to the worker service.
+- ``WEIGHTWIRE_SGLANG_ENABLE``: ``0`` turns the plugin off in this engine (default on).
+- ``WEIGHTWIRE_SGLANG_FLUSH_CACHE``: ``0`` leaves SGLang's prefix/KV cache alone after an update
+  (default: flush it on the scheduler thread once the update committed).
+- ``WEIGHTWIRE_SGLANG_ENGINE_TIMEOUT_S``: how long a load waits for the scheduler thread to pick it
+  up (default 300).
+
+Neither SOCKET_DIR nor BASE_PORT set: sockets go to ``<tmp>/weightwire-sglang-<engine port>``, so two
+engines on one host (different ``--port``) never share a directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+
+from weightwire.core.manifest import ParallelRank
+
+ENV_SOCKET_DIR = "WEIGHTWIRE_SGLANG_SOCKET_DIR"
+ENV_BASE_PORT = "WEIGHTWIRE_SGLANG_BASE_PORT"
+ENV_HOST = "WEIGHTWIRE_SGLANG_HOST"
+ENV_TOKEN = "WEIGHTWIRE_TOKEN"
+ENV_TLS_CERT = "WEIGHTWIRE_TLS_CERT"
+ENV_TLS_KEY = "WEIGHTWIRE_TLS_KEY"
+ENV_ENABLE = "WEIGHTWIRE_SGLANG_ENABLE"
+ENV_FLUSH_CACHE = "WEIGHTWIRE_SGLANG_FLUSH_CACHE"
+ENV_ENGINE_TIMEOUT = "WEIGHTWIRE_SGLANG_ENGINE_TIMEOUT_S"
+
+SOCKET_SUFFIX = ".sock"
+# sockaddr_un.sun_path is 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+_WORKER_ID_RE = re.compile(r"^tp(\d+)-pp(\d+)(?:-dp(\d+))?(?:-sp(\d+))?$")
+
+
+class SettingsError(ValueError):
+    """A weightwire environment variable has a value the plugin cannot use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The plugin's configuration, from the environment of the scheduler process."""
+
+    enabled: bool = True
+    socket_dir: str | None = None
+    base_port: int | None = None
+    host: str = "127.0.0.1"
+    token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    flush_cache: bool = True
+    engine_timeout_s: float = 300.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, *, engine_port: int | None = None) -> Settings:
+        """Parse the environment; ``engine_port`` (SGLang's ``--port``) names the default directory."""
+        env = os.environ if env is None else env
+        enabled = _flag(env, ENV_ENABLE, default=True)
+        socket_dir = env.get(ENV_SOCKET_DIR) or None
+        base_port: int | None = None
+        raw_port = env.get(ENV_BASE_PORT)
+        if raw_port:
+            try:
+                base_port = int(raw_port)
+            except ValueError:
+                raise SettingsError(f"{ENV_BASE_PORT}={raw_port!r} is not a port number") from None
+            if not 1 <= base_port <= 65535:
+                raise SettingsError(f"{ENV_BASE_PORT}={base_port} is outside 1..65535")
+        if socket_dir and base_port is not None:
+            raise SettingsError(f"set either {ENV_SOCKET_DIR} or {ENV_BASE_PORT}, not both")
+        if socket_dir is None and base_port is None:
+            socket_dir = default_socket_dir(engine_port)
+        if socket_dir is not None:
+            socket_dir = os.path.abspath(socket_dir)
+        host = env.get(ENV_HOST) or "127.0.0.1"
+        token = env.get(ENV_TOKEN) or None
+        if base_port is not None and not _is_loopback(host) and token is None:
+            raise SettingsError(
+                f"{ENV_HOST}={host} is not a loopback address: set {ENV_TOKEN} (and {ENV_TLS_CERT}/{ENV_TLS_KEY}) "
+                "so that nobody else on the network can push weights into this engine"
+            )
+        raw_timeout = env.get(ENV_ENGINE_TIMEOUT)
+        timeout = 300.0
+        if raw_timeout:
+            try:
+                timeout = float(raw_timeout)
+            except ValueError:
+                raise SettingsError(f"{ENV_ENGINE_TIMEOUT}={raw_timeout!r} is not a number of seconds") from None
+            if timeout <= 0:
+                raise SettingsError(f"{ENV_ENGINE_TIMEOUT} must be > 0, got {timeout}")
+        return cls(
+            enabled=enabled,
+            socket_dir=socket_dir,
+            base_port=base_port,
+            host=host,
+            token=token,
+            tls_cert=env.get(ENV_TLS_CERT) or None,
+            tls_key=env.get(ENV_TLS_KEY) or None,
+            flush_cache=_flag(env, ENV_FLUSH_CACHE, default=True),
+            engine_timeout_s=timeout,
+        )
+
+    def address(self, rank: ParallelRank) -> str:
+        """The gRPC target this rank's worker listens on."""
+        if self.base_port is not None:
+            port = self.base_port + worker_index(rank)
+            if port > 65535:
+                raise SettingsError(
+                    f"{ENV_BASE_PORT}={self.base_port} plus worker index {worker_index(rank)} exceeds 65535"
+                )
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            return f"{host}:{port}"
+        if self.socket_dir is None:
+            raise SettingsError("no socket directory and no base port configured")
+        return "unix:" + socket_path(self.socket_dir, rank)
+
+
+def default_socket_dir(engine_port: int | None) -> str:
+    suffix = str(engine_port) if engine_port is not None else "default"
+    return os.path.join(tempfile.gettempdir(), f"weightwire-sglang-{suffix}")
+
+
+def worker_id(rank: ParallelRank) -> str:
+    """``tp1-pp0``, plus ``-dp2`` / ``-sp1`` when those sizes are > 1 (the torch adapter's naming)."""
+    text = f"tp{rank.tp_rank}-pp{rank.pp_rank}"
+    if rank.dp_size > 1:
+        text += f"-dp{rank.dp_rank}"
+    if rank.sp_size > 1:
+        text += f"-sp{rank.sp_rank}"
+    return text
+
+
+def parse_worker_id(text: str) -> tuple[int, int, int, int] | None:
+    """``(dp, pp, tp, sp)`` ranks of a worker id (the sort key of discovery), or None if not one."""
+    m = _WORKER_ID_RE.match(text)
+    if m is None:
+        return None
+    tp, pp, dp, sp = (int(g) if g is not None else 0 for g in m.groups())
+    return dp, pp, tp, sp
+
+
+def worker_index(rank: ParallelRank) -> int:
+    """Dense index of a scheduler process: ``(dp_rank * pp_size + pp_rank) * tp_size + tp_rank``.
+
+    SGLang's sequence/context-parallel ranks live inside its TP ranks, so tp, pp and dp identify a
+    scheduler process uniquely.
+    """
+    return (rank.dp_rank * rank.pp_size + rank.pp_rank) * rank.tp_size + rank.tp_rank
+
+
+def socket_path(socket_dir: str, rank: ParallelRank) -> str:
+    path = os.path.join(socket_dir, worker_id(rank) + SOCKET_SUFFIX)
+    if len(path.encode()) > MAX_SOCKET_PATH:
+        raise SettingsError(
+            f"Unix socket path {path!r} is {len(path.encode())} bytes, over the kernel's limit of "
+            f"{MAX_SOCKET_PATH}: choose a shorter {ENV_SOCKET_DIR}"
+        )
+    return path
+
+
+def _flag(env: Mapping[str, str], key: str, *, default: bool) -> bool:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{key}={raw!r}: use 1 or 0")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
