@@ -334,6 +334,8 @@ class _Update:
         self.buckets_done = 0
         self.bytes_done = 0
         self.pools: list[_StagingPool] = []
+        self.committed = False
+        self.deadline_hit = False
 
     def stopped(self) -> bool:
         return self.failed
@@ -867,8 +869,11 @@ class WeightPusher:
                     if not update.cond.wait(max(0.0, min(deadline - time.monotonic(), 1.0))) and time.monotonic() >= deadline:
                         break
             if not update.failed and not update.pending:
+                update.committed = True
                 for s in streams.values():
                     s.commit()
+            elif update.pending and not update.failed:
+                update.deadline_hit = True
             for s in streams.values():
                 s.done.wait(max(0.0, deadline - time.monotonic()))
             completed = True
@@ -891,29 +896,57 @@ class WeightPusher:
         results: dict[str, PushResult] = {}
         root: dict[str, WeightwireError] = {}
         cancelled: dict[str, WeightwireError] = {}
+
+        def name(a: str) -> str:
+            return manifests[a].worker_id or a
+
+        # Every stream of an update has the same deadline, so when one worker hangs, the healthy
+        # ones (idle, waiting for the commit that waits for the hung one) expire at the same moment
+        # and may be noticed first. Blame the workers that still owed acks, not the ones that waited.
+        laggards = [a for a, s in update.streams.items() if s.result is None and len(s.acks) < len(s.sent_jobs)]
+        deadline_hit = update.deadline_hit or any(
+            s.error is not None and s.error.code == "DEADLINE_EXCEEDED" for s in update.streams.values()
+        )
+        blame_laggards = deadline_hit and not update.committed and bool(laggards)
+
         for a, s in update.streams.items():
             wid = manifests[a].worker_id
-            if s.result is not None and s.error is None:
+            err = s.error
+            ours = err is not None and s.cancelled_by_us and err.code == "CANCELLED"
+            if s.result is not None and err is None:
                 results[a] = _result(a, wid, s)
-            elif s.error is not None and s.cancelled_by_us and s.error.code == "CANCELLED":
-                culprit = update.first_failure
-                why = (
-                    f"because {manifests[culprit].worker_id or culprit} failed"
-                    if culprit
-                    else f"after no progress within the {self.timeout_s:g} s deadline"
+            elif blame_laggards and a in laggards and (ours or err is None or err.code == "DEADLINE_EXCEEDED"):
+                owed = len(s.sent_jobs) - len(s.acks)
+                root[a] = WeightwireError(
+                    "DEADLINE_EXCEEDED",
+                    f"worker {name(a)}: did not answer within the deadline ({self.timeout_s:g} s): "
+                    f"{owed} bucket(s) not acked (hung, stopped or overloaded); not committed",
+                    code="DEADLINE_EXCEEDED",
+                    worker=a,
                 )
+            elif blame_laggards and (ours or err is None or err.code == "DEADLINE_EXCEEDED"):
                 cancelled[a] = WeightwireError(
                     "CANCELLED",
-                    f"worker {wid or a}: update cancelled {why}; not committed here (INCONSISTENT if it had loaded tensors)",
+                    f"worker {name(a)}: update cancelled at the deadline while waiting for "
+                    f"{', '.join(name(w) for w in laggards)}; not committed here (INCONSISTENT if it had loaded tensors)",
                     code="CANCELLED",
                     worker=a,
                 )
-            elif s.error is not None:
-                root[a] = _named(s.error, wid)
+            elif ours:
+                culprit = update.first_failure
+                why = f"because {name(culprit)} failed" if culprit else f"at the {self.timeout_s:g} s deadline"
+                cancelled[a] = WeightwireError(
+                    "CANCELLED",
+                    f"worker {name(a)}: update cancelled {why}; not committed here (INCONSISTENT if it had loaded tensors)",
+                    code="CANCELLED",
+                    worker=a,
+                )
+            elif err is not None:
+                root[a] = _named(err, wid)
             else:
                 root[a] = WeightwireError(
                     "DEADLINE_EXCEEDED",
-                    f"worker {wid or a}: no result within {self.timeout_s:g} s (not committed)",
+                    f"worker {name(a)}: no result within {self.timeout_s:g} s (not committed)",
                     code="DEADLINE_EXCEEDED",
                     worker=a,
                 )

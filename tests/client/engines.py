@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,6 +52,10 @@ class Engine:
         return self.workers[i]
 
     def stop(self) -> None:
+        for w in self.workers:  # signal all first: they shut down in parallel
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGCONT)
+                w.proc.send_signal(signal.SIGTERM)
         for w in self.workers:
             w.stop()
 

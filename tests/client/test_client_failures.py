@@ -1,0 +1,137 @@
+"""Failures during an update, against real worker processes: a worker restarted between plan and
+push (MANIFEST_CHANGED, seen by the client and by the worker), a worker killed mid-update (the push
+fails fast naming it, the others are cancelled), a hung worker (deadline), and recovery after each."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import pytest
+from engines import CONFIG, Engine, WorkerSpec, shard_mismatches, start_engine
+from weightwire.adapters.torch.demo import full_checkpoint
+from weightwire.client import PushError, PushProgress, WeightPusher
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+# Each test restarts a worker (a few seconds); none waits for anything near this long.
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    socks = tmp_path_factory.mktemp("socks")
+    # Fixed socket paths, so a restarted worker comes back at the same address.
+    specs = [WorkerSpec((r, 2), listen=f"unix:{socks}/w{r}.sock") for r in (0, 1)]
+    eng = start_engine(specs, tmp_path_factory.mktemp("dumps"))
+    yield eng
+    eng.stop()
+
+
+def _version(pusher: WeightPusher) -> int:
+    return max(s.weights_version for s in pusher.status().values())
+
+
+def _recover(eng: Engine) -> None:
+    """A fresh pusher makes every worker CONSISTENT again with a FULL update, checked bit for bit."""
+    with WeightPusher(eng.addresses) as p:
+        v = _version(p) + 1
+        full = full_checkpoint(CONFIG, seed=v)
+        p.push(full, version=v)
+        assert {s.state for s in p.status().values()} == {pb.WORKER_STATE_CONSISTENT}
+        assert shard_mismatches(eng.dump_dir, p.manifests(), full, v) == {}
+
+
+def test_restart_between_plan_and_push_is_caught_by_the_client(engine: Engine) -> None:
+    with WeightPusher(engine.addresses) as p:
+        p.manifests()
+        a0, a1 = engine.addresses
+        engine.restart(1)
+        with pytest.raises(PushError) as e:
+            p.push(full_checkpoint(CONFIG, seed=1), version=_version(p) + 1)
+        assert list(e.value.failures) == [a1]
+        assert e.value.failures[a1].reason == "MANIFEST_CHANGED"
+        assert "restarted" in e.value.failures[a1].message
+        assert p.status()[a0].updates_failed == 0  # nothing was sent to the healthy worker either
+        # The next push re-reads the manifests by itself and goes through.
+        v = _version(p) + 1
+        full = full_checkpoint(CONFIG, seed=v)
+        p.push(full, version=v)
+        assert shard_mismatches(engine.dump_dir, p.manifests(), full, v) == {}
+
+
+def test_restart_between_plan_and_push_is_refused_by_the_worker(engine: Engine) -> None:
+    # Without the client's own re-check, the fingerprint in the header still catches it.
+    with WeightPusher(engine.addresses, recheck_manifests=False) as p:
+        p.manifests()
+        a0, a1 = engine.addresses
+        v0 = _version(p)
+        engine.restart(1)
+        with pytest.raises(PushError) as e:
+            p.push(full_checkpoint(CONFIG, seed=1), version=v0 + 1)
+        failures = e.value.failures
+        assert failures[a1].reason == "MANIFEST_CHANGED" and failures[a1].code == "FAILED_PRECONDITION"
+        assert a0 not in e.value.results  # nobody commits when one worker refused
+        assert p.status()[a0].weights_version == v0
+    _recover(engine)
+
+
+def test_worker_killed_mid_update_fails_fast_and_names_it(engine: Engine) -> None:
+    a0, a1 = engine.addresses
+    victim = engine.workers[1]
+    killed: list[int] = []
+
+    def kill_after_first_bucket(progress: PushProgress) -> None:
+        if not killed:
+            killed.append(progress.buckets_done)
+            victim.proc.send_signal(signal.SIGKILL)
+
+    # A long deadline: if the push waited for it instead of noticing the dead worker, the reason
+    # would be DEADLINE_EXCEEDED (and the test's timeout would hit first).
+    with WeightPusher(engine.addresses, bucket_size_bytes=8 * 1024, timeout_s=600) as p:
+        v0 = _version(p)
+        with pytest.raises(PushError) as e:
+            p.push(full_checkpoint(CONFIG, seed=v0 + 1), version=v0 + 1, progress=kill_after_first_bucket)
+        assert killed == [1]
+        failures = e.value.failures
+        assert failures[a1].code == "UNAVAILABLE" and failures[a1].worker == a1
+        assert "tp1-pp0" in failures[a1].message
+        assert failures[a0].reason == "CANCELLED" and "tp1-pp0" in failures[a0].message
+        assert not e.value.results
+        assert a1 in str(e.value) and "UNAVAILABLE" in str(e.value)
+        # The survivor had loaded a bucket: its version stays, and it says it is INCONSISTENT.
+        st = engine.workers[0].stub().GetStatus(pb.GetStatusRequest(), timeout=10)
+        assert st.weights_version == v0 and st.state == pb.WORKER_STATE_INCONSISTENT
+        # A push while the worker is down fails at once, naming it.
+        with pytest.raises(PushError) as down:
+            p.push(full_checkpoint(CONFIG, seed=1), version=v0 + 1)
+        assert list(down.value.failures) == [a1] and down.value.failures[a1].code == "UNAVAILABLE"
+    engine.restart(1)
+    _recover(engine)
+
+
+def test_hung_worker_hits_the_deadline(engine: Engine) -> None:
+    a0, a1 = engine.addresses
+    victim = engine.workers[1]
+    stopped: list[bool] = []
+
+    def freeze_after_first_bucket(progress: PushProgress) -> None:
+        if not stopped:
+            stopped.append(True)
+            victim.proc.send_signal(signal.SIGSTOP)
+
+    try:
+        with WeightPusher(engine.addresses, bucket_size_bytes=8 * 1024, timeout_s=2.0) as p:
+            v0 = _version(p)
+            with pytest.raises(PushError) as e:
+                p.push(full_checkpoint(CONFIG, seed=v0 + 1), version=v0 + 1, progress=freeze_after_first_bucket)
+            failures = e.value.failures
+            assert failures[a1].code == "DEADLINE_EXCEEDED" and "did not answer within the deadline" in failures[a1].message
+            assert failures[a0].reason == "CANCELLED"
+            assert not e.value.results
+            # Unary calls have the deadline too.
+            with pytest.raises(PushError) as unary:
+                p.status()
+            assert list(unary.value.failures) == [a1] and unary.value.failures[a1].code == "DEADLINE_EXCEEDED"
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    _recover(engine)
