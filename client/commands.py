@@ -87,8 +87,8 @@ def _pusher(args: argparse.Namespace, addresses: Sequence[str], **kw: Any) -> An
     return WeightPusher(addresses, token=_token(args), tls_ca=args.tls_ca, timeout_s=args.timeout, **kw)
 
 
-def _fail(err: BaseException, out: TextIO = sys.stderr) -> int:
-    print(f"weightwire: {err}", file=out)
+def _fail(err: BaseException) -> int:
+    print(f"weightwire: {err}", file=sys.stderr)
     return 1
 
 
@@ -279,10 +279,10 @@ def load_checkpoint(path: str) -> dict[str, Any]:
 class ProgressBar:
     """Plain-text progress on a stream: redrawn in place on a terminal, a few lines otherwise."""
 
-    def __init__(self, out: TextIO = sys.stderr, width: int = 30) -> None:
-        self.out = out
+    def __init__(self, out: TextIO | None = None, width: int = 30) -> None:
+        self.out = out if out is not None else sys.stderr
         self.width = width
-        self.tty = out.isatty()
+        self.tty = self.out.isatty()
         self.start = time.monotonic()
         self._last_decile = -1
 

@@ -197,7 +197,7 @@ def _demo(args: argparse.Namespace, workdir: str, workers: LocalWorkers, pusher_
                          "--log-level", "WARNING"])
     t0 = time.monotonic()
     addresses = workers.start(argv)
-    _say(f"started {len(addresses)} worker processes in {time.monotonic() - t0:.1f} s")
+    _say(f"started {len(addresses)} worker processes in {time.monotonic() - t0:.1f} s (dumps and logs in {workdir})")
 
     pusher = WeightPusher(addresses, bucket_size_bytes=args.bucket_kb * 1024, timeout_s=30.0)
     pusher_box.append(pusher)
