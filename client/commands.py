@@ -242,8 +242,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             last = f"v{r.version} {_when(r.finish_time)} {r.tensors_loaded}t {r.duration_ns / 1e6:.1f}ms"
         err = "-"
         if s.HasField("last_error"):
-            e = s.last_error
-            err = f"v{e.version} {_when(e.time)} {e.reason}: {e.message}"[:90]
+            le = s.last_error
+            err = f"v{le.version} {_when(le.time)} {le.reason}: {le.message}"[:90]
         rows.append((f"{s.worker_id or '?'} {addr}", short_device(s.device.kind, s.device.uuid), _ranks(s.rank),
                      s.weights_version, state, last, err))
     print(format_table(("worker", "device", "ranks", "version", "state", "last update", "last error"), rows, right=(3,)))

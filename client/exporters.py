@@ -37,7 +37,7 @@ _PLUGIN_MODULES = ("weightwire.client.cuda_export",)
 
 def crc32_of(data: torch.Tensor) -> int:
     """zlib CRC-32 of a flat uint8 tensor's bytes (the contract's CHECKSUM_ALGORITHM_CRC32)."""
-    return zlib.crc32(memoryview(data.detach().cpu().contiguous().numpy())) & 0xFFFFFFFF
+    return zlib.crc32(data.detach().cpu().contiguous().numpy().data) & 0xFFFFFFFF
 
 
 class StagingBuffer(abc.ABC):
