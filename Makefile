@@ -33,7 +33,7 @@ SGLANG_REQS := tests/sglang/requirements-cpu.txt
 SGLANG_CONSTRAINTS := tests/sglang/constraints-cpu.txt
 $(VENV)/.sglang-installed: $(SGLANG_REQS) $(SGLANG_CONSTRAINTS) | $(VENV)/.installed
 	$(PIP) install -q -c $(SGLANG_CONSTRAINTS) --no-deps sglang==0.5.23 torchvision==0.28.0 compressed-tensors==0.18.0
-	$(PIP) install -q -c $(SGLANG_CONSTRAINTS) -r $(SGLANG_REQS)
+	$(PIP) install -q --no-warn-conflicts -c $(SGLANG_CONSTRAINTS) -r $(SGLANG_REQS)
 	@touch $@
 
 install-sglang: $(VENV)/.sglang-installed ## Add SGLang 0.5.23 (CPU test stack, ~1.6 GB) to .venv (idempotent)

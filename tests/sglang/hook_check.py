@@ -1,0 +1,86 @@
+"""Run SGLang's real plugin loading in a fresh process and report, as one JSON line, what it did.
+
+Used by test_sglang_plugin.py. SGLang's ``load_plugins()`` discovers entry points of group
+``sglang.srt.plugins`` (weightwire's is one), calls each ``register()`` and applies the hooks to
+``Scheduler``; a scheduler itself cannot run on CPU, so this checks the patched class instead, and
+the plugin's refusals (hook target missing, the other hook absent, disabled by environment).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import sglang_cpu
+
+
+def main() -> None:
+    sglang_cpu.prepare_cpu_import()
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    ww_log = logging.getLogger("weightwire.sglang")
+    ww_log.addHandler(Collect())
+    ww_log.setLevel(logging.INFO)
+
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins, load_plugins_by_group
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from weightwire.adapters.sglang import plugin
+
+    out: dict[str, object] = {}
+    found = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
+    out["sglang_finds_plugin"] = "weightwire" in found and found["weightwire"][0] is plugin.register
+    out["init_hooked_before"] = plugin.hook_applied(Scheduler, "__init__", plugin.after_scheduler_init)
+
+    load_plugins()
+    out["init_hooked"] = plugin.hook_applied(Scheduler, "__init__", plugin.after_scheduler_init)
+    out["ingest_hooked"] = plugin.hook_applied(Scheduler, "ingest_requests", plugin.after_ingest_requests)
+    out["patched_targets"] = sorted(t for t in HookRegistry._patched if t in (plugin.INIT_TARGET, plugin.INGEST_TARGET))
+    out["registered_log"] = any("registered hooks" in r for r in records)
+
+    # Disabled by environment: register() adds nothing.
+    before = {t: len(h) for t, h in HookRegistry._hooks.items()}
+    os.environ["WEIGHTWIRE_SGLANG_ENABLE"] = "0"
+    plugin.register()
+    del os.environ["WEIGHTWIRE_SGLANG_ENABLE"]
+    out["disabled_adds_nothing"] = before == {t: len(h) for t, h in HookRegistry._hooks.items()}
+
+    # A hook target this SGLang lacks: the engine must not start (SystemExit passes load_plugins()).
+    plugin.INGEST_TARGET = "sglang.srt.managers.scheduler.Scheduler.no_such_method"
+    try:
+        plugin.register()
+        out["missing_target"] = "registered"
+    except SystemExit as e:
+        out["missing_target"] = str(e)
+
+    # The init hook finds the ingest hook missing on a scheduler class: it refuses to start.
+    class SchedulerWithoutIngestHook:
+        def ingest_requests(self) -> list[object]:
+            return []
+
+    try:
+        plugin.after_scheduler_init(None, SchedulerWithoutIngestHook())
+        out["init_without_ingest_hook"] = "started"
+    except RuntimeError as e:
+        out["init_without_ingest_hook"] = str(e)
+
+    # The ingest hook on a scheduler the init hook never saw: it refuses too.
+    try:
+        plugin.after_ingest_requests([], SchedulerWithoutIngestHook())
+        out["ingest_without_worker"] = "drained"
+    except RuntimeError as e:
+        out["ingest_without_worker"] = str(e)
+
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
