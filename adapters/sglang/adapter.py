@@ -209,7 +209,8 @@ class SGLangAdapter:
         calls: list[tuple[str, object]] = []
         restore = [self._instrument(t, calls) for t in expected]
         try:
-            self.model.load_weights([(name, tensor)])
+            load_weights: Callable[[list[tuple[str, torch.Tensor]]], object] = self.model.load_weights  # type: ignore[assignment]
+            load_weights([(name, tensor)])
         finally:
             for undo in restore:
                 undo()
