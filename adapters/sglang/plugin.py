@@ -95,7 +95,7 @@ def after_scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any
     worker = start_worker(scheduler)
     log.info(
         "weightwire: hooks on Scheduler.__init__ and Scheduler.ingest_requests applied (sglang %s); worker %s "
-        "serves %d checkpoint tensors (%.1f MiB, layers %d-%d of %d) at %s",
+        "serves %d checkpoint tensors (%.1f MiB, layers [%d, %d) of %d) at %s",
         _sglang_version(),
         worker.adapter.worker_id,
         len(worker.adapter.manifest().tensors),
