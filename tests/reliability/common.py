@@ -32,6 +32,8 @@ RPC_TIMEOUT_S = 60.0
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Filled by the adversarial tests (kind of case -> examples run); printed at the end of the session.
 CASES_RUN: collections.Counter[str] = collections.Counter()
+# Filled by the load tests (one summary line per run); printed at the end of the session.
+LOAD_REPORTS: list[str] = []
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
