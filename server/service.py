@@ -73,6 +73,11 @@ def bounded_join(names: Iterable[str], max_chars: int = _MAX_METADATA_CHARS) -> 
     return ",".join(out)
 
 
+def _cancelled() -> WeightwireError:
+    # No ErrorInfo reason: gRPC itself reports CANCELLED to the (gone) client; this is for GetStatus.
+    return WeightwireError("", "the client went away (stream cancelled) before commit", code="CANCELLED")
+
+
 class WorkerService:
     """One engine worker: its adapter, its identity, its weights version and state."""
 
@@ -247,11 +252,14 @@ class WorkerService:
             if self._active is update:
                 self._active = None
 
-    def push(self, requests: Iterator[pb.PushWeightsRequest]) -> Iterator[pb.PushWeightsResponse]:
+    def push(
+        self, requests: Iterator[pb.PushWeightsRequest], *, client_gone: Callable[[], bool] | None = None
+    ) -> Iterator[pb.PushWeightsResponse]:
         """The PushWeights stream: header, buckets, commit. Raises WeightwireError on any failure.
 
         If the caller stops iterating (client gone) or ``requests`` raises, the update fails and,
-        when something was already loaded, the worker becomes INCONSISTENT.
+        when something was already loaded, the worker becomes INCONSISTENT. ``client_gone`` tells a
+        cancelled stream (recorded as CANCELLED) from one the client closed without a commit.
         """
         update: Update | None = None
         try:
@@ -273,12 +281,14 @@ class WorkerService:
                 else:
                     what = "a second header" if kind == "header" else "an empty message"
                     raise update.fail(WeightwireError(Reason.MALFORMED_STREAM, f"received {what} inside an update"))
+            if client_gone is not None and client_gone():
+                raise update.fail(_cancelled())
             raise update.fail(
                 WeightwireError(Reason.MALFORMED_STREAM, "the stream ended before a commit; the update was not applied")
             )
         finally:
             if update is not None and not update.finished:
-                update.fail(WeightwireError("", "the client went away (stream cancelled) before commit", code="CANCELLED"))
+                update.fail(_cancelled())
 
 
 class Update:
@@ -449,7 +459,8 @@ class Update:
                 del views
             load_ns = time.perf_counter_ns() - t_load
         finally:
-            if importer.cache_key(sel.payload) is None and not importer.reusable:
+            if mapping not in self._mappings.values():
+                # Not shared within this update: done with it (a reusable importer keeps its cache).
                 mapping.close()
         nbytes = sum(s.nbytes for s in owned)
         self._loaded.update(s.name for s in owned)

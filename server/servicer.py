@@ -65,7 +65,7 @@ class WeightTransferServicer(pb_grpc.WeightTransferServiceServicer):
         self, request_iterator: Iterator[pb.PushWeightsRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.PushWeightsResponse]:
         try:
-            yield from self.service.push(request_iterator)
+            yield from self.service.push(request_iterator, client_gone=lambda: not context.is_active())
         except WeightwireError as err:
             context.abort_with_status(to_rpc_status(err))
 

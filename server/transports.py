@@ -31,8 +31,11 @@ from weightwire.core.shm import check_shm_name
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 # torch warns once per process that a read-only buffer gives a writable-typed tensor. The views are
-# only ever read (copied into the model), so the warning carries no information here.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+# only ever read (copied into the model), so the warning carries no information here: trigger the
+# one-time warning now, silently, instead of changing the process's warning filters.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0", dtype=torch.uint8)
 
 _SHM_DIR = "/dev/shm"
 
@@ -146,6 +149,10 @@ def _view_buffer(buf: object, size_bytes: int, offset_bytes: int, dtype: torch.d
     if offset_bytes + numel * dtype.itemsize > size_bytes:
         # The service validated bounds already; this guards the raw pointer arithmetic below.
         raise WeightwireError(Reason.TENSOR_OUT_OF_BOUNDS, f"view [{offset_bytes}, +{numel * dtype.itemsize}) beyond {size_bytes} bytes")
+    if offset_bytes % dtype.itemsize:
+        # A misaligned element type cannot alias the bytes safely; one host copy keeps it correct.
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=numel * dtype.itemsize, offset=offset_bytes).clone()  # type: ignore[arg-type]
+        return raw.view(dtype).view(tuple(shape))
     return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset_bytes).view(tuple(shape))  # type: ignore[arg-type]
 
 

@@ -40,7 +40,7 @@ def _shape_text(shape: tuple[int, ...] | list[int]) -> str:
 
 
 def check_spec(spec: pb.TensorSpec) -> CheckedSpec:
-    """Name present, dtype known, dims and offset non-negative, size bounded, offset aligned."""
+    """Name present, dtype known, dims and offset non-negative, size bounded."""
     if not spec.name:
         raise WeightwireError(Reason.MALFORMED_STREAM, "a tensor spec has an empty name")
     torch_dtype = dtypes.to_torch(spec.dtype) if spec.dtype != pb.DTYPE_UNSPECIFIED else None
@@ -66,13 +66,6 @@ def check_spec(spec: pb.TensorSpec) -> CheckedSpec:
     if spec.offset_bytes < 0 or spec.offset_bytes > MAX_BYTES:
         raise WeightwireError(
             Reason.INVALID_OFFSET, f"tensor {spec.name!r} has offset_bytes {spec.offset_bytes} (must be 0..{MAX_BYTES})", tensor=spec.name
-        )
-    if spec.offset_bytes % torch_dtype.itemsize:
-        raise WeightwireError(
-            Reason.INVALID_OFFSET,
-            f"tensor {spec.name!r} starts at offset_bytes {spec.offset_bytes}, not a multiple of its element size "
-            f"{torch_dtype.itemsize} ({dtypes.name(spec.dtype)}); align each tensor in the buffer",
-            tensor=spec.name,
         )
     return CheckedSpec(spec.name, spec.dtype, torch_dtype, shape, spec.offset_bytes, nbytes)
 

@@ -110,6 +110,25 @@ def spawn_worker(*args: str, timeout: float = 60.0, env: Mapping[str, str] | Non
             return WorkerProcess(proc, line[len(LISTENING_PREFIX) :].strip(), cmd, stderr_lines)
 
 
+def spawn_workers(arg_lists: Sequence[Sequence[str]], timeout: float = 90.0) -> list[WorkerProcess]:
+    """Start several workers at once (their imports overlap) and wait until all listen."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, len(arg_lists))) as pool:
+        futures = [pool.submit(spawn_worker, *args, timeout=timeout) for args in arg_lists]
+    workers, errors = [], []
+    for f in futures:
+        try:
+            workers.append(f.result())
+        except Exception as e:
+            errors.append(e)
+    if errors:
+        for w in workers:
+            w.stop()
+        raise errors[0]
+    return workers
+
+
 def demo_args(
     *, tp: tuple[int, int] = (0, 1), pp: tuple[int, int] = (0, 1), seed: int = 0, listen: str | None = None,
     dump_dir: str | os.PathLike[str] | None = None, extra: Sequence[str] = (),
@@ -144,7 +163,8 @@ class ShmSegments:
     def create(self, data: bytes | bytearray | memoryview, *, size: int | None = None, name: str | None = None) -> shared_memory.SharedMemory:
         size = max(size if size is not None else len(data), 1)
         seg = shared_memory.SharedMemory(name=name or new_shm_name("test"), create=True, size=size)
-        seg.buf[: len(data)] = bytes(data)
+        n = min(len(data), size)
+        seg.buf[:n] = bytes(data[:n])
         self.segments.append(seg)
         return seg
 
