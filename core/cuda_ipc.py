@@ -117,9 +117,11 @@ class CudaIpcFields:
         check_ref_counter(self.ref_counter_handle, self.ref_counter_offset)
 
     @property
-    def cache_key(self) -> tuple[bytes, int, int]:
-        """Identity of the exported storage: same allocation, same place, same size."""
-        return (self.memory_handle, self.storage_offset_bytes, self.storage_size_bytes)
+    def cache_key(self) -> tuple[bytes, int, int, bytes]:
+        """Identity of the exported storage: same allocation, same place, same size, and the same
+        producer (its counter file, named after its pid), so a restarted sender can never be
+        served a mapping of the process before it."""
+        return (self.memory_handle, self.storage_offset_bytes, self.storage_size_bytes, self.ref_counter_handle)
 
     @property
     def ref_counter(self) -> tuple[bytes, int]:
@@ -207,13 +209,13 @@ def share_cuda_tensor(tensor: torch.Tensor) -> SharedCudaBuffer:
         event_handle=bytes(event_handle) if event_handle is not None else b"",
         event_sync_required=bool(event_sync_required),
     )
-    base = tensor.storage_offset() * tensor.element_size()
+    base = int(tensor.storage_offset()) * tensor.element_size()
     return SharedCudaBuffer(
         fields=fields,
         device=DeviceRef.cuda(cuda_device_uuid(int(device_index))),
         device_index=int(device_index),
         base_offset_bytes=base,
-        size_bytes=base + tensor.numel() * tensor.element_size(),
+        size_bytes=base + int(tensor.numel()) * tensor.element_size(),
         owner=tensor,
     )
 
@@ -335,7 +337,7 @@ class CudaIpcCache:
         self._release_counter = release_counter
         self._collect = collect
         self._lock = threading.Lock()
-        self._entries: collections.OrderedDict[tuple[bytes, int, int, int], _Entry] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[tuple[bytes, int, int, bytes, int], _Entry] = collections.OrderedDict()
         self.opens = 0
         self.evictions = 0
 

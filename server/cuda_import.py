@@ -66,8 +66,8 @@ class CudaIpcMapping:
         return raw.view(dtype).view(tuple(shape))
 
     def crc32(self, size_bytes: int) -> int:
-        data = self._bytes()[:size_bytes].cpu().numpy()
-        return zlib.crc32(memoryview(data))
+        data = self._bytes()[:size_bytes].cpu().numpy().tobytes()
+        return zlib.crc32(data)
 
     def close(self) -> None:
         self._flat = None

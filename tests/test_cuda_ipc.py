@@ -48,7 +48,7 @@ def test_fields_round_trip_through_proto_bytes() -> None:
     assert back.WhichOneof("handle") == "cuda_ipc"
     assert back.device.uuid == "abc"
     assert CudaIpcFields.from_proto(back.cuda_ipc) == fields
-    assert fields.cache_key == (HANDLE, 1024, 4096)
+    assert fields.cache_key == (HANDLE, 1024, 4096, b"/torch_1234_987654_0")
     assert fields.ref_counter == (b"/torch_1234_987654_0", 7)
 
 
@@ -130,13 +130,15 @@ def test_cache_opens_each_storage_once_and_counts() -> None:
     assert fake.released == [(b"/torch_1234_987654_0", 99)]
 
 
-def test_cache_keys_by_device_and_size_too() -> None:
+def test_cache_keys_by_device_size_and_producer_too() -> None:
     fake = FakeCuda()
     cache = fake.cache()
     cache.open(make_fields(), 0)
     assert cache.open(make_fields(), 1).opened
     assert cache.open(make_fields(storage_size_bytes=8192), 0).opened
-    assert cache.opens == 3
+    # Equal handle bytes from another producer process (another counter file) never hit.
+    assert cache.open(make_fields(ref_counter_handle=b"/torch_999_1_0"), 0).opened
+    assert cache.opens == 4
 
 
 def test_cache_evicts_least_recently_used_and_releases_all() -> None:
@@ -196,7 +198,7 @@ def test_importer_checks_fields_and_keys_by_storage() -> None:
     assert importer.reusable and importer.field_name == "cuda_ipc"
     good = pb.Payload(device=DeviceRef.cuda("abc").to_proto(), size_bytes=10, cuda_ipc=make_fields().to_proto())
     importer.check(good)
-    assert importer.cache_key(good) == ("cuda_ipc", (HANDLE, 1024, 4096))
+    assert importer.cache_key(good) == ("cuda_ipc", (HANDLE, 1024, 4096, b"/torch_1234_987654_0"))
     bad = pb.Payload(cuda_ipc=make_fields(ref_counter_handle=b"/x").to_proto())
     with pytest.raises(WeightwireError) as info:
         importer.check(bad)

@@ -48,7 +48,8 @@ def test_colocated_tp2_pp2_on_one_gpu_reuses_handles(tmp_path: Path) -> None:
         with trainer("0", list(addr)) as tr:
             opened_first: dict[str, int] = {}
             for version in (1, 2, 3):
-                results = ok(tr.call("push", version, {}))
+                # Version 3 also has both sides checksum the GPU bytes (client staging, worker mapping).
+                results = ok(tr.call("push", version, {"verify": version == 3}))
                 assert set(results) == set(addr)
                 for a, r in results.items():
                     assert r["version"] == version and r["transport"] == "cuda_ipc" and r["state"] == "CONSISTENT"
@@ -60,12 +61,26 @@ def test_colocated_tp2_pp2_on_one_gpu_reuses_handles(tmp_path: Path) -> None:
                         assert r["handles_opened"] == 0, (a, r)
                 for spec in addr.values():
                     expect_dump(dumps, spec, version)
+            # A flat GPU buffer that starts 4096 bytes into its allocation, exported in place: the
+            # tensor offsets on the wire must count from the storage's first byte.
+            opened_flat: dict[str, int] = {}
+            for version in (4, 5):
+                results = ok(tr.call("flat", version, {"lead": 4096, "verify": True}))
+                for a, r in results.items():
+                    assert r["version"] == version and r["transport"] == "cuda_ipc"
+                    if version == 4:
+                        assert r["handles_opened"] == 1, (a, r)
+                        opened_flat[a] = 1
+                    else:
+                        assert r["handles_opened"] == 0, (a, r)
+                for spec in addr.values():
+                    expect_dump(dumps, spec, version)
             status = tr.call("status")
             for a, st in status.items():
-                assert st["version"] == 3 and st["state"] == "CONSISTENT"
+                assert st["version"] == 5 and st["state"] == "CONSISTENT"
                 assert st["device_uuid"] == gpu_uuid(0)
                 # The mappings a worker keeps are exactly the handles it opened once.
-                assert st["open_mappings"] == opened_first[a]
+                assert st["open_mappings"] == opened_first[a] + opened_flat[a]
 
 
 @pytest.mark.gpu
@@ -122,6 +137,28 @@ def test_no_leak_over_20_updates(tmp_path: Path) -> None:
         print(f"GPU 0 used: baseline {base_used} B, after 20 more updates {used} B; mappings {st['open_mappings']}")
         assert st["version"] == 22 and st["open_mappings"] == base_mappings
         assert used <= base_used + 2 * 1024 * 1024, (base_used, used)
+
+
+@pytest.mark.gpu
+@needs_gpus(1)
+def test_restarted_trainer_gets_fresh_mappings(tmp_path: Path) -> None:
+    """A new trainer process (new buffers, new handles) is never served a stale cached mapping of
+    the one before it: it opens its own handles and the contents are its own."""
+    dumps = tmp_path / "dumps"
+    spec = WorkerSpec("0", "tp0-pp0")
+    with workers([spec], tmp_path, dump_dir=dumps) as ws:
+        a = ws[0].address
+        opened = []
+        for version in (1, 2):
+            with trainer("0", [a]) as tr:
+                r = ok(tr.call("push", version, {}))[a]
+                assert r["version"] == version
+                opened.append(r["handles_opened"])
+                expect_dump(dumps, spec, version)
+                held = tr.call("status")[a]["open_mappings"]
+        assert opened[0] >= 1 and opened[1] >= 1
+        # The first trainer's mappings stay cached (bounded LRU) next to the second's.
+        assert held == opened[0] + opened[1]
 
 
 @pytest.mark.gpu

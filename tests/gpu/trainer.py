@@ -5,7 +5,8 @@ its ``cuda:0``). Each command on stdin gets one JSON line on stdout. Weights of 
 ``full_checkpoint(DemoConfig(), seed=v)``. Handles travel between trainer processes as the hex of a
 serialised ``weightwire.v1.Payload`` (never pickle).
 
-  push V OPTS       WeightPusher.push of version V from this GPU (OPTS: JSON, see _push)
+  push V OPTS       WeightPusher.push of version V from this GPU (OPTS: JSON, see Trainer.push)
+  flat V OPTS       WeightPusher.push_flat of a GPU buffer exported in place (see Trainer.flat)
   prepare V         pack version V into this process's flat GPU buffer; answer its payload
   gathered V OPTS   WeightPusher.push_gathered: this GPU's flat buffer plus payloads of other ranks
   raw V OPTS        one hand-built PushWeights stream to one worker (to read every BucketAck)
@@ -26,7 +27,7 @@ import torch
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.client.cuda_export import CudaIpcExporter
 from weightwire.client.plan import layout_flat, pack_into
-from weightwire.client.pusher import GatheredBucket, WeightPusher
+from weightwire.client.pusher import FlatBucket, GatheredBucket, WeightPusher
 from weightwire.client.rpc import Worker, error_from_rpc
 from weightwire.core.errors import PushError, WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -45,6 +46,7 @@ class Trainer:
         self.pusher = WeightPusher(endpoints, transport="cuda_ipc", bucket_size_bytes=bucket_size_bytes, timeout_s=120)
         self.exporter = CudaIpcExporter(DEVICE)
         self.flat: torch.Tensor | None = None
+        self.lead_buffer: torch.Tensor | None = None
 
     def weights(self, version: int) -> dict[str, torch.Tensor]:
         return {name: t.to(DEVICE) for name, t in full_checkpoint(CONFIG, version).items()}
@@ -65,7 +67,28 @@ class Trainer:
     def push(self, version: int, opts: dict[str, Any]) -> dict[str, Any]:
         tensors = self.weights(version)
         return self._pushed(
-            lambda: self.pusher.push(tensors, version=version, only_own_device=bool(opts.get("only_own_device")))
+            lambda: self.pusher.push(
+                tensors,
+                version=version,
+                only_own_device=bool(opts.get("only_own_device")),
+                verify_checksums=bool(opts.get("verify")),
+            )
+        )
+
+    def flat(self, version: int, opts: dict[str, Any]) -> dict[str, Any]:
+        """push_flat of one GPU buffer that starts ``opts['lead']`` bytes into its allocation (an
+        all-gather output slice, say): exported in place, no packing copy."""
+        items = list(self.weights(version).items())
+        specs, size = layout_flat(items)
+        lead = int(opts.get("lead", 0))
+        if self.lead_buffer is None or self.lead_buffer.numel() != lead + size:
+            self.lead_buffer = torch.empty(lead + size, dtype=torch.uint8, device=DEVICE)
+        view = self.lead_buffer[lead:]
+        pack_into(view, specs, [t for _, t in items])
+        return self._pushed(
+            lambda: self.pusher.push_flat(
+                [FlatBucket(view, specs)], version=version, verify_checksums=bool(opts.get("verify"))
+            )
         )
 
     def prepare(self, version: int) -> tuple[list[Any], int, pb.Payload]:
@@ -101,6 +124,7 @@ class Trainer:
                 version=version,
                 allow_peer_device_import=bool(opts.get("allow_peer")),
                 precheck_labels=bool(opts.get("precheck", True)),
+                verify_checksums=bool(opts.get("verify")),
             )
         )
 
@@ -178,6 +202,8 @@ def main() -> int:
             opts = json.loads(rest[1]) if len(rest) > 1 else {}
             if cmd == "push":
                 reply(trainer.push(version, opts))
+            elif cmd == "flat":
+                reply(trainer.flat(version, opts))
             elif cmd == "prepare":
                 reply({"payload": trainer.prepare(version)[2].SerializeToString().hex()})
             elif cmd == "gathered":
