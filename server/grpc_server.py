@@ -137,6 +137,9 @@ def serve(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # A second process on the same port would split traffic silently.
             ("grpc.so_reuseport", 0),
+            # Notice a trainer that vanished mid-update (its stream would otherwise hold the update).
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
         ],
     )
     pb_grpc.add_WeightTransferServiceServicer_to_server(WeightTransferServicer(service), server)

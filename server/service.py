@@ -206,9 +206,9 @@ class WorkerService:
         try:
             self.adapter.begin_update(header.version)
         except Exception as e:
-            err = WeightwireError(Reason.LOAD_FAILED, f"the engine refused to begin update {header.version}: {e!r}")
-            update.fail(err)
-            raise err from e
+            refused = WeightwireError(Reason.LOAD_FAILED, f"the engine refused to begin update {header.version}: {e!r}")
+            update.fail(refused)
+            raise refused from e
         update.begun = True
         return update
 
@@ -286,6 +286,15 @@ class WorkerService:
             raise update.fail(
                 WeightwireError(Reason.MALFORMED_STREAM, "the stream ended before a commit; the update was not applied")
             )
+        except WeightwireError:
+            raise
+        except Exception as e:
+            # The request stream broke (client gone) or a bug: never leave the update half-open.
+            if update is not None and not update.finished:
+                gone = client_gone is not None and client_gone()
+                err = _cancelled() if gone else WeightwireError("", f"internal error in the worker: {e!r}", code="INTERNAL")
+                update.fail(err)
+            raise
         finally:
             if update is not None and not update.finished:
                 update.fail(_cancelled())
