@@ -150,7 +150,7 @@ def start_worker(scheduler: Any, settings: Settings | None = None) -> SchedulerW
         worker_id=worker_id(rank),
         engine_queue=queue,
         weight_session=runner.weight_updater,
-        engine_gate=functools.partial(scheduler_gate, scheduler),
+        engine_gate=functools.partial(scheduler_gate, scheduler, pause_honoured=pause_honoured(scheduler, rank)),
         on_committed=functools.partial(after_commit, scheduler, settings),
     )
     address = settings.address(rank)
@@ -172,14 +172,31 @@ def start_worker(scheduler: Any, settings: Settings | None = None) -> SchedulerW
     return worker
 
 
-def scheduler_gate(scheduler: Any) -> str | None:
-    """None when writing weights cannot overlap a batch: the engine is paused or has no requests."""
-    if getattr(scheduler, "_engine_paused", False) or scheduler.is_fully_idle():
+def pause_honoured(scheduler: Any, rank: ParallelRank) -> bool:
+    """Whether this scheduler's event loop stops running batches while ``_engine_paused``.
+
+    In SGLang 0.5.23 the normal, overlap and disaggregation loops do; the pipeline-parallel and
+    PD-multiplexing loops never look at the flag and keep running the batches an in-place or
+    retract pause left behind.
+    """
+    return rank.pp_size == 1 and not getattr(scheduler, "enable_pdmux", False)
+
+
+def scheduler_gate(scheduler: Any, *, pause_honoured: bool) -> str | None:
+    """None when writing weights cannot overlap a batch: the engine has no request, or is paused
+    and its event loop honours the pause."""
+    if scheduler.is_fully_idle():
         return None
-    return (
-        f"the engine is serving requests ({len(scheduler.waiting_queue)} waiting, "
-        f"{len(scheduler.running_batch.reqs)} running); call POST /pause_generation first"
-    )
+    load = f"{len(scheduler.waiting_queue)} waiting, {len(scheduler.running_batch.reqs)} running"
+    if getattr(scheduler, "_engine_paused", False):
+        if pause_honoured:
+            return None
+        return (
+            f"the engine is paused but still holds requests ({load}), and SGLang's pipeline-parallel "
+            "event loop keeps running them while paused; pause with POST /pause_generation "
+            '{"mode": "abort"}'
+        )
+    return f"the engine is serving requests ({load}); call POST /pause_generation first"
 
 
 def after_commit(scheduler: Any, settings: Settings, version: int) -> None:

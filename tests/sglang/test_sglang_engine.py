@@ -143,6 +143,17 @@ def test_tp2_pp2_qwen2(tmp_path: Path) -> None:
     with engine_and_pusher(tmp_path, spec, tp=2, pp=2) as (engine, pusher):
         check_manifests(engine, pusher)
         push_and_check(engine, pusher, 1)
+
+        # SGLang's pipeline-parallel loop ignores an in-place pause: requests left in the batch
+        # would keep running, so with PP > 1 only an empty engine (pause mode "abort") is written.
+        engine.command("busy")
+        engine.command("pause")
+        with pytest.raises(PushError) as refused:
+            pusher.push(full_checkpoint(spec, seed=2), version=2)
+        assert any('"mode": "abort"' in e.message for e in refused.value.failures.values())
+        assert {v for v, _ in versions(pusher).values()} == {1}
+
+        engine.command("idle")
         push_and_check(engine, pusher, 2)
 
 
