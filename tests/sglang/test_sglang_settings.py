@@ -202,3 +202,27 @@ def test_task_nobody_drains_is_withdrawn() -> None:
     assert err.value.reason == "LOAD_FAILED" and "load 3 tensor(s)" in err.value.message
     assert q.drain() == 0 and ran == []
 
+
+
+# ----------------------------------------------------------------------------- discover command
+
+
+def run_discover_command(argv: list[str]) -> int:
+    import argparse
+
+    from weightwire.adapters.sglang import cli
+
+    parser = argparse.ArgumentParser(prog="weightwire")
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["discover", *argv])
+    return int(args.func(args))
+
+
+def test_discover_command(tmp_path: Path, listeners: list[socket.socket], capsys: pytest.CaptureFixture[str]) -> None:
+    for wid in ("tp1-pp0", "tp0-pp0"):
+        listen_unix(str(tmp_path / f"{wid}.sock"), listeners)
+    assert run_discover_command([str(tmp_path), "--count", "2"]) == 0
+    assert capsys.readouterr().out.split() == [f"unix:{tmp_path}/tp0-pp0.sock", f"unix:{tmp_path}/tp1-pp0.sock"]
+    assert run_discover_command([str(tmp_path), "--count", "3"]) == 1
+    assert "expected 3 workers" in capsys.readouterr().err
+    assert run_discover_command([]) == 2
