@@ -15,12 +15,14 @@ that reuses a cached mapping does not wait on any CUDA event.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
 from weightwire.client.exporters import Exporter, StagingBuffer, crc32_of, register_exporter
-from weightwire.core.cuda_ipc import SharedCudaBuffer, ipc_collect, share_cuda_tensor
+from weightwire.core.cuda_ipc import CudaIpcFields, SharedCudaBuffer, ipc_collect, share_cuda_tensor
 from weightwire.core.devices import DeviceRef, cuda_device_uuid
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -30,8 +32,8 @@ __all__ = ["CudaIpcExporter", "CudaStagingBuffer", "cuda_auto_rule", "resolve_cu
 # Staging allocations are rounded up to this, so every tensor offset the packer aligns stays
 # inside and the caching allocator gets sizes it can reuse.
 _ALLOC_GRANULE = 2 * 1024 * 1024
-# In-place exports kept shared (by storage) so re-wrapping a persistent buffer reuses its handle.
-_WRAP_CACHE_SIZE = 4
+# In-place exports remembered (by storage, weakly) so re-wrapping a persistent buffer reuses its handle.
+_WRAP_CACHE_SIZE = 16
 
 
 def resolve_cuda_device(source: torch.device | str | int | None) -> torch.device:
@@ -95,6 +97,17 @@ class CudaStagingBuffer(StagingBuffer):
         self._shared = None
 
 
+@dataclasses.dataclass(frozen=True)
+class _WrapShare:
+    """A caller's buffer shared once: the handle fields, and a weak reference to its storage so a
+    freed buffer whose address comes back is shared anew rather than confused with the old one."""
+
+    storage: weakref.ref[torch.UntypedStorage]
+    fields: CudaIpcFields
+    device: DeviceRef
+    device_index: int
+
+
 class CudaIpcExporter(Exporter):
     """CUDA IPC from one GPU of the trainer; payloads are labelled with that GPU's UUID."""
 
@@ -106,7 +119,7 @@ class CudaIpcExporter(Exporter):
         self.label = DeviceRef.cuda(cuda_device_uuid(self.device.index or 0))
         self._lock = threading.Lock()
         self._buffers: list[CudaStagingBuffer] = []
-        self._wrapped: collections.OrderedDict[tuple[int, int], SharedCudaBuffer] = collections.OrderedDict()
+        self._wrapped: collections.OrderedDict[tuple[int, int], _WrapShare] = collections.OrderedDict()
         self.allocations = 0
 
     def allocate(self, capacity_bytes: int) -> CudaStagingBuffer:
@@ -131,27 +144,31 @@ class CudaIpcExporter(Exporter):
             return None
         storage = raw.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
+        whole = torch.empty((0,), dtype=torch.uint8, device=self.device)
+        whole.set_(storage, 0, (storage.nbytes(),), (1,))
         with self._lock:
-            shared = self._wrapped.get(key)
-            if shared is not None:
+            known = self._wrapped.get(key)
+            if known is not None and known.storage() is storage:
                 self._wrapped.move_to_end(key)
-        if shared is None:
-            # Share the whole storage once; every later view into it reuses the same handle.
-            whole = torch.empty((0,), dtype=torch.uint8, device=self.device)
-            whole.set_(storage, 0, (storage.nbytes(),), (1,))
+            else:
+                known = None
+        if known is None:
+            # Share the whole storage once; every later view into it reuses the same handle (and a
+            # worker its cached mapping). Only a weak reference is kept: the caller owns the buffer.
             shared = share_cuda_tensor(whole)
+            known = _WrapShare(weakref.ref(storage), shared.fields, shared.device, shared.device_index)
             with self._lock:
-                self._wrapped[key] = shared
+                self._wrapped[key] = known
                 while len(self._wrapped) > _WRAP_CACHE_SIZE:
                     self._wrapped.popitem(last=False)
-        base = raw.storage_offset()
+        base = int(raw.storage_offset())
         view = SharedCudaBuffer(
-            fields=shared.fields,
-            device=shared.device,
-            device_index=shared.device_index,
+            fields=known.fields,
+            device=known.device,
+            device_index=known.device_index,
             base_offset_bytes=base,
-            size_bytes=base + raw.numel(),
-            owner=shared.owner,
+            size_bytes=base + int(raw.numel()),
+            owner=whole,
         )
         return CudaStagingBuffer(raw, view, owned=False)
 

@@ -63,21 +63,19 @@ def test_colocated_tp2_pp2_on_one_gpu_reuses_handles(tmp_path: Path) -> None:
                     expect_dump(dumps, spec, version)
             # A flat GPU buffer that starts 4096 bytes into its allocation, exported in place: the
             # tensor offsets on the wire must count from the storage's first byte.
+            # Version 6 comes in a new buffer (the trainer dropped the old one): a new handle.
             opened_flat: dict[str, int] = {}
-            for version in (4, 5):
-                results = ok(tr.call("flat", version, {"lead": 4096, "verify": True}))
+            for version, lead in ((4, 4096), (5, 4096), (6, 8192)):
+                results = ok(tr.call("flat", version, {"lead": lead, "verify": True}))
                 for a, r in results.items():
                     assert r["version"] == version and r["transport"] == "cuda_ipc"
-                    if version == 4:
-                        assert r["handles_opened"] == 1, (a, r)
-                        opened_flat[a] = 1
-                    else:
-                        assert r["handles_opened"] == 0, (a, r)
+                    assert r["handles_opened"] == (0 if version == 5 else 1), (a, r)
+                    opened_flat[a] = opened_flat.get(a, 0) + r["handles_opened"]
                 for spec in addr.values():
                     expect_dump(dumps, spec, version)
             status = tr.call("status")
             for a, st in status.items():
-                assert st["version"] == 5 and st["state"] == "CONSISTENT"
+                assert st["version"] == 6 and st["state"] == "CONSISTENT"
                 assert st["device_uuid"] == gpu_uuid(0)
                 # The mappings a worker keeps are exactly the handles it opened once.
                 assert st["open_mappings"] == opened_first[a] + opened_flat[a]

@@ -6,7 +6,7 @@ its ``cuda:0``). Each command on stdin gets one JSON line on stdout. Weights of 
 serialised ``weightwire.v1.Payload`` (never pickle).
 
   push V OPTS       WeightPusher.push of version V from this GPU (OPTS: JSON, see Trainer.push)
-  flat V OPTS       WeightPusher.push_flat of a GPU buffer exported in place (see Trainer.flat)
+  flat V OPTS       WeightPusher.push_flat of a GPU buffer exported in place (see Trainer.push_flat_buffer)
   prepare V         pack version V into this process's flat GPU buffer; answer its payload
   gathered V OPTS   WeightPusher.push_gathered: this GPU's flat buffer plus payloads of other ranks
   raw V OPTS        one hand-built PushWeights stream to one worker (to read every BucketAck)
@@ -75,7 +75,7 @@ class Trainer:
             )
         )
 
-    def flat(self, version: int, opts: dict[str, Any]) -> dict[str, Any]:
+    def push_flat_buffer(self, version: int, opts: dict[str, Any]) -> dict[str, Any]:
         """push_flat of one GPU buffer that starts ``opts['lead']`` bytes into its allocation (an
         all-gather output slice, say): exported in place, no packing copy."""
         items = list(self.weights(version).items())
@@ -203,7 +203,7 @@ def main() -> int:
             if cmd == "push":
                 reply(trainer.push(version, opts))
             elif cmd == "flat":
-                reply(trainer.flat(version, opts))
+                reply(trainer.push_flat_buffer(version, opts))
             elif cmd == "prepare":
                 reply({"payload": trainer.prepare(version)[2].SerializeToString().hex()})
             elif cmd == "gathered":
