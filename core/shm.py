@@ -56,7 +56,10 @@ def sweep_orphans(directory: str = SHM_DIR) -> list[str]:
     A trainer that is SIGKILLed cannot unlink its own segments, and nothing else owns them (workers
     never unlink). Trainers call this at start (and tests after killing one) to reclaim that memory.
     Only segments owned by this user are touched, and a live pid keeps its segments even if the pid
-    was reused, so the sweep never removes memory a running sender may still be writing.
+    was reused, so the sweep never removes memory a running sender of this PID namespace may still
+    be writing. Pids are looked up in this process's PID namespace: do not sweep a /dev/shm shared
+    with containers that have their own (e.g. ``docker --ipc=host`` without ``--pid=host``), where
+    a live trainer's pid would look dead.
     """
     removed: list[str] = []
     try:
