@@ -262,14 +262,21 @@ def test_worker_restart_is_detected_by_the_client(cluster: Cluster, own_segments
 
 def test_client_deadline_exceeded(cluster: Cluster, own_segments: set[int]) -> None:
     before = cluster.version
+    buckets_done: list[int] = []
 
     def slow(report: PushProgress) -> None:
-        threading.Event().wait(0.5)  # blocks the reader of acks: the update cannot finish in time
+        buckets_done.append(report.buckets_done)
+        threading.Event().wait(0.5)  # blocks the reader of acks: dozens of buckets cannot finish in time
 
     version = cluster.next_version()
-    with WeightPusher(cluster.addresses, bucket_size_bytes=BUCKET_BYTES, timeout_s=2.0) as pusher:
+    # Only the update stream runs under the short deadline: manifests are read first, and the
+    # pre-push status check is off, so the deadline can only strike inside the update.
+    with WeightPusher(cluster.addresses, bucket_size_bytes=BUCKET_BYTES, recheck_manifests=False) as pusher:
+        pusher.manifests()
+        pusher.timeout_s = 4.0
         with pytest.raises(PushError) as exc:
             pusher.push(full_checkpoint(cluster.config, seed=version), version=version, progress=slow)
+    assert buckets_done, "no bucket was acked by every worker before the deadline"
     codes = {a: f.code for a, f in exc.value.failures.items()}
     assert set(codes) == set(cluster.addresses)
     assert "DEADLINE_EXCEEDED" in codes.values(), codes
