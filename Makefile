@@ -60,7 +60,7 @@ test: install install-sglang ## Run the CPU test suite (what CI runs)
 test-sglang: install install-sglang ## Run only the SGLang adapter tests (CPU, SGLang's real classes)
 	$(PY) -m pytest -q -m sglang tests/sglang
 
-test-gpu: ## Run the GPU suite on a CUDA machine (uses the current python, not .venv)
+test-gpu: ## Run the GPU suite on a CUDA machine (current python, not .venv; tests/gpu/run_suite.sh also installs and records the hardware)
 	$(PYTHON) -m pytest -q -m "gpu or gpu2" -p no:cacheprovider tests/gpu
 
 smoke: install ## Start a real worker on TCP loopback and check it with grpcurl
