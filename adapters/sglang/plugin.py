@@ -34,7 +34,7 @@ import torch
 from weightwire.adapters.sglang.adapter import SGLangAdapter, own_device_for
 from weightwire.adapters.sglang.discovery import unix_socket_alive
 from weightwire.adapters.sglang.engine_thread import EngineTaskQueue
-from weightwire.adapters.sglang.settings import ENV_ENABLE, Settings, worker_id
+from weightwire.adapters.sglang.settings import ENV_ENABLE, Settings, SettingsError, worker_id
 from weightwire.core.manifest import ParallelRank
 
 log = logging.getLogger("weightwire.sglang")
@@ -66,7 +66,12 @@ def register() -> None:
     """Entry point called by SGLang's ``load_plugins()``: register the two scheduler hooks."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    if not Settings.from_env().enabled:
+    try:
+        settings = Settings.from_env()
+    except SettingsError as e:
+        log.error("weightwire: %s", e)
+        raise SystemExit(f"weightwire: {e}") from e
+    if not settings.enabled:
         log.warning("weightwire: %s=0, not starting weight-sync workers in this engine", ENV_ENABLE)
         return
     for target in (INIT_TARGET, INGEST_TARGET):

@@ -79,6 +79,26 @@ def main() -> None:
     except RuntimeError as e:
         out["ingest_without_worker"] = str(e)
 
+    # Settings SGLang would run without: refused loudly too.
+    os.environ["WEIGHTWIRE_SGLANG_BASE_PORT"] = "not-a-port"
+    try:
+        plugin.register()
+        out["bad_settings"] = "registered"
+    except SystemExit as e:
+        out["bad_settings"] = str(e)
+    del os.environ["WEIGHTWIRE_SGLANG_BASE_PORT"]
+
+    # Ranks as a DP replica's scheduler sees them in SGLang's runtime context.
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+    from weightwire.adapters.sglang import worker_id
+
+    publish(ServerArgs(model_path="dummy", tp_size=2, dp_size=2, device="cpu"), role="scheduler",
+            ranks=SpawnRanks(world_rank=1, dp_rank=1))
+    rank = plugin.parallel_rank()
+    out["dp_replica_rank"] = [rank.tp_rank, rank.tp_size, rank.pp_rank, rank.pp_size, rank.dp_rank, rank.dp_size]
+    out["dp_replica_worker_id"] = worker_id(rank)
+
     print(json.dumps(out), flush=True)
 
 

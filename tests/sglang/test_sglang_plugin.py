@@ -46,3 +46,6 @@ def test_sglang_load_plugins_hooks_the_scheduler() -> None:
     assert "cannot hook sglang.srt.managers.scheduler.Scheduler.no_such_method" in out["missing_target"]
     assert "is not in place" in out["init_without_ingest_hook"]
     assert "did not run" in out["ingest_without_worker"]
+    assert "not a port number" in out["bad_settings"]
+    assert out["dp_replica_rank"] == [1, 2, 0, 1, 1, 2]
+    assert out["dp_replica_worker_id"] == "tp1-pp0-dp1"
