@@ -123,8 +123,8 @@ def after_ingest_requests(result: Any, scheduler: Any, *args: Any, **kwargs: Any
 
 
 def hook_applied(cls: type, method: str, hook: Callable[..., Any]) -> bool:
-    """Whether ``cls.method`` is wrapped by SGLang's hook registry around ``hook``."""
-    fn: Any = cls.__dict__.get(method)
+    """Whether ``cls.method`` (as ``cls`` resolves it) is wrapped by SGLang's hook registry around ``hook``."""
+    fn: Any = next((klass.__dict__[method] for klass in cls.__mro__ if method in klass.__dict__), None)
     while fn is not None:
         if any(getattr(cell, "cell_contents", None) is hook for cell in (getattr(fn, "__closure__", None) or ())):
             return True
