@@ -16,10 +16,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from weightwire.adapters.torch import TorchAdapter
-from weightwire.adapters.torch.demo import DEMO_TP_RULES, DemoConfig, build_demo_model, full_checkpoint
+from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason
-from weightwire.core.manifest import ParallelRank, ShardManifest
+from weightwire.core.manifest import ShardManifest
 from weightwire.core.shm import new_shm_name
 from weightwire.server import serve
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -31,6 +31,7 @@ from .common import (
     CHANNEL_OPTIONS,
     MAX_MESSAGE_BYTES,
     assert_weightwire_error,
+    demo_adapter,
     inline_update,
     push_raw,
 )
@@ -73,14 +74,8 @@ class RecordingAdapter:
 class Harness:
     def __init__(self) -> None:
         self.config = DemoConfig()
-        rank = ParallelRank()
-        model = build_demo_model(self.config, rank, "cpu", seed=0)
         self.checkpoint = full_checkpoint(self.config, seed=CHECKPOINT_SEED)
-        inner = TorchAdapter(
-            model, rank=rank, device=torch.device("cpu"), own_device=DeviceRef.host(),
-            tp_rules=DEMO_TP_RULES, num_layers=self.config.num_layers,
-        )
-        self.adapter = RecordingAdapter(inner, self.checkpoint)
+        self.adapter = RecordingAdapter(demo_adapter(seed=0), self.checkpoint)
         self.server = serve(self.adapter, own_device=DeviceRef.host())  # default: private Unix socket
         self.channel = grpc.insecure_channel(self.server.address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.WeightTransferServiceStub(self.channel)
