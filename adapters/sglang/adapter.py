@@ -110,6 +110,7 @@ class SGLangAdapter:
         self._on_committed = on_committed
         self._params = dict(model.named_parameters())
         self._version: int | None = None
+        self._session_open = False
         transports: tuple[int, ...] = (pb.TRANSPORT_KIND_HOST_SHM, pb.TRANSPORT_KIND_INLINE)
         if self.own_device.is_cuda:
             transports = (pb.TRANSPORT_KIND_CUDA_IPC, *transports)
@@ -141,6 +142,7 @@ class SGLangAdapter:
 
         self._on_engine(step, what=f"begin update {version}")
         self._version = version
+        self._session_open = True
 
     def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named_tensors:
@@ -159,8 +161,10 @@ class SGLangAdapter:
         self._on_engine(step, what=f"load {len(named_tensors)} tensor(s)")
 
     def end_update(self, success: bool) -> None:
-        version = self._version
-        self._version = None
+        version, was_open = self._version, self._session_open
+        self._version, self._session_open = None, False
+        if not was_open:
+            return  # begin was refused: SGLang's session was never opened, so there is nothing to close
 
         def step() -> None:
             # Always close SGLang's session: it re-packs what begin unpacked.
