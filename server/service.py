@@ -206,7 +206,10 @@ class WorkerService:
         try:
             self.adapter.begin_update(header.version)
         except Exception as e:
-            refused = WeightwireError(Reason.LOAD_FAILED, f"the engine refused to begin update {header.version}: {e!r}")
+            # An adapter's own WeightwireError already names its reason (e.g. ENGINE_NOT_PAUSED).
+            refused = e if isinstance(e, WeightwireError) else WeightwireError(
+                Reason.LOAD_FAILED, f"the engine refused to begin update {header.version}: {e!r}"
+            )
             update.fail(refused)
             raise refused from e
         update.begun = True

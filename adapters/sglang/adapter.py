@@ -186,8 +186,7 @@ class SGLangAdapter:
             return
         refusal = self._gate()
         if refusal is not None:
-            # The contract has no "engine busy" reason; LOAD_FAILED with the remedy in the message.
-            raise WeightwireError(Reason.LOAD_FAILED, f"{self.worker_id}: cannot {what}: {refusal}")
+            raise WeightwireError(Reason.ENGINE_NOT_PAUSED, f"{self.worker_id}: cannot {what}: {refusal}")
 
     def _check_tensor(self, name: str, tensor: torch.Tensor) -> None:
         found = self.layout.targets.get(name)

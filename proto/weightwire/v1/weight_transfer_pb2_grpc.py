@@ -82,7 +82,8 @@ class WeightTransferServiceServicer(object):
         DUPLICATE_BUCKET, INVALID_CHECKSUM.
         FAILED_PRECONDITION: NO_PAYLOAD_FOR_DEVICE (metadata: own_device, labels), PEER_DEVICE_UNAVAILABLE,
         SHAPE_MISMATCH, DTYPE_MISMATCH, STALE_VERSION, MANIFEST_CHANGED, INCOMPLETE_UPDATE (metadata:
-        missing), BUCKET_COUNT_MISMATCH, TRANSPORT_UNAVAILABLE, HANDLE_OPEN_FAILED.
+        missing), BUCKET_COUNT_MISMATCH, TRANSPORT_UNAVAILABLE, HANDLE_OPEN_FAILED,
+        ENGINE_NOT_PAUSED (the engine is serving requests; pause it before pushing).
         ABORTED: UPDATE_IN_PROGRESS (another push is running on this worker).
         DATA_LOSS: CHECKSUM_MISMATCH.
         INTERNAL: LOAD_FAILED (the engine adapter raised while loading).
