@@ -7,6 +7,7 @@ Adapters build a ``ShardManifest``; the server publishes it (``to_proto``); the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Iterable, Mapping
 
@@ -92,9 +93,14 @@ class ShardManifest:
             by_name[t.name] = t
         return cls(device=device, rank=rank, tensors=by_name, **kw)  # type: ignore[arg-type]
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """sha256 over device, ranks, layer range and every owned tensor (sorted), plus instance id."""
+        """sha256 over device, ranks, layer range and every owned tensor (sorted), plus instance id.
+
+        Computed once per manifest (the fields are frozen and the tensor map is never changed
+        after ``build``): a worker reads it for every GetStatus and every update header, and
+        hashing a few hundred tensor entries each time cost ~0.5 ms per read on a 400-tensor model.
+        """
         h = hashlib.sha256()
         h.update(f"{self.device.kind}:{self.device.uuid}|{self.rank}|{self.layer_start}:{self.layer_end}:{self.num_layers}|{self.instance_id}".encode())
         for name in sorted(self.tensors):
