@@ -234,14 +234,16 @@ class Bench:
 
     # --- weightwire ------------------------------------------------------------------------
 
-    def ww_case(self, rig: Rig, w: common.WorkerProc, kind: str, bucket_bytes: int | None) -> dict[str, Any]:
+    def ww_case(
+        self, rig: Rig, w: common.WorkerProc, kind: str, bucket_bytes: int | None, *, recheck: bool = True
+    ) -> dict[str, Any]:
         addr = w.info["address"]
         rig.refill()
         devices = [self.device] + ([torch.device("cuda", 1)] if kind == "peer" else [])
         w.call({"cmd": "release"})
         pusher = WeightPusher(
             [addr], transport=self.transport, timeout_s=self.args.rpc_timeout_s,
-            bucket_size_bytes=bucket_bytes or ww_plan.DEFAULT_BUCKET_BYTES,
+            bucket_size_bytes=bucket_bytes or ww_plan.DEFAULT_BUCKET_BYTES, recheck_manifests=recheck,
         )
         updates: list[dict[str, Any]] = []
         mem: dict[str, Any] = {}
@@ -343,7 +345,7 @@ class Bench:
         mem["worker_mappings_released"] = released["released"]
         return {
             "bucket_bytes": bucket_bytes, "bytes": rig.model_bytes, "updates": updates, "memory": mem,
-            "verified": verified, "transport": self.transport,
+            "verified": verified, "transport": self.transport, "recheck_manifests": recheck,
         }
 
     # --- one CUDA IPC handle per tensor, pickled -------------------------------------------
@@ -469,6 +471,7 @@ class Bench:
                     expect_ok(sock)
                     sock.send_pyobj([meta(s, 0) for s in rig.specs])
                 expect_ok(sock)
+                t_loaded = now()  # the last bucket is loaded; what follows is release and post hook
                 sock.send_pyobj(None)  # release the buffer
                 expect_ok(sock)
                 sock.send_pyobj(None)  # post hook, done
@@ -490,6 +493,7 @@ class Bench:
                 "control_ms": total - ms(rep["open_ns"]) - ms(rep["copy_ns"]) - ms(stage_ns),
                 "handles_opened": rep["handles_opened"], "buckets": rep["buckets"],
                 "until_last_ack_ms": ms(t_acked - t0), "receiver_ms": ms(rep["receiver_ns"]),
+                "until_loaded_ms": ms(t_loaded - t0),
             })
             if i >= 1 and time.monotonic() - case_t0 > self.args.case_cap_s:
                 break
@@ -556,6 +560,9 @@ class Bench:
             cases.append(("ckpt_engine", label(main_b), lambda: self.ckpt_case(rig, ce, main_b), need))
         if self.peer:
             cases.append(("ww_peer", "whole", lambda: self.ww_case(rig, ww, "peer", None), need))
+        # WeightPusher(recheck_manifests=False): no GetStatus round trip before each update (the
+        # worker still refuses a header planned against another manifest).
+        cases.append(("ww_inplace", "whole, no re-check", lambda: self.ww_case(rig, ww, "inplace", None, recheck=False), need))
         cases += [
             ("ww_packed", label(b), lambda b=b: self.ww_case(rig, ww, "packed", b), need) for b in a.packed_buckets if b != main_b
         ]
@@ -612,7 +619,7 @@ def summary_line(rec: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="weightwire GPU benchmark (see the module docstring)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gpu-run"))
-    p.add_argument("--models", default="qwen2.5-0.5b,qwen3-8b")
+    p.add_argument("--models", default="qwen3-8b-names,qwen2.5-0.5b,qwen3-8b")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--budget-s", type=float, default=330.0, help="stop starting cases after this many seconds")
     p.add_argument("--case-cap-s", type=float, default=25.0, help="stop a case's repetitions after this long")

@@ -54,6 +54,8 @@ PRESETS: dict[str, Shape] = {
     "cpu-m": Shape(1024, 2816, 5, 16, 4, 64, 8192, False, True, False),  # 139 MiB, 63 tensors
     "cpu-l": Shape(2048, 5632, 4, 16, 8, 128, 32768, False, True, False),  # 616 MiB, 51 tensors
     "tiny": Shape(64, 128, 2, 4, 2, 16, 256, False, True, True),
+    # Qwen3-8B's 399 tensor names with tiny shapes: per-tensor overheads without the bytes.
+    "qwen3-8b-names": Shape(64, 128, 36, 4, 2, 16, 256, False, False, True),
 }
 
 

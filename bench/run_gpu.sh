@@ -8,7 +8,8 @@
 # and its dependencies, if their wheels are in ./wheels/bench, go into a private folder put on
 # PYTHONPATH for this run only; without them that baseline is skipped. Writes OUTDIR/hardware.txt,
 # OUTDIR/gpu_results.json, OUTDIR/bench_gpu.log and OUTDIR/workers.log (the tail of every worker's
-# log). With BENCH_CPU_BUDGET_S=N (N > 0) it also runs bench_cpu.py for at most N seconds there.
+# log). With BENCH_CPU_BUDGET_S=N (N > 0) it also runs bench_cpu.py for at most N seconds there
+# (extra arguments in BENCH_CPU_ARGS).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench/results/gpu-run}"
@@ -46,7 +47,7 @@ rc=$?
 
 if [ "${BENCH_CPU_BUDGET_S:-0}" -gt 0 ]; then
   timeout "$((BENCH_CPU_BUDGET_S + 60))" python3 bench/bench_cpu.py --out "$out" --log-dir "$scratch/logs" \
-    --budget-s "$BENCH_CPU_BUDGET_S" || echo "bench_cpu.py exited with $?"
+    --budget-s "$BENCH_CPU_BUDGET_S" ${BENCH_CPU_ARGS:-} || echo "bench_cpu.py exited with $?"
 fi
 
 for f in "$scratch"/logs/worker-*.log; do
