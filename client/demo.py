@@ -149,12 +149,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     workdir = tempfile.mkdtemp(prefix="weightwire-demo-")
     workers = LocalWorkers(workdir)
-    pusher = None
+    pusher_box: list[Any] = []  # filled as soon as the pusher exists, so cleanup always sees it
     code = 1
     try:
-        pusher_box: list[Any] = []
         code = _demo(args, workdir, workers, pusher_box)
-        pusher = pusher_box[0] if pusher_box else None
     except KeyboardInterrupt:
         print("\ninterrupted: stopping workers and removing shared memory", file=sys.stderr)
         code = 130
@@ -162,8 +160,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"weightwire demo failed: {type(e).__name__}: {e}", file=sys.stderr)
         code = 1
     finally:
-        with contextlib.suppress(Exception):
-            if pusher is not None:
+        for pusher in pusher_box:
+            with contextlib.suppress(Exception):
                 pusher.close()
         workers.stop()
         if args.keep:
