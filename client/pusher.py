@@ -287,9 +287,11 @@ class _Stream:
                 return
             self.cancelled_by_us = True
             call = self.call
-        self._put(None)
+        # Cancel before ending the request stream: a worker that saw a clean end of stream first
+        # would record a malformed update instead of a cancellation.
         if call is not None:
             call.cancel()
+        self._put(None)
 
     def _read(self) -> None:
         try:

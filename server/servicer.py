@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +28,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightTransferService"].full_name
 # Status details travel in a trailer whose size the receiver limits (8 KiB by default).
 _MAX_MESSAGE_CHARS = 2000
 _MAX_METADATA_VALUE_CHARS = 3000
+# How long a stream that ended without a commit waits to learn whether the client cancelled it.
+_CANCEL_GRACE_S = 0.5
 
 
 def _clip(text: str, limit: int) -> str:
@@ -64,8 +67,17 @@ class WeightTransferServicer(pb_grpc.WeightTransferServiceServicer):
     def PushWeights(
         self, request_iterator: Iterator[pb.PushWeightsRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.PushWeightsResponse]:
+        # A cancelled stream can reach us as a plain end of the request iterator, slightly before
+        # gRPC marks the RPC inactive. The termination callback fires on cancellation, so on an
+        # early end we wait briefly for it before calling the stream malformed.
+        terminated = threading.Event()
+        context.add_callback(terminated.set)
+
+        def client_gone() -> bool:
+            return terminated.wait(_CANCEL_GRACE_S) or not context.is_active()
+
         try:
-            yield from self.service.push(request_iterator, client_gone=lambda: not context.is_active())
+            yield from self.service.push(request_iterator, client_gone=client_gone)
         except WeightwireError as err:
             context.abort_with_status(to_rpc_status(err))
 
