@@ -16,6 +16,7 @@ from weightwire import __version__
 _SUBCOMMAND_MODULES = (
     "weightwire.server.cli",
     "weightwire.client.commands",
+    "weightwire.adapters.sglang.cli",
 )
 
 

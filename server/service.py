@@ -248,6 +248,13 @@ class WorkerService:
                 self._succeeded += 1
             if err is not None:
                 self._record_failure(err, update.version)
+        if err is not None:
+            # Mappings cached for reuse (CUDA IPC) pin the sender's memory. After a failed or
+            # cancelled update the sender may be gone for good, so let them go; a live trainer's next
+            # update simply reopens its handles (about a millisecond each).
+            for importer in self.importers.values():
+                if importer.reusable:
+                    importer.release()
         self._notify()
 
     def _release(self, update: Update) -> None:
