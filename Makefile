@@ -69,10 +69,17 @@ smoke: install ## Start a real worker on TCP loopback and check it with grpcurl
 demo: install ## Run the TP=2 x PP=2 demo on CPU: workers, pushes, verification, a refused mismatch
 	$(VENV)/bin/weightwire demo
 
-bench-cpu: install ## Host shared-memory path vs memcpy, and scaling over workers
-	$(PY) bench/bench_cpu.py
+bench-cpu: install ## Host shared-memory path vs memcpy, and scaling over workers (BENCH_ARGS=... for more)
+	$(PY) bench/bench_cpu.py $(BENCH_ARGS)
+
+bench-gpu: ## On a CUDA machine: weightwire vs the copy limit and peer approaches (uses python3, like test-gpu)
+	bench/run_gpu.sh $(or $(BENCH_OUT),bench/results/gpu-run) $(BENCH_ARGS)
+
+bench-report: install ## Tables of the committed benchmark results, and the plots (bench/*.png)
+	$(PIP) install -q -e ".[bench]"
+	$(PY) bench/report.py --plots
 
 clean: ## Remove build outputs (keeps .venv)
 	rm -rf build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
 
-.PHONY: help install install-sglang test-sglang proto checkproto lint typecheck test test-gpu smoke demo bench-cpu clean
+.PHONY: help install install-sglang test-sglang proto checkproto lint typecheck test test-gpu smoke demo bench-cpu bench-gpu bench-report clean

@@ -63,7 +63,7 @@ class CpuBench:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log = common.Log(self.out / "bench_cpu.log")
         self.t_start = time.monotonic()
-        self.results = common.Results(self.out / "cpu_results.json", common.environment({"bench": "cpu", "argv": sys.argv[1:]}))
+        self.results = common.Results(self.out / "cpu_results.json", common.environment({"bench": "cpu", "argv": common.public_argv(sys.argv[1:])}))
         self.version = 0
         self.device = torch.device("cpu")
 
@@ -249,7 +249,7 @@ class CpuBench:
                 with common.worker_group(procs):
                     self.record({"model": preset, "case": "ww_inplace", "workers": n, "bench": "scaling", "layout": "tp"},
                                 lambda n=n, procs=procs, rig=rig: self.push_case(rig, procs, "inplace", tp=True), 10)
-        self.log(f"done in {time.monotonic() - self.t_start:.0f} s; results in {self.out / 'cpu_results.json'}")
+        self.log(f"done in {time.monotonic() - self.t_start:.0f} s; results in cpu_results.json")
         return 0
 
 

@@ -118,7 +118,7 @@ class Bench:
         self.ckpt_error = self._probe_ckpt_engine()
         env = common.environment({
             "bench": "gpu" if self.cuda else "gpu-dry-run-on-cpu",
-            "argv": sys.argv[1:],
+            "argv": common.public_argv(sys.argv[1:]),
             "checkpoint_engine": self.ckpt_error or self._ckpt_version(),
         })
         self.results = common.Results(self.out / "gpu_results.json", env)
@@ -526,7 +526,7 @@ class Bench:
                 for m in a.models:
                     self.run_model(m, procs[m])
         finally:
-            self.log("workers stopped; results in " + str(self.out / "gpu_results.json"))
+            self.log("workers stopped; results in gpu_results.json")
         return 0
 
     def run_model(self, preset: str, procs: dict[str, common.WorkerProc]) -> None:

@@ -74,6 +74,17 @@ class Results:
         os.replace(tmp, self.path)
 
 
+def public_argv(argv: Sequence[str]) -> list[str]:
+    """The command line as recorded in results: folder arguments shown as placeholders (results are
+    committed; the paths of the machine that ran them mean nothing elsewhere)."""
+    out: list[str] = []
+    hide = False
+    for a in argv:
+        out.append("DIR" if hide else a)
+        hide = a in ("--out", "--log-dir")
+    return out
+
+
 def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
     import grpc
     import torch
