@@ -113,6 +113,17 @@ def local_cuda_index(device: DeviceRef) -> int | None:
     return local_cuda_devices().get(device.uuid)
 
 
+def device_ref_of(device: object) -> DeviceRef:
+    """The physical identity of a torch device: its GPU's UUID on CUDA, the host's boot id otherwise."""
+    import torch
+
+    dev = torch.device(device)  # type: ignore[call-overload]
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return DeviceRef.cuda(cuda_device_uuid(index))
+    return DeviceRef.host()
+
+
 def nvml_uuid_to_torch(nvml_uuid: str) -> str:
     """NVML prints ``GPU-xxxxxxxx-...``; torch prints the bare form. Both normalise equal."""
     return normalize_uuid(nvml_uuid)

@@ -29,7 +29,7 @@ from weightwire.adapters.sglang.engine_thread import EngineTaskQueue
 from weightwire.adapters.sglang.manifest import LoadTarget, ModelLayout, model_layout
 from weightwire.adapters.sglang.settings import worker_id as default_worker_id
 from weightwire.core import dtypes
-from weightwire.core.devices import DeviceRef, cuda_device_uuid
+from weightwire.core.devices import DeviceRef, device_ref_of
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -70,13 +70,6 @@ class LoaderWeightSession:
         DefaultModelLoader.postprocess_weights(self.model, self.device)
 
 
-def own_device_for(device: torch.device) -> DeviceRef:
-    """The physical device a rank's weights live on: its GPU's UUID, or the host for CPU."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return DeviceRef.cuda(cuda_device_uuid(index))
-    return DeviceRef.host()
-
 
 class SGLangAdapter:
     """Publishes what one SGLang rank consumes and loads pushed tensors through SGLang."""
@@ -101,7 +94,7 @@ class SGLangAdapter:
         self.model = model
         self.rank = rank
         self.device = torch.device(device)
-        self.own_device = own_device if own_device is not None else own_device_for(self.device)
+        self.own_device = own_device if own_device is not None else device_ref_of(self.device)
         self.worker_id = worker_id or default_worker_id(rank)
         self.layout: ModelLayout = model_layout(model, hf_config)
         self._queue = engine_queue

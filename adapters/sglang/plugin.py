@@ -31,10 +31,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from weightwire.adapters.sglang.adapter import SGLangAdapter, own_device_for
+from weightwire.adapters.sglang.adapter import SGLangAdapter
 from weightwire.adapters.sglang.discovery import unix_socket_alive
 from weightwire.adapters.sglang.engine_thread import EngineTaskQueue
 from weightwire.adapters.sglang.settings import ENV_ENABLE, Settings, SettingsError, worker_id
+from weightwire.core.devices import device_ref_of
 from weightwire.core.manifest import ParallelRank
 
 log = logging.getLogger("weightwire.sglang")
@@ -151,7 +152,7 @@ def start_worker(scheduler: Any, settings: Settings | None = None) -> SchedulerW
         runner.model_config.hf_config,
         rank=rank,
         device=device,
-        own_device=own_device_for(device),
+        own_device=device_ref_of(device),
         worker_id=worker_id(rank),
         engine_queue=queue,
         weight_session=runner.weight_updater,

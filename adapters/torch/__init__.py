@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 from weightwire.core import dtypes
-from weightwire.core.devices import DeviceRef, cuda_device_uuid
+from weightwire.core.devices import DeviceRef, device_ref_of
 from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
 from weightwire.core.topology import pp_layer_span, stage_owns, tp_slice_bounds
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -57,13 +57,6 @@ def default_worker_id(rank: ParallelRank) -> str:
     return "-".join(parts)
 
 
-def own_device_of(device: torch.device) -> DeviceRef:
-    """The physical identity of a torch device: its GPU UUID on CUDA, the host's boot id on CPU."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return DeviceRef.cuda(cuda_device_uuid(index))
-    return DeviceRef.host()
-
 
 class TorchAdapter:
     """``EngineAdapter`` over an ``nn.Module``: publishes its parameters, copies full tensors in."""
@@ -83,7 +76,7 @@ class TorchAdapter:
         self.module = module
         self.rank = rank
         self.device = torch.device(device)
-        self.own_device = own_device if own_device is not None else own_device_of(self.device)
+        self.own_device = own_device if own_device is not None else device_ref_of(self.device)
         self.tp_rules = tuple(tp_rules)
         self.num_layers = num_layers
         self.engine = engine
