@@ -79,6 +79,23 @@ def mib(n: float | None) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+ORDER = ["ww_inplace", "ww_packed", "ww_peer", "per_tensor", "ckpt_engine"]
+
+
+def _size_key(variant: str) -> float:
+    v = variant.lower()
+    for suffix, mult in (("gib", 1024.0), ("mib", 1.0)):
+        if v.endswith(suffix) and v[: -len(suffix)].isdigit():
+            return float(v[: -len(suffix)]) * mult
+    return -1.0 if v in ("whole", "per_tensor", "in-place") else 0.0
+
+
+def sorted_cases(doc: dict[str, Any], model: str) -> list[dict[str, Any]]:
+    """A model's cases other than the limits, grouped by approach, smaller buckets first."""
+    rows = [r for r in doc["cases"] if r.get("model") == model and r["case"] in ORDER]
+    return sorted(rows, key=lambda r: (ORDER.index(r["case"]), _size_key(r.get("variant", "")), r.get("variant", "")))
+
+
 def gpu_tables(doc: dict[str, Any]) -> str:
     out: list[str] = []
     models = list(dict.fromkeys(r["model"] for r in doc["cases"]))
@@ -100,9 +117,7 @@ def gpu_tables(doc: dict[str, Any]) -> str:
             "| approach | warm ms | cold ms | GiB/s | × limit | open | copy | staging | control | commit | handles opened cold / warm | trainer peak extra MiB | worker peak extra MiB | exact |"
         )
         out.append("|" + " --- |" * 14)
-        for rec in doc["cases"]:
-            if rec.get("model") != model or rec["case"] == "limit":
-                continue
+        for rec in sorted_cases(doc, model):
             if "updates" not in rec:
                 out.append(f"| {label(rec)} | {rec.get('error') or rec.get('skipped')} |" + " |" * 12)
                 continue
@@ -113,10 +128,11 @@ def gpu_tables(doc: dict[str, Any]) -> str:
             trainer = mem.get("trainer_gpu1" if rec["case"] == "ww_peer" else "trainer_gpu0", {}).get("peak_extra")
             worker = mem.get("worker", {}).get("peak_extra")
             warm_handles = sorted({u.get("handles_opened") for u in warm(rec)})
+            commit = f"{wmed(rec, 'commit_ms'):.2f}" if "commit_ms" in ups[0] else "–"
             out.append(
                 f"| {label(rec)} | **{total:.1f}** | {ups[0]['total_ms']:.1f} | {lim['bytes'] / GiB / (total / 1e3):.0f} | "
                 f"{total / ref:.2f} | {wmed(rec, 'open_ms'):.1f} | {wmed(rec, 'copy_ms'):.1f} | {wmed(rec, 'stage_ms') if 'stage_ms' in ups[0] else 0:.1f} | "
-                f"{wmed(rec, 'control_ms'):.1f} | {wmed(rec, 'commit_ms') if 'commit_ms' in ups[0] else float('nan'):.2f} | "
+                f"{wmed(rec, 'control_ms'):.1f} | {commit} | "
                 f"{ups[0].get('handles_opened')} / {','.join(map(str, warm_handles))} | {mib(trainer)} | {mib(worker)} | "
                 f"{'yes' if rec.get('verified') else 'NO'} |"
             )
@@ -132,7 +148,7 @@ def ww_breakdown(doc: dict[str, Any], model: str) -> str:
         ("copy_ms", "  of which load (copies + sync)"), ("stage_ms", "trainer staging (pack + wait)"), ("commit_ms", "commit"),
         ("post_ms", "commit done → push() returns"), ("total_ms", "total"),
     ]
-    rows = [rec for rec in doc["cases"] if rec.get("model") == model and rec["case"].startswith("ww_") and "updates" in rec]
+    rows = [rec for rec in sorted_cases(doc, model) if rec["case"].startswith("ww_") and "updates" in rec]
     out = ["| ms (median of warm updates) | " + " | ".join(label(r).removeprefix("weightwire ") for r in rows) + " |"]
     out.append("|" + " --- |" * (len(rows) + 1))
     for key, name in keys:
@@ -172,8 +188,8 @@ def memory_table(doc: dict[str, Any], model: str) -> str:
         "| case | trainer peak extra | after the updates (pusher open) | after pusher.close() | after the worker dropped its mappings | worker peak extra | worker after |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for rec in doc["cases"]:
-        if rec.get("model") != model or not rec["case"].startswith("ww_") or "memory" not in rec:
+    for rec in sorted_cases(doc, model):
+        if not rec["case"].startswith("ww_") or "memory" not in rec:
             continue
         m = rec["memory"]
         tr = m.get("trainer_gpu1" if rec["case"] == "ww_peer" else "trainer_gpu0", {})
@@ -199,17 +215,6 @@ def ckpt_table(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-ORDER = ["ww_inplace", "ww_packed", "ww_peer", "per_tensor", "ckpt_engine"]
-
-
-def _size_key(variant: str) -> float:
-    v = variant.lower()
-    for suffix, mult in (("gib", 1024.0), ("mib", 1.0)):
-        if v.endswith(suffix) and v[: -len(suffix)].isdigit():
-            return float(v[: -len(suffix)]) * mult
-    return -1.0 if v in ("whole", "per_tensor", "in-place") else 0.0
-
-
 def gpu_plot(doc: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -222,8 +227,7 @@ def gpu_plot(doc: dict[str, Any], path: Path) -> None:
              ("stage_ms", "staging: pack + wait (trainer)", "#ff7f0e"), ("control_ms", "control: gRPC / pickle / ZMQ, checks, release", "#9e9e9e")]
     for ax, model in zip(axes[:, 0], models, strict=True):
         lim = limits(doc, model)
-        rows = sorted((r for r in doc["cases"] if r.get("model") == model and "updates" in r),
-                      key=lambda r: (ORDER.index(r["case"]), _size_key(r.get("variant", "")), r.get("variant", "")))
+        rows = [r for r in sorted_cases(doc, model) if "updates" in r]
         names = [label(r).replace("checkpoint-engine receiver", "checkpoint-engine").replace("one IPC handle per tensor", "handle per tensor")
                  for r in rows]
         y = list(range(len(rows)))
@@ -256,21 +260,27 @@ def gpu_plot(doc: dict[str, Any], path: Path) -> None:
 
 
 def cpu_shm_table(doc: dict[str, Any]) -> str:
-    out = ["| model | MiB | memcpy (one flat copy) | per-tensor copies | pack + unpack | weightwire in place | × memcpy | weightwire packed | × pack+unpack | exact |",
+    """Best (median) of each measure: the CPU machines are shared, so the best run is the one least
+    disturbed; ratios compare best with best, and the copy limit is the faster of the flat and the
+    per-tensor copy (torch's threaded flat copy is not always the faster one)."""
+    out = ["| model | MiB | memcpy (one flat copy) | per-tensor copies | pack + unpack | weightwire in place | in place ÷ best copy | weightwire packed | packed ÷ pack+unpack | exact |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def cell(vals: list[float]) -> str:
+        return f"{min(vals):.1f} ({med(vals):.1f}) ms" if vals else "–"
+
     for rec in doc["cases"]:
         if rec.get("case") != "limit":
             continue
         model = rec["model"]
-        lim = {k: med(v) for k, v in rec.items() if k.endswith("_ms")}
         ww = {r["case"]: r for r in doc["cases"] if r.get("model") == model and r.get("bench") == "shm" and "updates" in r}
-        ip = wmed(ww["ww_inplace"], "total_ms") if "ww_inplace" in ww else float("nan")
-        pk = wmed(ww["ww_packed"], "total_ms") if "ww_packed" in ww else float("nan")
+        ip = [u["total_ms"] for u in warm(ww["ww_inplace"])] if "ww_inplace" in ww else []
+        pk = [u["total_ms"] for u in warm(ww["ww_packed"])] if "ww_packed" in ww else []
         ok = all(r.get("verified") for r in ww.values())
+        flat, two = rec["memcpy_flat_ms"], rec["two_copies_ms"]
         out.append(
-            f"| {model} | {rec['bytes'] / MiB:.0f} | {lim['memcpy_flat_ms']:.1f} ms | {lim['memcpy_per_tensor_ms']:.1f} ms | "
-            f"{lim['two_copies_ms']:.1f} ms | {ip:.1f} ms | {ip / lim['memcpy_flat_ms']:.1f} | {pk:.1f} ms | "
-            f"{pk / lim['two_copies_ms']:.1f} | {'yes' if ok else 'NO'} |"
+            f"| {model} | {rec['bytes'] / MiB:.0f} | {cell(flat)} | {cell(rec['memcpy_per_tensor_ms'])} | {cell(two)} | {cell(ip)} | "
+            f"{min(ip) / min(flat + rec['memcpy_per_tensor_ms']):.1f} | {cell(pk)} | {min(pk) / min(two) if pk else float('nan'):.1f} | {'yes' if ok else 'NO'} |"
         )
     return "\n".join(out)
 
@@ -281,14 +291,18 @@ def scaling_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 def cpu_scaling_table(doc: dict[str, Any]) -> str:
     rows = scaling_rows(doc)
-    out = ["| model | layout | mode | workers | ms per update | GB copied per update | aggregate GB/s | slowest worker's load ms | control ms | exact |",
+    out = ["| model | workers are | mode | workers | ms per update, best (median) | GB into workers per update | aggregate GB/s (best) | slowest worker's load ms | control ms | exact |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in sorted(rows, key=lambda r: (r["model"], r.get("layout", ""), r["case"], r["workers"])):
-        total = wmed(r, "total_ms")
-        nbytes = med(u["bytes"] for u in warm(r))
+        total = min(u["total_ms"] for u in warm(r))
+        tp = r.get("layout") == "tp"
+        # bytes_loaded counts the full tensors a worker received; a TP worker copies only its slice.
+        nbytes = r["bytes_model"] if tp else med(u["bytes"] for u in warm(r))
+        control = wmed(r, "control_ms")
         out.append(
-            f"| {r['model']} | {r.get('layout')} | {r['case'].removeprefix('ww_')} | {r['workers']} | {total:.1f} | {nbytes / 1e9:.2f} | "
-            f"{nbytes / 1e9 / (total / 1e3):.1f} | {wmed(r, 'copy_ms'):.1f} | {wmed(r, 'control_ms'):.1f} | {'yes' if r.get('verified') else 'NO'} |"
+            f"| {r['model']} | {'TP shards' if tp else 'replicas'} | {r['case'].removeprefix('ww_').replace('inplace', 'in place')} | "
+            f"{r['workers']} | {total:.1f} ({wmed(r, 'total_ms'):.1f}) | {nbytes / 1e9:.2f} | {nbytes / 1e9 / (total / 1e3):.1f} | {wmed(r, 'copy_ms'):.1f} | "
+            f"{f'{control:.1f}' if control >= 0 else 'overlapped'} | {'yes' if r.get('verified') else 'NO'} |"
         )
     return "\n".join(out)
 
@@ -304,23 +318,23 @@ def cpu_plots(docs: dict[str, dict[str, Any]], shm_path: Path, scaling_path: Pat
         lims = [r for r in doc["cases"] if r.get("case") == "limit"]
         xs = [r["bytes"] / MiB for r in lims]
         series = {
-            "memcpy (one flat copy)": [med(r["memcpy_flat_ms"]) for r in lims],
-            "per-tensor copies": [med(r["memcpy_per_tensor_ms"]) for r in lims],
-            "pack + unpack": [med(r["two_copies_ms"]) for r in lims],
+            "memcpy (one flat copy)": [min(r["memcpy_flat_ms"]) for r in lims],
+            "per-tensor copies": [min(r["memcpy_per_tensor_ms"]) for r in lims],
+            "pack + unpack": [min(r["two_copies_ms"]) for r in lims],
         }
         for kind in ("ww_inplace", "ww_packed"):
             vals = []
             for r in lims:
                 m = [c for c in doc["cases"] if c.get("model") == r["model"] and c.get("bench") == "shm" and c["case"] == kind and "updates" in c]
-                vals.append(wmed(m[0], "total_ms") if m else float("nan"))
+                vals.append(min(u["total_ms"] for u in warm(m[0])) if m else float("nan"))
             series[f"weightwire {kind.removeprefix('ww_').replace('inplace', 'in place')} (host shm)"] = vals
         for (label_, ys), style in zip(series.items(), ["k--", "k:", "k-.", "bo-", "rs-"], strict=True):
             ax.plot(xs, ys, style, label=label_)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("model size (MiB, bf16)")
-        ax.set_ylabel("ms per update (median of warm)")
-        ax.set_title(f"host shared memory vs memcpy — {name}")
+        ax.set_ylabel("ms per update (best run: the machine is shared)")
+        ax.set_title(f"host shared memory vs memcpy, one worker — {name}")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(shm_path, dpi=110)
@@ -332,14 +346,14 @@ def cpu_plots(docs: dict[str, dict[str, Any]], shm_path: Path, scaling_path: Pat
         groups = sorted({(r["model"], r.get("layout"), r["case"]) for r in rows})
         for model, layout, case in groups:
             rs = sorted((r for r in rows if (r["model"], r.get("layout"), r["case"]) == (model, layout, case)), key=lambda r: r["workers"])
-            ax.plot([r["workers"] for r in rs], [wmed(r, "total_ms") for r in rs], "o-",
+            ax.plot([r["workers"] for r in rs], [min(u["total_ms"] for u in warm(r)) for r in rs], "o-",
                     label=f"{model} {'replicas' if layout == 'dp' else 'TP shards'}, {case.removeprefix('ww_').replace('inplace', 'in place')}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks([1, 2, 4, 8, 16])
         ax.set_xticklabels(["1", "2", "4", "8", "16"])
         ax.set_xlabel("workers (processes)")
-        ax.set_ylabel("ms per update (median of warm)")
+        ax.set_ylabel("ms per update (best warm update)")
         ax.set_title(f"one trainer to N workers — {name}")
         ax.legend(fontsize=7)
     fig.tight_layout()
