@@ -5,7 +5,7 @@ import warnings
 
 from weightwire.v1 import weight_transfer_pb2 as weightwire_dot_v1_dot_weight__transfer__pb2
 
-GRPC_GENERATED_VERSION = '1.75.1'
+GRPC_GENERATED_VERSION = '1.73.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
