@@ -61,7 +61,7 @@ test-sglang: install install-sglang ## Run only the SGLang adapter tests (CPU, S
 	$(PY) -m pytest -q -m sglang tests/sglang
 
 test-gpu: ## Run the GPU suite on a CUDA machine (current python, not .venv; tests/gpu/run_suite.sh also installs and records the hardware)
-	$(PYTHON) -m pytest -q -m "gpu or gpu2" -p no:cacheprovider tests/gpu
+	$(PYTHON) -m pytest -q -m "gpu or gpu2 or gpu4 or gpu8" -p no:cacheprovider tests/gpu
 
 smoke: install ## Start a real worker on TCP loopback and check it with grpcurl
 	$(PY) tests/smoke/run_smoke.py

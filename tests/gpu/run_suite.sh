@@ -27,6 +27,6 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$out/
 } >"$out/hardware.txt" 2>&1
 cat "$out/hardware.txt"
 
-python3 -m pytest -m "gpu or gpu2" tests/gpu -p no:cacheprovider -v -rA \
+python3 -m pytest -m "gpu or gpu2 or gpu4 or gpu8" tests/gpu -p no:cacheprovider -v -rA \
   --junitxml="$out/junit.xml" "$@" 2>&1 | tee "$out/pytest.log"
 exit "${PIPESTATUS[0]}"
