@@ -65,6 +65,10 @@ class CudaIpcMapping:
             raw = raw.clone()
         return raw.view(dtype).view(tuple(shape))
 
+    def byte_tensor(self) -> torch.Tensor:
+        """The storage as uint8 on its GPU; see ``transports.strided_views``."""
+        return self._bytes()[: self.size_bytes]
+
     def crc32(self, size_bytes: int) -> int:
         data = self._bytes()[:size_bytes].cpu().numpy().tobytes()
         return zlib.crc32(data)

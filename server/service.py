@@ -8,6 +8,7 @@ spec checks in ``validation``; handle import in ``transports``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -24,7 +25,9 @@ from weightwire.server.transports import (
     ImportContext,
     ImportedPayload,
     PayloadImporter,
+    ViewItem,
     make_importers,
+    strided_views,
     transport_name,
 )
 from weightwire.server.validation import (
@@ -45,6 +48,28 @@ _MAX_METADATA_CHARS = 3000
 _HANDLE_KIND = {"host_shm": pb.DEVICE_KIND_HOST, "cuda_ipc": pb.DEVICE_KIND_CUDA}
 
 CommitHook = Callable[[pb.UpdateResult], None]
+# Validated bucket layouts a worker remembers (a trainer sends the same buckets every update; a
+# packed push of a large model has a few hundred distinct ones). Oldest first out beyond this.
+_MAX_CACHED_LAYOUTS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class _BucketLayout:
+    """What the update-independent checks of one bucket message concluded.
+
+    Keyed by the message's exact serialized bytes (and the manifest fingerprint), so a hit means
+    the very same specs, payload sizes and handles were already checked against this manifest: every
+    spec valid and in bounds of every payload, no name twice in the bucket, every payload with a
+    handle, owned tensors matching the manifest. Only successes are stored. The per-update rules
+    (bucket index, names across buckets, checksum, selection, open) still run on every bucket.
+    """
+
+    specs: tuple[CheckedSpec, ...]
+    names: frozenset[str]
+    owned: tuple[CheckedSpec, ...]
+    owned_names: tuple[str, ...]
+    views: tuple[ViewItem, ...]
+    owned_bytes: int
 
 
 def _now() -> timestamp_pb2.Timestamp:
@@ -111,6 +136,7 @@ class WorkerService:
         self._succeeded = 0
         self._failed = 0
         self._listeners: list[Callable[[bool], None]] = []
+        self._layouts: dict[tuple[bytes, str], _BucketLayout] = {}
 
     # --- identity and status -------------------------------------------------------------------
 
@@ -178,6 +204,15 @@ class WorkerService:
             imp.release()
 
     # --- updates -------------------------------------------------------------------------------
+
+    def cached_layout(self, key: tuple[bytes, str]) -> _BucketLayout | None:
+        return self._layouts.get(key)
+
+    def remember_layout(self, key: tuple[bytes, str], layout: _BucketLayout) -> None:
+        if len(self._layouts) >= _MAX_CACHED_LAYOUTS:
+            # Updates run one at a time, so only one thread ever adds; drop the oldest entry.
+            self._layouts.pop(next(iter(self._layouts)), None)
+        self._layouts[key] = layout
 
     def _record_failure(self, err: WeightwireError, version: int) -> None:
         detail = pb.ErrorDetail(code=err.code, reason=err.reason, message=err.message, time=_now(), version=version)
@@ -383,39 +418,20 @@ class Update:
         if msg.index in self._bucket_indices:
             raise WeightwireError(Reason.DUPLICATE_BUCKET, f"bucket {msg.index} arrived twice in this update", bucket=str(msg.index))
         self._bucket_indices.add(msg.index)
-        specs = [check_spec(s) for s in msg.tensors]
-        names_here: set[str] = set()
-        for spec in specs:
-            if spec.name in names_here or spec.name in self._names_seen:
-                raise WeightwireError(
-                    Reason.DUPLICATE_TENSOR, f"tensor {spec.name!r} arrived twice in this update", tensor=spec.name
-                )
-            names_here.add(spec.name)
         payloads = list(msg.payloads)
-        if specs and not payloads:
-            raise WeightwireError(
-                Reason.PAYLOAD_COUNT_MISMATCH,
-                f"bucket {msg.index} describes {len(specs)} tensors but carries no payload",
-                bucket=str(msg.index),
-            )
-        for i, payload in enumerate(payloads):
-            check_payload_size(payload, i)
-            if payload.WhichOneof("handle") is None:
-                raise WeightwireError(
-                    Reason.HANDLE_MISSING, f"payload {i} of bucket {msg.index} has no handle (cuda_ipc, host_shm or inline_data)"
-                )
-            for spec in specs:
-                check_in_bounds(spec, payload.size_bytes)
+        key = (msg.SerializeToString(), self._manifest.fingerprint)
+        layout = self.service.cached_layout(key)
+        if layout is None:
+            layout = self._check_layout(msg, payloads)
+            self.service.remember_layout(key, layout)
+        if not layout.names.isdisjoint(self._names_seen):
+            # The first spec (in order) already seen in an earlier bucket, as the full check names it.
+            name = next(s.name for s in layout.specs if s.name in self._names_seen)
+            raise WeightwireError(Reason.DUPLICATE_TENSOR, f"tensor {name!r} arrived twice in this update", tensor=name)
         checksum = self._checked_checksum(msg)
-        # 2. Ownership: keep only tensors in this worker's manifest; they must match it exactly.
-        owned: list[CheckedSpec] = []
-        for spec in specs:
-            expected = self._manifest.tensors.get(spec.name)
-            if expected is not None:
-                check_against_manifest(spec, expected)
-                owned.append(spec)
-        self._names_seen |= names_here
-        ack = pb.BucketAck(index=msg.index, tensors_skipped=len(specs) - len(owned))
+        owned = layout.owned
+        self._names_seen |= layout.names
+        ack = pb.BucketAck(index=msg.index, tensors_skipped=len(layout.specs) - len(owned))
         if not owned:
             # Labels are still checked (a malformed bucket is malformed for everyone).
             payload_labels(payloads)
@@ -464,7 +480,7 @@ class Update:
                         bucket=str(msg.index),
                     )
             t_load = time.perf_counter_ns()
-            views = [(s.name, mapping.view(s.offset_bytes, s.torch_dtype, s.shape)) for s in owned]
+            views = list(zip(layout.owned_names, strided_views(mapping, layout.views), strict=True))
             self._loaded_any = True
             try:
                 self.service.adapter.load(views)
@@ -481,8 +497,8 @@ class Update:
             if mapping not in self._mappings.values():
                 # Not shared within this update: done with it (a reusable importer keeps its cache).
                 mapping.close()
-        nbytes = sum(s.nbytes for s in owned)
-        self._loaded.update(s.name for s in owned)
+        nbytes = layout.owned_bytes
+        self._loaded.update(layout.owned_names)
         self._bytes_loaded += nbytes
         if opened:
             self._handles_opened += 1
@@ -495,6 +511,49 @@ class Update:
         ack.open_duration_ns = open_ns
         ack.load_duration_ns = load_ns
         return ack
+
+    def _check_layout(self, msg: pb.Bucket, payloads: list[pb.Payload]) -> _BucketLayout:
+        """The update-independent checks of one bucket, in the order the rules apply; raises on the first failure."""
+        specs = [check_spec(s) for s in msg.tensors]
+        names_here: set[str] = set()
+        for spec in specs:
+            if spec.name in names_here or spec.name in self._names_seen:
+                raise WeightwireError(
+                    Reason.DUPLICATE_TENSOR, f"tensor {spec.name!r} arrived twice in this update", tensor=spec.name
+                )
+            names_here.add(spec.name)
+        if specs and not payloads:
+            raise WeightwireError(
+                Reason.PAYLOAD_COUNT_MISMATCH,
+                f"bucket {msg.index} describes {len(specs)} tensors but carries no payload",
+                bucket=str(msg.index),
+            )
+        for i, payload in enumerate(payloads):
+            check_payload_size(payload, i)
+            if payload.WhichOneof("handle") is None:
+                raise WeightwireError(
+                    Reason.HANDLE_MISSING, f"payload {i} of bucket {msg.index} has no handle (cuda_ipc, host_shm or inline_data)"
+                )
+            for spec in specs:
+                check_in_bounds(spec, payload.size_bytes)
+        # The checksum's own checks come next in the rule order; they depend on the header, so they
+        # run per update, but a bad checksum field must still win over the ownership checks below.
+        self._checked_checksum(msg)
+        # 2. Ownership: keep only tensors in this worker's manifest; they must match it exactly.
+        owned: list[CheckedSpec] = []
+        for spec in specs:
+            expected = self._manifest.tensors.get(spec.name)
+            if expected is not None:
+                check_against_manifest(spec, expected)
+                owned.append(spec)
+        return _BucketLayout(
+            specs=tuple(specs),
+            names=frozenset(names_here),
+            owned=tuple(owned),
+            owned_names=tuple(s.name for s in owned),
+            views=tuple(ViewItem.of(s.offset_bytes, s.torch_dtype, s.shape) for s in owned),
+            owned_bytes=sum(s.nbytes for s in owned),
+        )
 
     def _checked_checksum(self, msg: pb.Bucket) -> int | None:
         if not self.header.verify_checksums or not msg.HasField("checksum"):

@@ -84,12 +84,22 @@ class TorchAdapter:
         self.instance_id = uuid.uuid4().hex
         self.span = pp_layer_span(num_layers, rank.pp_rank, rank.pp_size) if num_layers > 0 else None
         self._params: dict[str, torch.nn.Parameter] = {}
+        # Each parameter's slicing plan, worked out once: (parameter, split dim or None, full size of
+        # that dim, start, length). Loading then does no name matching per tensor.
+        self._plans: dict[str, tuple[torch.nn.Parameter, int | None, int, int, int]] = {}
         owned: list[OwnedTensor] = []
         for name, param in module.named_parameters():
             if self.span is not None and not stage_owns(name, self.span, rank.pp_rank, rank.pp_size):
                 continue
             self._params[name] = param
-            owned.append(OwnedTensor(name, dtypes.from_torch(param.dtype), self._full_shape(name, param)))
+            full_shape = self._full_shape(name, param)
+            owned.append(OwnedTensor(name, dtypes.from_torch(param.dtype), full_shape))
+            dim = tp_split_dim(name, self.tp_rules) if rank.tp_size > 1 else None
+            if dim is None:
+                self._plans[name] = (param, None, 0, 0, 0)
+            else:
+                start, end = tp_slice_bounds(full_shape[dim], rank.tp_rank, rank.tp_size)
+                self._plans[name] = (param, dim, full_shape[dim], start, end - start)
         transports: tuple[int, ...] = (pb.TRANSPORT_KIND_HOST_SHM, pb.TRANSPORT_KIND_INLINE)
         if self.own_device.is_cuda:
             transports = (pb.TRANSPORT_KIND_CUDA_IPC, *transports)
@@ -124,9 +134,15 @@ class TorchAdapter:
     def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             for name, full in named_tensors:
-                param = self._params[name]
-                part = shard_tensor(name, full, self.rank, self.tp_rules)
-                if tuple(part.shape) != tuple(param.shape):
+                # The same slice shard_tensor takes, from the plan made at construction.
+                param, dim, full_size, start, length = self._plans[name]
+                if dim is None:
+                    part = full
+                elif full.dim() > dim and full.shape[dim] == full_size:
+                    part = full.narrow(dim, start, length)
+                else:  # not the manifest's shape (a direct caller): slice as shard_tensor does
+                    part = shard_tensor(name, full, self.rank, self.tp_rules)
+                if part.shape != param.shape:
                     raise ValueError(
                         f"{name}: slice of shape {tuple(part.shape)} does not fit parameter of shape {tuple(param.shape)}"
                     )
