@@ -72,8 +72,27 @@ def strip_wrapper_prefixes(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in WRAPPER_SEGMENTS)
 
 
+# The last owners_by_name answer and the (worker, manifest) pairs it was computed from. A pusher
+# asks twice per push with the same manifest objects; manifests are immutable (their fingerprint is
+# cached on the same assumption), so the same objects in the same order give the same answer.
+_owners_memo: tuple[tuple[tuple[str, ShardManifest], ...], dict[str, tuple[str, ...]]] | None = None
+
+
 def owners_by_name(manifests: Mapping[str, ShardManifest]) -> dict[str, tuple[str, ...]]:
     """Checkpoint name -> the workers (keys of ``manifests``) that own it, in ``manifests`` order."""
+    global _owners_memo
+    pairs = tuple(manifests.items())
+    memo = _owners_memo
+    if memo is not None and len(memo[0]) == len(pairs) and all(
+        a == b and m is n for (a, m), (b, n) in zip(memo[0], pairs, strict=True)
+    ):
+        return dict(memo[1])
+    result = _owners_by_name(manifests)
+    _owners_memo = (pairs, result)
+    return dict(result)
+
+
+def _owners_by_name(manifests: Mapping[str, ShardManifest]) -> dict[str, tuple[str, ...]]:
     owners: dict[str, list[str]] = {}
     for worker, manifest in manifests.items():
         for name in manifest.tensors:

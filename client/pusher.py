@@ -469,10 +469,16 @@ class WeightPusher:
 
     def _unary_all(self, method: str, request: object) -> dict[str, object]:
         """Call a unary RPC on every worker concurrently; raise one PushError for all failures."""
-        pending = {
+        return self._collect(method, self._start_all(method, request))
+
+    def _start_all(self, method: str, request: object) -> dict[str, grpc.Future]:
+        """Start a unary RPC on every worker; ``_collect`` waits for the answers."""
+        return {
             a: getattr(w.stub, method).future(request, timeout=self.timeout_s, metadata=self._metadata)
             for a, w in self._workers.items()
         }
+
+    def _collect(self, method: str, pending: Mapping[str, grpc.Future]) -> dict[str, object]:
         out: dict[str, object] = {}
         failures: dict[str, WeightwireError] = {}
         for a, fut in pending.items():
@@ -504,8 +510,18 @@ class WeightPusher:
         """Every worker's GetStatus (weights version, state, last result/error), keyed by endpoint."""
         return self._unary_all("GetStatus", pb.GetStatusRequest())  # type: ignore[return-value]
 
-    def _recheck(self, workers: Iterable[str]) -> None:
-        statuses = self.status()
+    def _start_recheck(self) -> dict[str, grpc.Future] | None:
+        """Send the re-check's GetStatus to every worker now, so it travels while the push is planned.
+
+        Only its answers are looked at, in ``_run`` after planning, before anything is sent; a planning
+        error therefore still wins, and a worker that restarted is still caught before its header.
+        """
+        return self._start_all("GetStatus", pb.GetStatusRequest()) if self.recheck_manifests else None
+
+    def _recheck(self, workers: Iterable[str], pending: Mapping[str, grpc.Future] | None = None) -> None:
+        statuses: Mapping[str, pb.GetStatusResponse] = (
+            self._collect("GetStatus", pending) if pending is not None else self.status()  # type: ignore[assignment]
+        )
         changed: dict[str, WeightwireError] = {}
         for a in workers:
             st = statuses[a]
@@ -605,6 +621,7 @@ class WeightPusher:
         specs = [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in items]
         source = next((t.device for _, t in items if t.device.type != "cpu"), torch.device("cpu"))
         manifests = self.manifests()
+        recheck = self._start_recheck()
         exporter = self._exporter(self._transport_for(manifests, source), source)
         manifests = self._route_own_device(manifests, exporter, only_own_device)
         scope_pb = _scope(scope)
@@ -632,7 +649,9 @@ class WeightPusher:
             )
             for p in plans
         ]
-        return self._run(jobs, manifests, version, scope_pb, verify_checksums, False, progress, update_id, pool)
+        return self._run(
+            jobs, manifests, version, scope_pb, verify_checksums, False, progress, update_id, pool, recheck=recheck
+        )
 
     def push_flat(
         self,
@@ -651,6 +670,7 @@ class WeightPusher:
         all_specs = [s for b in buckets for s in b.specs]
         source = next((b.buffer.device for b in buckets if b.buffer.device.type != "cpu"), torch.device("cpu"))
         manifests = self.manifests()
+        recheck = self._start_recheck()
         exporter = self._exporter(self._transport_for(manifests, source), source)
         manifests = self._route_own_device(manifests, exporter, only_own_device)
         scope_pb = _scope(scope)
@@ -675,7 +695,9 @@ class WeightPusher:
                     _flat_exporter_job(pool, exporter, flat, list(b.specs), verify_checksums),
                 )
             )
-        return self._run(jobs, manifests, version, scope_pb, verify_checksums, False, progress, update_id, pool)
+        return self._run(
+            jobs, manifests, version, scope_pb, verify_checksums, False, progress, update_id, pool, recheck=recheck
+        )
 
     def push_gathered(
         self,
@@ -699,6 +721,7 @@ class WeightPusher:
         bucket (NO_PAYLOAD_FOR_DEVICE) and the push fails with its status.
         """
         manifests = self.manifests()
+        recheck = self._start_recheck()
         scope_pb = _scope(scope)
         planning.check_update([s for b in buckets for s in b.specs], manifests, scope=scope_pb, allow_unowned=allow_unowned)
         owners = planning.owners_by_name(manifests)
@@ -746,7 +769,8 @@ class WeightPusher:
                 )
             )
         return self._run(
-            jobs, manifests, version, scope_pb, verify_checksums, allow_peer_device_import, progress, update_id, *pools
+            jobs, manifests, version, scope_pb, verify_checksums, allow_peer_device_import, progress, update_id, *pools,
+            recheck=recheck,
         )
 
     # ---------------------------------------------------------------- checks
@@ -801,6 +825,7 @@ class WeightPusher:
         progress: ProgressFn | None,
         update_id: str,
         *pools: _StagingPool,
+        recheck: Mapping[str, grpc.Future] | None = None,
     ) -> dict[str, PushResult]:
         if self._closed:
             raise RuntimeError("this WeightPusher is closed")
@@ -808,7 +833,7 @@ class WeightPusher:
             raise RuntimeError("a push is already running on this WeightPusher; one update at a time")
         try:
             if self.recheck_manifests:
-                self._recheck(manifests)
+                self._recheck(manifests, recheck)
             return self._stream_update(jobs, manifests, version, scope, verify_checksums, allow_peer, progress, update_id, pools)
         finally:
             self._push_lock.release()
