@@ -43,7 +43,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -177,6 +177,12 @@ class Bench:
         visible = ",".join(str(i) for i in range(self.gpus)) if self.cuda else None
         dev = "cuda" if self.cuda else "cpu"
         modes = ["weightwire", "per_tensor"] + ([] if self.ckpt_error else ["ckpt_engine"])
+        if self.args.cases:
+            # Start only the receivers a selected case uses (each holds a whole model).
+            used = {"ww_inplace": "weightwire", "ww_packed": "weightwire", "ww_peer": "weightwire",
+                    "per_tensor": "per_tensor", "ckpt_engine": "ckpt_engine"}
+            wanted = {used[c.split(":", 1)[0]] for c in self.args.cases if c.split(":", 1)[0] in used}
+            modes = [m for m in modes if m in wanted]
         procs = {}
         for mode in modes:
             name = f"{preset}-{mode}"
@@ -547,7 +553,10 @@ class Bench:
         """Every case for one model, most important first (the budget cuts from the end)."""
         a = self.args
         need = 30.0 if rig.model_bytes >= 4 * GiB else 8.0
-        ww, pt, ce = procs["weightwire"], procs["per_tensor"], procs.get("ckpt_engine")
+        # A receiver is missing only when --cases selects none of its cases (they are dropped below).
+        ww = cast(common.WorkerProc, procs.get("weightwire"))
+        pt = cast(common.WorkerProc, procs.get("per_tensor"))
+        ce = procs.get("ckpt_engine")
         main_b = a.packed_buckets[min(1, len(a.packed_buckets) - 1)]
         label = common.size_label
         cases: list[tuple[str, str, Callable[[], dict[str, Any]], float]] = [
@@ -575,6 +584,8 @@ class Bench:
                 for b in [*a.packed_buckets, a.ckpt_default_bucket]
                 if b != main_b
             ]
+        if a.cases:
+            cases = [c for c in cases if selected(a.cases, c[0], c[1])]
         return cases
 
 
@@ -598,6 +609,11 @@ class _SharedStorage:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return self.reduced
+
+
+def selected(patterns: list[str], case: str, variant: str) -> bool:
+    """``--cases``: ``case`` selects every variant of it, ``case:variant`` one variant."""
+    return any(p == case or p == f"{case}:{variant}" for p in patterns)
 
 
 def summary_line(rec: dict[str, Any]) -> str:
@@ -633,8 +649,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rpc-timeout-s", type=float, default=120.0)
     p.add_argument("--start-timeout-s", type=float, default=240.0)
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--cases", default="", help="only these cases, comma-separated: CASE or CASE:VARIANT "
+                   "(e.g. limit,ww_inplace:whole,ww_packed:1GiB); default all")
     args = p.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
+    args.cases = [c for c in args.cases.split(",") if c]
     args.packed_buckets = [parse_size(x) for x in args.packed_buckets.split(",") if x]
     args.inplace_buckets = [parse_size(x) for x in args.inplace_buckets.split(",") if x]
     args.ckpt_default_bucket = parse_size(args.ckpt_default_bucket)
