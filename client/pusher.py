@@ -218,6 +218,33 @@ class _Prepared:
         return [*self.fixed, cache[device]]
 
 
+class _SpecTemplates:
+    """The ``tensors`` part of a Bucket message per (job specs, base offset), built once.
+
+    A trainer pushing the same ``FlatBucket`` every update hands over the same ``TensorSpec``
+    objects each time (frozen dataclasses: immutable). Entries hold those objects, so while an entry
+    lives no other object can have their ids; equal ids in a key therefore mean the same specs.
+    """
+
+    _MAX_ENTRIES = 256
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, ...], tuple[list[TensorSpec], pb.Bucket]] = {}
+
+    def bucket(self, specs: list[TensorSpec], base_offset_bytes: int) -> pb.Bucket:
+        """A new Bucket whose ``tensors`` are ``specs`` shifted by ``base_offset_bytes``."""
+        key = (base_offset_bytes, *map(id, specs))
+        entry = self._entries.get(key)
+        if entry is None:
+            if len(self._entries) >= self._MAX_ENTRIES:
+                self._entries.clear()
+            entry = (list(specs), pb.Bucket(tensors=[s.to_proto(base_offset_bytes) for s in specs]))
+            self._entries[key] = entry
+        out = pb.Bucket()
+        out.CopyFrom(entry[1])
+        return out
+
+
 @dataclasses.dataclass
 class _Job:
     specs: list[TensorSpec]
@@ -441,6 +468,7 @@ class WeightPusher:
         self._fingerprints: dict[str, str] = {}
         self._exporters: dict[str, exp.Exporter] = {}
         self._pools: dict[str, _StagingPool] = {}
+        self._templates = _SpecTemplates()
         self._user_buffers: list[exp.StagingBuffer] = []
         self._push_lock = threading.Lock()
         self._closed = False
@@ -882,12 +910,9 @@ class WeightPusher:
                     update.prepared[job_id] = prepared
                     update.job_bytes[job_id] = job.size_bytes
                 cache: dict[DeviceRef, pb.Payload] = {}
-                specs_pb = [s.to_proto(prepared.base_offset_bytes) for s in job.specs]
                 for a in job.recipients:
-                    bucket = pb.Bucket(
-                        tensors=specs_pb,
-                        payloads=prepared.payloads_for(manifests[a].device, cache),
-                    )
+                    bucket = self._templates.bucket(job.specs, prepared.base_offset_bytes)
+                    bucket.payloads.extend(prepared.payloads_for(manifests[a].device, cache))
                     if prepared.checksum is not None:
                         bucket.checksum.CopyFrom(prepared.checksum)
                     streams[a].send_bucket(job_id, bucket)
