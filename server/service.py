@@ -53,12 +53,27 @@ CommitHook = Callable[[pb.UpdateResult], None]
 _MAX_CACHED_LAYOUTS = 1024
 
 
+# ...and at most this many tensor specs over all of them (a bound on the cache's memory).
+_MAX_CACHED_SPECS = 1 << 16
+
+
+def _layout_key(msg: pb.Bucket, payloads: list[pb.Payload]) -> bytes:
+    """What the update-independent checks of a bucket depend on, as bytes: its serialized tensor
+    specs and each payload's size and handle field (not the handle itself, the index or the
+    checksum, which change between updates and are checked per update)."""
+    specs_only = pb.Bucket()
+    specs_only.tensors.MergeFrom(msg.tensors)
+    sizes = ";".join(f"{p.size_bytes}:{p.WhichOneof('handle') or ''}" for p in payloads)
+    return specs_only.SerializeToString() + b"|" + sizes.encode()
+
+
 @dataclasses.dataclass(frozen=True)
 class _BucketLayout:
     """What the update-independent checks of one bucket message concluded.
 
-    Keyed by the message's exact serialized bytes (and the manifest fingerprint), so a hit means
-    the very same specs, payload sizes and handles were already checked against this manifest: every
+    Keyed by the exact serialized specs, each payload's size and handle field (``_layout_key``) and
+    the manifest fingerprint, so a hit means the very same specs and payload sizes were already
+    checked against this manifest: every
     spec valid and in bounds of every payload, no name twice in the bucket, every payload with a
     handle, owned tensors matching the manifest. Only successes are stored. The per-update rules
     (bucket index, names across buckets, checksum, selection, open) still run on every bucket.
@@ -137,6 +152,7 @@ class WorkerService:
         self._failed = 0
         self._listeners: list[Callable[[bool], None]] = []
         self._layouts: dict[tuple[bytes, str], _BucketLayout] = {}
+        self._layout_specs = 0
 
     # --- identity and status -------------------------------------------------------------------
 
@@ -209,10 +225,14 @@ class WorkerService:
         return self._layouts.get(key)
 
     def remember_layout(self, key: tuple[bytes, str], layout: _BucketLayout) -> None:
-        if len(self._layouts) >= _MAX_CACHED_LAYOUTS:
-            # Updates run one at a time, so only one thread ever adds; drop the oldest entry.
-            self._layouts.pop(next(iter(self._layouts)), None)
-        self._layouts[key] = layout
+        # Updates run one at a time, so only one thread ever adds; drop the oldest entries.
+        while self._layouts and (
+            len(self._layouts) >= _MAX_CACHED_LAYOUTS or self._layout_specs + len(layout.specs) > _MAX_CACHED_SPECS
+        ):
+            self._layout_specs -= len(self._layouts.pop(next(iter(self._layouts))).specs)
+        if len(layout.specs) <= _MAX_CACHED_SPECS:
+            self._layouts[key] = layout
+            self._layout_specs += len(layout.specs)
 
     def _record_failure(self, err: WeightwireError, version: int) -> None:
         detail = pb.ErrorDetail(code=err.code, reason=err.reason, message=err.message, time=_now(), version=version)
@@ -419,7 +439,7 @@ class Update:
             raise WeightwireError(Reason.DUPLICATE_BUCKET, f"bucket {msg.index} arrived twice in this update", bucket=str(msg.index))
         self._bucket_indices.add(msg.index)
         payloads = list(msg.payloads)
-        key = (msg.SerializeToString(), self._manifest.fingerprint)
+        key = (_layout_key(msg, payloads), self._manifest.fingerprint)
         layout = self.service.cached_layout(key)
         if layout is None:
             layout = self._check_layout(msg, payloads)
