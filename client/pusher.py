@@ -26,6 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import grpc
@@ -254,7 +255,8 @@ class _Job:
 
 
 class _Stream:
-    """One worker's PushWeights stream: requests from a queue, responses read on a thread."""
+    """One worker's PushWeights stream: requests from a queue, responses read on a pool thread
+    (or, for an update of one worker and one bucket, by the pushing thread itself: ``read_here``)."""
 
     def __init__(self, update: _Update, worker: Worker, header: pb.UpdateHeader) -> None:
         self.update = update
@@ -271,9 +273,9 @@ class _Stream:
         self.started = time.monotonic()
         self.finished = 0.0
         self.call: grpc.Call | None = None
-        self._thread = threading.Thread(target=self._read, name=f"ww-push-{worker.address}", daemon=True)
+        self._reading = False
 
-    def start(self) -> None:
+    def start(self, *, reader: bool = True) -> None:
         with self._cv:
             if self.cancelled_by_us:  # another worker failed before this stream was opened
                 self.error = WeightwireError("CANCELLED", "not started", code="CANCELLED", worker=self.address)
@@ -282,7 +284,31 @@ class _Stream:
             self.call = self.worker.stub.PushWeights(
                 self._requests(), timeout=self.update.timeout_s, metadata=self.update.metadata
             )
-        self._thread.start()
+        if reader:
+            self.ensure_reader()
+
+    def ensure_reader(self) -> None:
+        """Read the responses on one of the pusher's kept threads (unless something reads them already).
+
+        Kept threads: starting a thread per stream per update costs more than the rest of the
+        client's work for a small update.
+        """
+        if self._reading or self.call is None:
+            return
+        self._reading = True
+        try:
+            self.update.readers.submit(self._read)
+        except RuntimeError:  # the pusher was closed meanwhile (its pool shut down): read on a thread of our own
+            threading.Thread(target=self._read, name=f"ww-push-{self.address}", daemon=True).start()
+
+    def read_here(self) -> None:
+        """Read the responses on the calling thread until the stream ends (one hand-off fewer per
+        response than a reader thread). Only when nothing else has to run meanwhile: every bucket
+        is sent, and the commit is sent from ``on_ack``."""
+        if self._reading or self.call is None:
+            return
+        self._reading = True
+        self._read(here=True)
 
     def _requests(self) -> Iterable[pb.PushWeightsRequest]:
         while True:
@@ -320,7 +346,7 @@ class _Stream:
             call.cancel()
         self._put(None)
 
-    def _read(self) -> None:
+    def _read(self, here: bool = False) -> None:
         try:
             for resp in self.call:  # type: ignore[union-attr]
                 kind = resp.WhichOneof("message")
@@ -337,6 +363,8 @@ class _Stream:
             self.error = error_from_rpc(e, worker=self.address)
         except BaseException as e:  # a bug in a progress callback must not hang the update
             self.error = WeightwireError("CLIENT_ERROR", f"{type(e).__name__}: {e}", code="INTERNAL", worker=self.address)
+            if here and not isinstance(e, Exception):
+                raise  # KeyboardInterrupt and the like in the pushing thread: let it stop the push
         finally:
             self.finished = time.monotonic()
             self._put(None)
@@ -347,8 +375,15 @@ class _Stream:
 class _Update:
     """The shared state of one update across all worker streams."""
 
-    def __init__(self, timeout_s: float, metadata: tuple[tuple[str, str], ...], progress: ProgressFn | None) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        metadata: tuple[tuple[str, str], ...],
+        progress: ProgressFn | None,
+        readers: ThreadPoolExecutor,
+    ) -> None:
         self.timeout_s = timeout_s
+        self.readers = readers
         self.metadata = metadata
         self.progress = progress
         self.cond = threading.Condition()
@@ -365,6 +400,9 @@ class _Update:
         self.pools: list[_StagingPool] = []
         self.committed = False
         self.deadline_hit = False
+        # Set (under ``cond``) once every job was handed to its streams: from then on the last ack
+        # sends the commit itself, without waking the pushing thread first.
+        self.all_sent = False
 
     def stopped(self) -> bool:
         return self.failed
@@ -387,9 +425,19 @@ class _Update:
                 self.buckets_done += 1
                 self.bytes_done += self.job_bytes.get(job_id, 0)
                 report = PushProgress(self.buckets_done, self.buckets_total, self.bytes_done, self.bytes_total)
+                self.commit_if_complete()
                 self.cond.notify_all()
         if report is not None and self.progress is not None:
             self.progress(report)
+
+    def commit_if_complete(self) -> None:
+        """Commit every stream once every job is sent and acked by all its recipients and nothing
+        failed (the caller holds ``cond``). Still only after every ack, as before; just sent by
+        whichever thread saw the last one."""
+        if self.all_sent and not self.pending and not self.failed and not self.committed:
+            self.committed = True
+            for s in self.streams.values():
+                s.commit()
 
     def on_stream_end(self, stream: _Stream) -> None:
         if stream.error is None:
@@ -415,7 +463,15 @@ class _Update:
 # --------------------------------------------------------------------------------------------
 
 
-def _close_all(pools: dict[str, _StagingPool], exporters: dict[str, exp.Exporter], workers: list[Worker]) -> None:
+def _close_all(
+    pools: dict[str, _StagingPool],
+    exporters: dict[str, exp.Exporter],
+    workers: list[Worker],
+    executors: list[ThreadPoolExecutor],
+) -> None:
+    for ex in executors:
+        # Not waiting: closing the channels below ends any call a thread is still blocked in.
+        ex.shutdown(wait=False)
     for pool in pools.values():
         pool.close()
     for exporter in exporters.values():
@@ -472,9 +528,13 @@ class WeightPusher:
         self._user_buffers: list[exp.StagingBuffer] = []
         self._push_lock = threading.Lock()
         self._closed = False
+        # The threads that read the update streams are kept across updates: a thread start per
+        # worker per update is a large share of a small update's cost on a busy host. Room for a
+        # reader still ending after a cancelled update next to the next update's readers.
+        self._readers = ThreadPoolExecutor(max_workers=2 * len(self.endpoints) + 2, thread_name_prefix="ww-push")
         # Segments are unlinked even if the caller forgets close() (also at interpreter exit).
         self._finalizer = weakref.finalize(
-            self, _close_all, self._pools, self._exporters, list(self._workers.values())
+            self, _close_all, self._pools, self._exporters, list(self._workers.values()), [self._readers]
         )
 
     # ---------------------------------------------------------------- context, lifecycle
@@ -878,7 +938,7 @@ class WeightPusher:
         update_id: str,
         pools: Sequence[_StagingPool],
     ) -> dict[str, PushResult]:
-        update = _Update(self.timeout_s, self._metadata, progress)
+        update = _Update(self.timeout_s, self._metadata, progress, self._readers)
         update.pools = list(pools)
         update.buckets_total = len(jobs)
         update.bytes_total = sum(j.size_bytes for j in jobs)
@@ -894,10 +954,13 @@ class WeightPusher:
             )
             update.streams[a] = _Stream(update, self._workers[a], header)
         streams = update.streams
+        # One worker, at most one bucket: nothing needs the pushing thread while the responses
+        # come in, so it reads them itself (the commit goes out from the last ack).
+        here = len(streams) == 1 and len(jobs) <= 1
         completed = False
         try:
             for s in streams.values():
-                s.start()
+                s.start(reader=not here)
             for job_id, job in enumerate(jobs):
                 if update.failed:
                     break
@@ -917,15 +980,20 @@ class WeightPusher:
                         bucket.checksum.CopyFrom(prepared.checksum)
                     streams[a].send_bucket(job_id, bucket)
             with update.cond:
+                if not update.failed:
+                    update.all_sent = True
+                    update.commit_if_complete()
+            if here:
+                for s in streams.values():
+                    s.read_here()
+            with update.cond:
                 while update.pending and not update.failed:
                     if not update.cond.wait(max(0.0, min(deadline - time.monotonic(), 1.0))) and time.monotonic() >= deadline:
                         break
-            if not update.failed and not update.pending:
-                update.committed = True
-                for s in streams.values():
-                    s.commit()
-            elif update.pending and not update.failed:
-                update.deadline_hit = True
+                if not update.failed and not update.pending:
+                    update.commit_if_complete()
+                elif update.pending and not update.failed:
+                    update.deadline_hit = True
             for s in streams.values():
                 s.done.wait(max(0.0, deadline - time.monotonic()))
             completed = True
@@ -933,6 +1001,7 @@ class WeightPusher:
             if not completed or update.failed or any(not s.done.is_set() for s in streams.values()):
                 for s in streams.values():
                     s.cancel()
+                    s.ensure_reader()  # a stream meant to be read here that never was: its end sets ``done``
                 for s in streams.values():
                     # A cancelled call ends at once; bounded anyway so a broken channel cannot hang us.
                     s.done.wait(_GRACE_S)
