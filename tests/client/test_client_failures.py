@@ -135,3 +135,83 @@ def test_hung_worker_hits_the_deadline(engine: Engine) -> None:
     finally:
         victim.proc.send_signal(signal.SIGCONT)
     _recover(engine)
+
+
+class _Counted:
+    """A client stub method that counts its calls (blocking and ``future``)."""
+
+    def __init__(self, inner: object, calls: list[str], name: str) -> None:
+        self._inner, self._calls, self._name = inner, calls, name
+
+    def __call__(self, *a: object, **k: object) -> object:
+        self._calls.append(self._name)
+        return self._inner(*a, **k)  # type: ignore[operator]
+
+    def future(self, *a: object, **k: object) -> object:
+        self._calls.append(self._name)
+        return self._inner.future(*a, **k)  # type: ignore[attr-defined]
+
+
+def test_one_pusher_rechecks_every_push_and_refetches_manifests_only_after_a_restart(engine: Engine) -> None:
+    a0, a1 = engine.addresses
+    calls: dict[str, list[str]] = {a0: [], a1: []}
+    with WeightPusher(engine.addresses) as p:
+        for a, w in p._workers.items():
+            for method in ("GetManifest", "GetStatus"):
+                setattr(w.stub, method, _Counted(getattr(w.stub, method), calls[a], method))
+        v = _version(p)
+        for _ in range(2):  # the first push reads the manifests, the second reuses them
+            for c in calls.values():
+                c.clear()
+            v += 1
+            full = full_checkpoint(CONFIG, seed=v)
+            p.push(full, version=v)
+            assert shard_mismatches(engine.dump_dir, p.manifests(), full, v) == {}
+        # The unchanged workers' manifests were not fetched again; the re-check still ran.
+        assert calls == {a0: ["GetStatus"], a1: ["GetStatus"]}
+
+        engine.restart(1)  # same address: the pusher's channel (and the counting stubs) reach the new process
+        for c in calls.values():
+            c.clear()
+        with pytest.raises(PushError) as e:
+            p.push(full_checkpoint(CONFIG, seed=v + 1), version=v + 1)
+        assert list(e.value.failures) == [a1] and e.value.failures[a1].reason == "MANIFEST_CHANGED"
+        assert calls[a1] == ["GetStatus"]  # caught by the re-check, before any stream
+        assert p.status()[a0].weights_version == v  # nothing was sent to the healthy worker
+
+        for c in calls.values():
+            c.clear()
+        v = _version(p) + 1
+        full = full_checkpoint(CONFIG, seed=v)
+        p.push(full, version=v)  # re-reads both manifests, re-plans, and goes through
+        assert calls[a0].count("GetManifest") == 1 and calls[a1].count("GetManifest") == 1
+        assert "GetStatus" in calls[a0] and "GetStatus" in calls[a1]
+        assert shard_mismatches(engine.dump_dir, p.manifests(), full, v) == {}
+    _recover(engine)
+
+
+def test_single_worker_single_bucket_push_hits_the_deadline(engine: Engine) -> None:
+    # One worker and one bucket: the pushing thread reads the stream itself; a hung worker must
+    # still end the push at the deadline, blamed on that worker, nothing committed.
+    a1 = engine.addresses[1]
+    victim = engine.workers[1]
+
+    class FreezeAfterRecheck(WeightPusher):
+        def _recheck(self, *a: object, **k: object) -> None:
+            super()._recheck(*a, **k)  # type: ignore[arg-type]
+            victim.proc.send_signal(signal.SIGSTOP)
+
+    try:
+        with FreezeAfterRecheck([a1], timeout_s=2.0) as p:
+            v0 = _version(p)
+            with pytest.raises(PushError) as e:
+                p.push(full_checkpoint(CONFIG, seed=v0 + 1), version=v0 + 1)
+            failures = e.value.failures
+            assert list(failures) == [a1]
+            assert failures[a1].code == "DEADLINE_EXCEEDED" and "did not answer within the deadline" in failures[a1].message
+            assert not e.value.results
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    st = victim.stub().GetStatus(pb.GetStatusRequest(), timeout=10)
+    assert st.weights_version == v0
+    _recover(engine)
