@@ -6,6 +6,7 @@ bit for bit through the workers' dump files."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 
@@ -141,6 +142,38 @@ def test_push_flat_from_shared_memory_without_copy_and_from_plain_memory(engine:
     for addr, r in results.items():
         assert r.buckets == 1 and r.tensors_loaded == len(manifests[addr].tensors)
     assert shard_mismatches(engine.dump_dir, manifests, full, v) == {}
+
+
+def test_push_flat_of_the_same_buckets_again_is_checked_for_what_changed(engine: Engine, pusher: WeightPusher) -> None:
+    # The client remembers which exact spec objects, manifests, scope and sizes already passed its
+    # checks; new contents go through, and a change in scope, size or specs is still refused.
+    manifests = pusher.manifests()
+    full = full_checkpoint(CONFIG, seed=1)
+    layouts = [layout_flat(_flat_stage(full, manifests, pp)) for pp in (0, 1)]
+    buckets = [FlatBucket(pusher.host_buffer(size), specs) for specs, size in layouts]
+    for _ in range(2):
+        v = next_version(pusher)
+        full = full_checkpoint(CONFIG, seed=v)
+        for b, pp in zip(buckets, (0, 1), strict=True):
+            pack_into(b.buffer, b.specs, [t for _, t in _flat_stage(full, manifests, pp)])
+        pusher.push_flat(buckets, version=v)
+        assert shard_mismatches(engine.dump_dir, manifests, full, v) == {}
+    before = counters(pusher)
+    stage0 = buckets[:1]
+    pusher.push_flat(stage0, version=next_version(pusher), scope="partial")
+    with pytest.raises(PlanError) as incomplete:
+        pusher.push_flat(stage0, version=next_version(pusher))  # the same objects, now FULL
+    assert incomplete.value.reason == "INCOMPLETE_UPDATE"
+    specs0 = buckets[0].specs
+    with pytest.raises(PlanError) as bounds:
+        pusher.push_flat([FlatBucket(buckets[0].buffer[:-1], specs0), buckets[1]], version=next_version(pusher))
+    assert bounds.value.reason == "TENSOR_OUT_OF_BOUNDS"
+    wrong = [dataclasses.replace(specs0[0], shape=(*specs0[0].shape[:-1], specs0[0].shape[-1] + 1)), *specs0[1:]]
+    with pytest.raises(PlanError) as shape:
+        pusher.push_flat([FlatBucket(buckets[0].buffer, wrong), buckets[1]], version=next_version(pusher))
+    assert shape.value.reason == "SHAPE_MISMATCH"
+    after = counters(pusher)
+    assert {a: c[1:] for a, c in after.items()} == {a: (c[1] + 1, c[2]) for a, c in before.items()}  # only the partial push ran
 
 
 def test_gathered_payloads_each_worker_picks_its_own(engine: Engine, pusher: WeightPusher) -> None:
