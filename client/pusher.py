@@ -22,11 +22,12 @@ several labelled payloads, e.g. one per trainer GPU after a gather; each worker 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import grpc
@@ -39,6 +40,8 @@ from weightwire.core.devices import DeviceRef, is_own_device
 from weightwire.core.errors import PushError, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 Scope = Literal["full", "partial"]
 _SCOPES = {"full": pb.UPDATE_SCOPE_FULL, "partial": pb.UPDATE_SCOPE_PARTIAL}
@@ -425,7 +428,7 @@ class _Update:
         timeout_s: float,
         metadata: tuple[tuple[str, str], ...],
         progress: ProgressFn | None,
-        readers: ThreadPoolExecutor,
+        readers: _ReaderThreads,
     ) -> None:
         self.timeout_s = timeout_s
         self.readers = readers
@@ -508,15 +511,61 @@ class _Update:
 # --------------------------------------------------------------------------------------------
 
 
+class _ReaderThreads:
+    """Kept daemon threads that read update streams (starting a thread per worker per push costs
+    more than the push's own Python work). Daemon, unlike a ThreadPoolExecutor's workers, so a
+    trainer that exits with a push in flight is not held up until the stream's deadline."""
+
+    def __init__(self, max_threads: int, name: str) -> None:
+        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._max = max_threads
+        self._name = name
+        self._mu = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        with self._mu:
+            if self._closed:
+                raise RuntimeError("the pusher is closed")
+            self._tasks.put(fn)
+            if self._idle > 0:
+                self._idle -= 1
+                return
+            if self._threads < self._max:
+                self._threads += 1
+                threading.Thread(target=self._run, name=f"{self._name}-{self._threads}", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn = self._tasks.get()
+            if fn is None:
+                return
+            try:
+                fn()
+            except Exception:  # a reader reports its own errors; never let one kill the thread
+                log.exception("stream reader failed")
+            with self._mu:
+                self._idle += 1
+
+    def shutdown(self) -> None:
+        with self._mu:
+            self._closed = True
+            threads = self._threads
+        for _ in range(threads):
+            self._tasks.put(None)
+
+
 def _close_all(
     pools: dict[str, _StagingPool],
     exporters: dict[str, exp.Exporter],
     workers: list[Worker],
-    executors: list[ThreadPoolExecutor],
+    executors: list[_ReaderThreads],
 ) -> None:
     for ex in executors:
         # Not waiting: closing the channels below ends any call a thread is still blocked in.
-        ex.shutdown(wait=False)
+        ex.shutdown()
     for pool in pools.values():
         pool.close()
     for exporter in exporters.values():
@@ -577,7 +626,7 @@ class WeightPusher:
         # The threads that read the update streams are kept across updates: a thread start per
         # worker per update is a large share of a small update's cost on a busy host. Room for a
         # reader still ending after a cancelled update next to the next update's readers.
-        self._readers = ThreadPoolExecutor(max_workers=2 * len(self.endpoints) + 2, thread_name_prefix="ww-push")
+        self._readers = _ReaderThreads(2 * len(self.endpoints) + 2, "ww-push")
         # Segments are unlinked even if the caller forgets close() (also at interpreter exit).
         self._finalizer = weakref.finalize(
             self, _close_all, self._pools, self._exporters, list(self._workers.values()), [self._readers]
