@@ -66,6 +66,10 @@ class PushResult:
     server_duration_s: float
     transport: str
     state: str
+    # Buckets this worker took from another GPU of its host (only with allow_peer_device_import),
+    # and every device it imported payloads from (normalised labels, e.g. "cuda:1a2b...").
+    peer_device_imports: int = 0
+    source_devices: tuple[str, ...] = ()
 
     @property
     def gbps(self) -> float:
@@ -1361,6 +1365,10 @@ def _result(address: str, worker_id: str, s: _Stream) -> PushResult:
         server_duration_s=r.duration_ns / 1e9,
         transport=transport,
         state=pb.WorkerState.Name(r.state).removeprefix("WORKER_STATE_"),
+        peer_device_imports=sum(1 for a in s.acks if a.peer_device_import),
+        source_devices=tuple(
+            sorted({str(DeviceRef(a.source_device.kind, a.source_device.uuid)) for a in s.acks if a.HasField("source_device")})
+        ),
     )
 
 

@@ -201,6 +201,7 @@ def test_gathered_payloads_each_worker_picks_its_own(engine: Engine, pusher: Wei
     for addr, r in results.items():
         assert r.tensors_loaded == len(manifests[addr].tensors)
         assert r.handles_opened == 1 and r.transport == "host_shm"
+        assert r.source_devices == (str(DeviceRef.host()),) and r.peer_device_imports == 0
     assert shard_mismatches(engine.dump_dir, manifests, full, v) == {}
 
 
