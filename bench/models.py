@@ -14,18 +14,12 @@ import dataclasses
 
 import torch
 from weightwire.adapters.torch import TPRule, tp_split_dim
+from weightwire.adapters.torch.demo import DEMO_TP_RULES
 from weightwire.core.topology import tp_slice_bounds
 
-# Column-parallel projections split their output dim, row-parallel ones their input dim; norms,
-# biases and the rest stay replicated (biases are small, and replicating them keeps the rules short).
-TP_RULES: tuple[TPRule, ...] = (
-    TPRule(r"\.self_attn\.(q|k|v)_proj\.weight$", 0),
-    TPRule(r"\.self_attn\.o_proj\.weight$", 1),
-    TPRule(r"\.mlp\.(gate|up)_proj\.weight$", 0),
-    TPRule(r"\.mlp\.down_proj\.weight$", 1),
-    TPRule(r"^model\.embed_tokens\.weight$", 0),
-    TPRule(r"^lm_head\.weight$", 0),
-)
+# The demo model's rules: column-parallel projections split their output dim, row-parallel ones
+# their input dim; norms, biases and the rest stay replicated.
+TP_RULES: tuple[TPRule, ...] = DEMO_TP_RULES
 
 
 @dataclasses.dataclass(frozen=True)

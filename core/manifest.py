@@ -71,6 +71,12 @@ class OwnedTensor:
         return pb.OwnedTensor(name=self.name, dtype=self.dtype, shape=list(self.shape))  # type: ignore[arg-type]
 
 
+def transports_for(device: DeviceRef) -> tuple[int, ...]:
+    """What a worker on ``device`` can import: CUDA IPC on a GPU, and host memory everywhere."""
+    host = (pb.TRANSPORT_KIND_HOST_SHM, pb.TRANSPORT_KIND_INLINE)
+    return (pb.TRANSPORT_KIND_CUDA_IPC, *host) if device.is_cuda else host
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardManifest:
     device: DeviceRef

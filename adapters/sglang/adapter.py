@@ -31,8 +31,7 @@ from weightwire.adapters.sglang.settings import worker_id as default_worker_id
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef, device_ref_of
 from weightwire.core.errors import Reason, WeightwireError
-from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
-from weightwire.v1 import weight_transfer_pb2 as pb
+from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest, transports_for
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -104,9 +103,6 @@ class SGLangAdapter:
         self._params = dict(model.named_parameters())
         self._version: int | None = None
         self._session_open = False
-        transports: tuple[int, ...] = (pb.TRANSPORT_KIND_HOST_SHM, pb.TRANSPORT_KIND_INLINE)
-        if self.own_device.is_cuda:
-            transports = (pb.TRANSPORT_KIND_CUDA_IPC, *transports)
         self._manifest = ShardManifest.build(
             self.own_device,
             rank,
@@ -119,7 +115,7 @@ class SGLangAdapter:
             num_layers=self.layout.num_layers,
             engine="sglang",
             worker_id=self.worker_id,
-            transports=transports,
+            transports=transports_for(self.own_device),
             instance_id=uuid.uuid4().hex,
         )
 

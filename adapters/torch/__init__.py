@@ -16,9 +16,8 @@ from typing import NamedTuple
 import torch
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef, device_ref_of
-from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
+from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest, transports_for
 from weightwire.core.topology import pp_layer_span, stage_owns, tp_slice_bounds
-from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["TPRule", "TorchAdapter", "default_worker_id", "shard_tensor", "tp_split_dim"]
 
@@ -100,9 +99,6 @@ class TorchAdapter:
             else:
                 start, end = tp_slice_bounds(full_shape[dim], rank.tp_rank, rank.tp_size)
                 self._plans[name] = (param, dim, full_shape[dim], start, end - start)
-        transports: tuple[int, ...] = (pb.TRANSPORT_KIND_HOST_SHM, pb.TRANSPORT_KIND_INLINE)
-        if self.own_device.is_cuda:
-            transports = (pb.TRANSPORT_KIND_CUDA_IPC, *transports)
         self._manifest = ShardManifest.build(
             self.own_device,
             rank,
@@ -112,7 +108,7 @@ class TorchAdapter:
             num_layers=num_layers,
             engine=engine,
             worker_id=self.worker_id,
-            transports=transports,
+            transports=transports_for(self.own_device),
             instance_id=self.instance_id,
         )
 
