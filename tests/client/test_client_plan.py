@@ -21,7 +21,7 @@ from weightwire.client.plan import (
     plan_buckets,
     strip_wrapper_prefixes,
 )
-from weightwire.client.pusher import _StagingPool
+from weightwire.client.staging import StagingPool
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef
 from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
@@ -223,7 +223,7 @@ def test_auto_transport() -> None:
 def test_staging_pool_reuses_waits_and_grows_bounded() -> None:
     before = _shm_names()
     exporter = exp.HostShmExporter()
-    pool = _StagingPool(exporter, bucket_bytes=1024, depth=2)
+    pool = StagingPool(exporter, bucket_bytes=1024, depth=2)
     never = lambda: False  # noqa: E731
     deadline = time.monotonic() + 30
     try:

@@ -7,11 +7,11 @@ import subprocess
 import sys
 import threading
 
-from weightwire.client.pusher import _ReaderThreads
+from weightwire.client.readers import ReaderThreads
 
 
 def test_runs_every_task_on_bounded_daemon_threads() -> None:
-    pool = _ReaderThreads(3, "test-reader")
+    pool = ReaderThreads(3, "test-reader")
     release = threading.Event()
     started = threading.Semaphore(0)
     seen: list[str] = []
@@ -43,8 +43,8 @@ def test_runs_every_task_on_bounded_daemon_threads() -> None:
 def test_a_reader_still_blocked_does_not_hold_up_exit() -> None:
     script = (
         "import threading\n"
-        "from weightwire.client.pusher import _ReaderThreads\n"
-        "pool = _ReaderThreads(2, 'r')\n"
+        "from weightwire.client.readers import ReaderThreads\n"
+        "pool = ReaderThreads(2, 'r')\n"
         "pool.submit(lambda: threading.Event().wait(600))\n"
         "print('submitted', flush=True)\n"
     )

@@ -1,0 +1,144 @@
+"""Pure routing checks of the client: which workers get a bucket, and what must hold before anything
+is sent (scope, flat buffers, transport limits, payload labels against the workers' devices).
+
+No gRPC, no I/O; ``weightwire.client.pusher`` calls these while it builds an update's jobs. The
+manifest-level checks (names, dtypes, shapes, FULL coverage) and bucket layout live in
+``weightwire.client.plan``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from weightwire.client import exporters as exp
+from weightwire.client import plan as planning
+from weightwire.client.plan import PlanError, TensorSpec
+from weightwire.client.types import FlatBucket
+from weightwire.core.devices import DeviceRef, is_own_device
+from weightwire.core.manifest import ShardManifest
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+_SCOPES = {"full": pb.UPDATE_SCOPE_FULL, "partial": pb.UPDATE_SCOPE_PARTIAL}
+
+
+def scope_value(scope: str) -> int:
+    try:
+        return _SCOPES[scope]
+    except KeyError:
+        raise ValueError(f"scope must be 'full' or 'partial', not {scope!r}") from None
+
+
+def label_str(p: pb.Payload) -> str:
+    return str(DeviceRef(p.device.kind, p.device.uuid)) if p.device.kind else "(no label)"
+
+
+def flat_bytes(t: torch.Tensor, where: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise PlanError("INVALID_ARGUMENT", f"{where}: the flat buffer must be contiguous", code="INVALID_ARGUMENT")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def recipients_of(
+    specs: Sequence[TensorSpec], owners: Mapping[str, Sequence[str]], manifests: Mapping[str, ShardManifest]
+) -> tuple[str, ...]:
+    wanted = {w for s in specs for w in owners.get(s.name, ())}
+    return tuple(a for a in manifests if a in wanted)
+
+
+def check_transport_limit(exporter: exp.Exporter, sizes: Iterable[int]) -> None:
+    limit = exporter.max_bucket_bytes
+    if limit is None:
+        return
+    biggest = max(sizes, default=0)
+    if biggest > limit:
+        raise PlanError(
+            "INVALID_SIZE",
+            f"a bucket of {biggest} bytes does not fit transport {exporter.name} (at most {limit} bytes per "
+            "message); use host shared memory or CUDA IPC for tensors this large",
+            code="INVALID_ARGUMENT",
+        )
+
+
+def route_own_device(
+    manifests: dict[str, ShardManifest], exporter: exp.Exporter, only_own_device: bool
+) -> dict[str, ShardManifest]:
+    if not only_own_device or exporter.label is None:
+        return manifests
+    mine = {a: m for a, m in manifests.items() if is_own_device(exporter.label, m.device)}
+    if not mine:
+        raise PlanError(
+            "NO_PAYLOAD_FOR_DEVICE",
+            f"no worker is on this process's device {exporter.label}; workers are on "
+            + ", ".join(sorted({str(m.device) for m in manifests.values()})),
+            code="FAILED_PRECONDITION",
+        )
+    return mine
+
+
+def check_labels(
+    manifests: Mapping[str, ShardManifest],
+    labels: Sequence[DeviceRef] | None,
+    where: str,
+    allow_peer: bool = False,
+) -> None:
+    if labels is None:  # inline: each worker's payload is labelled with its own device
+        return
+    bad = planning.device_mismatches(manifests, labels, manifests)
+    if allow_peer:
+        bad = {w: m for w, m in bad.items() if not (manifests[w].device.is_cuda and any(lb.is_cuda for lb in labels))}
+    if bad:
+        raise PlanError(
+            "NO_PAYLOAD_FOR_DEVICE",
+            f"{where}: {len(bad)} worker(s) would get no payload for their own device (nothing was sent):\n  "
+            + "\n  ".join(bad.values())
+            + "\nGive each worker a payload from its own device (push_gathered), push from a process on "
+            "that device, use transport='inline', or pass only_own_device=True to skip them.",
+            code="FAILED_PRECONDITION",
+        )
+
+
+class CheckedLayouts:
+    """``push_flat`` layouts that already passed the client's planning checks, by object identity.
+
+    A trainer pushing the same ``FlatBucket`` specs every update hands over the same immutable
+    ``TensorSpec`` objects against the same (frozen) manifest objects each time; the name, dtype,
+    shape, FULL-coverage and bounds checks of those exact objects, with the same scope, flags and
+    buffer sizes, give the same answer again. Entries hold the objects, so while an entry lives no
+    other object can have their ids. Only successes are kept; new manifests (a re-read after a
+    restart) are new objects and so a miss.
+    """
+
+    _MAX_ENTRIES = 64
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[object, ...], tuple[list[object], list[tuple[str, ...]]]] = {}
+
+    @staticmethod
+    def key(
+        buckets: Sequence[FlatBucket], sizes: Sequence[int], manifests: Mapping[str, ShardManifest], scope: int, allow_unowned: bool
+    ) -> tuple[object, ...]:
+        return (
+            scope,
+            allow_unowned,
+            tuple(sizes),
+            tuple((a, id(m)) for a, m in manifests.items()),
+            tuple(tuple(map(id, b.specs)) for b in buckets),
+        )
+
+    def get(self, key: tuple[object, ...]) -> list[tuple[str, ...]] | None:
+        entry = self._entries.get(key)
+        return None if entry is None else entry[1]
+
+    def put(
+        self,
+        key: tuple[object, ...],
+        buckets: Sequence[FlatBucket],
+        manifests: Mapping[str, ShardManifest],
+        recipients: list[tuple[str, ...]],
+    ) -> None:
+        if len(self._entries) >= self._MAX_ENTRIES:
+            self._entries.clear()
+        held: list[object] = [list(manifests.values()), *(list(b.specs) for b in buckets)]
+        self._entries[key] = (held, recipients)
+

@@ -1,0 +1,267 @@
+"""Staging: where a bucket's bytes live until every worker that got it has acked.
+
+``StagingPool`` bounds the reusable staging buffers of one exporter (double buffering); a ``Job`` is
+one bucket to send (its specs, its recipients, and how to stage and export its bytes); the job
+builders (``packer``, ``flat_exporter_job``, ``gathered_job``) make the ``prepare`` step of each entry
+point's jobs; ``SpecTemplates`` builds each bucket's ``tensors`` message once per unchanged layout.
+Called by ``weightwire.client.pusher`` (building jobs) and ``weightwire.client.session`` (running them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from weightwire.client import exporters as exp
+from weightwire.client import plan as planning
+from weightwire.client.plan import PlanError, TensorSpec
+from weightwire.core.devices import DeviceRef
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+
+class Stopped(Exception):
+    """The update failed elsewhere while this thread waited for a staging buffer."""
+
+
+class StagingPool:
+    """At most ``depth`` reusable staging buffers of one exporter (depth 2 = double buffering).
+
+    A buffer big enough is reused; when none is free and the pool is full, the caller waits for a
+    release; a free buffer that is too small is replaced by a bigger one (a tensor larger than a
+    bucket), so memory stays bounded by ``depth`` x the largest bucket.
+    """
+
+    def __init__(self, exporter: exp.Exporter, bucket_bytes: int, depth: int = 2) -> None:
+        self.exporter = exporter
+        self.bucket_bytes = bucket_bytes
+        self.depth = depth
+        self._free: list[exp.StagingBuffer] = []
+        self._count = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def acquire(self, nbytes: int, stopped: Callable[[], bool], deadline: float) -> exp.StagingBuffer:
+        with self._cond:
+            while True:
+                if stopped():
+                    raise Stopped
+                if self._closed:
+                    raise RuntimeError("the pusher is closed")
+                fits = [b for b in self._free if b.capacity_bytes >= nbytes]
+                if fits:
+                    buf = min(fits, key=lambda b: b.capacity_bytes)
+                    self._free.remove(buf)
+                    return buf
+                if self._count < self.depth:
+                    self._count += 1
+                    break
+                if self._free:
+                    self._free.pop().close()
+                    self._count -= 1
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError("no staging buffer came free before the deadline (workers did not ack)")
+                self._cond.wait(min(remaining, 1.0))
+        try:
+            return self.exporter.allocate(max(nbytes, self.bucket_bytes))
+        except BaseException:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify_all()
+            raise
+
+    def release(self, buf: exp.StagingBuffer) -> None:
+        with self._cond:
+            if self._closed:
+                buf.close()
+            else:
+                self._free.append(buf)
+            self._cond.notify_all()
+
+    def discard(self, buf: exp.StagingBuffer) -> None:
+        """Drop a buffer a cancelled worker might still read: never hand it out again."""
+        buf.close()
+        with self._cond:
+            self._count -= 1
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            free, self._free = self._free, []
+            self._cond.notify_all()
+        for buf in free:
+            buf.close()
+
+
+@dataclasses.dataclass
+class PreparedBucket:
+    """A bucket whose bytes are staged and exported: the payloads each worker gets."""
+
+    fixed: list[pb.Payload]
+    per_worker: Callable[[DeviceRef], pb.Payload] | None
+    checksum: pb.Checksum | None
+    release: Callable[[bool], None]
+    # Where the layout starts inside the exported storage (a wrapped view into a larger buffer).
+    base_offset_bytes: int = 0
+
+    def payloads_for(self, device: DeviceRef, cache: dict[DeviceRef, pb.Payload]) -> list[pb.Payload]:
+        if self.per_worker is None:
+            return self.fixed
+        if device not in cache:
+            cache[device] = self.per_worker(device)
+        return [*self.fixed, cache[device]]
+
+
+class SpecTemplates:
+    """The ``tensors`` part of a Bucket message per (job specs, base offset), built once.
+
+    A trainer pushing the same ``FlatBucket`` every update hands over the same ``TensorSpec``
+    objects each time (frozen dataclasses: immutable). Entries hold those objects, so while an entry
+    lives no other object can have their ids; equal ids in a key therefore mean the same specs.
+    """
+
+    _MAX_ENTRIES = 256
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, ...], tuple[list[TensorSpec], pb.Bucket]] = {}
+
+    def bucket(self, specs: list[TensorSpec], base_offset_bytes: int) -> pb.Bucket:
+        """A new Bucket whose ``tensors`` are ``specs`` shifted by ``base_offset_bytes``."""
+        key = (base_offset_bytes, *map(id, specs))
+        entry = self._entries.get(key)
+        if entry is None:
+            if len(self._entries) >= self._MAX_ENTRIES:
+                self._entries.clear()
+            entry = (list(specs), pb.Bucket(tensors=[s.to_proto(base_offset_bytes) for s in specs]))
+            self._entries[key] = entry
+        out = pb.Bucket()
+        out.CopyFrom(entry[1])
+        return out
+
+
+@dataclasses.dataclass
+class Job:
+    specs: list[TensorSpec]
+    recipients: tuple[str, ...]
+    size_bytes: int
+    prepare: Callable[[Callable[[], bool], float], PreparedBucket]
+
+
+def crc32_checksum(value: int) -> pb.Checksum:
+    return pb.Checksum(algorithm=pb.CHECKSUM_ALGORITHM_CRC32, value=value)
+
+
+def export_staged(
+    exporter: exp.Exporter, buf: exp.StagingBuffer, size: int, verify: bool, release: Callable[[bool], None]
+) -> PreparedBucket:
+    buf.ready()
+    checksum = crc32_checksum(buf.crc32(size)) if verify else None
+    if exporter.label is not None:
+        return PreparedBucket([exporter.export(buf, size, exporter.label)], None, checksum, release)
+    return PreparedBucket([], lambda dev: exporter.export(buf, size, dev), checksum, release)
+
+
+def pool_release(pool: StagingPool, buf: exp.StagingBuffer) -> Callable[[bool], None]:
+    def release(ok: bool) -> None:
+        if ok:
+            pool.release(buf)
+        else:
+            pool.discard(buf)
+
+    return release
+
+
+def packer(
+    pool: StagingPool, exporter: exp.Exporter, plan: planning.BucketPlan, tensors: list[torch.Tensor], verify: bool
+) -> Callable[[Callable[[], bool], float], PreparedBucket]:
+    def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
+        buf = pool.acquire(plan.size_bytes, stopped, deadline)
+        try:
+            planning.pack_into(buf.tensor(), plan.specs, tensors)
+            return export_staged(exporter, buf, plan.size_bytes, verify, pool_release(pool, buf))
+        except BaseException:
+            pool.discard(buf)
+            raise
+
+    return prepare
+
+
+def stage_flat(
+    pool: StagingPool, exporter: exp.Exporter, flat: torch.Tensor, stopped: Callable[[], bool], deadline: float
+) -> tuple[exp.StagingBuffer, Callable[[bool], None]]:
+    """``flat`` exported in place, or copied once into a pooled staging buffer."""
+    wrapped = exporter.wrap(flat)
+    if wrapped is not None:
+        return wrapped, lambda ok: None
+    buf = pool.acquire(flat.numel(), stopped, deadline)
+    try:
+        buf.tensor()[: flat.numel()].copy_(flat)
+    except BaseException:
+        pool.discard(buf)
+        raise
+    return buf, pool_release(pool, buf)
+
+
+def flat_exporter_job(
+    pool: StagingPool, exporter: exp.Exporter, flat: torch.Tensor, specs: list[TensorSpec], verify: bool
+) -> Callable[[Callable[[], bool], float], PreparedBucket]:
+    def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
+        buf, release = stage_flat(pool, exporter, flat, stopped, deadline)
+        prepared = export_staged(exporter, buf, buf.base_offset_bytes + flat.numel(), verify, release)
+        prepared.base_offset_bytes = buf.base_offset_bytes
+        return prepared
+
+    return prepare
+
+
+def gathered_job(
+    fixed: list[pb.Payload],
+    local: list[tuple[StagingPool, tuple[exp.Exporter, torch.Tensor]]],
+    size: int,
+    verify: bool,
+) -> Callable[[Callable[[], bool], float], PreparedBucket]:
+    def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
+        payloads = list(fixed)
+        releases: list[Callable[[bool], None]] = []
+        checksum: pb.Checksum | None = None
+        try:
+            for pool, (exporter, flat) in local:
+                buf, release = stage_flat(pool, exporter, flat[:size], stopped, deadline)
+                releases.append(release)
+                buf.ready()
+                if buf.base_offset_bytes:
+                    raise PlanError(
+                        "INVALID_OFFSET",
+                        "a gathered local buffer must start at the beginning of its shared-memory buffer "
+                        "(all payloads of a bucket share one layout)",
+                        code="INVALID_ARGUMENT",
+                    )
+                payloads.append(exporter.export(buf, size, exporter.label))  # type: ignore[arg-type]
+                if verify and checksum is None:
+                    checksum = crc32_checksum(buf.crc32(size))
+        except BaseException:
+            for r in releases:
+                r(False)
+            raise
+        if verify and checksum is None:
+            inline = next((p.inline_data for p in fixed if p.WhichOneof("handle") == "inline_data"), None)
+            if inline is not None:
+                checksum = crc32_checksum(exp.crc32_of(torch.frombuffer(bytearray(inline[:size]), dtype=torch.uint8)))
+
+        def release_all(ok: bool) -> None:
+            for r in releases:
+                r(ok)
+
+        return PreparedBucket(payloads, None, checksum, release_all)
+
+    return prepare
+
