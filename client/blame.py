@@ -9,19 +9,26 @@ that did not commit with its reason.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
+from weightwire.client.stream import WorkerStream
 from weightwire.client.types import PushResult
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import PushError, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-if TYPE_CHECKING:
-    from weightwire.client.session import Update, WorkerStream
 
-
-def collect_results(update: Update, manifests: Mapping[str, ShardManifest], timeout_s: float) -> dict[str, PushResult]:
+def collect_results(
+    streams: Mapping[str, WorkerStream],
+    manifests: Mapping[str, ShardManifest],
+    *,
+    timeout_s: float,
+    committed: bool,
+    deadline_hit: bool,
+    first_failure: str | None,
+) -> dict[str, PushResult]:
+    """One result per worker when every worker committed; otherwise a ``PushError`` whose failures
+    put the workers at fault first and the ones cancelled because of them after."""
     results: dict[str, PushResult] = {}
     root: dict[str, WeightwireError] = {}
     cancelled: dict[str, WeightwireError] = {}
@@ -32,13 +39,13 @@ def collect_results(update: Update, manifests: Mapping[str, ShardManifest], time
     # Every stream of an update has the same deadline, so when one worker hangs, the healthy
     # ones (idle, waiting for the commit that waits for the hung one) expire at the same moment
     # and may be noticed first. Blame the workers that still owed acks, not the ones that waited.
-    laggards = [a for a, s in update.streams.items() if s.result is None and len(s.acks) < len(s.sent_jobs)]
-    deadline_hit = update.deadline_hit or any(
-        s.error is not None and s.error.code == "DEADLINE_EXCEEDED" for s in update.streams.values()
+    laggards = [a for a, s in streams.items() if s.result is None and len(s.acks) < len(s.sent_jobs)]
+    deadline_hit = deadline_hit or any(
+        s.error is not None and s.error.code == "DEADLINE_EXCEEDED" for s in streams.values()
     )
-    blame_laggards = deadline_hit and not update.committed and bool(laggards)
+    blame_laggards = deadline_hit and not committed and bool(laggards)
 
-    for a, s in update.streams.items():
+    for a, s in streams.items():
         wid = manifests[a].worker_id
         err = s.error
         ours = err is not None and s.cancelled_by_us and err.code == "CANCELLED"
@@ -62,7 +69,7 @@ def collect_results(update: Update, manifests: Mapping[str, ShardManifest], time
                 worker=a,
             )
         elif ours:
-            culprit = update.first_failure
+            culprit = first_failure
             why = f"because {name(culprit)} failed" if culprit else f"at the {timeout_s:g} s deadline"
             cancelled[a] = WeightwireError(
                 "CANCELLED",

@@ -19,15 +19,6 @@ from weightwire.core.devices import DeviceRef, is_own_device
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-_SCOPES = {"full": pb.UPDATE_SCOPE_FULL, "partial": pb.UPDATE_SCOPE_PARTIAL}
-
-
-def scope_value(scope: str) -> int:
-    try:
-        return _SCOPES[scope]
-    except KeyError:
-        raise ValueError(f"scope must be 'full' or 'partial', not {scope!r}") from None
-
 
 def label_str(p: pb.Payload) -> str:
     return str(DeviceRef(p.device.kind, p.device.uuid)) if p.device.kind else "(no label)"
@@ -96,6 +87,29 @@ def check_labels(
             "that device, use transport='inline', or pass only_own_device=True to skip them.",
             code="FAILED_PRECONDITION",
         )
+
+
+def manifest_changes(
+    statuses: Mapping[str, pb.GetStatusResponse],
+    manifests: Mapping[str, ShardManifest],
+    fingerprints: Mapping[str, str],
+) -> dict[str, PlanError]:
+    """The workers whose GetStatus shows another fingerprint or instance than the manifest the
+    update was planned against (restarted, or changed layout), each with a ``MANIFEST_CHANGED``."""
+    changed: dict[str, PlanError] = {}
+    for a, planned in manifests.items():
+        st = statuses[a]
+        if st.manifest_fingerprint != fingerprints[a] or (planned.instance_id and st.instance_id != planned.instance_id):
+            changed[a] = PlanError(
+                "MANIFEST_CHANGED",
+                f"worker {planned.worker_id or a} changed since its manifest was read (instance "
+                f"{planned.instance_id or '?'} -> {st.instance_id or '?'}, fingerprint "
+                f"{fingerprints[a][:12]} -> {st.manifest_fingerprint[:12]}): it restarted or "
+                "changed layout. Nothing was sent; the next push re-reads the manifests (make it a FULL update).",
+                code="FAILED_PRECONDITION",
+                worker=a,
+            )
+    return changed
 
 
 class CheckedLayouts:

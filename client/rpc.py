@@ -6,10 +6,12 @@ Used by ``weightwire.client.pusher`` and the CLI commands.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from weightwire.core.errors import ERROR_DOMAIN, WeightwireError
+from weightwire.core.errors import ERROR_DOMAIN, PushError, WeightwireError
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 
 # The workers accept up to 64 MiB; leave room for the specs around an inline payload.
@@ -44,6 +46,27 @@ class Worker:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def start_unary(
+    workers: Mapping[str, Worker], method: str, request: object, *, timeout_s: float, metadata: tuple[tuple[str, str], ...]
+) -> dict[str, grpc.Future]:
+    """Start the unary RPC ``method`` on every worker at once; ``collect_unary`` waits for the answers."""
+    return {a: getattr(w.stub, method).future(request, timeout=timeout_s, metadata=metadata) for a, w in workers.items()}
+
+
+def collect_unary(method: str, pending: Mapping[str, grpc.Future]) -> dict[str, object]:
+    """Every answer of ``start_unary``, or one ``PushError`` naming each worker whose call failed."""
+    out: dict[str, object] = {}
+    failures: dict[str, WeightwireError] = {}
+    for a, fut in pending.items():
+        try:
+            out[a] = fut.result()
+        except grpc.RpcError as e:
+            failures[a] = error_from_rpc(e, worker=a, context=method)
+    if failures:
+        raise PushError(failures)
+    return out
 
 
 _FALLBACK_HINTS = {

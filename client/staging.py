@@ -1,10 +1,10 @@
 """Staging: where a bucket's bytes live until every worker that got it has acked.
 
-``StagingPool`` bounds the reusable staging buffers of one exporter (double buffering); a ``Job`` is
-one bucket to send (its specs, its recipients, and how to stage and export its bytes); the job
-builders (``packer``, ``flat_exporter_job``, ``gathered_job``) make the ``prepare`` step of each entry
-point's jobs; ``SpecTemplates`` builds each bucket's ``tensors`` message once per unchanged layout.
-Called by ``weightwire.client.pusher`` (building jobs) and ``weightwire.client.session`` (running them).
+``Staging`` keeps one pusher's exporters and their ``StagingPool``s across updates; a pool bounds
+the reusable staging buffers of one exporter (double buffering). A ``Job`` is one bucket to send
+(its specs, its recipients, and how to stage and export its bytes); the builders here (``packer``,
+``flat_exporter_job``, ``gathered_job``) make the ``prepare`` step of each entry point's jobs
+(``weightwire.client.jobs``), which ``weightwire.client.session`` calls in order while it streams.
 """
 
 from __future__ import annotations
@@ -102,6 +102,70 @@ class StagingPool:
             buf.close()
 
 
+class Staging:
+    """One pusher's exporters (one per transport and source device) and their staging pools, kept
+    across updates so segments and device buffers are reused; plus the caller's ``host_buffer``s."""
+
+    def __init__(self, bucket_size_bytes: int, pipeline_depth: int) -> None:
+        self.bucket_size_bytes = bucket_size_bytes
+        self.pipeline_depth = pipeline_depth
+        self._exporters: dict[str, exp.Exporter] = {}
+        self._pools: dict[str, StagingPool] = {}
+        self._user_buffers: list[exp.StagingBuffer] = []
+
+    def exporter(self, name: str, source: torch.device) -> exp.Exporter:
+        key = name if name in ("host_shm", "inline") else f"{name}:{source}"
+        if key not in self._exporters:
+            self._exporters[key] = exp.make_exporter(name, source)
+        return self._exporters[key]
+
+    def pool(self, exporter: exp.Exporter, bucket_bytes: int | None = None) -> StagingPool:
+        """The pool of ``exporter``'s staging buffers of ``bucket_bytes`` (default: the pusher's bucket size)."""
+        size = self.bucket_size_bytes if bucket_bytes is None else bucket_bytes
+        key = next(k for k, v in self._exporters.items() if v is exporter)
+        pool = self._pools.get(key)
+        if pool is None or pool.bucket_bytes != size:
+            if pool is not None:
+                pool.close()
+            pool = self._pools[key] = StagingPool(exporter, size, self.pipeline_depth)
+        return pool
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        seg = self.exporter("host_shm", torch.device("cpu")).allocate(nbytes)
+        self._user_buffers.append(seg)
+        return seg.tensor()[:nbytes]
+
+    def export_in_place(self, raw: torch.Tensor, size_bytes: int | None) -> pb.Payload:
+        """``raw`` (a flat uint8 tensor) exported without a copy as a payload labelled with its device."""
+        exporter = self.exporter("host_shm" if raw.device.type == "cpu" else "cuda_ipc", raw.device)
+        staged = exporter.wrap(raw)
+        if staged is None or exporter.label is None:
+            raise PlanError(
+                "HANDLE_MISSING",
+                "export_payload needs a buffer from WeightPusher.host_buffer (CPU) or a CUDA tensor",
+                code="INVALID_ARGUMENT",
+            )
+        if staged.base_offset_bytes:
+            raise PlanError(
+                "INVALID_OFFSET", "export_payload needs a buffer that starts at its allocation's first byte", code="INVALID_ARGUMENT"
+            )
+        staged.ready()
+        size = raw.numel() if size_bytes is None else int(size_bytes)
+        return exporter.export(staged, size, exporter.label)
+
+    def close_user_buffers(self) -> None:
+        for buf in self._user_buffers:
+            buf.close()
+        self._user_buffers.clear()
+
+    def close(self) -> None:
+        """Close every pool, then every exporter (which unlinks what it still owns). Idempotent."""
+        for pool in self._pools.values():
+            pool.close()
+        for exporter in self._exporters.values():
+            exporter.close()
+
+
 @dataclasses.dataclass
 class PreparedBucket:
     """A bucket whose bytes are staged and exported: the payloads each worker gets."""
@@ -121,35 +185,11 @@ class PreparedBucket:
         return [*self.fixed, cache[device]]
 
 
-class SpecTemplates:
-    """The ``tensors`` part of a Bucket message per (job specs, base offset), built once.
-
-    A trainer pushing the same ``FlatBucket`` every update hands over the same ``TensorSpec``
-    objects each time (frozen dataclasses: immutable). Entries hold those objects, so while an entry
-    lives no other object can have their ids; equal ids in a key therefore mean the same specs.
-    """
-
-    _MAX_ENTRIES = 256
-
-    def __init__(self) -> None:
-        self._entries: dict[tuple[int, ...], tuple[list[TensorSpec], pb.Bucket]] = {}
-
-    def bucket(self, specs: list[TensorSpec], base_offset_bytes: int) -> pb.Bucket:
-        """A new Bucket whose ``tensors`` are ``specs`` shifted by ``base_offset_bytes``."""
-        key = (base_offset_bytes, *map(id, specs))
-        entry = self._entries.get(key)
-        if entry is None:
-            if len(self._entries) >= self._MAX_ENTRIES:
-                self._entries.clear()
-            entry = (list(specs), pb.Bucket(tensors=[s.to_proto(base_offset_bytes) for s in specs]))
-            self._entries[key] = entry
-        out = pb.Bucket()
-        out.CopyFrom(entry[1])
-        return out
-
-
 @dataclasses.dataclass
 class Job:
+    """One bucket to send: its layout, the workers that own something in it, its size, and how to
+    stage and export its bytes (``prepare(stopped, deadline)``, called by the session in order)."""
+
     specs: list[TensorSpec]
     recipients: tuple[str, ...]
     size_bytes: int

@@ -1,0 +1,49 @@
+"""``PushOptions``: the keyword arguments of one push, in one object.
+
+Each entry point of ``WeightPusher`` builds one from its arguments; the job builders
+(``weightwire.client.jobs``) read the planning flags, the update session
+(``weightwire.client.session``) the ones that go on the wire and the progress callback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from weightwire.client.types import ProgressFn
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+_SCOPES = {"full": pb.UPDATE_SCOPE_FULL, "partial": pb.UPDATE_SCOPE_PARTIAL}
+
+
+def scope_value(scope: str) -> pb.UpdateScope.ValueType:
+    """The wire value of ``"full"`` or ``"partial"``; anything else is a ``ValueError``."""
+    try:
+        return _SCOPES[scope]
+    except KeyError:
+        raise ValueError(f"scope must be 'full' or 'partial', not {scope!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class PushOptions:
+    """What one push was asked to do (see ``WeightPusher.push`` for each flag's meaning)."""
+
+    version: int
+    scope: pb.UpdateScope.ValueType
+    allow_unowned: bool = False
+    verify_checksums: bool = False
+    allow_peer_device_import: bool = False
+    precheck_labels: bool = True
+    only_own_device: bool = False
+    progress: ProgressFn | None = None
+    update_id: str = ""
+
+    def header(self, manifest_fingerprint: str) -> pb.UpdateHeader:
+        """The UpdateHeader of this push for a worker whose manifest had ``manifest_fingerprint``."""
+        return pb.UpdateHeader(
+            version=self.version,
+            scope=self.scope,
+            manifest_fingerprint=manifest_fingerprint,
+            verify_checksums=self.verify_checksums,
+            allow_peer_device_import=self.allow_peer_device_import,
+            update_id=self.update_id or f"v{self.version}",
+        )

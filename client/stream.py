@@ -1,0 +1,160 @@
+"""One worker's PushWeights stream within an update.
+
+A ``WorkerStream`` queues the requests (header, buckets, commit) that gRPC sends from its request
+iterator, reads the responses (acks, the result) on one of the pusher's kept reader threads or on
+the pushing thread, and tells its owner (``weightwire.client.session.UpdateSession``, through the
+``StreamOwner`` protocol) about each ack and about its end. It writes only its own state; the
+session reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+import grpc
+from weightwire.client.readers import ReaderThreads
+from weightwire.client.rpc import Worker, error_from_rpc
+from weightwire.core.errors import WeightwireError
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+
+@dataclasses.dataclass(frozen=True)
+class Connections:
+    """What every stream of one update shares: the workers, the call metadata, the deadline of one
+    stream and the pusher's kept reader threads."""
+
+    workers: Mapping[str, Worker]
+    metadata: tuple[tuple[str, str], ...]
+    timeout_s: float
+    readers: ReaderThreads
+
+
+class StreamOwner(Protocol):
+    """The update a stream belongs to: called from the thread that reads the stream."""
+
+    def on_ack(self, stream: WorkerStream, ack: pb.BucketAck) -> None: ...
+
+    def on_stream_end(self, stream: WorkerStream) -> None: ...
+
+
+class WorkerStream:
+    """One worker's PushWeights stream: requests from a queue, responses read on a pool thread
+    (or, for an update of one worker and one bucket, by the pushing thread itself: ``read_here``)."""
+
+    def __init__(self, owner: StreamOwner, connections: Connections, address: str, header: pb.UpdateHeader) -> None:
+        self._owner = owner
+        self._connections = connections
+        self.worker = connections.workers[address]
+        self.address = address
+        self._queue: list[pb.PushWeightsRequest | None] = [pb.PushWeightsRequest(header=header)]
+        self._cv = threading.Condition()
+        self.sent_jobs: list[int] = []
+        self.acks: list[pb.BucketAck] = []
+        self.result: pb.UpdateResult | None = None
+        self.error: WeightwireError | None = None
+        self.cancelled_by_us = False
+        self.done = threading.Event()
+        self.started = time.monotonic()
+        self.finished = 0.0
+        self.call: grpc.Call | None = None
+        self._reading = False
+
+    def start(self, *, reader: bool = True) -> None:
+        with self._cv:
+            if self.cancelled_by_us:  # another worker failed before this stream was opened
+                self.error = WeightwireError("CANCELLED", "not started", code="CANCELLED", worker=self.address)
+                self.done.set()
+                return
+            self.call = self.worker.stub.PushWeights(
+                self._requests(), timeout=self._connections.timeout_s, metadata=self._connections.metadata
+            )
+        if reader:
+            self.ensure_reader()
+
+    def ensure_reader(self) -> None:
+        """Read the responses on one of the pusher's kept threads (unless something reads them already).
+
+        Kept threads: starting a thread per stream per update costs more than the rest of the
+        client's work for a small update.
+        """
+        if self._reading or self.call is None:
+            return
+        self._reading = True
+        try:
+            self._connections.readers.submit(self._read)
+        except RuntimeError:  # the pusher was closed meanwhile (its pool shut down): read on a thread of our own
+            threading.Thread(target=self._read, name=f"ww-push-{self.address}", daemon=True).start()
+
+    def read_here(self) -> None:
+        """Read the responses on the calling thread until the stream ends (one hand-off fewer per
+        response than a reader thread). Only when nothing else has to run meanwhile: every bucket
+        is sent, and the commit is sent from ``on_ack``."""
+        if self._reading or self.call is None:
+            return
+        self._reading = True
+        self._read(here=True)
+
+    def _requests(self) -> Iterable[pb.PushWeightsRequest]:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                msg = self._queue.pop(0)
+            if msg is None:
+                return
+            yield msg
+
+    def _put(self, msg: pb.PushWeightsRequest | None) -> None:
+        with self._cv:
+            self._queue.append(msg)
+            self._cv.notify()
+
+    def send_bucket(self, job_id: int, bucket: pb.Bucket) -> None:
+        bucket.index = len(self.sent_jobs)
+        self.sent_jobs.append(job_id)
+        self._put(pb.PushWeightsRequest(bucket=bucket))
+
+    def commit(self) -> None:
+        self._put(pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=len(self.sent_jobs))))
+        self._put(None)
+
+    def cancel(self) -> None:
+        with self._cv:
+            if self.done.is_set():
+                return
+            self.cancelled_by_us = True
+            call = self.call
+        # Cancel before ending the request stream: a worker that saw a clean end of stream first
+        # would record a malformed update instead of a cancellation.
+        if call is not None:
+            call.cancel()
+        self._put(None)
+
+    def _read(self, here: bool = False) -> None:
+        try:
+            for resp in self.call:  # type: ignore[union-attr]
+                kind = resp.WhichOneof("message")
+                if kind == "ack":
+                    self.acks.append(resp.ack)
+                    self._owner.on_ack(self, resp.ack)
+                elif kind == "result":
+                    self.result = resp.result
+            if self.result is None:
+                self.error = WeightwireError(
+                    "MALFORMED_STREAM", "the worker ended the stream without an UpdateResult", code="UNKNOWN", worker=self.address
+                )
+        except grpc.RpcError as e:
+            self.error = error_from_rpc(e, worker=self.address)
+        except BaseException as e:  # a bug in a progress callback must not hang the update
+            self.error = WeightwireError("CLIENT_ERROR", f"{type(e).__name__}: {e}", code="INTERNAL", worker=self.address)
+            if here and not isinstance(e, Exception):
+                raise  # KeyboardInterrupt and the like in the pushing thread: let it stop the push
+        finally:
+            self.finished = time.monotonic()
+            self._put(None)
+            self.done.set()
+            self._owner.on_stream_end(self)
