@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
+from google.rpc import code_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from weightwire.core.errors import Reason
 from weightwire.server.update_events import OUTCOMES, UpdateOutcome, state_name
@@ -49,13 +50,7 @@ UPDATE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 # One bucket's open or load: from a cached handle (microseconds) to a large copy (seconds).
 BUCKET_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-_GRPC_CODES = frozenset(
-    {
-        "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
-        "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-        "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
-    }
-)
+_GRPC_CODES = frozenset(code_pb2.Code.keys())
 _TRANSPORTS = {
     pb.TRANSPORT_KIND_HOST_SHM: "host_shm",
     pb.TRANSPORT_KIND_CUDA_IPC: "cuda_ipc",
