@@ -16,7 +16,9 @@ def test_package_and_service() -> None:
     assert list(FILE.services_by_name) == ["WeightTransferService"]
     service = FILE.services_by_name["WeightTransferService"]
     assert service.full_name == "weightwire.v1.WeightTransferService"
-    assert sorted(m.name for m in service.methods) == ["GetManifest", "GetStatus", "PushWeights"]
+    assert sorted(m.name for m in service.methods) == [
+        "GetManifest", "GetStatus", "JoinTransferGroup", "LeaveTransferGroup", "PushWeights",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -25,6 +27,8 @@ def test_package_and_service() -> None:
         ("GetManifest", False, False, "GetManifestRequest", "GetManifestResponse"),
         ("PushWeights", True, True, "PushWeightsRequest", "PushWeightsResponse"),
         ("GetStatus", False, False, "GetStatusRequest", "GetStatusResponse"),
+        ("JoinTransferGroup", False, False, "JoinTransferGroupRequest", "JoinTransferGroupResponse"),
+        ("LeaveTransferGroup", False, False, "LeaveTransferGroupRequest", "LeaveTransferGroupResponse"),
     ],
 )
 def test_rpc_kinds(method: str, client_streaming: bool, server_streaming: bool, request_type: str, response_type: str) -> None:
@@ -67,7 +71,7 @@ def test_no_unsigned_integers() -> None:
 
 def test_payload_handle_is_oneof() -> None:
     oneof = pb.Payload.DESCRIPTOR.oneofs_by_name["handle"]
-    assert sorted(f.name for f in oneof.fields) == ["cuda_ipc", "host_shm", "inline_data"]
+    assert sorted(f.name for f in oneof.fields) == ["cuda_ipc", "host_shm", "inline_data", "transfer_group"]
     push = pb.PushWeightsRequest.DESCRIPTOR.oneofs_by_name["message"]
     assert sorted(f.name for f in push.fields) == ["bucket", "commit", "header"]
 
@@ -86,16 +90,18 @@ def test_error_reasons_match_proto() -> None:
         (Reason.TENSOR_OUT_OF_BOUNDS, "INVALID_ARGUMENT"),
         (Reason.INVALID_TOKEN, "UNAUTHENTICATED"),
         (Reason.LOAD_FAILED, "INTERNAL"),
+        (Reason.GROUP_DUPLICATE_RANK, "FAILED_PRECONDITION"),
+        (Reason.TRANSFER_FAILED, "UNAVAILABLE"),
+        (Reason.GROUP_TIMEOUT, "DEADLINE_EXCEEDED"),
     ],
 )
 def test_reason_codes(reason: Reason, code: str) -> None:
     assert reason.code == code
 
 
-def test_every_reason_is_documented_on_push_weights() -> None:
+def test_every_reason_is_documented_on_an_rpc() -> None:
     text = open(FILE.name and "proto/weightwire/v1/weight_transfer.proto", encoding="utf-8").read()
-    push_doc = text.split("rpc PushWeights")[0]
+    # The service block: every RPC's comment lists the codes and reasons it may answer with.
+    service_doc = text.split("service WeightTransferService {")[1].split("\n}\n")[0]
     for reason in Reason:
-        if reason.code == "UNAUTHENTICATED":
-            continue
-        assert reason.name in push_doc, f"{reason.name} not documented on PushWeights"
+        assert reason.name in service_doc, f"{reason.name} is not documented on any RPC"

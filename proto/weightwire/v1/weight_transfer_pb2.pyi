@@ -47,6 +47,7 @@ class TransportKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSPORT_KIND_CUDA_IPC: _ClassVar[TransportKind]
     TRANSPORT_KIND_HOST_SHM: _ClassVar[TransportKind]
     TRANSPORT_KIND_INLINE: _ClassVar[TransportKind]
+    TRANSPORT_KIND_TRANSFER_GROUP: _ClassVar[TransportKind]
 
 class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -54,6 +55,31 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_CONSISTENT: _ClassVar[WorkerState]
     WORKER_STATE_UPDATING: _ClassVar[WorkerState]
     WORKER_STATE_INCONSISTENT: _ClassVar[WorkerState]
+
+class TransferBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_BACKEND_UNSPECIFIED: _ClassVar[TransferBackend]
+    TRANSFER_BACKEND_GLOO: _ClassVar[TransferBackend]
+    TRANSFER_BACKEND_NCCL: _ClassVar[TransferBackend]
+
+class TransferRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_ROLE_UNSPECIFIED: _ClassVar[TransferRole]
+    TRANSFER_ROLE_TRAINER: _ClassVar[TransferRole]
+    TRANSFER_ROLE_WORKER: _ClassVar[TransferRole]
+
+class TransferMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_MODE_UNSPECIFIED: _ClassVar[TransferMode]
+    TRANSFER_MODE_POINT_TO_POINT: _ClassVar[TransferMode]
+    TRANSFER_MODE_BROADCAST: _ClassVar[TransferMode]
+
+class TransferGroupState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_GROUP_STATE_UNSPECIFIED: _ClassVar[TransferGroupState]
+    TRANSFER_GROUP_STATE_NONE: _ClassVar[TransferGroupState]
+    TRANSFER_GROUP_STATE_FORMING: _ClassVar[TransferGroupState]
+    TRANSFER_GROUP_STATE_READY: _ClassVar[TransferGroupState]
 
 class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -75,6 +101,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_DUPLICATE_TENSOR: _ClassVar[ErrorReason]
     ERROR_REASON_DUPLICATE_BUCKET: _ClassVar[ErrorReason]
     ERROR_REASON_INVALID_CHECKSUM: _ClassVar[ErrorReason]
+    ERROR_REASON_INVALID_GROUP_SPEC: _ClassVar[ErrorReason]
     ERROR_REASON_NO_PAYLOAD_FOR_DEVICE: _ClassVar[ErrorReason]
     ERROR_REASON_PEER_DEVICE_UNAVAILABLE: _ClassVar[ErrorReason]
     ERROR_REASON_SHAPE_MISMATCH: _ClassVar[ErrorReason]
@@ -86,11 +113,19 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_TRANSPORT_UNAVAILABLE: _ClassVar[ErrorReason]
     ERROR_REASON_HANDLE_OPEN_FAILED: _ClassVar[ErrorReason]
     ERROR_REASON_ENGINE_NOT_PAUSED: _ClassVar[ErrorReason]
+    ERROR_REASON_GROUP_UNKNOWN_MEMBER: _ClassVar[ErrorReason]
+    ERROR_REASON_GROUP_DUPLICATE_RANK: _ClassVar[ErrorReason]
+    ERROR_REASON_GROUP_WRONG_WORLD_SIZE: _ClassVar[ErrorReason]
+    ERROR_REASON_GROUP_PLAN_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_GROUP_NOT_JOINED: _ClassVar[ErrorReason]
     ERROR_REASON_UPDATE_IN_PROGRESS: _ClassVar[ErrorReason]
     ERROR_REASON_CHECKSUM_MISMATCH: _ClassVar[ErrorReason]
     ERROR_REASON_LOAD_FAILED: _ClassVar[ErrorReason]
     ERROR_REASON_MISSING_TOKEN: _ClassVar[ErrorReason]
     ERROR_REASON_INVALID_TOKEN: _ClassVar[ErrorReason]
+    ERROR_REASON_GROUP_STORE_UNREACHABLE: _ClassVar[ErrorReason]
+    ERROR_REASON_TRANSFER_FAILED: _ClassVar[ErrorReason]
+    ERROR_REASON_GROUP_TIMEOUT: _ClassVar[ErrorReason]
 DEVICE_KIND_UNSPECIFIED: DeviceKind
 DEVICE_KIND_CUDA: DeviceKind
 DEVICE_KIND_HOST: DeviceKind
@@ -116,10 +151,24 @@ TRANSPORT_KIND_UNSPECIFIED: TransportKind
 TRANSPORT_KIND_CUDA_IPC: TransportKind
 TRANSPORT_KIND_HOST_SHM: TransportKind
 TRANSPORT_KIND_INLINE: TransportKind
+TRANSPORT_KIND_TRANSFER_GROUP: TransportKind
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_CONSISTENT: WorkerState
 WORKER_STATE_UPDATING: WorkerState
 WORKER_STATE_INCONSISTENT: WorkerState
+TRANSFER_BACKEND_UNSPECIFIED: TransferBackend
+TRANSFER_BACKEND_GLOO: TransferBackend
+TRANSFER_BACKEND_NCCL: TransferBackend
+TRANSFER_ROLE_UNSPECIFIED: TransferRole
+TRANSFER_ROLE_TRAINER: TransferRole
+TRANSFER_ROLE_WORKER: TransferRole
+TRANSFER_MODE_UNSPECIFIED: TransferMode
+TRANSFER_MODE_POINT_TO_POINT: TransferMode
+TRANSFER_MODE_BROADCAST: TransferMode
+TRANSFER_GROUP_STATE_UNSPECIFIED: TransferGroupState
+TRANSFER_GROUP_STATE_NONE: TransferGroupState
+TRANSFER_GROUP_STATE_FORMING: TransferGroupState
+TRANSFER_GROUP_STATE_READY: TransferGroupState
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_MALFORMED_STREAM: ErrorReason
 ERROR_REASON_SCOPE_UNSPECIFIED: ErrorReason
@@ -138,6 +187,7 @@ ERROR_REASON_INVALID_SHM_NAME: ErrorReason
 ERROR_REASON_DUPLICATE_TENSOR: ErrorReason
 ERROR_REASON_DUPLICATE_BUCKET: ErrorReason
 ERROR_REASON_INVALID_CHECKSUM: ErrorReason
+ERROR_REASON_INVALID_GROUP_SPEC: ErrorReason
 ERROR_REASON_NO_PAYLOAD_FOR_DEVICE: ErrorReason
 ERROR_REASON_PEER_DEVICE_UNAVAILABLE: ErrorReason
 ERROR_REASON_SHAPE_MISMATCH: ErrorReason
@@ -149,11 +199,19 @@ ERROR_REASON_BUCKET_COUNT_MISMATCH: ErrorReason
 ERROR_REASON_TRANSPORT_UNAVAILABLE: ErrorReason
 ERROR_REASON_HANDLE_OPEN_FAILED: ErrorReason
 ERROR_REASON_ENGINE_NOT_PAUSED: ErrorReason
+ERROR_REASON_GROUP_UNKNOWN_MEMBER: ErrorReason
+ERROR_REASON_GROUP_DUPLICATE_RANK: ErrorReason
+ERROR_REASON_GROUP_WRONG_WORLD_SIZE: ErrorReason
+ERROR_REASON_GROUP_PLAN_MISMATCH: ErrorReason
+ERROR_REASON_GROUP_NOT_JOINED: ErrorReason
 ERROR_REASON_UPDATE_IN_PROGRESS: ErrorReason
 ERROR_REASON_CHECKSUM_MISMATCH: ErrorReason
 ERROR_REASON_LOAD_FAILED: ErrorReason
 ERROR_REASON_MISSING_TOKEN: ErrorReason
 ERROR_REASON_INVALID_TOKEN: ErrorReason
+ERROR_REASON_GROUP_STORE_UNREACHABLE: ErrorReason
+ERROR_REASON_TRANSFER_FAILED: ErrorReason
+ERROR_REASON_GROUP_TIMEOUT: ErrorReason
 
 class DeviceId(_message.Message):
     __slots__ = ("kind", "uuid")
@@ -200,18 +258,20 @@ class HostShmHandle(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class Payload(_message.Message):
-    __slots__ = ("device", "size_bytes", "cuda_ipc", "host_shm", "inline_data")
+    __slots__ = ("device", "size_bytes", "cuda_ipc", "host_shm", "inline_data", "transfer_group")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     HOST_SHM_FIELD_NUMBER: _ClassVar[int]
     INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_GROUP_FIELD_NUMBER: _ClassVar[int]
     device: DeviceId
     size_bytes: int
     cuda_ipc: CudaIpcHandle
     host_shm: HostShmHandle
     inline_data: bytes
-    def __init__(self, device: _Optional[_Union[DeviceId, _Mapping]] = ..., size_bytes: _Optional[int] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., host_shm: _Optional[_Union[HostShmHandle, _Mapping]] = ..., inline_data: _Optional[bytes] = ...) -> None: ...
+    transfer_group: TransferGroupHandle
+    def __init__(self, device: _Optional[_Union[DeviceId, _Mapping]] = ..., size_bytes: _Optional[int] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., host_shm: _Optional[_Union[HostShmHandle, _Mapping]] = ..., inline_data: _Optional[bytes] = ..., transfer_group: _Optional[_Union[TransferGroupHandle, _Mapping]] = ...) -> None: ...
 
 class Checksum(_message.Message):
     __slots__ = ("algorithm", "value")
@@ -266,7 +326,7 @@ class PushWeightsRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., bucket: _Optional[_Union[Bucket, _Mapping]] = ..., commit: _Optional[_Union[UpdateCommit, _Mapping]] = ...) -> None: ...
 
 class BucketAck(_message.Message):
-    __slots__ = ("index", "tensors_loaded", "tensors_skipped", "bytes_loaded", "source_device", "transport", "peer_device_import", "handle_opened", "open_duration_ns", "load_duration_ns")
+    __slots__ = ("index", "tensors_loaded", "tensors_skipped", "bytes_loaded", "source_device", "transport", "peer_device_import", "handle_opened", "open_duration_ns", "load_duration_ns", "bytes_received")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_LOADED_FIELD_NUMBER: _ClassVar[int]
     TENSORS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +337,7 @@ class BucketAck(_message.Message):
     HANDLE_OPENED_FIELD_NUMBER: _ClassVar[int]
     OPEN_DURATION_NS_FIELD_NUMBER: _ClassVar[int]
     LOAD_DURATION_NS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     index: int
     tensors_loaded: int
     tensors_skipped: int
@@ -287,10 +348,11 @@ class BucketAck(_message.Message):
     handle_opened: bool
     open_duration_ns: int
     load_duration_ns: int
-    def __init__(self, index: _Optional[int] = ..., tensors_loaded: _Optional[int] = ..., tensors_skipped: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., source_device: _Optional[_Union[DeviceId, _Mapping]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., peer_device_import: bool = ..., handle_opened: bool = ..., open_duration_ns: _Optional[int] = ..., load_duration_ns: _Optional[int] = ...) -> None: ...
+    bytes_received: int
+    def __init__(self, index: _Optional[int] = ..., tensors_loaded: _Optional[int] = ..., tensors_skipped: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., source_device: _Optional[_Union[DeviceId, _Mapping]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., peer_device_import: bool = ..., handle_opened: bool = ..., open_duration_ns: _Optional[int] = ..., load_duration_ns: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class UpdateResult(_message.Message):
-    __slots__ = ("version", "previous_version", "scope", "bucket_count", "tensors_loaded", "bytes_loaded", "handles_opened", "duration_ns", "state", "update_id", "finish_time")
+    __slots__ = ("version", "previous_version", "scope", "bucket_count", "tensors_loaded", "bytes_loaded", "handles_opened", "duration_ns", "state", "update_id", "finish_time", "bytes_received")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +364,7 @@ class UpdateResult(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_TIME_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     version: int
     previous_version: int
     scope: UpdateScope
@@ -313,7 +376,8 @@ class UpdateResult(_message.Message):
     state: WorkerState
     update_id: str
     finish_time: _timestamp_pb2.Timestamp
-    def __init__(self, version: _Optional[int] = ..., previous_version: _Optional[int] = ..., scope: _Optional[_Union[UpdateScope, str]] = ..., bucket_count: _Optional[int] = ..., tensors_loaded: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., handles_opened: _Optional[int] = ..., duration_ns: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., update_id: _Optional[str] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    bytes_received: int
+    def __init__(self, version: _Optional[int] = ..., previous_version: _Optional[int] = ..., scope: _Optional[_Union[UpdateScope, str]] = ..., bucket_count: _Optional[int] = ..., tensors_loaded: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., handles_opened: _Optional[int] = ..., duration_ns: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., update_id: _Optional[str] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
     __slots__ = ("ack", "result")
@@ -414,7 +478,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("weights_version", "state", "last_result", "last_error", "device", "rank", "manifest_fingerprint", "worker_id", "updates_succeeded", "updates_failed", "open_mappings", "instance_id")
+    __slots__ = ("weights_version", "state", "last_result", "last_error", "device", "rank", "manifest_fingerprint", "worker_id", "updates_succeeded", "updates_failed", "open_mappings", "instance_id", "transfer_group")
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_RESULT_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +491,7 @@ class GetStatusResponse(_message.Message):
     UPDATES_FAILED_FIELD_NUMBER: _ClassVar[int]
     OPEN_MAPPINGS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_GROUP_FIELD_NUMBER: _ClassVar[int]
     weights_version: int
     state: WorkerState
     last_result: UpdateResult
@@ -439,4 +504,125 @@ class GetStatusResponse(_message.Message):
     updates_failed: int
     open_mappings: int
     instance_id: str
-    def __init__(self, weights_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_result: _Optional[_Union[UpdateResult, _Mapping]] = ..., last_error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., device: _Optional[_Union[DeviceId, _Mapping]] = ..., rank: _Optional[_Union[ParallelRank, _Mapping]] = ..., manifest_fingerprint: _Optional[str] = ..., worker_id: _Optional[str] = ..., updates_succeeded: _Optional[int] = ..., updates_failed: _Optional[int] = ..., open_mappings: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    transfer_group: TransferGroupStatus
+    def __init__(self, weights_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_result: _Optional[_Union[UpdateResult, _Mapping]] = ..., last_error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., device: _Optional[_Union[DeviceId, _Mapping]] = ..., rank: _Optional[_Union[ParallelRank, _Mapping]] = ..., manifest_fingerprint: _Optional[str] = ..., worker_id: _Optional[str] = ..., updates_succeeded: _Optional[int] = ..., updates_failed: _Optional[int] = ..., open_mappings: _Optional[int] = ..., instance_id: _Optional[str] = ..., transfer_group: _Optional[_Union[TransferGroupStatus, _Mapping]] = ...) -> None: ...
+
+class TransferGroupMember(_message.Message):
+    __slots__ = ("group_rank", "role", "worker_id", "rank", "instance_id", "trainer_rank")
+    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_RANK_FIELD_NUMBER: _ClassVar[int]
+    group_rank: int
+    role: TransferRole
+    worker_id: str
+    rank: ParallelRank
+    instance_id: str
+    trainer_rank: int
+    def __init__(self, group_rank: _Optional[int] = ..., role: _Optional[_Union[TransferRole, str]] = ..., worker_id: _Optional[str] = ..., rank: _Optional[_Union[ParallelRank, _Mapping]] = ..., instance_id: _Optional[str] = ..., trainer_rank: _Optional[int] = ...) -> None: ...
+
+class TransferSubgroup(_message.Message):
+    __slots__ = ("subgroup_id", "member_ranks", "root_rank")
+    SUBGROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    ROOT_RANK_FIELD_NUMBER: _ClassVar[int]
+    subgroup_id: int
+    member_ranks: _containers.RepeatedScalarFieldContainer[int]
+    root_rank: int
+    def __init__(self, subgroup_id: _Optional[int] = ..., member_ranks: _Optional[_Iterable[int]] = ..., root_rank: _Optional[int] = ...) -> None: ...
+
+class TransferGroupSpec(_message.Message):
+    __slots__ = ("group_id", "backend", "store_address", "world_size", "members", "subgroups", "timeout_ms", "max_bucket_bytes")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SUBGROUPS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    backend: TransferBackend
+    store_address: str
+    world_size: int
+    members: _containers.RepeatedCompositeFieldContainer[TransferGroupMember]
+    subgroups: _containers.RepeatedCompositeFieldContainer[TransferSubgroup]
+    timeout_ms: int
+    max_bucket_bytes: int
+    def __init__(self, group_id: _Optional[str] = ..., backend: _Optional[_Union[TransferBackend, str]] = ..., store_address: _Optional[str] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[TransferGroupMember, _Mapping]]] = ..., subgroups: _Optional[_Iterable[_Union[TransferSubgroup, _Mapping]]] = ..., timeout_ms: _Optional[int] = ..., max_bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class JoinTransferGroupRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: TransferGroupSpec
+    def __init__(self, spec: _Optional[_Union[TransferGroupSpec, _Mapping]] = ...) -> None: ...
+
+class JoinTransferGroupResponse(_message.Message):
+    __slots__ = ("group_rank", "group")
+    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group_rank: int
+    group: TransferGroupStatus
+    def __init__(self, group_rank: _Optional[int] = ..., group: _Optional[_Union[TransferGroupStatus, _Mapping]] = ...) -> None: ...
+
+class LeaveTransferGroupRequest(_message.Message):
+    __slots__ = ("group_id",)
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    def __init__(self, group_id: _Optional[str] = ...) -> None: ...
+
+class LeaveTransferGroupResponse(_message.Message):
+    __slots__ = ("left",)
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    left: bool
+    def __init__(self, left: bool = ...) -> None: ...
+
+class ByteRange(_message.Message):
+    __slots__ = ("offset_bytes", "size_bytes")
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    offset_bytes: int
+    size_bytes: int
+    def __init__(self, offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class TransferGroupHandle(_message.Message):
+    __slots__ = ("group_id", "mode", "source_rank", "subgroup_id", "sequence", "ranges")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_RANK_FIELD_NUMBER: _ClassVar[int]
+    SUBGROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    mode: TransferMode
+    source_rank: int
+    subgroup_id: int
+    sequence: int
+    ranges: _containers.RepeatedCompositeFieldContainer[ByteRange]
+    def __init__(self, group_id: _Optional[str] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., source_rank: _Optional[int] = ..., subgroup_id: _Optional[int] = ..., sequence: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ...) -> None: ...
+
+class TransferGroupStatus(_message.Message):
+    __slots__ = ("group_id", "state", "backend", "group_rank", "world_size", "staging_buffers", "staging_bytes", "max_staging_buffers", "bytes_received", "last_teardown")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STAGING_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    LAST_TEARDOWN_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    state: TransferGroupState
+    backend: TransferBackend
+    group_rank: int
+    world_size: int
+    staging_buffers: int
+    staging_bytes: int
+    max_staging_buffers: int
+    bytes_received: int
+    last_teardown: str
+    def __init__(self, group_id: _Optional[str] = ..., state: _Optional[_Union[TransferGroupState, str]] = ..., backend: _Optional[_Union[TransferBackend, str]] = ..., group_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., staging_buffers: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., max_staging_buffers: _Optional[int] = ..., bytes_received: _Optional[int] = ..., last_teardown: _Optional[str] = ...) -> None: ...

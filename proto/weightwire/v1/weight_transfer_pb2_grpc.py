@@ -50,6 +50,16 @@ class WeightTransferServiceStub(object):
                 request_serializer=weightwire_dot_v1_dot_weight__transfer__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=weightwire_dot_v1_dot_weight__transfer__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.JoinTransferGroup = channel.unary_unary(
+                '/weightwire.v1.WeightTransferService/JoinTransferGroup',
+                request_serializer=weightwire_dot_v1_dot_weight__transfer__pb2.JoinTransferGroupRequest.SerializeToString,
+                response_deserializer=weightwire_dot_v1_dot_weight__transfer__pb2.JoinTransferGroupResponse.FromString,
+                _registered_method=True)
+        self.LeaveTransferGroup = channel.unary_unary(
+                '/weightwire.v1.WeightTransferService/LeaveTransferGroup',
+                request_serializer=weightwire_dot_v1_dot_weight__transfer__pb2.LeaveTransferGroupRequest.SerializeToString,
+                response_deserializer=weightwire_dot_v1_dot_weight__transfer__pb2.LeaveTransferGroupResponse.FromString,
+                _registered_method=True)
 
 
 class WeightTransferServiceServicer(object):
@@ -83,7 +93,10 @@ class WeightTransferServiceServicer(object):
         FAILED_PRECONDITION: NO_PAYLOAD_FOR_DEVICE (metadata: own_device, labels), PEER_DEVICE_UNAVAILABLE,
         SHAPE_MISMATCH, DTYPE_MISMATCH, STALE_VERSION, MANIFEST_CHANGED, INCOMPLETE_UPDATE (metadata:
         missing), BUCKET_COUNT_MISMATCH, TRANSPORT_UNAVAILABLE, HANDLE_OPEN_FAILED,
-        ENGINE_NOT_PAUSED (the engine is serving requests; pause it before pushing).
+        ENGINE_NOT_PAUSED (the engine is serving requests; pause it before pushing),
+        GROUP_NOT_JOINED (a bucket names a transfer group this worker is not in; form it again).
+        UNAVAILABLE: TRANSFER_FAILED (bytes over a transfer group did not arrive: the sender closed,
+        died or did not send within the group's timeout; the worker has left the group).
         ABORTED: UPDATE_IN_PROGRESS (another push is running on this worker).
         DATA_LOSS: CHECKSUM_MISMATCH.
         INTERNAL: LOAD_FAILED (the engine adapter raised while loading).
@@ -98,6 +111,44 @@ class WeightTransferServiceServicer(object):
         """Weights version, state (CONSISTENT / UPDATING / INCONSISTENT), last result and last error.
 
         Codes: OK; UNAUTHENTICATED (MISSING_TOKEN, INVALID_TOKEN) on a TCP listener with a token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinTransferGroup(self, request, context):
+        """Join a transfer group: a standalone torch.distributed process group (gloo over TCP, or NCCL)
+        over which later buckets' bytes arrive (Payload.transfer_group), between machines. The trainer
+        computes the plan from every worker's manifest identity (replica, stage, tensor rank, instance
+        id) and sends the same TransferGroupSpec to every member; a worker finds its own group rank in
+        it by its identity, never from a stage-local rank. Returns once every member has joined and
+        checked the group (identities, ranks, world size, the same plan), before any weight byte moved,
+        or fails with a reason. Joining leaves the group this worker was in. The engine's own default
+        process group is never touched.
+
+        Codes and ErrorInfo reasons:
+        INVALID_ARGUMENT: INVALID_GROUP_SPEC (group id, backend, store address, world size, members,
+        subgroups, timeout or bucket limit malformed).
+        FAILED_PRECONDITION: GROUP_UNKNOWN_MEMBER (a member is not who the plan says, or this worker
+        is not in the plan: e.g. it restarted since its manifest was read), GROUP_DUPLICATE_RANK
+        (two members claim one group rank), GROUP_WRONG_WORLD_SIZE, GROUP_PLAN_MISMATCH (members
+        were given different plans), TRANSPORT_UNAVAILABLE (backend unusable here, e.g. NCCL
+        without a GPU), INVALID_SIZE (max_bucket_bytes above what this worker stages).
+        UNAVAILABLE: GROUP_STORE_UNREACHABLE (the store address did not answer within the timeout).
+        DEADLINE_EXCEEDED: GROUP_TIMEOUT (members did not all arrive or connect within the timeout;
+        metadata: missing_ranks).
+        ABORTED: UPDATE_IN_PROGRESS.
+        UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaveTransferGroup(self, request, context):
+        """Leave a transfer group (its process groups are destroyed, its staging buffers freed).
+        Idempotent: a group this worker is not in answers left = false.
+
+        Codes: OK; ABORTED (UPDATE_IN_PROGRESS); UNAUTHENTICATED (MISSING_TOKEN, INVALID_TOKEN).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -120,6 +171,16 @@ def add_WeightTransferServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=weightwire_dot_v1_dot_weight__transfer__pb2.GetStatusRequest.FromString,
                     response_serializer=weightwire_dot_v1_dot_weight__transfer__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'JoinTransferGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinTransferGroup,
+                    request_deserializer=weightwire_dot_v1_dot_weight__transfer__pb2.JoinTransferGroupRequest.FromString,
+                    response_serializer=weightwire_dot_v1_dot_weight__transfer__pb2.JoinTransferGroupResponse.SerializeToString,
+            ),
+            'LeaveTransferGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveTransferGroup,
+                    request_deserializer=weightwire_dot_v1_dot_weight__transfer__pb2.LeaveTransferGroupRequest.FromString,
+                    response_serializer=weightwire_dot_v1_dot_weight__transfer__pb2.LeaveTransferGroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -204,6 +265,60 @@ class WeightTransferService(object):
             '/weightwire.v1.WeightTransferService/GetStatus',
             weightwire_dot_v1_dot_weight__transfer__pb2.GetStatusRequest.SerializeToString,
             weightwire_dot_v1_dot_weight__transfer__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinTransferGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightwire.v1.WeightTransferService/JoinTransferGroup',
+            weightwire_dot_v1_dot_weight__transfer__pb2.JoinTransferGroupRequest.SerializeToString,
+            weightwire_dot_v1_dot_weight__transfer__pb2.JoinTransferGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveTransferGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightwire.v1.WeightTransferService/LeaveTransferGroup',
+            weightwire_dot_v1_dot_weight__transfer__pb2.LeaveTransferGroupRequest.SerializeToString,
+            weightwire_dot_v1_dot_weight__transfer__pb2.LeaveTransferGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

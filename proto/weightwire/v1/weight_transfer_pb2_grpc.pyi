@@ -71,7 +71,10 @@ class WeightTransferServiceStub:
       FAILED_PRECONDITION: NO_PAYLOAD_FOR_DEVICE (metadata: own_device, labels), PEER_DEVICE_UNAVAILABLE,
         SHAPE_MISMATCH, DTYPE_MISMATCH, STALE_VERSION, MANIFEST_CHANGED, INCOMPLETE_UPDATE (metadata:
         missing), BUCKET_COUNT_MISMATCH, TRANSPORT_UNAVAILABLE, HANDLE_OPEN_FAILED,
-        ENGINE_NOT_PAUSED (the engine is serving requests; pause it before pushing).
+        ENGINE_NOT_PAUSED (the engine is serving requests; pause it before pushing),
+        GROUP_NOT_JOINED (a bucket names a transfer group this worker is not in; form it again).
+      UNAVAILABLE: TRANSFER_FAILED (bytes over a transfer group did not arrive: the sender closed,
+        died or did not send within the group's timeout; the worker has left the group).
       ABORTED: UPDATE_IN_PROGRESS (another push is running on this worker).
       DATA_LOSS: CHECKSUM_MISMATCH.
       INTERNAL: LOAD_FAILED (the engine adapter raised while loading).
@@ -82,6 +85,36 @@ class WeightTransferServiceStub:
     """Weights version, state (CONSISTENT / UPDATING / INCONSISTENT), last result and last error.
 
     Codes: OK; UNAUTHENTICATED (MISSING_TOKEN, INVALID_TOKEN) on a TCP listener with a token.
+    """
+    JoinTransferGroup: _grpc.UnaryUnaryMultiCallable[_weight_transfer_pb2.JoinTransferGroupRequest, _weight_transfer_pb2.JoinTransferGroupResponse]
+    """Join a transfer group: a standalone torch.distributed process group (gloo over TCP, or NCCL)
+    over which later buckets' bytes arrive (Payload.transfer_group), between machines. The trainer
+    computes the plan from every worker's manifest identity (replica, stage, tensor rank, instance
+    id) and sends the same TransferGroupSpec to every member; a worker finds its own group rank in
+    it by its identity, never from a stage-local rank. Returns once every member has joined and
+    checked the group (identities, ranks, world size, the same plan), before any weight byte moved,
+    or fails with a reason. Joining leaves the group this worker was in. The engine's own default
+    process group is never touched.
+
+    Codes and ErrorInfo reasons:
+      INVALID_ARGUMENT: INVALID_GROUP_SPEC (group id, backend, store address, world size, members,
+        subgroups, timeout or bucket limit malformed).
+      FAILED_PRECONDITION: GROUP_UNKNOWN_MEMBER (a member is not who the plan says, or this worker
+        is not in the plan: e.g. it restarted since its manifest was read), GROUP_DUPLICATE_RANK
+        (two members claim one group rank), GROUP_WRONG_WORLD_SIZE, GROUP_PLAN_MISMATCH (members
+        were given different plans), TRANSPORT_UNAVAILABLE (backend unusable here, e.g. NCCL
+        without a GPU), INVALID_SIZE (max_bucket_bytes above what this worker stages).
+      UNAVAILABLE: GROUP_STORE_UNREACHABLE (the store address did not answer within the timeout).
+      DEADLINE_EXCEEDED: GROUP_TIMEOUT (members did not all arrive or connect within the timeout;
+        metadata: missing_ranks).
+      ABORTED: UPDATE_IN_PROGRESS.
+      UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
+    """
+    LeaveTransferGroup: _grpc.UnaryUnaryMultiCallable[_weight_transfer_pb2.LeaveTransferGroupRequest, _weight_transfer_pb2.LeaveTransferGroupResponse]
+    """Leave a transfer group (its process groups are destroyed, its staging buffers freed).
+    Idempotent: a group this worker is not in answers left = false.
+
+    Codes: OK; ABORTED (UPDATE_IN_PROGRESS); UNAUTHENTICATED (MISSING_TOKEN, INVALID_TOKEN).
     """
 
 @_typing.type_check_only
@@ -112,7 +145,10 @@ class WeightTransferServiceAsyncStub(WeightTransferServiceStub):
       FAILED_PRECONDITION: NO_PAYLOAD_FOR_DEVICE (metadata: own_device, labels), PEER_DEVICE_UNAVAILABLE,
         SHAPE_MISMATCH, DTYPE_MISMATCH, STALE_VERSION, MANIFEST_CHANGED, INCOMPLETE_UPDATE (metadata:
         missing), BUCKET_COUNT_MISMATCH, TRANSPORT_UNAVAILABLE, HANDLE_OPEN_FAILED,
-        ENGINE_NOT_PAUSED (the engine is serving requests; pause it before pushing).
+        ENGINE_NOT_PAUSED (the engine is serving requests; pause it before pushing),
+        GROUP_NOT_JOINED (a bucket names a transfer group this worker is not in; form it again).
+      UNAVAILABLE: TRANSFER_FAILED (bytes over a transfer group did not arrive: the sender closed,
+        died or did not send within the group's timeout; the worker has left the group).
       ABORTED: UPDATE_IN_PROGRESS (another push is running on this worker).
       DATA_LOSS: CHECKSUM_MISMATCH.
       INTERNAL: LOAD_FAILED (the engine adapter raised while loading).
@@ -123,6 +159,36 @@ class WeightTransferServiceAsyncStub(WeightTransferServiceStub):
     """Weights version, state (CONSISTENT / UPDATING / INCONSISTENT), last result and last error.
 
     Codes: OK; UNAUTHENTICATED (MISSING_TOKEN, INVALID_TOKEN) on a TCP listener with a token.
+    """
+    JoinTransferGroup: _aio.UnaryUnaryMultiCallable[_weight_transfer_pb2.JoinTransferGroupRequest, _weight_transfer_pb2.JoinTransferGroupResponse]  # type: ignore[assignment]
+    """Join a transfer group: a standalone torch.distributed process group (gloo over TCP, or NCCL)
+    over which later buckets' bytes arrive (Payload.transfer_group), between machines. The trainer
+    computes the plan from every worker's manifest identity (replica, stage, tensor rank, instance
+    id) and sends the same TransferGroupSpec to every member; a worker finds its own group rank in
+    it by its identity, never from a stage-local rank. Returns once every member has joined and
+    checked the group (identities, ranks, world size, the same plan), before any weight byte moved,
+    or fails with a reason. Joining leaves the group this worker was in. The engine's own default
+    process group is never touched.
+
+    Codes and ErrorInfo reasons:
+      INVALID_ARGUMENT: INVALID_GROUP_SPEC (group id, backend, store address, world size, members,
+        subgroups, timeout or bucket limit malformed).
+      FAILED_PRECONDITION: GROUP_UNKNOWN_MEMBER (a member is not who the plan says, or this worker
+        is not in the plan: e.g. it restarted since its manifest was read), GROUP_DUPLICATE_RANK
+        (two members claim one group rank), GROUP_WRONG_WORLD_SIZE, GROUP_PLAN_MISMATCH (members
+        were given different plans), TRANSPORT_UNAVAILABLE (backend unusable here, e.g. NCCL
+        without a GPU), INVALID_SIZE (max_bucket_bytes above what this worker stages).
+      UNAVAILABLE: GROUP_STORE_UNREACHABLE (the store address did not answer within the timeout).
+      DEADLINE_EXCEEDED: GROUP_TIMEOUT (members did not all arrive or connect within the timeout;
+        metadata: missing_ranks).
+      ABORTED: UPDATE_IN_PROGRESS.
+      UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
+    """
+    LeaveTransferGroup: _aio.UnaryUnaryMultiCallable[_weight_transfer_pb2.LeaveTransferGroupRequest, _weight_transfer_pb2.LeaveTransferGroupResponse]  # type: ignore[assignment]
+    """Leave a transfer group (its process groups are destroyed, its staging buffers freed).
+    Idempotent: a group this worker is not in answers left = false.
+
+    Codes: OK; ABORTED (UPDATE_IN_PROGRESS); UNAUTHENTICATED (MISSING_TOKEN, INVALID_TOKEN).
     """
 
 class WeightTransferServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -162,7 +228,10 @@ class WeightTransferServiceServicer(metaclass=_abc_1.ABCMeta):
           FAILED_PRECONDITION: NO_PAYLOAD_FOR_DEVICE (metadata: own_device, labels), PEER_DEVICE_UNAVAILABLE,
             SHAPE_MISMATCH, DTYPE_MISMATCH, STALE_VERSION, MANIFEST_CHANGED, INCOMPLETE_UPDATE (metadata:
             missing), BUCKET_COUNT_MISMATCH, TRANSPORT_UNAVAILABLE, HANDLE_OPEN_FAILED,
-            ENGINE_NOT_PAUSED (the engine is serving requests; pause it before pushing).
+            ENGINE_NOT_PAUSED (the engine is serving requests; pause it before pushing),
+            GROUP_NOT_JOINED (a bucket names a transfer group this worker is not in; form it again).
+          UNAVAILABLE: TRANSFER_FAILED (bytes over a transfer group did not arrive: the sender closed,
+            died or did not send within the group's timeout; the worker has left the group).
           ABORTED: UPDATE_IN_PROGRESS (another push is running on this worker).
           DATA_LOSS: CHECKSUM_MISMATCH.
           INTERNAL: LOAD_FAILED (the engine adapter raised while loading).
@@ -179,6 +248,48 @@ class WeightTransferServiceServicer(metaclass=_abc_1.ABCMeta):
         """Weights version, state (CONSISTENT / UPDATING / INCONSISTENT), last result and last error.
 
         Codes: OK; UNAUTHENTICATED (MISSING_TOKEN, INVALID_TOKEN) on a TCP listener with a token.
+        """
+
+    @_abc_1.abstractmethod
+    def JoinTransferGroup(
+        self,
+        request: _weight_transfer_pb2.JoinTransferGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weight_transfer_pb2.JoinTransferGroupResponse, _abc.Awaitable[_weight_transfer_pb2.JoinTransferGroupResponse]]:
+        """Join a transfer group: a standalone torch.distributed process group (gloo over TCP, or NCCL)
+        over which later buckets' bytes arrive (Payload.transfer_group), between machines. The trainer
+        computes the plan from every worker's manifest identity (replica, stage, tensor rank, instance
+        id) and sends the same TransferGroupSpec to every member; a worker finds its own group rank in
+        it by its identity, never from a stage-local rank. Returns once every member has joined and
+        checked the group (identities, ranks, world size, the same plan), before any weight byte moved,
+        or fails with a reason. Joining leaves the group this worker was in. The engine's own default
+        process group is never touched.
+
+        Codes and ErrorInfo reasons:
+          INVALID_ARGUMENT: INVALID_GROUP_SPEC (group id, backend, store address, world size, members,
+            subgroups, timeout or bucket limit malformed).
+          FAILED_PRECONDITION: GROUP_UNKNOWN_MEMBER (a member is not who the plan says, or this worker
+            is not in the plan: e.g. it restarted since its manifest was read), GROUP_DUPLICATE_RANK
+            (two members claim one group rank), GROUP_WRONG_WORLD_SIZE, GROUP_PLAN_MISMATCH (members
+            were given different plans), TRANSPORT_UNAVAILABLE (backend unusable here, e.g. NCCL
+            without a GPU), INVALID_SIZE (max_bucket_bytes above what this worker stages).
+          UNAVAILABLE: GROUP_STORE_UNREACHABLE (the store address did not answer within the timeout).
+          DEADLINE_EXCEEDED: GROUP_TIMEOUT (members did not all arrive or connect within the timeout;
+            metadata: missing_ranks).
+          ABORTED: UPDATE_IN_PROGRESS.
+          UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
+        """
+
+    @_abc_1.abstractmethod
+    def LeaveTransferGroup(
+        self,
+        request: _weight_transfer_pb2.LeaveTransferGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weight_transfer_pb2.LeaveTransferGroupResponse, _abc.Awaitable[_weight_transfer_pb2.LeaveTransferGroupResponse]]:
+        """Leave a transfer group (its process groups are destroyed, its staging buffers freed).
+        Idempotent: a group this worker is not in answers left = false.
+
+        Codes: OK; ABORTED (UPDATE_IN_PROGRESS); UNAUTHENTICATED (MISSING_TOKEN, INVALID_TOKEN).
         """
 
 def add_WeightTransferServiceServicer_to_server(servicer: WeightTransferServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
