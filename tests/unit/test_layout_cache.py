@@ -55,7 +55,7 @@ def test_same_layout_new_contents_are_loaded() -> None:
         reqs = [header(version), *_buckets(seed=version), commit(3)]
         list(service.push(iter(reqs)))
         _check_holds(adapter, version)
-        remembered = len(service._layouts)
+        remembered = len(service.layouts)
     # Three layouts, checked once: versions 2 and 3 were served from the cache.
     assert remembered == 3
     assert service.get_status().weights_version == 3
