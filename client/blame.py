@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from weightwire.client.stream import WorkerStream
 from weightwire.client.types import PushResult
+from weightwire.core import transports as transport_names
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import PushError, WeightwireError
 from weightwire.core.manifest import ShardManifest
@@ -105,7 +106,7 @@ def _result(address: str, worker_id: str, s: WorkerStream) -> PushResult:
     if r is None:
         raise RuntimeError(f"no UpdateResult from {address}")
     transports = [a.transport for a in s.acks if a.handle_opened or a.HasField("source_device")]
-    transport = pb.TransportKind.Name(transports[-1]).removeprefix("TRANSPORT_KIND_").lower() if transports else "none"
+    transport = transport_names.kind_name(transports[-1]) if transports else "none"
     return PushResult(
         worker=address,
         worker_id=worker_id,

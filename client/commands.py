@@ -142,6 +142,7 @@ def cmd_manifest(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
     from weightwire.client.rpc import Worker, call_metadata, error_from_rpc
     from weightwire.core import dtypes
+    from weightwire.core import transports as transport_table
     from weightwire.v1 import weight_transfer_pb2 as pb
 
     worker = Worker(args.address, tls_ca=_read(args.tls_ca))
@@ -165,7 +166,7 @@ def cmd_manifest(args: argparse.Namespace) -> int:
         total += nbytes
         rows.append((t.name, dtypes.name(t.dtype), "x".join(map(str, t.shape)) or "scalar", human_bytes(nbytes)))
     lr = m.layer_range
-    transports = ", ".join(pb.TransportKind.Name(k).removeprefix("TRANSPORT_KIND_").lower() for k in m.transports)
+    transports = ", ".join(transport_table.kind_name(k) for k in m.transports)
     print(f"worker       {m.worker_id or '?'}  ({args.address})")
     print(f"device       {short_device(m.device.kind, m.device.uuid)}  (uuid {m.device.uuid})")
     print(f"ranks        {_ranks(m.rank)}")

@@ -1,7 +1,7 @@
 """The trainer's CUDA IPC exporter: GPU staging buffers and in-place export of GPU buffers.
 
-``weightwire.client.exporters`` imports this module and registers ``cuda_ipc``; ``WeightPusher``
-then gets a ``CudaIpcExporter`` for its source GPU (``transport="cuda_ipc"``, or ``"auto"`` when the
+The transport table (``weightwire.core.transports.CUDA_IPC``) names ``CudaIpcExporter``;
+``WeightPusher`` gets one for its source GPU (``transport="cuda_ipc"``, or ``"auto"`` when the
 tensors are on a GPU and every receiving worker is a CUDA worker). Each staging buffer is a flat
 uint8 allocation on that GPU, allocated once, exported once (``share_cuda_tensor``) and reused for
 every bucket and update, so workers open each handle once. ``wrap`` exports a caller's flat GPU
@@ -21,7 +21,8 @@ import weakref
 from collections.abc import Sequence
 
 import torch
-from weightwire.client.exporters import Exporter, StagingBuffer, crc32_of, register_exporter
+from weightwire.client.exporters import Exporter, StagingBuffer, crc32_of
+from weightwire.core import transports
 from weightwire.core.cuda_ipc import CudaIpcFields, SharedCudaBuffer, ipc_collect, share_cuda_tensor
 from weightwire.core.devices import DeviceRef, cuda_device_uuid
 from weightwire.core.errors import Reason, WeightwireError
@@ -111,8 +112,15 @@ class _WrapShare:
 class CudaIpcExporter(Exporter):
     """CUDA IPC from one GPU of the trainer; payloads are labelled with that GPU's UUID."""
 
-    name = "cuda_ipc"
-    transport = pb.TRANSPORT_KIND_CUDA_IPC
+    TRANSPORT = transports.CUDA_IPC
+
+    @classmethod
+    def for_source(cls, source: torch.device) -> CudaIpcExporter:
+        return cls(source)
+
+    @classmethod
+    def fits(cls, devices: Sequence[DeviceRef], source: torch.device) -> bool:
+        return cuda_auto_rule(devices, source)
 
     def __init__(self, device: torch.device | str | int | None = None) -> None:
         self.device = resolve_cuda_device(device)
@@ -174,7 +182,7 @@ class CudaIpcExporter(Exporter):
 
     def export(self, buffer: StagingBuffer, size_bytes: int, label: DeviceRef) -> pb.Payload:
         if not isinstance(buffer, CudaStagingBuffer):
-            raise TypeError(f"cuda_ipc cannot export a {type(buffer).__name__}")
+            raise TypeError(f"{self.name} cannot export a {type(buffer).__name__}")
         shared = buffer.shared
         if label != shared.device:
             raise WeightwireError(
@@ -202,5 +210,3 @@ def cuda_auto_rule(devices: Sequence[DeviceRef], source: torch.device) -> bool:
     """``transport="auto"`` picks CUDA IPC for tensors on a GPU sent to CUDA workers only."""
     return source.type == "cuda" and bool(devices) and all(d.is_cuda for d in devices)
 
-
-register_exporter("cuda_ipc", CudaIpcExporter, auto=cuda_auto_rule, auto_rank=10)

@@ -5,10 +5,11 @@ An exporter owns staging buffers (bounded, reused across buckets and updates) an
 buffers from ``allocate``, or exports a caller's already-flat buffer in place through ``wrap`` (no
 packing copy), and asks ``export`` for the payload it puts into each worker's ``Bucket``.
 
-Built in: ``host_shm`` (POSIX shared memory under the ``ww-`` prefix; the client creates, writes,
-reuses and finally unlinks segments; workers map them read-only) and ``inline`` (the bytes go inside
-the message; bounded by the gRPC message limit). CUDA IPC registers itself from
-``weightwire.client.cuda_export`` with ``register_exporter``; ``choose_transport`` picks one for
+Which exporters exist is the transport table's business (``weightwire.core.transports``): here live
+``host_shm`` (POSIX shared memory under the ``ww-`` prefix; the client creates, writes, reuses and
+finally unlinks segments; workers map them read-only) and ``inline`` (the bytes go inside the
+message; bounded by the gRPC message limit); CUDA IPC lives in ``weightwire.client.cuda_export``.
+``make_exporter`` builds the exporter of a table row, and ``choose_transport`` picks one for
 ``transport="auto"`` from the workers' devices.
 """
 
@@ -16,23 +17,20 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import dataclasses
-import importlib
 import mmap
 import os
 import threading
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
+from weightwire.core import transports
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.shm import new_shm_name
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 _SHM_DIR = "/dev/shm"
-# Modules that register more exporters when imported (they arrive with their issues).
-_PLUGIN_MODULES = ("weightwire.client.cuda_export",)
 
 
 def crc32_of(data: torch.Tensor) -> int:
@@ -80,11 +78,33 @@ class Exporter(abc.ABC):
     worker's own device.
     """
 
-    name: str = ""
-    transport: int = pb.TRANSPORT_KIND_UNSPECIFIED
+    # The row of the transport table this exporter implements.
+    TRANSPORT: transports.Transport
     label: DeviceRef | None = None
     # Largest bucket (bytes) this transport can carry; None = unbounded.
     max_bucket_bytes: int | None = None
+    # Largest bucket ``push`` packs for this transport (a tensor larger goes alone, up to
+    # ``max_bucket_bytes``); None = the pusher's bucket size.
+    bucket_bytes_limit: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.TRANSPORT.name
+
+    @property
+    def transport(self) -> pb.TransportKind.ValueType:
+        return self.TRANSPORT.kind
+
+    @classmethod
+    def for_source(cls, source: torch.device) -> Exporter:
+        """The exporter for tensors on ``source`` (host-memory transports ignore it)."""
+        return cls()
+
+    @classmethod
+    def fits(cls, devices: Sequence[DeviceRef], source: torch.device) -> bool:
+        """Whether ``transport="auto"`` should pick this transport for workers on ``devices`` and
+        tensors on ``source`` (asked in the transport table's order)."""
+        return False
 
     @abc.abstractmethod
     def allocate(self, capacity_bytes: int) -> StagingBuffer:
@@ -175,8 +195,13 @@ class _ShmView(StagingBuffer):
 class HostShmExporter(Exporter):
     """Host shared memory on this machine, labelled with ``DeviceRef.host()`` (the boot id)."""
 
-    name = "host_shm"
-    transport = pb.TRANSPORT_KIND_HOST_SHM
+    TRANSPORT = transports.HOST_SHM
+
+    @classmethod
+    def fits(cls, devices: Sequence[DeviceRef], source: torch.device) -> bool:
+        # Staging copies from any device, so the tensors' device does not matter here.
+        own = DeviceRef.host()
+        return bool(devices) and all(d == own for d in devices)
 
     def __init__(self) -> None:
         self.label = DeviceRef.host()
@@ -206,7 +231,7 @@ class HostShmExporter(Exporter):
     def export(self, buffer: StagingBuffer, size_bytes: int, label: DeviceRef) -> pb.Payload:
         seg = buffer.segment if isinstance(buffer, _ShmView) else buffer
         if not isinstance(seg, ShmSegment):
-            raise TypeError(f"host_shm cannot export a {type(buffer).__name__}")
+            raise TypeError(f"{self.name} cannot export a {type(buffer).__name__}")
         return pb.Payload(device=label.to_proto(), size_bytes=size_bytes, host_shm=pb.HostShmHandle(name=seg.name))
 
     def close(self) -> None:
@@ -241,10 +266,14 @@ class _HostBytes(StagingBuffer):
 class InlineExporter(Exporter):
     """The bytes themselves inside the Bucket message; valid on any device (label per worker)."""
 
-    name = "inline"
-    transport = pb.TRANSPORT_KIND_INLINE
+    TRANSPORT = transports.INLINE
     label = None
     max_bucket_bytes = INLINE_MAX_BYTES
+    bucket_bytes_limit = INLINE_BUCKET_BYTES
+
+    @classmethod
+    def fits(cls, devices: Sequence[DeviceRef], source: torch.device) -> bool:
+        return True  # valid on any device: the fallback
 
     def allocate(self, capacity_bytes: int) -> StagingBuffer:
         return _HostBytes(torch.empty(max(int(capacity_bytes), 1), dtype=torch.uint8))
@@ -261,81 +290,40 @@ class InlineExporter(Exporter):
 
 
 # --------------------------------------------------------------------------------------------
-# Registry and the "auto" choice
+# The table's exporters and the "auto" choice
 # --------------------------------------------------------------------------------------------
 
-# Called with the devices of the workers an update goes to and the torch device the tensors are on;
-# returns whether this transport should be the automatic choice.
-AutoRule = Callable[[Sequence[DeviceRef], torch.device], bool]
 
-
-@dataclasses.dataclass(frozen=True)
-class ExporterKind:
-    """A registered transport: ``factory(source_device)`` makes its exporter; ``auto`` (optional)
-    says when ``transport="auto"`` picks it; lower ``auto_rank`` is asked first."""
-
-    name: str
-    factory: Callable[[torch.device], Exporter]
-    auto: AutoRule | None = None
-    auto_rank: int = 100
-
-
-_REGISTRY: dict[str, ExporterKind] = {}
-_plugins_loaded = False
-
-
-def register_exporter(
-    name: str, factory: Callable[[torch.device], Exporter], *, auto: AutoRule | None = None, auto_rank: int = 100
-) -> None:
-    """Add (or replace) a transport; ``weightwire.client.cuda_export`` registers ``cuda_ipc`` here."""
-    _REGISTRY[name] = ExporterKind(name, factory, auto, auto_rank)
-
-
-def _load_plugins() -> None:
-    global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    for mod in _PLUGIN_MODULES:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+def _exporter_class(row: transports.Transport) -> type[Exporter] | None:
+    cls = row.load_exporter()
+    if cls is not None and not (isinstance(cls, type) and issubclass(cls, Exporter)):
+        raise TypeError(f"{row.exporter} (transport {row.name}) is not an Exporter")
+    return cls
 
 
 def available_transports() -> list[str]:
-    _load_plugins()
-    return sorted(_REGISTRY)
-
-
-def _all_local_host(devices: Sequence[DeviceRef], source: torch.device) -> bool:
-    # Staging copies from any device, so the tensors' device does not matter here.
-    own = DeviceRef.host()
-    return bool(devices) and all(d == own for d in devices)
+    """The transports this process can export (every table row whose exporter module imports)."""
+    return [row.name for row in transports.TRANSPORTS if _exporter_class(row) is not None]
 
 
 def choose_transport(devices: Sequence[DeviceRef], source: torch.device) -> str:
     """What ``transport="auto"`` means for workers on ``devices`` and tensors on ``source``: the
-    first registered rule that fits (cuda_ipc, once registered, for CUDA workers; host_shm when
-    every worker is a host worker of this machine), else inline."""
-    _load_plugins()
-    for kind in sorted(_REGISTRY.values(), key=lambda k: k.auto_rank):
-        if kind.auto is not None and kind.auto(devices, source):
-            return kind.name
-    return "inline"
+    first transport of the table whose exporter fits (CUDA IPC for tensors on a GPU sent to CUDA
+    workers only; host shared memory when every worker is a host worker of this machine), else the
+    table's last row (inline bytes), which fits everywhere."""
+    for row in transports.TRANSPORTS:
+        cls = _exporter_class(row)
+        if cls is not None and cls.fits(devices, source):
+            return row.name
+    return transports.TRANSPORTS[-1].name
 
 
 def make_exporter(name: str, source: torch.device) -> Exporter:
-    _load_plugins()
-    kind = _REGISTRY.get(name)
-    if kind is None:
+    row = transports.by_name(name)
+    cls = _exporter_class(row) if row is not None else None
+    if cls is None:
         raise WeightwireError(
             Reason.TRANSPORT_UNAVAILABLE,
             f"transport {name!r} is not available in this process; available: {', '.join(available_transports())}",
         )
-    return kind.factory(source)
-
-
-register_exporter("host_shm", lambda source: HostShmExporter(), auto=_all_local_host, auto_rank=50)
-register_exporter("inline", lambda source: InlineExporter())
+    return cls.for_source(source)

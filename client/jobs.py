@@ -55,8 +55,8 @@ def tensor_jobs(
     check_labels(manifests, [exporter.label] if exporter.label else None, "every bucket")
 
     bucket_bytes = staging.bucket_size_bytes
-    if exporter.transport == pb.TRANSPORT_KIND_INLINE:
-        bucket_bytes = min(bucket_bytes, exp.INLINE_BUCKET_BYTES)
+    if exporter.bucket_bytes_limit is not None:
+        bucket_bytes = min(bucket_bytes, exporter.bucket_bytes_limit)
     owners = planning.owners_by_name(manifests)
     plans = planning.plan_buckets(
         [s for s in specs if s.name not in unknown], owners, bucket_bytes=bucket_bytes, align_bytes=align_bytes
@@ -136,10 +136,9 @@ def gathered_jobs(
                 flat = flat_bytes(p, where)
                 if flat.numel() < size:
                     raise PlanError("INVALID_SIZE", f"{where}: a local buffer holds {flat.numel()} bytes, the layout needs {size}", code="INVALID_ARGUMENT")
-                name = "host_shm" if flat.device.type == "cpu" else "cuda_ipc"
-                exporter = staging.exporter(name, flat.device)
+                exporter = staging.local_exporter(flat.device)
                 if exporter.label is None:
-                    raise PlanError("PAYLOAD_LABEL_MISSING", f"{where}: transport {name} cannot label a local payload", code="INVALID_ARGUMENT")
+                    raise PlanError("PAYLOAD_LABEL_MISSING", f"{where}: transport {exporter.name} cannot label a local payload", code="INVALID_ARGUMENT")
                 local.append((exporter, flat))
                 labels.append(exporter.label)
         dupes = {str(lb) for lb in labels if labels.count(lb) > 1}

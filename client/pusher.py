@@ -71,10 +71,11 @@ class WeightPusher:
 
     ``timeout_s`` is the deadline of every RPC, including one whole update stream.
     ``bucket_size_bytes`` bounds a staging buffer (inline buckets are bounded under the gRPC message
-    limit instead). ``transport`` is ``"auto"``, ``"host_shm"``, ``"inline"`` or a registered one
-    (``"cuda_ipc"``). ``recheck_manifests`` re-reads every worker's fingerprint and instance id
-    (GetStatus, concurrently) before each update, to refuse a plan made against a worker that has
-    since restarted; the worker checks the header's fingerprint too.
+    limit instead). ``transport`` is ``"auto"`` or the name of a row of the transport table
+    (``weightwire.core.transports``: ``cuda_ipc``, ``host_shm``, ``inline``). ``recheck_manifests``
+    re-reads every worker's fingerprint and instance id (GetStatus, concurrently) before each
+    update, to refuse a plan made against a worker that has since restarted; the worker checks the
+    header's fingerprint too.
     """
 
     def __init__(

@@ -18,6 +18,7 @@ import torch
 from weightwire.client import exporters as exp
 from weightwire.client import plan as planning
 from weightwire.client.plan import PlanError, TensorSpec
+from weightwire.core import transports
 from weightwire.core.devices import DeviceRef
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -114,7 +115,8 @@ class Staging:
         self._user_buffers: list[exp.StagingBuffer] = []
 
     def exporter(self, name: str, source: torch.device) -> exp.Exporter:
-        key = name if name in ("host_shm", "inline") else f"{name}:{source}"
+        row = transports.by_name(name)
+        key = f"{name}:{source}" if row is not None and row.per_source_device else name
         if key not in self._exporters:
             self._exporters[key] = exp.make_exporter(name, source)
         return self._exporters[key]
@@ -131,13 +133,17 @@ class Staging:
         return pool
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        seg = self.exporter("host_shm", torch.device("cpu")).allocate(nbytes)
+        seg = self.exporter(transports.HOST_SHM.name, torch.device("cpu")).allocate(nbytes)
         self._user_buffers.append(seg)
         return seg.tensor()[:nbytes]
 
+    def local_exporter(self, device: torch.device) -> exp.Exporter:
+        """The exporter of a caller's own buffer on ``device``, labelled with that device."""
+        return self.exporter(transports.for_local_buffer(device.type).name, device)
+
     def export_in_place(self, raw: torch.Tensor, size_bytes: int | None) -> pb.Payload:
         """``raw`` (a flat uint8 tensor) exported without a copy as a payload labelled with its device."""
-        exporter = self.exporter("host_shm" if raw.device.type == "cpu" else "cuda_ipc", raw.device)
+        exporter = self.local_exporter(raw.device)
         staged = exporter.wrap(raw)
         if staged is None or exporter.label is None:
             raise PlanError(
@@ -293,7 +299,7 @@ def gathered_job(
                 r(False)
             raise
         if verify and checksum is None:
-            inline = next((p.inline_data for p in fixed if p.WhichOneof("handle") == "inline_data"), None)
+            inline = next((p.inline_data for p in fixed if p.WhichOneof("handle") == transports.INLINE.handle_field), None)
             if inline is not None:
                 checksum = crc32_checksum(exp.crc32_of(torch.frombuffer(bytearray(inline[:size]), dtype=torch.uint8)))
 

@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import Iterable, Mapping
 
 from weightwire.core import dtypes
+from weightwire.core import transports as transport_table
 from weightwire.core.devices import DeviceRef
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -71,10 +72,9 @@ class OwnedTensor:
         return pb.OwnedTensor(name=self.name, dtype=self.dtype, shape=list(self.shape))  # type: ignore[arg-type]
 
 
-def transports_for(device: DeviceRef) -> tuple[int, ...]:
-    """What a worker on ``device`` can import: CUDA IPC on a GPU, and host memory everywhere."""
-    host = (pb.TRANSPORT_KIND_HOST_SHM, pb.TRANSPORT_KIND_INLINE)
-    return (pb.TRANSPORT_KIND_CUDA_IPC, *host) if device.is_cuda else host
+def transports_for(device: DeviceRef) -> tuple[pb.TransportKind.ValueType, ...]:
+    """What a worker on ``device`` can import (the transport table's rows for its device kind)."""
+    return transport_table.for_worker(device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +87,7 @@ class ShardManifest:
     num_layers: int = 0
     engine: str = "torch"
     worker_id: str = ""
-    transports: tuple[int, ...] = (pb.TRANSPORT_KIND_HOST_SHM, pb.TRANSPORT_KIND_INLINE)
+    transports: tuple[pb.TransportKind.ValueType, ...] = transport_table.HOST_WORKER_TRANSPORTS
     instance_id: str = ""
 
     @classmethod

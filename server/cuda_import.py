@@ -1,7 +1,7 @@
 """The worker's CUDA IPC importer, plugged into ``weightwire.server.transports``.
 
-``weightwire.server.transports.make_importers`` imports this module and gets ``CudaIpcImporter``
-for payloads whose handle is ``cuda_ipc``. The service has already picked the payload (its own GPU,
+The transport table (``weightwire.core.transports.CUDA_IPC``) names ``CudaIpcImporter``;
+``weightwire.server.transports.make_importers`` makes one per worker service. The service has already picked the payload (its own GPU,
 or with the header's consent a peer GPU of this host); this importer maps the payload's GPU UUID
 to this process's device index (never an index from the sender: CUDA_VISIBLE_DEVICES differs per
 process), reopens the storage there and hands out views. A peer payload is opened on the peer GPU;
@@ -18,10 +18,11 @@ import zlib
 from collections.abc import Hashable, Sequence
 
 import torch
+from weightwire.core import transports
 from weightwire.core.cuda_ipc import CudaIpcCache, CudaIpcFields, OpenedStorage
 from weightwire.core.devices import DeviceRef, local_cuda_index
 from weightwire.core.errors import Reason, WeightwireError
-from weightwire.server.transports import ImportContext, ImportedPayload, PayloadImporter, register_importer
+from weightwire.server.transports import ImportContext, ImportedPayload, PayloadImporter
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["CudaIpcImporter", "CudaIpcMapping"]
@@ -80,8 +81,7 @@ class CudaIpcMapping:
 class CudaIpcImporter(PayloadImporter):
     """CUDA IPC handles, opened on the GPU the payload's UUID names and cached across updates."""
 
-    field_name = "cuda_ipc"
-    transport = pb.TRANSPORT_KIND_CUDA_IPC
+    TRANSPORT = transports.CUDA_IPC
     reusable = True
 
     def __init__(self, cache: CudaIpcCache | None = None) -> None:
@@ -104,7 +104,7 @@ class CudaIpcImporter(PayloadImporter):
         CudaIpcFields.from_proto(payload.cuda_ipc)
 
     def cache_key(self, payload: pb.Payload) -> Hashable | None:
-        return ("cuda_ipc", CudaIpcFields.from_proto(payload.cuda_ipc).cache_key)
+        return (self.field_name, CudaIpcFields.from_proto(payload.cuda_ipc).cache_key)
 
     def open(self, payload: pb.Payload, ctx: ImportContext) -> tuple[ImportedPayload, bool]:
         fields = CudaIpcFields.from_proto(payload.cuda_ipc)
@@ -153,5 +153,3 @@ class CudaIpcImporter(PayloadImporter):
     def release(self) -> None:
         self.cache.release_all()
 
-
-register_importer("cuda_ipc", CudaIpcImporter)

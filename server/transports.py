@@ -1,10 +1,11 @@
 """Payload import: turn a ``Payload``'s ``oneof handle`` into readable tensor views.
 
-The worker service calls ``make_importers()`` once and then, per bucket, the importer registered for
-the payload's handle field: ``check`` (before any memory is touched), ``open`` and finally
-``ImportedPayload.view`` for each owned tensor. Built in: host shared memory (``host_shm``; mapped
-read-only, never unlinked: the sender owns the segment) and inline bytes (``inline_data``). CUDA IPC
-(``cuda_ipc``) plugs in from ``weightwire.server.cuda_import`` via ``register_importer``.
+The worker service calls ``make_importers()`` once (one importer per row of the transport table,
+``weightwire.core.transports``, whose module imports here) and then, per bucket, the importer of the
+payload's handle field: ``check`` (before any memory is touched), ``open`` and finally
+``ImportedPayload.view`` for each owned tensor. Here: host shared memory (mapped read-only, never
+unlinked: the sender owns the segment) and inline bytes; CUDA IPC lives in
+``weightwire.server.cuda_import``.
 
 Mappings of ordinary importers belong to one update: the service opens each distinct handle once per
 update (``cache_key``) and closes them all when the update ends. An importer with ``reusable = True``
@@ -16,15 +17,15 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import importlib
 import mmap
 import os
 import warnings
 import zlib
-from collections.abc import Callable, Hashable, Sequence
-from typing import Protocol
+from collections.abc import Hashable, Sequence
+from typing import ClassVar, Protocol
 
 import torch
+from weightwire.core import transports
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.shm import check_shm_name
@@ -73,12 +74,23 @@ class ImportContext:
 
 
 class PayloadImporter(abc.ABC):
-    """One transport's importer. Subclasses set ``field_name`` (the oneof field) and ``transport``."""
+    """One transport's importer. Subclasses set ``TRANSPORT``, their row of the transport table."""
 
-    field_name: str = ""
-    transport: int = pb.TRANSPORT_KIND_UNSPECIFIED
+    TRANSPORT: ClassVar[transports.Transport | None] = None
     # True: the importer caches mappings across updates itself; the service never closes them.
     reusable: bool = False
+
+    @property
+    def field_name(self) -> str:
+        """The ``Payload.handle`` field this importer reads."""
+        row = self.TRANSPORT
+        return row.handle_field if row is not None else ""
+
+    @property
+    def transport(self) -> pb.TransportKind.ValueType:
+        """The ``TransportKind`` its acks report."""
+        row = self.TRANSPORT
+        return row.kind if row is not None else pb.TRANSPORT_KIND_UNSPECIFIED
 
     def check(self, payload: pb.Payload) -> None:  # noqa: B027 - optional hook
         """Validate handle fields before any memory is touched; raise WeightwireError."""
@@ -102,37 +114,23 @@ class PayloadImporter(abc.ABC):
         """Drop every cached mapping (worker shutdown, or the sender said it is done with them)."""
 
 
-ImporterFactory = Callable[[], PayloadImporter]
-_FACTORIES: dict[str, ImporterFactory] = {}
-_OPTIONAL_MODULES = ("weightwire.server.cuda_import",)
-
-
-def register_importer(field_name: str, factory: ImporterFactory) -> None:
-    """Make ``factory`` the importer for payloads whose handle is the oneof field ``field_name``."""
-    if field_name not in {f.name for f in pb.Payload.DESCRIPTOR.oneofs_by_name["handle"].fields}:
-        raise ValueError(f"{field_name!r} is not a field of Payload.handle")
-    _FACTORIES[field_name] = factory
-
-
-def _load_optional_importers() -> None:
-    for mod_name in _OPTIONAL_MODULES:
-        try:
-            importlib.import_module(mod_name)
-        except ModuleNotFoundError as e:
-            if e.name != mod_name:
-                raise
-
-
 def make_importers() -> dict[str, PayloadImporter]:
-    """Fresh importer instances (one per worker service), keyed by handle field name."""
-    _load_optional_importers()
-    return {name: factory() for name, factory in _FACTORIES.items()}
+    """Fresh importer instances (one per worker service), keyed by handle field name: one per row
+    of the transport table whose importer module can be imported in this process."""
+    out: dict[str, PayloadImporter] = {}
+    for entry in transports.TRANSPORTS:
+        cls = entry.load_importer()
+        if cls is None:
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, PayloadImporter)) or cls.TRANSPORT != entry:
+            raise TypeError(f"{entry.importer} is not the PayloadImporter of transport {entry.name}")
+        out[entry.handle_field] = cls()
+    return out
 
 
 def transport_name(field_name: str) -> str:
-    return {"cuda_ipc": "CUDA IPC", "host_shm": "host shared memory", "inline_data": "inline bytes"}.get(
-        field_name, field_name
-    )
+    """A payload handle field for people (``"host shared memory"``)."""
+    return transports.field_description(field_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,14 +247,13 @@ class _HostShmMapping:
 class HostShmImporter(PayloadImporter):
     """POSIX shared memory created by the sender; mapped O_RDONLY + PROT_READ, never unlinked."""
 
-    field_name = "host_shm"
-    transport = pb.TRANSPORT_KIND_HOST_SHM
+    TRANSPORT = transports.HOST_SHM
 
     def check(self, payload: pb.Payload) -> None:
         check_shm_name(payload.host_shm.name)
 
     def cache_key(self, payload: pb.Payload) -> Hashable | None:
-        return ("host_shm", check_shm_name(payload.host_shm.name))
+        return (self.field_name, check_shm_name(payload.host_shm.name))
 
     def open(self, payload: pb.Payload, ctx: ImportContext) -> tuple[ImportedPayload, bool]:
         bare = check_shm_name(payload.host_shm.name)
@@ -305,8 +302,7 @@ class _InlineMapping:
 class InlineImporter(PayloadImporter):
     """Bytes carried in the message itself (small updates, fallback). Length must equal size_bytes."""
 
-    field_name = "inline_data"
-    transport = pb.TRANSPORT_KIND_INLINE
+    TRANSPORT = transports.INLINE
 
     def check(self, payload: pb.Payload) -> None:
         if len(payload.inline_data) != payload.size_bytes:
@@ -318,6 +314,3 @@ class InlineImporter(PayloadImporter):
     def open(self, payload: pb.Payload, ctx: ImportContext) -> tuple[ImportedPayload, bool]:
         return _InlineMapping(payload.inline_data), True
 
-
-register_importer("host_shm", HostShmImporter)
-register_importer("inline_data", InlineImporter)

@@ -10,6 +10,7 @@ import torch
 from helpers import commit, full_update_requests, header
 from weightwire.adapters.torch import TorchAdapter
 from weightwire.adapters.torch.demo import DEMO_TP_RULES, DemoConfig, build_demo_model, full_checkpoint
+from weightwire.core import transports
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import WeightwireError
 from weightwire.core.manifest import ParallelRank
@@ -50,7 +51,7 @@ def demo_adapter() -> TorchAdapter:
 def _service() -> tuple[WorkerService, CountingReusableImporter]:
     importers = make_importers()
     fake = CountingReusableImporter()
-    importers["cuda_ipc"] = fake
+    importers[transports.CUDA_IPC.handle_field] = fake
     return WorkerService(demo_adapter(), own_device=DeviceRef.host(), importers=importers), fake
 
 
