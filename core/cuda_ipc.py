@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 # CUDA_IPC_REF_COUNTER_FILE_SIZE); the consumer decrements slot ``ref_counter_offset``.
 REF_COUNTER_SLOTS = 10000
 # torch names counter files with at::NewProcessWideShmHandle(): "/torch_<pid>_<random>_<n>".
-_REF_COUNTER_RE = re.compile(r"^/torch_[0-9A-Za-z_]{1,120}$")
+# Matched with fullmatch (a `$` would let a final newline through).
+_REF_COUNTER_RE = re.compile(r"/torch_[0-9A-Za-z_]{1,120}")
 # A cudaIpcMemHandle_t is 64 bytes; torch prefixes a type byte (and expandable segments carry a
 # little more). Anything far larger is not a handle.
 MAX_MEMORY_HANDLE_BYTES = 4096
@@ -134,7 +135,7 @@ def check_ref_counter(handle: bytes, offset: int) -> None:
         name = handle.decode("ascii")
     except UnicodeDecodeError:
         name = ""
-    if not _REF_COUNTER_RE.match(name):
+    if not _REF_COUNTER_RE.fullmatch(name):
         raise WeightwireError(
             Reason.INVALID_SHM_NAME,
             f"CUDA IPC ref_counter_handle {handle[:80]!r} is not a torch counter file name "

@@ -14,7 +14,8 @@ import secrets
 from weightwire.core.errors import Reason, WeightwireError
 
 SHM_PREFIX = "ww-"
-_NAME_RE = re.compile(r"^ww-[A-Za-z0-9._-]{1,200}$")
+# Matched with fullmatch: a pattern ending in `$` would also accept a name with a final newline.
+_NAME_RE = re.compile(r"ww-[A-Za-z0-9._-]{1,200}")
 
 
 def new_shm_name(tag: str = "") -> str:
@@ -26,7 +27,7 @@ def new_shm_name(tag: str = "") -> str:
 def check_shm_name(name: str) -> str:
     """Return the bare name (no leading '/') if it is one of ours, else raise INVALID_SHM_NAME."""
     bare = name[1:] if name.startswith("/") else name
-    if not _NAME_RE.match(bare) or ".." in bare:
+    if not _NAME_RE.fullmatch(bare) or ".." in bare:
         raise WeightwireError(
             Reason.INVALID_SHM_NAME,
             f"shared-memory name {name!r} is not allowed: it must start with {SHM_PREFIX!r} and contain "

@@ -46,7 +46,7 @@ FIELDS = (
 
 log = logging.getLogger(LOGGER_NAME)
 
-_BARE = re.compile(r"^[A-Za-z0-9_.:/+\-]+$")
+_BARE = re.compile(r"[A-Za-z0-9_.:/+\-]+")  # fullmatch: `$` would pass a value ending in a newline
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _LEVELS = {"committed": logging.INFO, "refused": logging.WARNING, "cancelled": logging.WARNING, "failed": logging.ERROR}
 
@@ -75,7 +75,7 @@ def update_fields(outcome: UpdateOutcome) -> dict[str, str | int | float]:
 
 def _value(value: str | int | float) -> str:
     text = str(value)
-    if _BARE.match(text):
+    if _BARE.fullmatch(text):
         return text
     # One line per record whatever the trainer sent: control characters become spaces.
     text = _CONTROL.sub(" ", text).replace("\\", "\\\\").replace('"', '\\"')

@@ -37,6 +37,7 @@ SHM_NAME_TRICKS = (
     "../x", "/ww-../../etc/passwd", "ww-../../etc/passwd", "ww-a/../../etc/shadow", "/dev/shm/ww-a",
     "//ww-a", "ww-", "", "/", "ww", "xx-123", "WW-123", "ww-a\x00b", "ww-é", "ww-a b", "ww-a\nb",
     " ww-a", "ww-..", "ww-a..b", "ww-" + "a" * 201, "/../ww-a", "~/ww-a", "ww-a/", "./ww-a",
+    "ww-a\n", "/ww-a\n",
 )
 _SHM_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 

@@ -1,0 +1,121 @@
+"""A hostile or careless client against one real worker process, through the raw stubs.
+
+Each test is a way a client once hurt a worker: a shared-memory name that slipped through
+validation, a FIFO or a shrinking segment where a segment should be, streams that open and go
+quiet, megabytes of text stored and echoed, non-ASCII text that overflowed gRPC's trailer, a
+doubly prefixed device label, messages after a commit. The worker must answer each with a status
+carrying one ErrorInfo (or refuse it at once), keep its version, release its mappings, stay alive
+and accept the next good update. One `weightwire serve` process (CPU, demo model, one rank, a
+short idle deadline) serves the whole module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
+from weightwire.core.shm import new_shm_name
+from weightwire.v1 import weight_transfer_pb2 as pb
+from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
+
+from . import helpers
+from .common import SHM_DIR, assert_weightwire_error, push_raw, start_worker
+
+
+class Worker:
+    """The worker process of this module, its stub, and the checkpoint each version carries."""
+
+    def __init__(self) -> None:
+        self.proc = start_worker()
+        self.channel = grpc.insecure_channel(self.proc.address)
+        self.stub = pb_grpc.WeightTransferServiceStub(self.channel)
+        self.config = DemoConfig()
+        self.owned = [t.name for t in self.stub.GetManifest(pb.GetManifestRequest(), timeout=30).manifest.tensors]
+
+    def close(self) -> None:
+        self.channel.close()
+        self.proc.stop()
+
+    def status(self) -> pb.GetStatusResponse:
+        return self.stub.GetStatus(pb.GetStatusRequest(), timeout=30)
+
+    def next_version(self) -> int:
+        return self.status().weights_version + 1
+
+    def checkpoint(self, version: int) -> dict[str, torch.Tensor]:
+        full = full_checkpoint(self.config, seed=version)
+        return {n: full[n] for n in self.owned}
+
+    def alive(self) -> bool:
+        return self.proc.proc.poll() is None
+
+    def expect_unchanged(self, before: pb.GetStatusResponse) -> pb.GetStatusResponse:
+        """After a refusal: same version and state, nothing mapped, process alive."""
+        assert self.alive(), self.proc.stderr_text()
+        assert helpers.wait_until(lambda: self.status().state != pb.WORKER_STATE_UPDATING)
+        st = self.status()
+        assert (st.weights_version, st.state, st.open_mappings) == (before.weights_version, before.state, 0), st
+        return st
+
+    def push_good(self, segments: helpers.ShmSegments) -> None:
+        """A good FULL update over shared memory lands (the worker still serves)."""
+        version = self.next_version()
+        outcome = push_raw(self.stub, helpers.full_update_requests(version, self.checkpoint(version), segments, buckets=2))
+        assert outcome.code == grpc.StatusCode.OK, outcome.describe()
+        st = self.status()
+        assert (st.weights_version, st.state, st.open_mappings) == (version, pb.WORKER_STATE_CONSISTENT, 0), st
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[Worker]:
+    w = Worker()
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+@pytest.fixture
+def segments() -> Iterator[helpers.ShmSegments]:
+    segs = helpers.ShmSegments()
+    try:
+        yield segs
+    finally:
+        segs.close()
+
+
+def _one_bucket(version: int, packed: helpers.Packed, payload: pb.Payload) -> list[pb.PushWeightsRequest]:
+    return [helpers.header(version), helpers.bucket(0, packed.specs, [payload]), helpers.commit(1)]
+
+
+def test_shm_name_with_a_trailing_newline_is_refused(worker: Worker, segments: helpers.ShmSegments) -> None:
+    # A name pattern anchored with `$` matches before a final newline; such a segment exists and
+    # holds valid data, so only the name rule stands between it and the model.
+    before = worker.status()
+    version = before.weights_version + 1
+    packed = helpers.pack(worker.checkpoint(version))
+    name = new_shm_name("nl") + "\n"
+    with _raw_segment(name, bytes(packed.data)):
+        outcome = push_raw(worker.stub, _one_bucket(version, packed, helpers.shm_payload(name, len(packed.data))))
+    assert_weightwire_error(outcome, "INVALID_SHM_NAME")
+    worker.expect_unchanged(before)
+    worker.push_good(segments)
+
+
+@contextlib.contextmanager
+def _raw_segment(name: str, data: bytes) -> Iterator[str]:
+    """A segment file made by hand (names multiprocessing.shared_memory cannot track); removed after."""
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, data)
+        os.close(fd)
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
