@@ -8,7 +8,8 @@ forward pass never sees a half-written parameter and never runs while one is wri
 Loading goes through SGLang's own path: ``model.load_weights`` with checkpoint names (its weight
 loaders slice this rank's TP part and pack q/k/v and gate/up), between the same
 ``begin_weight_update()`` / ``end_weight_update()`` steps SGLang 0.5.23's ``WeightUpdater`` takes
-(they undo and redo quantization packing; for unquantized models they change nothing). Each
+(they undo and redo quantization packing; for unquantized models they change nothing); SGLang
+0.5.17 has no such steps (``NoWeightSession``). Each
 tensor is handed to ``load_weights`` on its own with the weight loaders of its target parameters
 instrumented, and a tensor that no loader consumed is an error: SGLang's Qwen2/Llama loaders skip
 names they do not know with at most a log line.
@@ -46,6 +47,16 @@ class WeightUpdateSession(Protocol):
     def begin_weight_update(self) -> None: ...
 
     def end_weight_update(self, *, run_post_load: bool) -> None: ...
+
+
+class NoWeightSession:
+    """For SGLang releases whose own updates call ``load_weights`` with nothing around it (0.5.17)."""
+
+    def begin_weight_update(self) -> None:
+        return None
+
+    def end_weight_update(self, *, run_post_load: bool) -> None:
+        return None
 
 
 class LoaderWeightSession:

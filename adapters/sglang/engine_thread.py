@@ -3,9 +3,10 @@
 SGLang runs every forward pass on its scheduler thread. Writing parameters from another thread
 while a batch runs would mix old and new weights inside one forward, so the SGLang adapter never
 touches the model itself: it submits each step (begin, load one bucket, end) to an
-``EngineTaskQueue`` and waits; the plugin's hook on ``Scheduler.ingest_requests`` calls ``drain()``
+``EngineTaskQueue`` and waits; the plugin's hook on ``Scheduler.process_input_requests`` calls ``drain()``
 once per pass of the event loop, between batches, which is where SGLang handles its own
-``update_weights_from_tensor`` requests too.
+``update_weights_from_tensor`` requests too. ``on_submit`` runs after each submit: the plugin uses
+it to wake a scheduler that sleeps on idle (``wake.py``).
 
 Used by ``weightwire.adapters.sglang.adapter`` (submit) and ``plugin`` (drain); tests drain from a
 fake scheduler loop.
@@ -27,11 +28,12 @@ T = TypeVar("T")
 class EngineTaskQueue:
     """Callables submitted from any thread, run in order by whichever thread calls ``drain``."""
 
-    def __init__(self, *, timeout_s: float = 300.0) -> None:
+    def __init__(self, *, timeout_s: float = 300.0, on_submit: Callable[[], None] | None = None) -> None:
         self._tasks: queue.SimpleQueue[tuple[Callable[[], object], concurrent.futures.Future[object]]] = (
             queue.SimpleQueue()
         )
         self._timeout_s = timeout_s
+        self._on_submit = on_submit
         self._drain_thread: int | None = None
         self.drained_tasks = 0
 
@@ -47,6 +49,8 @@ class EngineTaskQueue:
             return fn()
         fut: concurrent.futures.Future[object] = concurrent.futures.Future()
         self._tasks.put((fn, fut))
+        if self._on_submit is not None:
+            self._on_submit()
         try:
             return fut.result(timeout=self._timeout_s)  # type: ignore[return-value]
         except concurrent.futures.TimeoutError:

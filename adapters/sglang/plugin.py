@@ -2,19 +2,27 @@
 
 Registered as entry point ``weightwire`` in group ``sglang.srt.plugins`` (pyproject.toml). SGLang
 calls ``register()`` from ``load_plugins()`` in each of its processes (in a scheduler process it is
-the first thing ``run_scheduler_process`` does); ``register`` adds two hooks through SGLang's
-``HookRegistry``:
+the first thing ``run_scheduler_process`` does); ``register`` checks the SGLang release against the
+tested range and adds two hooks through SGLang's ``HookRegistry``:
 
 - AFTER ``Scheduler.__init__`` (model loaded, KV cache and graphs built, event loop not started):
   build the rank's ``SGLangAdapter`` from the real model, start the worker service at the address
-  its ranks give (``settings.py``), and log that the hooks applied. Any failure here raises out of
-  ``Scheduler.__init__``, so the engine does not start without weight sync.
-- AFTER ``Scheduler.ingest_requests`` (once per pass of every event loop, between batches; where
-  SGLang handles its own weight-update requests): run the queued update steps on the scheduler
-  thread.
+  its ranks give (``settings.py``), make an idle-sleeping scheduler wakeable (``wake.py``), and log
+  that the hooks applied. Any failure here raises out of ``Scheduler.__init__``, so the engine does
+  not start without weight sync.
+- AFTER ``Scheduler.process_input_requests`` (once per pass of every event loop of SGLang 0.5.17
+  through 0.5.23, between batches, right after the scheduler handled its own requests, weight
+  updates included): run the queued update steps on the scheduler thread.
+
+What differs between the releases is found by feature, not by version number: the weight-update
+session (``ModelRunner.weight_updater.begin_weight_update``, 0.5.23) and the scheduler's own record
+of its weight version (``Scheduler.record_weight_version_change``, 0.5.23) are used where they
+exist; 0.5.17 has neither (its own updates call ``load_weights`` directly, and it reports the
+version the tokenizer manager holds, which only ``POST /update_weight_version`` sets).
 
 Each hook checks the other applied (SGLang only logs a hook it could not apply), and ``register``
-refuses to let the engine start if the hook targets do not exist in the installed SGLang.
+refuses to let the engine start if the hook targets do not exist or the release is outside the
+tested range.
 """
 
 from __future__ import annotations
@@ -26,23 +34,35 @@ import functools
 import logging
 import os
 import pkgutil
+import re
 import stat
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from weightwire.adapters.sglang.adapter import SGLangAdapter
+from weightwire.adapters.sglang.adapter import NoWeightSession, SGLangAdapter, WeightUpdateSession
 from weightwire.adapters.sglang.discovery import unix_socket_alive
 from weightwire.adapters.sglang.engine_thread import EngineTaskQueue
-from weightwire.adapters.sglang.settings import ENV_ENABLE, Settings, SettingsError, worker_id
+from weightwire.adapters.sglang.settings import (
+    ENV_ALLOW_UNTESTED,
+    ENV_ENABLE,
+    Settings,
+    SettingsError,
+    worker_id,
+    worker_index,
+)
+from weightwire.adapters.sglang.wake import WakeReceiver, WakeSender, attach_to_idle_sleeper
 from weightwire.core.devices import device_ref_of
 from weightwire.core.manifest import ParallelRank
 
 log = logging.getLogger("weightwire.sglang")
 
 INIT_TARGET = "sglang.srt.managers.scheduler.Scheduler.__init__"
-INGEST_TARGET = "sglang.srt.managers.scheduler.Scheduler.ingest_requests"
-TESTED_SGLANG_VERSION = "0.5.23"
+LOOP_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_input_requests"
+# Both ends run a real engine in the test suite (tests/sglang, `make test`).
+OLDEST_SGLANG = (0, 5, 17)
+NEWEST_SGLANG = (0, 5, 23)
+SUPPORTED_RANGE = "0.5.17 through 0.5.23"
 _WORKER_ATTR = "_weightwire_worker"
 
 
@@ -55,12 +75,24 @@ class SchedulerWorker:
     server: Any
     address: str
     socket_path: str | None
+    wake_receiver: WakeReceiver | None = None
+    wake_sender: WakeSender | None = None
+
+    def drain(self) -> int:
+        """On the scheduler thread: empty the wake socket first (a wake sent while the steps below
+        run then means one more loop pass, never a lost step), then run the queued steps."""
+        if self.wake_receiver is not None:
+            self.wake_receiver.drain()
+        return self.queue.drain()
 
     def stop(self) -> None:
         self.server.stop(grace=1.0)
         if self.socket_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
+        for sock in (self.wake_receiver, self.wake_sender):
+            if sock is not None:
+                sock.close()
 
 
 def register() -> None:
@@ -75,33 +107,52 @@ def register() -> None:
     if not settings.enabled:
         log.warning("weightwire: %s=0, not starting weight-sync workers in this engine", ENV_ENABLE)
         return
-    for target in (INIT_TARGET, INGEST_TARGET):
+    check_version(_sglang_version(), allow_untested=settings.allow_untested)
+    for target in (INIT_TARGET, LOOP_TARGET):
         try:
             pkgutil.resolve_name(target)
         except (ImportError, AttributeError) as e:
             # load_plugins() only logs a plugin's exceptions; an engine without weight sync must not start.
             msg = (
                 f"weightwire: cannot hook {target} in sglang {_sglang_version()} ({e}); this weightwire "
-                f"supports sglang {TESTED_SGLANG_VERSION}. Set {ENV_ENABLE}=0 to run without weight sync."
+                f"supports sglang {SUPPORTED_RANGE}. Set {ENV_ENABLE}=0 to run without weight sync."
             )
             log.error(msg)
             raise SystemExit(msg) from e
     HookRegistry.register(INIT_TARGET, after_scheduler_init, HookType.AFTER)
-    HookRegistry.register(INGEST_TARGET, after_ingest_requests, HookType.AFTER)
-    log.info("weightwire: registered hooks on %s and %s", INIT_TARGET, INGEST_TARGET)
+    HookRegistry.register(LOOP_TARGET, after_process_input_requests, HookType.AFTER)
+    log.info("weightwire: registered hooks on %s and %s", INIT_TARGET, LOOP_TARGET)
+
+
+def check_version(version: str, *, allow_untested: bool = False) -> None:
+    """Refuse (SystemExit, which passes ``load_plugins()``) an SGLang release outside the tested range."""
+    m = re.match(r"^(\d+)\.(\d+)\.(\d+)", version)
+    parsed = tuple(int(g) for g in m.groups()) if m else None
+    if parsed is not None and OLDEST_SGLANG <= parsed <= NEWEST_SGLANG:
+        return
+    msg = (
+        f"weightwire: sglang {version} is outside the releases this weightwire supports ({SUPPORTED_RANGE}); "
+        f"install one of those, set {ENV_ALLOW_UNTESTED}=1 to try this one anyway, or {ENV_ENABLE}=0 to run "
+        "without weight sync."
+    )
+    if allow_untested:
+        log.warning("%s Continuing: %s=1.", msg, ENV_ALLOW_UNTESTED)
+        return
+    log.error(msg)
+    raise SystemExit(msg)
 
 
 def after_scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER hook on ``Scheduler.__init__``: start this rank's worker service."""
-    if not hook_applied(type(scheduler), "ingest_requests", after_ingest_requests):
+    if not hook_applied(type(scheduler), "process_input_requests", after_process_input_requests):
         raise RuntimeError(
-            f"weightwire: the hook on {INGEST_TARGET} is not in place (see SGLang's log for why), so updates "
+            f"weightwire: the hook on {LOOP_TARGET} is not in place (see SGLang's log for why), so updates "
             "could never run on the scheduler thread; refusing to start without weight sync"
         )
     worker = start_worker(scheduler)
     log.info(
-        "weightwire: hooks on Scheduler.__init__ and Scheduler.ingest_requests applied (sglang %s); worker %s "
-        "serves %d checkpoint tensors (%.1f MiB, layers [%d, %d) of %d) at %s",
+        "weightwire: hooks on Scheduler.__init__ and Scheduler.process_input_requests applied (sglang %s); "
+        "worker %s serves %d checkpoint tensors (%.1f MiB, layers [%d, %d) of %d) at %s%s",
         _sglang_version(),
         worker.adapter.worker_id,
         len(worker.adapter.manifest().tensors),
@@ -110,16 +161,17 @@ def after_scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any
         worker.adapter.layout.layer_end,
         worker.adapter.layout.num_layers,
         worker.address,
+        "; wakes this idle-sleeping scheduler when updates are queued" if worker.wake_receiver is not None else "",
     )
 
 
-def after_ingest_requests(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER hook on ``Scheduler.ingest_requests``: run queued update steps on this thread."""
+def after_process_input_requests(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook on ``Scheduler.process_input_requests``: run queued update steps on this thread."""
     worker: SchedulerWorker | None = getattr(scheduler, _WORKER_ATTR, None)
     if worker is None:
-        raise RuntimeError("weightwire: Scheduler.ingest_requests is hooked but the scheduler has no worker: "
-                           f"the hook on {INIT_TARGET} did not run")
-    worker.queue.drain()
+        raise RuntimeError("weightwire: Scheduler.process_input_requests is hooked but the scheduler has no "
+                           f"worker: the hook on {INIT_TARGET} did not run")
+    worker.drain()
     return None
 
 
@@ -142,11 +194,21 @@ def start_worker(scheduler: Any, settings: Settings | None = None) -> SchedulerW
         settings = Settings.from_env(engine_port=getattr(scheduler.server_args, "port", None))
     if getattr(scheduler, "draft_worker", None) is not None:
         log.warning("weightwire: speculative decoding is on; only the target model's weights are updated")
+    cache_mode = getattr(scheduler.server_args, "weight_cache_mode", None)
+    if cache_mode not in (None, "off"):
+        raise RuntimeError(
+            f"weightwire: --weight-cache-mode {cache_mode} shares the model's parameters with SGLang's weight-cache "
+            "daemon, so writing them in place would change every engine attached to it; start with "
+            "--weight-cache-mode off"
+        )
     rank = parallel_rank()
     device = torch.device(runner.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    queue = EngineTaskQueue(timeout_s=settings.engine_timeout_s)
+    wake_receiver, wake_sender = idle_wakers(scheduler, settings, rank)
+    queue = EngineTaskQueue(
+        timeout_s=settings.engine_timeout_s, on_submit=wake_sender.wake if wake_sender is not None else None
+    )
     adapter = SGLangAdapter(
         runner.model,
         runner.model_config.hf_config,
@@ -155,7 +217,7 @@ def start_worker(scheduler: Any, settings: Settings | None = None) -> SchedulerW
         own_device=device_ref_of(device),
         worker_id=worker_id(rank),
         engine_queue=queue,
-        weight_session=runner.weight_updater,
+        weight_session=weight_session_of(runner),
         engine_gate=functools.partial(scheduler_gate, scheduler, pause_honoured=pause_honoured(scheduler, rank)),
         on_committed=functools.partial(after_commit, scheduler, settings),
     )
@@ -172,17 +234,41 @@ def start_worker(scheduler: Any, settings: Settings | None = None) -> SchedulerW
         tls_key=settings.tls_key,
         own_device=adapter.own_device,
     )
-    worker = SchedulerWorker(adapter, queue, server, server.address, socket_path)
+    worker = SchedulerWorker(adapter, queue, server, server.address, socket_path, wake_receiver, wake_sender)
     setattr(scheduler, _WORKER_ATTR, worker)
     atexit.register(worker.stop)
     return worker
 
 
+def weight_session_of(runner: Any) -> WeightUpdateSession:
+    """SGLang's begin/end weight-update steps where the release has them (0.5.23), else none:
+    SGLang 0.5.17's own updates call ``load_weights`` with nothing around it."""
+    updater = getattr(runner, "weight_updater", None)
+    if updater is not None and hasattr(updater, "begin_weight_update") and hasattr(updater, "end_weight_update"):
+        return updater  # type: ignore[no-any-return]
+    return NoWeightSession()
+
+
+def idle_wakers(scheduler: Any, settings: Settings, rank: ParallelRank) -> tuple[WakeReceiver | None, WakeSender | None]:
+    """The wake socket this scheduler polls when it sleeps on idle, and the sender that wakes every
+    sleeper of this rank's replica (``wake.py``); (None, None) when the engine does not sleep."""
+    if not getattr(scheduler.server_args, "sleep_on_idle", True):
+        return None, None
+    key = settings.engine_key()
+    receiver = attach_to_idle_sleeper(scheduler, key, worker_index(rank))
+    replica = [
+        worker_index(dataclasses.replace(rank, pp_rank=p, tp_rank=t))
+        for p in range(rank.pp_size)
+        for t in range(rank.tp_size)
+    ]
+    return receiver, WakeSender(key, replica)
+
+
 def pause_honoured(scheduler: Any, rank: ParallelRank) -> bool:
     """Whether this scheduler's event loop stops running batches while ``_engine_paused``.
 
-    In SGLang 0.5.23 the normal, overlap and disaggregation loops do; the pipeline-parallel and
-    PD-multiplexing loops never look at the flag and keep running the batches an in-place or
+    In SGLang 0.5.17 through 0.5.23 the normal, overlap and disaggregation loops do; the
+    pipeline-parallel and PD-multiplexing loops never look at the flag and keep running the batches an in-place or
     retract pause left behind.
     """
     return rank.pp_size == 1 and not getattr(scheduler, "enable_pdmux", False)
@@ -206,8 +292,11 @@ def scheduler_gate(scheduler: Any, *, pause_honoured: bool) -> str | None:
 
 
 def after_commit(scheduler: Any, settings: Settings, version: int) -> None:
-    """On the scheduler thread after an update: tell SGLang its weight version, drop stale KV."""
-    scheduler.record_weight_version_change(new_version=str(version))
+    """On the scheduler thread after an update: tell SGLang its weight version (where the scheduler
+    keeps one: 0.5.23 reports it in every response's ``meta_info.weight_version``), drop stale KV."""
+    record = getattr(scheduler, "record_weight_version_change", None)
+    if record is not None:
+        record(new_version=str(version))
     if settings.flush_cache and not scheduler.flush_cache():
         log.warning(
             "weightwire: weights version %d loaded but SGLang kept its cache (requests still running); "

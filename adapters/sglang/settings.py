@@ -18,6 +18,8 @@ Environment variables (documented in docs/sglang.md):
   (default: flush it on the scheduler thread once the update committed).
 - ``WEIGHTWIRE_SGLANG_ENGINE_TIMEOUT_S``: how long a load waits for the scheduler thread to pick it
   up (default 300).
+- ``WEIGHTWIRE_SGLANG_ALLOW_UNTESTED``: ``1`` starts the plugin in an SGLang release outside the
+  tested range (it still refuses if the hook targets are missing).
 
 Neither SOCKET_DIR nor BASE_PORT set: sockets go to ``<tmp>/weightwire-sglang-<engine port>``, so two
 engines on one host (different ``--port``) never share a directory.
@@ -43,6 +45,7 @@ ENV_TLS_KEY = "WEIGHTWIRE_TLS_KEY"
 ENV_ENABLE = "WEIGHTWIRE_SGLANG_ENABLE"
 ENV_FLUSH_CACHE = "WEIGHTWIRE_SGLANG_FLUSH_CACHE"
 ENV_ENGINE_TIMEOUT = "WEIGHTWIRE_SGLANG_ENGINE_TIMEOUT_S"
+ENV_ALLOW_UNTESTED = "WEIGHTWIRE_SGLANG_ALLOW_UNTESTED"
 
 SOCKET_SUFFIX = ".sock"
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
@@ -67,6 +70,7 @@ class Settings:
     tls_key: str | None = None
     flush_cache: bool = True
     engine_timeout_s: float = 300.0
+    allow_untested: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, engine_port: int | None = None) -> Settings:
@@ -115,6 +119,7 @@ class Settings:
             tls_key=env.get(ENV_TLS_KEY) or None,
             flush_cache=_flag(env, ENV_FLUSH_CACHE, default=True),
             engine_timeout_s=timeout,
+            allow_untested=_flag(env, ENV_ALLOW_UNTESTED, default=False),
         )
 
     def address(self, rank: ParallelRank) -> str:
@@ -130,6 +135,13 @@ class Settings:
         if self.socket_dir is None:
             raise SettingsError("no socket directory and no base port configured")
         return "unix:" + socket_path(self.socket_dir, rank)
+
+    def engine_key(self) -> str:
+        """Names this engine on its host: its socket directory or TCP base address (two engines
+        cannot share either), the same in every rank."""
+        if self.base_port is not None:
+            return f"tcp:{self.host}:{self.base_port}"
+        return f"unix:{self.socket_dir}"
 
 
 def default_socket_dir(engine_port: int | None) -> str:

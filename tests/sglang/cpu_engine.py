@@ -1,7 +1,8 @@
-"""The pytest side of tests/sglang: start a CPU "SGLang engine" of rank processes and talk to it, and
-what each rank should hold, computed from the model config alone (never from SGLang's loaders).
+"""The pytest side of the fake-scheduler test (test_sglang_fake_scheduler.py): start rank processes
+(``rank_worker.py``) and talk to them, and what each rank should hold, computed from the model
+config alone (never from SGLang's loaders).
 
-No sglang import here: the rank processes (``rank_worker.py``) do that.
+No sglang import here: the rank processes do that.
 """
 
 from __future__ import annotations
@@ -17,87 +18,11 @@ import time
 from typing import Any
 
 import torch
+from checkpoints import ModelSpec
 from weightwire.core.topology import pp_layer_span
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 READY_TIMEOUT_S = 240.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """A tiny model; the values equal ``sglang_cpu.hf_config`` defaults plus the overrides."""
-
-    family: str
-    tie: bool = False
-    kv_heads: int = 2
-    dtype: torch.dtype = torch.float32
-    vocab_size: int = 256
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def has_qkv_bias(self) -> bool:
-        return self.family == "qwen2"
-
-
-# ------------------------------------------------------------------------------------------------
-# what a rank should hold
-# ------------------------------------------------------------------------------------------------
-
-
-def checkpoint_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the Hugging Face checkpoint with its full shape, from the config."""
-    h, i, v, hd = spec.hidden_size, spec.intermediate_size, spec.vocab_size, spec.head_dim
-    q, kv = spec.num_heads * hd, spec.kv_heads * hd
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not spec.tie:
-        shapes["lm_head.weight"] = (v, h)
-    for layer in range(spec.num_layers):
-        p = f"model.layers.{layer}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
-        if spec.has_qkv_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
-    return shapes
-
-
-def full_checkpoint(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
-    """The weights of "version ``seed``": deterministic, distinct per tensor and per seed."""
-    gen = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(s, generator=gen).to(spec.dtype) for n, s in sorted(checkpoint_shapes(spec).items())}
-
-
-def expected_names(spec: ModelSpec, tp_size: int, pp_rank: int, pp_size: int) -> set[str]:
-    """The checkpoint names a (tp, pp) rank must list in its manifest."""
-    span = pp_layer_span(spec.num_layers, pp_rank, pp_size)
-    first, last = pp_rank == 0, pp_rank == pp_size - 1
-    names = set()
-    for name in checkpoint_shapes(spec):
-        if name.startswith("model.layers."):
-            if int(name.split(".")[2]) in span:
-                names.add(name)
-        elif name == "model.embed_tokens.weight":
-            # A tied model's last stage (when it is not also the first) fills lm_head from it.
-            if first or (last and spec.tie):
-                names.add(name)
-        elif last:
-            names.add(name)
-    return names
 
 
 def _rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -188,7 +113,7 @@ class CpuEngine:
         world = tp * pp
         port = _free_port()
         self.ranks: list[RankProcess] = []
-        dtype = str(spec.dtype).removeprefix("torch.")
+        dtype = spec.dtype_name
         for rank in range(world):
             cmd = [
                 sys.executable, os.path.join(HERE, "rank_worker.py"), "--rank", str(rank), "--world", str(world),

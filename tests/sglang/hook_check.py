@@ -1,9 +1,11 @@
 """Run SGLang's real plugin loading in a fresh process and report, as one JSON line, what it did.
 
-Used by test_sglang_plugin.py. SGLang's ``load_plugins()`` discovers entry points of group
-``sglang.srt.plugins`` (weightwire's is one), calls each ``register()`` and applies the hooks to
-``Scheduler``; a scheduler itself cannot run on CPU, so this checks the patched class instead, and
-the plugin's refusals (hook target missing, the other hook absent, disabled by environment).
+Used by test_sglang_plugin.py, with the Python of each SGLang environment. SGLang's
+``load_plugins()`` discovers entry points of group ``sglang.srt.plugins`` (weightwire's is one),
+calls each ``register()`` and applies the hooks to ``Scheduler``. The real-engine tests show the
+hooks working; this checks what a running engine cannot show: the plugin's refusals (a release
+outside the tested range, a hook target missing, the other hook absent, bad settings, disabled by
+environment) and the ranks of a DP replica, which the CPU engines here do not run.
 """
 
 from __future__ import annotations
@@ -11,15 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import sglang_cpu
 
 
 def main() -> None:
-    sglang_cpu.prepare_cpu_import()
+    import sglang_cpu_shims
+
+    sglang_cpu_shims.apply()
     records: list[str] = []
 
     class Collect(logging.Handler):
@@ -42,8 +41,8 @@ def main() -> None:
 
     load_plugins()
     out["init_hooked"] = plugin.hook_applied(Scheduler, "__init__", plugin.after_scheduler_init)
-    out["ingest_hooked"] = plugin.hook_applied(Scheduler, "ingest_requests", plugin.after_ingest_requests)
-    out["patched_targets"] = sorted(t for t in HookRegistry._patched if t in (plugin.INIT_TARGET, plugin.INGEST_TARGET))
+    out["loop_hooked"] = plugin.hook_applied(Scheduler, "process_input_requests", plugin.after_process_input_requests)
+    out["patched_targets"] = sorted(t for t in HookRegistry._patched if t in (plugin.INIT_TARGET, plugin.LOOP_TARGET))
     out["registered_log"] = any("registered hooks" in r for r in records)
 
     # Disabled by environment: register() adds nothing.
@@ -53,31 +52,47 @@ def main() -> None:
     del os.environ["WEIGHTWIRE_SGLANG_ENABLE"]
     out["disabled_adds_nothing"] = before == {t: len(h) for t, h in HookRegistry._hooks.items()}
 
+    # Releases outside the tested range: refused with the range, unless explicitly allowed.
+    import sglang
+
+    out["sglang_version"] = sglang.__version__
+    for name, version in (("too_old", "0.5.16"), ("too_new", "0.6.0"), ("unparsable", "main")):
+        try:
+            plugin.check_version(version)
+            out[name] = "accepted"
+        except SystemExit as e:
+            out[name] = str(e)
+    try:
+        plugin.check_version("0.6.0", allow_untested=True)
+        out["untested_allowed"] = "accepted"
+    except SystemExit as e:
+        out["untested_allowed"] = str(e)
+
     # A hook target this SGLang lacks: the engine must not start (SystemExit passes load_plugins()).
-    plugin.INGEST_TARGET = "sglang.srt.managers.scheduler.Scheduler.no_such_method"
+    plugin.LOOP_TARGET = "sglang.srt.managers.scheduler.Scheduler.no_such_method"
     try:
         plugin.register()
         out["missing_target"] = "registered"
     except SystemExit as e:
         out["missing_target"] = str(e)
 
-    # The init hook finds the ingest hook missing on a scheduler class: it refuses to start.
-    class SchedulerWithoutIngestHook:
-        def ingest_requests(self) -> list[object]:
-            return []
+    # The init hook finds the loop hook missing on a scheduler class: it refuses to start.
+    class SchedulerWithoutLoopHook:
+        def process_input_requests(self, recv_reqs: list[object]) -> None:
+            return None
 
     try:
-        plugin.after_scheduler_init(None, SchedulerWithoutIngestHook())
-        out["init_without_ingest_hook"] = "started"
+        plugin.after_scheduler_init(None, SchedulerWithoutLoopHook())
+        out["init_without_loop_hook"] = "started"
     except RuntimeError as e:
-        out["init_without_ingest_hook"] = str(e)
+        out["init_without_loop_hook"] = str(e)
 
-    # The ingest hook on a scheduler the init hook never saw: it refuses too.
+    # The loop hook on a scheduler the init hook never saw: it refuses too.
     try:
-        plugin.after_ingest_requests([], SchedulerWithoutIngestHook())
-        out["ingest_without_worker"] = "drained"
+        plugin.after_process_input_requests(None, SchedulerWithoutLoopHook(), [])
+        out["loop_without_worker"] = "drained"
     except RuntimeError as e:
-        out["ingest_without_worker"] = str(e)
+        out["loop_without_worker"] = str(e)
 
     # Settings SGLang would run without: refused loudly too.
     os.environ["WEIGHTWIRE_SGLANG_BASE_PORT"] = "not-a-port"

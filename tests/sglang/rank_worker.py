@@ -1,16 +1,20 @@
-"""One rank of a CPU "SGLang engine" in its own process, for tests/sglang.
+"""One rank of a fake-scheduler "SGLang engine" in its own process, for test_sglang_fake_scheduler.py.
+
+Everything the real-engine tests (test_sglang_real_engine.py) show is shown there; this exists
+for what a real engine cannot be made to do: a ``load_weights`` that silently drops a tensor it
+was given (SGLang's loaders skip names they do not know with at most a log line, so the adapter
+checks every tensor was consumed, and that check can only be provoked by such a loader).
 
 Builds SGLang's real model class (Qwen2 or Llama) under SGLang's real parallel state (gloo), wraps
 it in a ``FakeScheduler`` that carries what the plugin reads from a real ``Scheduler`` (a real
 SGLang ``WeightUpdater`` for the begin/end steps), and starts the worker through the plugin's own
 ``start_worker``. A ``FakeSchedulerLoop`` thread stands in for SGLang's event loop: it calls the
-plugin's ``after_ingest_requests`` hook over and over, so every update step runs on that thread as
-it would between batches. A real scheduler cannot run on CPU (no attention kernels).
+plugin's ``after_process_input_requests`` hook over and over, so every update step runs on that
+thread as it would between batches.
 
 Protocol: prints ``ready <address>`` on stdout once serving. Reads commands on stdin, answering
-``ok <command>``: ``busy`` (requests running: the engine gate refuses writes), ``pause``
-(``_engine_paused`` with requests still queued), ``idle``, ``skip NAME`` (``load_weights`` silently
-drops NAME, as SGLang's loaders do with names they do not know), ``unskip``. Exits on EOF.
+``ok <command>``: ``skip NAME`` (``load_weights`` silently drops NAME, as SGLang's loaders do with
+names they do not know), ``unskip``. Exits on EOF.
 After each committed update it writes its parameters (local shards, SGLang names) to
 ``<dump-dir>/<worker_id>-v<version>.safetensors``.
 """
@@ -30,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sglang_cpu
 import torch
+from checkpoints import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -55,7 +60,7 @@ class FakeScheduler:
             model=model, device="cpu", gpu_id=0, model_config=SimpleNamespace(hf_config=config), weight_updater=weight_updater
         )
         self.tp_worker = SimpleNamespace(model_runner=runner)
-        self.server_args = SimpleNamespace(port=None)
+        self.server_args = SimpleNamespace(port=None, sleep_on_idle=False)
         self.draft_worker = None
         self._engine_paused = False
         self.waiting_queue: list[object] = []
@@ -93,10 +98,10 @@ class FakeSchedulerLoop(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        from weightwire.adapters.sglang.plugin import after_ingest_requests
+        from weightwire.adapters.sglang.plugin import after_process_input_requests
 
         while not self.stopped.is_set():
-            after_ingest_requests([], self.scheduler)
+            after_process_input_requests(None, self.scheduler, [])
             time.sleep(0.001)
 
 
@@ -127,7 +132,7 @@ def main() -> None:
 
     sglang_cpu.prepare_cpu_import()
     sglang_cpu.init_parallel(rank=args.rank, world_size=args.world, tp_size=args.tp, pp_size=args.pp, init_port=args.init_port)
-    config = sglang_cpu.hf_config(args.family, tie_word_embeddings=args.tie, num_key_value_heads=args.kv_heads)
+    config = ModelSpec(args.family, tie=args.tie, kv_heads=args.kv_heads).hf_config()
     model = sglang_cpu.build_model(args.family, config, DTYPES[args.dtype])
     with torch.no_grad():
         for p in model.parameters():
@@ -144,15 +149,7 @@ def main() -> None:
 
     for line in sys.stdin:
         cmd = line.strip()
-        if cmd == "busy":
-            scheduler._engine_paused = False
-            scheduler.running_batch.reqs = ["a request"]
-        elif cmd == "pause":
-            scheduler._engine_paused = True
-        elif cmd == "idle":
-            scheduler._engine_paused = False
-            scheduler.running_batch.reqs = []
-        elif cmd.startswith("skip "):
+        if cmd.startswith("skip "):
             model.load_weights = load_weights_skipping(model, cmd.split(" ", 1)[1])  # type: ignore[method-assign]
         elif cmd == "unskip":
             del model.load_weights

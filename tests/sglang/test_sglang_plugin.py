@@ -1,19 +1,18 @@
-"""The SGLang plugin is found and applied by SGLang's own plugin loader (in a fresh process)."""
+"""The SGLang plugin is found and applied by SGLang's own plugin loader (in a fresh process of
+each SGLang environment), and refuses what it must: see ``hook_check.py`` for why these cases are
+checked here and not in a running engine."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 from importlib.metadata import entry_points
 
 import pytest
+from real_engine import SGLANG_ENVS, SGLangEnv, cpu_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HAS_SGLANG = importlib.util.find_spec("sglang") is not None
-SKIP_REASON = "sglang is not installed in this environment: `make install-sglang` adds its CPU test stack"
 
 
 def test_entry_point_is_registered() -> None:
@@ -23,29 +22,35 @@ def test_entry_point_is_registered() -> None:
 
 
 @pytest.mark.sglang
-@pytest.mark.skipif(not HAS_SGLANG, reason=SKIP_REASON)
-def test_sglang_load_plugins_hooks_the_scheduler() -> None:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env.pop("SGLANG_PLUGINS", None)
-    env.pop("WEIGHTWIRE_SGLANG_ENABLE", None)
+@pytest.mark.parametrize("sglang_env", list(SGLANG_ENVS.values()), ids=list(SGLANG_ENVS))
+def test_sglang_load_plugins_hooks_the_scheduler(sglang_env: SGLangEnv) -> None:
+    if not sglang_env.available():
+        pytest.skip(f"no SGLang {sglang_env.version} environment: `make install-sglang` makes it")
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "hook_check.py")], capture_output=True, text=True, timeout=240, env=env
+        [sglang_env.python, os.path.join(HERE, "hook_check.py")], capture_output=True, text=True, timeout=300,
+        env=cpu_env(1),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["sglang_version"] == sglang_env.version
     assert out["sglang_finds_plugin"] is True
     assert out["init_hooked_before"] is False
     assert out["init_hooked"] is True
-    assert out["ingest_hooked"] is True
+    assert out["loop_hooked"] is True
     assert out["patched_targets"] == [
         "sglang.srt.managers.scheduler.Scheduler.__init__",
-        "sglang.srt.managers.scheduler.Scheduler.ingest_requests",
+        "sglang.srt.managers.scheduler.Scheduler.process_input_requests",
     ]
     assert out["registered_log"] is True
     assert out["disabled_adds_nothing"] is True
+    for refused, version in (("too_old", "0.5.16"), ("too_new", "0.6.0"), ("unparsable", "main")):
+        assert f"sglang {version} is outside" in out[refused] and "0.5.17 through 0.5.23" in out[refused]
+        assert "WEIGHTWIRE_SGLANG_ALLOW_UNTESTED=1" in out[refused]
+    assert out["untested_allowed"] == "accepted"
     assert "cannot hook sglang.srt.managers.scheduler.Scheduler.no_such_method" in out["missing_target"]
-    assert "is not in place" in out["init_without_ingest_hook"]
-    assert "did not run" in out["ingest_without_worker"]
+    assert "0.5.17 through 0.5.23" in out["missing_target"]
+    assert "is not in place" in out["init_without_loop_hook"]
+    assert "did not run" in out["loop_without_worker"]
     assert "not a port number" in out["bad_settings"]
     assert out["dp_replica_rank"] == [1, 2, 0, 1, 1, 2]
     assert out["dp_replica_worker_id"] == "tp1-pp0-dp1"
