@@ -27,9 +27,12 @@ def collect_results(
     committed: bool,
     deadline_hit: bool,
     first_failure: str | None,
+    cancelled_because: str | None = None,
 ) -> dict[str, PushResult]:
     """One result per worker when every worker committed; otherwise a ``PushError`` whose failures
-    put the workers at fault first and the ones cancelled because of them after."""
+    put the workers at fault first and the ones cancelled because of them after.
+    ``cancelled_because`` says why the update was called off when no worker of this session failed
+    (another trainer rank's update did, in a multi-rank push)."""
     results: dict[str, PushResult] = {}
     root: dict[str, WeightwireError] = {}
     cancelled: dict[str, WeightwireError] = {}
@@ -71,7 +74,12 @@ def collect_results(
             )
         elif ours:
             culprit = first_failure
-            why = f"because {name(culprit)} failed" if culprit else f"at the {timeout_s:g} s deadline"
+            if culprit:
+                why = f"because {name(culprit)} failed"
+            elif cancelled_because:
+                why = f"because {cancelled_because}"
+            else:
+                why = f"at the {timeout_s:g} s deadline"
             cancelled[a] = WeightwireError(
                 "CANCELLED",
                 f"worker {name(a)}: update cancelled {why}; not committed here (INCONSISTENT if it had loaded tensors)",

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from weightwire.client import exporters as exp
 from weightwire.client import plan as planning
+from weightwire.client.dtensor_gather import target_dtype
 from weightwire.client.options import PushOptions
 from weightwire.client.plan import PlanError, TensorSpec
 from weightwire.client.routing import (
@@ -50,7 +51,8 @@ def tensor_jobs(
 ) -> Jobs:
     """Named tensors packed into buckets of at most the pusher's bucket size (inline: under the
     message limit), each sent to the workers that own something in it."""
-    specs = [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in items]
+    # With ``cast_to`` a spec carries the dtype sent; packing converts while it copies.
+    specs = [TensorSpec(name, target_dtype(t.dtype, options.cast_to), tuple(t.shape)) for name, t in items]
     unknown = set(planning.check_update(specs, manifests, scope=options.scope, allow_unowned=options.allow_unowned))
     check_labels(manifests, [exporter.label] if exporter.label else None, "every bucket")
 

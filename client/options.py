@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from weightwire.client.dtensor_gather import CastTo
 from weightwire.client.types import ProgressFn
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -36,6 +37,8 @@ class PushOptions:
     only_own_device: bool = False
     progress: ProgressFn | None = None
     update_id: str = ""
+    # Explicit dtype conversion on the way (e.g. fp32 master weights into a bf16 engine); never implied.
+    cast_to: CastTo = None
 
     def header(self, manifest_fingerprint: str) -> pb.UpdateHeader:
         """The UpdateHeader of this push for a worker whose manifest had ``manifest_fingerprint``."""

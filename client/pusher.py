@@ -36,11 +36,12 @@ import torch
 from weightwire.client import exporters as exp
 from weightwire.client import jobs as job_builders
 from weightwire.client import plan as planning
+from weightwire.client.dtensor_gather import CastTo, check_cast_to, has_dtensors, named_items, source_device
 from weightwire.client.options import PushOptions, scope_value
 from weightwire.client.readers import ReaderThreads
 from weightwire.client.routing import CheckedLayouts, flat_bytes, manifest_changes, route_own_device
 from weightwire.client.rpc import Worker, call_metadata, collect_unary, start_unary
-from weightwire.client.session import SpecTemplates, UpdateSession
+from weightwire.client.session import CommitGate, SpecTemplates, UpdateSession
 from weightwire.client.staging import Staging
 from weightwire.client.stream import Connections
 from weightwire.client.types import FlatBucket, GatheredBucket, ProgressFn, PushProgress, PushResult, Scope
@@ -64,6 +65,9 @@ class _Setup:
 
     manifests: dict[str, ShardManifest]
     recheck: dict[str, grpc.Future] | None
+    # Set when the caller already re-checked the fingerprints (a multi-rank push does it before
+    # the ranks agree, so that a restarted worker fails every rank before anything is sent).
+    rechecked: bool = False
 
 
 class WeightPusher:
@@ -206,20 +210,43 @@ class WeightPusher:
         progress: ProgressFn | None = None,
         update_id: str = "",
         only_own_device: bool = False,
+        cast_to: CastTo = None,
+        group: object | None = None,
+        routing: str = "own_device",
+        sender_rank: int = 0,
     ) -> dict[str, PushResult]:
         """Push checkpoint-named tensors as weights ``version``; one result per worker.
 
         Raises ``PlanError`` before sending anything when names, dtypes, shapes or FULL coverage do
         not fit the manifests, and ``PushError`` when any worker failed (naming each). With
         ``only_own_device`` the update goes only to workers on the device this process exports from
-        (a colocated trainer rank pushing to its own GPU's workers).
+        (a colocated trainer rank pushing to its own GPU's workers). ``cast_to`` (a dtype for every
+        floating-point tensor, or a ``{from: to}`` map) converts on the way, e.g. fp32 master weights
+        into a bf16 engine; without it a dtype the workers do not expect is a ``DTYPE_MISMATCH``.
+
+        DTensors (FSDP2 ``state_dict()``/``named_parameters()``), or any tensors with ``group`` (a
+        ``torch.distributed`` process group), make this one update of every rank of that group: each
+        rank runs the same call and the library gathers each bucket on the group, decides who sends
+        what (``routing="own_device"``: each rank streams to the workers on its own device;
+        ``"gathered"``: rank ``sender_rank`` streams every bucket with every device's payload) and
+        commits on every worker only when every rank's workers acked everything. Every rank returns
+        the same results or raises the same error (``weightwire.client.collective_push``).
         """
+        check_cast_to(cast_to)
         options = PushOptions(
             version, scope_value(scope), allow_unowned=allow_unowned, verify_checksums=verify_checksums,
-            only_own_device=only_own_device, progress=progress, update_id=update_id,
+            only_own_device=only_own_device, progress=progress, update_id=update_id, cast_to=cast_to,
         )
-        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        source = next((t.device for _, t in items if t.device.type != "cpu"), torch.device("cpu"))
+        items = named_items(named_tensors)
+        if group is not None or has_dtensors(items):
+            from weightwire.client import collective_push
+            from weightwire.client.dtensor_gather import default_group
+
+            return collective_push.push_from_ranks(
+                self, items, options, group=group if group is not None else default_group(items),
+                routing=routing, sender_rank=sender_rank,
+            )
+        source = source_device(items)
         setup, exporter = self._setup_exporting(source, options)
         jobs = job_builders.tensor_jobs(items, setup.manifests, exporter, self._staging, options, self.align_bytes)
         return self._run(setup, jobs, options)
@@ -295,17 +322,20 @@ class WeightPusher:
         setup.manifests = route_own_device(setup.manifests, exporter, options.only_own_device)
         return setup, exporter
 
-    def _run(self, setup: _Setup, jobs: job_builders.Jobs, options: PushOptions) -> dict[str, PushResult]:
+    def _run(
+        self, setup: _Setup, jobs: job_builders.Jobs, options: PushOptions, commit_gate: CommitGate | None = None
+    ) -> dict[str, PushResult]:
         if self._closed:
             raise RuntimeError("this WeightPusher is closed")
         if not self._push_lock.acquire(blocking=False):
             raise RuntimeError("a push is already running on this WeightPusher; one update at a time")
         try:
-            if self.recheck_manifests:
+            if self.recheck_manifests and not setup.rechecked:
                 self._recheck(setup.manifests, setup.recheck)
             connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)
             session = UpdateSession(
-                jobs.jobs, setup.manifests, options, connections, self._fingerprints, self._templates, jobs.pools
+                jobs.jobs, setup.manifests, options, connections, self._fingerprints, self._templates, jobs.pools,
+                commit_gate,
             )
             return session.run()
         except PushError as e:

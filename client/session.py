@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from weightwire.client.blame import collect_results
 from weightwire.client.options import PushOptions
@@ -28,6 +28,11 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 # Local waits get this much longer than the RPC deadline, so gRPC's own DEADLINE_EXCEEDED (which
 # names the worker) normally fires first.
 _GRACE_S = 2.0
+
+# Asked on the pushing thread once every bucket was sent and acked (argument True), or the update
+# failed or stopped here (False): None lets the session commit, a message aborts it with that reason.
+# A multi-rank push (``weightwire.client.collective_push``) agrees with the other trainer ranks here.
+CommitGate = Callable[[bool], str | None]
 
 
 class SpecTemplates:
@@ -69,8 +74,10 @@ class UpdateSession:
         fingerprints: Mapping[str, str],
         templates: SpecTemplates,
         pools: Sequence[StagingPool],
+        commit_gate: CommitGate | None = None,
     ) -> None:
         self._jobs = list(jobs)
+        self._commit_gate = commit_gate
         self._manifests = manifests
         self._options = options
         self._timeout_s = connections.timeout_s
@@ -82,6 +89,7 @@ class UpdateSession:
         self.first_failure: str | None = None
         self.committed = False
         self.deadline_hit = False
+        self.aborted_because: str | None = None
         self._pending: dict[int, set[str]] = {}
         self._prepared: dict[int, PreparedBucket] = {}
         # Set once every job was handed to its streams: from then on the last ack sends the commit
@@ -103,20 +111,24 @@ class UpdateSession:
         deadline = time.monotonic() + self._timeout_s + _GRACE_S
         # One worker, at most one bucket: nothing needs the pushing thread while the responses
         # come in, so it reads them itself (the commit goes out from the last ack).
-        here = len(self.streams) == 1 and len(self._jobs) <= 1
+        # With a commit gate the commit waits for the gate, so no ack may send it.
+        gated = self._commit_gate is not None
+        here = len(self.streams) == 1 and len(self._jobs) <= 1 and not gated
         completed = False
         try:
             for s in self.streams.values():
                 s.start(reader=not here)
-            self._send_jobs(deadline)
+            sent_all = self._send_jobs(deadline)
             with self._cond:
-                if not self.failed:
+                if not self.failed and not gated:
                     self._all_sent = True
                     self._commit_if_complete()
             if here:
                 for s in self.streams.values():
                     s.read_here()
             self._wait_for_acks(deadline)
+            if gated:
+                self._pass_gate(sent_all)
             for s in self.streams.values():
                 s.done.wait(max(0.0, deadline - time.monotonic()))
             completed = True
@@ -131,16 +143,18 @@ class UpdateSession:
             committed=self.committed,
             deadline_hit=self.deadline_hit,
             first_failure=self.first_failure,
+            cancelled_because=self.aborted_because,
         )
 
-    def _send_jobs(self, deadline: float) -> None:
+    def _send_jobs(self, deadline: float) -> bool:
+        """Stage and send every job in order; False when it stopped before the last one."""
         for job_id, job in enumerate(self._jobs):
             if self.failed:
-                return
+                return False
             try:
                 prepared = job.prepare(self.stopped, deadline)
             except Stopped:
-                return
+                return False
             with self._cond:
                 self._pending[job_id] = set(job.recipients)
                 self._prepared[job_id] = prepared
@@ -151,6 +165,25 @@ class UpdateSession:
                 if prepared.checksum is not None:
                     bucket.checksum.CopyFrom(prepared.checksum)
                 self.streams[a].send_bucket(job_id, bucket)
+        return True
+
+    def _pass_gate(self, sent_all: bool) -> None:
+        """Ask the commit gate; commit every stream if it agrees, otherwise fail the update with its reason."""
+        with self._cond:
+            ok = sent_all and not self.failed and not self._pending
+        assert self._commit_gate is not None
+        reason = self._commit_gate(ok)
+        with self._cond:
+            if reason is None and ok and not self.failed:
+                self.committed = True
+                for s in self.streams.values():
+                    s.commit()
+                return
+            if not self.failed:
+                self.failed = True
+                self.aborted_because = reason or "the commit gate refused"
+        for s in self.streams.values():
+            s.cancel()  # nothing is committed: end every stream now instead of at its deadline
 
     def _wait_for_acks(self, deadline: float) -> None:
         with self._cond:
