@@ -50,6 +50,15 @@ def add_parser(subparsers: Any) -> None:
         metavar="DIR",
         help="after each committed update write the local shard to DIR/<worker_id>-v<version>.safetensors",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a port; printed as "
+        "'weightwire-serve metrics URL' after the listening line); default: no metrics endpoint",
+    )
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=run)
 
@@ -116,6 +125,19 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"weightwire serve: {e}", file=sys.stderr)
         return 2
+    metrics_server = None
+    if args.metrics_port is not None:
+        from prometheus_client import CollectorRegistry
+        from weightwire.server.metrics import WorkerMetrics, serve_metrics
+
+        registry = CollectorRegistry()
+        WorkerMetrics(adapter.worker_id, registry=registry).attach(server.service)
+        try:
+            metrics_server = serve_metrics(registry, args.metrics_port, args.metrics_host)
+        except (OSError, ValueError) as e:
+            server.stop(grace=0)
+            print(f"weightwire serve: cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {e}", file=sys.stderr)
+            return 2
 
     stop = threading.Event()
 
@@ -125,9 +147,13 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"weightwire-serve listening {server.address}", flush=True)
+    if metrics_server is not None:
+        print(f"weightwire-serve metrics {metrics_server.url}", flush=True)
     log.info("worker %s (%s, device %s, %d tensors) ready", adapter.worker_id, rank.short(), own_device, len(adapter.manifest().tensors))
     while not stop.wait(1.0):
         pass
     log.info("stopping")
     server.stop(grace=2.0)
+    if metrics_server is not None:
+        metrics_server.close()
     return 0

@@ -22,6 +22,8 @@ from weightwire.server.adapter import EngineAdapter
 from weightwire.server.layout import LayoutCache
 from weightwire.server.transports import PayloadImporter, make_importers
 from weightwire.server.update import Update, UpdateContext, now_timestamp
+from weightwire.server.update_events import UpdateEvents, UpdateObserver
+from weightwire.server.update_log import UpdateLog
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["CommitHook", "Update", "WorkerService"]
@@ -79,6 +81,9 @@ class WorkerService:
         self._succeeded = 0
         self._failed = 0
         self._listeners: list[Callable[[bool], None]] = []
+        # Metrics and the structured log line per update (weightwire.server.update_events).
+        self._events = UpdateEvents()
+        self._events.add(UpdateLog())
 
     # --- identity and status -------------------------------------------------------------------
 
@@ -103,6 +108,10 @@ class WorkerService:
         """``listener(serving)`` is called after every state change (the health service uses it)."""
         self._listeners.append(listener)
         listener(self.serving)
+
+    def add_observer(self, observer: UpdateObserver) -> None:
+        """Tell ``observer`` about every update from now on (e.g. ``weightwire.server.metrics.WorkerMetrics``)."""
+        self._events.add(observer)
 
     def _notify(self) -> None:
         serving = self.serving
@@ -154,6 +163,7 @@ class WorkerService:
 
     def begin_update(self, header: pb.UpdateHeader) -> Update:
         """Accept a header (or raise): one update at a time, version newer, manifest unchanged."""
+        refused: WeightwireError | None = None
         with self._mu:
             try:
                 if self._active is not None:
@@ -166,10 +176,19 @@ class WorkerService:
                 self._check_header(header)
             except WeightwireError as err:
                 self._record_failure(err, header.version)
-                raise
-            update = Update(self._update_context, self, header, prior_state=self._state, previous_version=self._version)
-            self._active = update
-            self._state = pb.WORKER_STATE_UPDATING
+                refused = err
+            else:
+                update = Update(self._update_context, self, header, prior_state=self._state, previous_version=self._version)
+                self._active = update
+                self._state = pb.WORKER_STATE_UPDATING
+        if refused is not None:
+            # Observers run outside the lock (one may ask for the status).
+            self._events.failed(
+                self._manifest.worker_id, header, refused, began=False, prior_state=self._state,
+                new_state=self._state, weights_version=self._version,
+            )
+            raise refused
+        self._events.started(header.version)
         self._notify()
         try:
             self.adapter.begin_update(header.version)
@@ -216,6 +235,7 @@ class WorkerService:
             self._last_result = result
             self._succeeded += 1
         self._notify()
+        self._events.committed(self._manifest.worker_id, result, weights_version=result.version)
         try:
             if self.on_commit is not None:
                 # Still the active update: no other push can change the model while this runs.
@@ -236,6 +256,10 @@ class WorkerService:
             if importer.reusable:
                 importer.release()
         self._notify()
+        self._events.failed(
+            self._manifest.worker_id, update.header, err, began=True, prior_state=update.prior_state,
+            new_state=new_state, weights_version=self._version,
+        )
         self._release(update)
 
     def _release(self, update: Update) -> None:
@@ -260,12 +284,18 @@ class WorkerService:
                 err = WeightwireError(Reason.MALFORMED_STREAM, f"an update must start with a header; received {what}")
                 with self._mu:
                     self._record_failure(err, 0)
+                self._events.failed(
+                    self._manifest.worker_id, None, err, began=False, prior_state=self._state,
+                    new_state=self._state, weights_version=self._version,
+                )
                 raise err
             update = self.begin_update(first.header)
             for req in requests:
                 kind = req.WhichOneof("message")
                 if kind == "bucket":
-                    yield pb.PushWeightsResponse(ack=update.bucket(req.bucket))
+                    ack = update.bucket(req.bucket)
+                    self._events.bucket_acked(ack)
+                    yield pb.PushWeightsResponse(ack=ack)
                 elif kind == "commit":
                     yield pb.PushWeightsResponse(result=update.commit(req.commit))
                     return

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from typing import Literal, Protocol
 
 from weightwire.core.errors import WeightwireError
@@ -85,75 +86,18 @@ def state_name(state: int) -> str:
         return "UNSPECIFIED"
 
 
-def classify(err: WeightwireError | None, *, loaded_any: bool) -> Outcome:
-    if err is None:
-        return "committed"
-    if err.code == "CANCELLED":
-        return "cancelled"
-    return "failed" if loaded_any else "refused"
-
-
-def committed_outcome(worker_id: str, result: pb.UpdateResult, *, weights_version: int) -> UpdateOutcome:
-    """The outcome of a committed update, from the ``UpdateResult`` the trainer gets."""
-    return UpdateOutcome(
-        worker_id=worker_id,
-        version=result.version,
-        outcome="committed",
-        reason="",
-        code="OK",
-        scope=scope_name(result.scope),
-        update_id=clip(result.update_id, MAX_UPDATE_ID_CHARS),
-        duration_s=result.duration_ns / 1e9,
-        buckets=result.bucket_count,
-        tensors_loaded=result.tensors_loaded,
-        bytes_loaded=result.bytes_loaded,
-        handles_opened=result.handles_opened,
-        weights_version=weights_version,
-        state=state_name(result.state),
-        message="",
-    )
-
-
-def failed_outcome(
-    worker_id: str,
-    header: pb.UpdateHeader | None,
-    err: WeightwireError,
-    *,
-    loaded_any: bool,
-    weights_version: int,
-    state: int,
-    duration_ns: int | None = None,
-    buckets: int = 0,
-    tensors_loaded: int = 0,
-    bytes_loaded: int = 0,
-    handles_opened: int = 0,
-) -> UpdateOutcome:
-    """The outcome of an update that failed; ``duration_ns`` None when it was refused at its header."""
-    return UpdateOutcome(
-        worker_id=worker_id,
-        version=header.version if header is not None else 0,
-        outcome=classify(err, loaded_any=loaded_any),
-        reason=err.reason or err.code,
-        code=err.code,
-        scope=scope_name(header.scope) if header is not None else "unspecified",
-        update_id=clip(header.update_id, MAX_UPDATE_ID_CHARS) if header is not None else "",
-        duration_s=duration_ns / 1e9 if duration_ns is not None else None,
-        buckets=buckets,
-        tensors_loaded=tensors_loaded,
-        bytes_loaded=bytes_loaded,
-        handles_opened=handles_opened,
-        weights_version=weights_version,
-        state=state_name(state),
-        message=clip(err.message, MAX_MESSAGE_CHARS),
-    )
-
-
 class UpdateEvents:
-    """The observers of one worker, called in the order they were added."""
+    """The observers of one worker, called in the order they were added, and the tally of the update
+    in progress (one at a time per worker) that a failed update's outcome is built from."""
 
     def __init__(self) -> None:
         self._observers: tuple[UpdateObserver, ...] = ()
         self._lock = threading.Lock()
+        self._started_ns = 0
+        self._buckets = 0
+        self._tensors = 0
+        self._bytes = 0
+        self._handles = 0
 
     def add(self, observer: UpdateObserver) -> None:
         with self._lock:
@@ -163,23 +107,89 @@ class UpdateEvents:
         with self._lock:
             self._observers = tuple(o for o in self._observers if o is not observer)
 
+    # --- what the service reports ------------------------------------------------------------------
+
     def started(self, version: int) -> None:
-        for observer in self._observers:
-            try:
-                observer.update_started(version)
-            except Exception:
-                log.exception("update observer %r failed in update_started", observer)
+        """An update's header was accepted."""
+        self._started_ns = time.perf_counter_ns()
+        self._buckets = self._tensors = self._bytes = self._handles = 0
+        self._each("update_started", version)
 
     def bucket_acked(self, ack: pb.BucketAck) -> None:
-        for observer in self._observers:
-            try:
-                observer.bucket_acked(ack)
-            except Exception:
-                log.exception("update observer %r failed in bucket_acked", observer)
+        """A bucket was loaded (or skipped) and its ack is about to go out."""
+        self._buckets += 1
+        self._tensors += ack.tensors_loaded
+        self._bytes += ack.bytes_loaded
+        self._handles += int(ack.handle_opened)
+        self._each("bucket_acked", ack)
 
-    def finished(self, outcome: UpdateOutcome) -> None:
+    def committed(self, worker_id: str, result: pb.UpdateResult, *, weights_version: int) -> None:
+        """An update committed; ``result`` is the ``UpdateResult`` the trainer gets."""
+        self._each(
+            "update_finished",
+            UpdateOutcome(
+                worker_id=worker_id,
+                version=result.version,
+                outcome="committed",
+                reason="",
+                code="OK",
+                scope=scope_name(result.scope),
+                update_id=clip(result.update_id, MAX_UPDATE_ID_CHARS),
+                duration_s=result.duration_ns / 1e9,
+                buckets=result.bucket_count,
+                tensors_loaded=result.tensors_loaded,
+                bytes_loaded=result.bytes_loaded,
+                handles_opened=result.handles_opened,
+                weights_version=weights_version,
+                state=state_name(result.state),
+                message="",
+            ),
+        )
+
+    def failed(
+        self,
+        worker_id: str,
+        header: pb.UpdateHeader | None,
+        err: WeightwireError,
+        *,
+        began: bool,
+        prior_state: int,
+        new_state: int,
+        weights_version: int,
+    ) -> None:
+        """An update failed: refused at its header (``began`` False, ``header`` None when the stream had
+        none) or after it began (then the tally of its acked buckets goes into the outcome)."""
+        # Loaded: an acked bucket carried tensors, or the failure made a consistent worker INCONSISTENT
+        # (a bucket that failed while loading).
+        loaded = began and (self._tensors > 0 or (new_state == pb.WORKER_STATE_INCONSISTENT != prior_state))
+        if err.code == "CANCELLED":
+            outcome: Outcome = "cancelled"
+        else:
+            outcome = "failed" if loaded else "refused"
+        self._each(
+            "update_finished",
+            UpdateOutcome(
+                worker_id=worker_id,
+                version=header.version if header is not None else 0,
+                outcome=outcome,
+                reason=err.reason or err.code,
+                code=err.code,
+                scope=scope_name(header.scope) if header is not None else "unspecified",
+                update_id=clip(header.update_id, MAX_UPDATE_ID_CHARS) if header is not None else "",
+                duration_s=(time.perf_counter_ns() - self._started_ns) / 1e9 if began else None,
+                buckets=self._buckets if began else 0,
+                tensors_loaded=self._tensors if began else 0,
+                bytes_loaded=self._bytes if began else 0,
+                handles_opened=self._handles if began else 0,
+                weights_version=weights_version,
+                state=state_name(new_state),
+                message=clip(err.message, MAX_MESSAGE_CHARS),
+            ),
+        )
+
+    def _each(self, method: str, arg: object) -> None:
         for observer in self._observers:
             try:
-                observer.update_finished(outcome)
+                getattr(observer, method)(arg)
             except Exception:
-                log.exception("update observer %r failed in update_finished", observer)
+                log.exception("update observer %r failed in %s", observer, method)
