@@ -19,6 +19,7 @@ import abc
 import dataclasses
 import mmap
 import os
+import stat
 import warnings
 import zlib
 from collections.abc import Hashable, Sequence
@@ -259,7 +260,8 @@ class HostShmImporter(PayloadImporter):
         bare = check_shm_name(payload.host_shm.name)
         path = os.path.join(_SHM_DIR, bare)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO under a valid name must not block the worker in open().
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:
             raise WeightwireError(
                 Reason.HANDLE_OPEN_FAILED,
@@ -267,7 +269,12 @@ class HostShmImporter(PayloadImporter):
                 name=bare,
             ) from None
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise WeightwireError(
+                    Reason.HANDLE_OPEN_FAILED, f"shared memory {bare!r} is not a regular file (a segment is one)", name=bare
+                )
+            size = info.st_size
             if size == 0:
                 raise WeightwireError(Reason.INVALID_SIZE, f"shared memory {bare!r} is empty", name=bare)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)

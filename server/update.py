@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 from google.protobuf import timestamp_pb2
+from weightwire.core import transports
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
@@ -46,9 +47,6 @@ from weightwire.server.transports import (
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-_HANDLE_KIND = {"host_shm": pb.DEVICE_KIND_HOST, "cuda_ipc": pb.DEVICE_KIND_CUDA}
-
 
 def now_timestamp() -> timestamp_pb2.Timestamp:
     ts = timestamp_pb2.Timestamp()
@@ -237,16 +235,17 @@ class Update:
             **({"is_local_cuda": ctx.is_local_cuda} if ctx.is_local_cuda else {}),
         )
         field = sel.payload.WhichOneof("handle") or ""
+        row = transports.by_field(field)
         importer = ctx.importers.get(field)
         if importer is None:
+            unfit = row is not None and ctx.own_device.kind not in row.worker_kinds
             raise WeightwireError(
                 Reason.TRANSPORT_UNAVAILABLE,
                 f"this worker cannot import {transport_name(field)} payloads (no importer for {field!r}"
-                f"{'; it has no GPU' if field == 'cuda_ipc' and not ctx.own_device.is_cuda else ''})",
+                f"{f'; a worker on {ctx.own_device} cannot' if unfit else ''})",
                 transport=field,
             )
-        expected_kind = _HANDLE_KIND.get(field)
-        if expected_kind is not None and sel.device.kind != expected_kind:
+        if row is not None and row.label_kind is not None and sel.device.kind != row.label_kind:
             raise WeightwireError(
                 Reason.TRANSPORT_UNAVAILABLE,
                 f"a {transport_name(field)} handle cannot live on device {sel.device}; label it with the device that holds it",

@@ -119,3 +119,30 @@ def _raw_segment(name: str, data: bytes) -> Iterator[str]:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
+def test_shm_name_of_something_not_a_regular_file_is_refused_at_once(
+    worker: Worker, segments: helpers.ShmSegments, kind: str
+) -> None:
+    # A FIFO under a valid name used to block the worker in open(): it stayed UPDATING and refused
+    # every later push. Nothing but a regular file may be opened, and nothing may block.
+    before = worker.status()
+    version = before.weights_version + 1
+    packed = helpers.pack(worker.checkpoint(version))
+    name = new_shm_name(kind)
+    path = os.path.join(SHM_DIR, name)
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    elif kind == "directory":
+        os.mkdir(path, 0o700)
+    else:
+        target = segments.create(packed.data)
+        os.symlink(os.path.join(SHM_DIR, target.name), path)
+    try:
+        outcome = push_raw(worker.stub, _one_bucket(version, packed, helpers.shm_payload(name, len(packed.data))), timeout=30)
+    finally:
+        os.rmdir(path) if kind == "directory" else os.unlink(path)
+    assert_weightwire_error(outcome, "HANDLE_OPEN_FAILED")
+    worker.expect_unchanged(before)
+    worker.push_good(segments)
