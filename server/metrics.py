@@ -31,7 +31,7 @@ from wsgiref.simple_server import WSGIServer
 from google.rpc import code_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from weightwire.core.errors import Reason
-from weightwire.server.update_events import OUTCOMES, UpdateOutcome, state_name
+from weightwire.server.update_events import UpdateOutcome, state_name
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:
@@ -132,8 +132,7 @@ class WorkerMetrics:
         ).labels(worker_id)
         # Series a dashboard expects from the first scrape on, at zero.
         self._updates.labels(worker_id, "committed", "")
-        for outcome in OUTCOMES:
-            self._update_seconds.labels(worker_id, outcome)
+        self._update_seconds.labels(worker_id, "committed")
         self._open_mappings_of: Callable[[], int] = lambda: 0
 
     def attach(self, service: WorkerService) -> WorkerMetrics:
