@@ -1,9 +1,10 @@
 """The client's subcommands of the ``weightwire`` command line: ``manifest``, ``status``, ``push`` and
 ``demo``. ``weightwire.client.cli`` calls ``add_parser`` to register them.
 
-``manifest`` and ``status`` print readable tables (``--json`` for programs); ``push`` sends a
-safetensors checkpoint to running workers with a progress bar on stderr; ``demo`` runs the whole
-system on this machine (``weightwire.client.demo``).
+``manifest`` and ``status`` print readable tables (``--json`` for programs; ``status --watch`` is the
+live fleet view of ``weightwire.client.fleet_view``); ``push`` sends a safetensors checkpoint to
+running workers with a progress bar on stderr (``weightwire.client.progress``); ``demo`` runs the
+whole system on this machine (``weightwire.client.demo``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ import datetime
 import json
 import os
 import sys
-import time
 from collections.abc import Mapping, Sequence
-from typing import Any, TextIO
+from typing import Any
 
 from weightwire.core.errors import PushError, WeightwireError
 
@@ -39,7 +39,10 @@ def add_parser(subparsers: Any) -> None:
         description="One row per worker: device, ranks, weights version, state, last update and last error.",
     )
     p.add_argument("addresses", nargs="+", metavar="ADDR", help="worker addresses")
-    p.add_argument("--json", action="store_true", help="print the statuses as JSON")
+    p.add_argument("--json", action="store_true", help="print the statuses as JSON (with --watch: one JSON object per refresh)")
+    p.add_argument("--watch", action="store_true", help="keep polling: a live table redrawn in place until Ctrl-C")
+    p.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between refreshes with --watch (default 2)")
+    p.add_argument("--count", type=int, default=None, metavar="N", help="with --watch: stop after N refreshes")
     _connection_args(p)
     p.set_defaults(func=cmd_status)
 
@@ -57,7 +60,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--transport", default="auto", help="auto (default), host_shm, inline or cuda_ipc")
     p.add_argument("--allow-unowned", action="store_true", help="skip checkpoint tensors no worker owns")
     p.add_argument("--verify-checksums", action="store_true", help="send CRC-32 per bucket; workers verify")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (there is none when stderr is not a terminal)")
     _connection_args(p)
     p.set_defaults(func=cmd_push)
 
@@ -207,6 +210,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     metadata = call_metadata(_token(args))
     workers = [Worker(a, tls_ca=_read(args.tls_ca)) for a in args.addresses]
+    if args.watch:
+        from weightwire.client import fleet_view
+
+        if args.interval <= 0 or (args.count is not None and args.count < 1):
+            print("weightwire status: --interval must be > 0 and --count >= 1", file=sys.stderr)
+            return 2
+        try:
+            return fleet_view.watch(
+                workers, interval_s=args.interval, timeout_s=args.timeout, metadata=metadata, as_json=args.json, count=args.count
+            )
+        finally:
+            for w in workers:
+                w.close()
     try:
         pending = {w.address: w.stub.GetStatus.future(pb.GetStatusRequest(), timeout=args.timeout, metadata=metadata) for w in workers}
         statuses: dict[str, Any] = {}
@@ -277,36 +293,6 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     return tensors
 
 
-class ProgressBar:
-    """Plain-text progress on a stream: redrawn in place on a terminal, a few lines otherwise."""
-
-    def __init__(self, out: TextIO | None = None, width: int = 30) -> None:
-        self.out = out if out is not None else sys.stderr
-        self.width = width
-        self.tty = self.out.isatty()
-        self.start = time.monotonic()
-        self._last_decile = -1
-
-    def __call__(self, p: Any) -> None:
-        frac = p.bytes_done / p.bytes_total if p.bytes_total else 1.0
-        filled = int(frac * self.width)
-        elapsed = max(time.monotonic() - self.start, 1e-9)
-        text = (
-            f"[{'#' * filled}{'.' * (self.width - filled)}] {p.buckets_done}/{p.buckets_total} buckets  "
-            f"{human_bytes(p.bytes_done)}/{human_bytes(p.bytes_total)}  {p.bytes_done / elapsed / 1e9:.2f} GB/s"
-        )
-        if self.tty:
-            self.out.write("\r" + text)
-            if p.buckets_done == p.buckets_total:
-                self.out.write("\n")
-        else:
-            decile = int(frac * 10)
-            if decile != self._last_decile:
-                self._last_decile = decile
-                self.out.write(text + "\n")
-        self.out.flush()
-
-
 def results_table(results: Mapping[str, Any], manifests: Mapping[str, Any] | None = None) -> str:
     rows = []
     for addr, r in results.items():
@@ -329,13 +315,18 @@ def cmd_push(args: argparse.Namespace) -> int:
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     print(f"weightwire push: {len(tensors)} tensors ({human_bytes(total)}) from {args.checkpoint} -> "
           f"{len(args.addresses)} worker(s) as version {args.version}", file=sys.stderr)
+    from weightwire.client.progress import PushProgressBar
+
     try:
-        with _pusher(args, args.addresses, bucket_size_bytes=max(1, int(args.bucket_mb * _MB)), transport=args.transport) as pusher:
+        with (
+            _pusher(args, args.addresses, bucket_size_bytes=max(1, int(args.bucket_mb * _MB)), transport=args.transport) as pusher,
+            PushProgressBar(f"v{args.version}") as bar,
+        ):
             manifests = pusher.manifests()
             results = pusher.push(
                 tensors, version=args.version, scope="partial" if args.partial else "full",
                 allow_unowned=args.allow_unowned, verify_checksums=args.verify_checksums,
-                progress=None if args.no_progress else ProgressBar(),
+                progress=None if args.no_progress else bar,
             )
     except PlanError as e:
         return _fail(e)
