@@ -14,7 +14,7 @@ from weightwire.client.stream import WorkerStream
 from weightwire.client.types import PushResult
 from weightwire.core import transports as transport_names
 from weightwire.core.devices import DeviceRef
-from weightwire.core.errors import PushError, WeightwireError
+from weightwire.core.errors import PushError, Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -58,18 +58,16 @@ def collect_results(
         elif blame_laggards and a in laggards and (ours or err is None or err.code == "DEADLINE_EXCEEDED"):
             owed = len(s.sent_jobs) - len(s.acks)
             root[a] = WeightwireError(
-                "DEADLINE_EXCEEDED",
+                Reason.DEADLINE_EXCEEDED,
                 f"worker {name(a)}: did not answer within the deadline ({timeout_s:g} s): "
                 f"{owed} bucket(s) not acked (hung, stopped or overloaded); not committed",
-                code="DEADLINE_EXCEEDED",
                 worker=a,
             )
         elif blame_laggards and (ours or err is None or err.code == "DEADLINE_EXCEEDED"):
             cancelled[a] = WeightwireError(
-                "CANCELLED",
+                Reason.CANCELLED,
                 f"worker {name(a)}: update cancelled at the deadline while waiting for "
                 f"{', '.join(name(w) for w in laggards)}; not committed here (INCONSISTENT if it had loaded tensors)",
-                code="CANCELLED",
                 worker=a,
             )
         elif ours:
@@ -81,18 +79,16 @@ def collect_results(
             else:
                 why = f"at the {timeout_s:g} s deadline"
             cancelled[a] = WeightwireError(
-                "CANCELLED",
+                Reason.CANCELLED,
                 f"worker {name(a)}: update cancelled {why}; not committed here (INCONSISTENT if it had loaded tensors)",
-                code="CANCELLED",
                 worker=a,
             )
         elif err is not None:
             root[a] = _named(err, wid)
         else:
             root[a] = WeightwireError(
-                "DEADLINE_EXCEEDED",
+                Reason.DEADLINE_EXCEEDED,
                 f"worker {name(a)}: no result within {timeout_s:g} s (not committed)",
-                code="DEADLINE_EXCEEDED",
                 worker=a,
             )
     if root or cancelled:

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from weightwire.core.errors import PushError, WeightwireError
+from weightwire.core.errors import PushError, Reason, WeightwireError
 
 _MB = 1024 * 1024
 
@@ -232,7 +232,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             except grpc.RpcError as e:
                 statuses[addr] = error_from_rpc(e, worker=addr, context="GetStatus")
             except futures.CancelledError:
-                statuses[addr] = WeightwireError("CANCELLED", "cancelled", code="CANCELLED", worker=addr)
+                statuses[addr] = WeightwireError(Reason.CANCELLED, "cancelled", worker=addr)
     finally:
         for w in workers:
             w.close()

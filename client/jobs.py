@@ -29,6 +29,7 @@ from weightwire.client.routing import (
 from weightwire.client.staging import Job, Staging, StagingPool, flat_exporter_job, gathered_job, packer
 from weightwire.client.types import FlatBucket, GatheredBucket
 from weightwire.core.devices import DeviceRef
+from weightwire.core.errors import Reason
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -131,21 +132,21 @@ def gathered_jobs(
         for p in b.payloads:
             if isinstance(p, pb.Payload):
                 if p.size_bytes < size:
-                    raise PlanError("INVALID_SIZE", f"{where}: a payload labelled {label_str(p)} holds {p.size_bytes} bytes, the layout needs {size}", code="INVALID_ARGUMENT")
+                    raise PlanError(Reason.INVALID_SIZE, f"{where}: a payload labelled {label_str(p)} holds {p.size_bytes} bytes, the layout needs {size}")
                 fixed.append(p)
                 labels.append(DeviceRef(p.device.kind, p.device.uuid))
             else:
                 flat = flat_bytes(p, where)
                 if flat.numel() < size:
-                    raise PlanError("INVALID_SIZE", f"{where}: a local buffer holds {flat.numel()} bytes, the layout needs {size}", code="INVALID_ARGUMENT")
+                    raise PlanError(Reason.INVALID_SIZE, f"{where}: a local buffer holds {flat.numel()} bytes, the layout needs {size}")
                 exporter = staging.local_exporter(flat.device)
                 if exporter.label is None:
-                    raise PlanError("PAYLOAD_LABEL_MISSING", f"{where}: transport {exporter.name} cannot label a local payload", code="INVALID_ARGUMENT")
+                    raise PlanError(Reason.PAYLOAD_LABEL_MISSING, f"{where}: transport {exporter.name} cannot label a local payload")
                 local.append((exporter, flat))
                 labels.append(exporter.label)
         dupes = {str(lb) for lb in labels if labels.count(lb) > 1}
         if dupes:
-            raise PlanError("DUPLICATE_PAYLOAD_LABEL", f"{where}: more than one payload labelled {', '.join(sorted(dupes))}", code="INVALID_ARGUMENT")
+            raise PlanError(Reason.DUPLICATE_PAYLOAD_LABEL, f"{where}: more than one payload labelled {', '.join(sorted(dupes))}")
         if options.precheck_labels and recipients:
             check_labels({w: manifests[w] for w in recipients}, labels, where, options.allow_peer_device_import)
         if not recipients:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef, is_own_device
-from weightwire.core.errors import WeightwireError
+from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -122,12 +122,12 @@ def check_update(
     seen: set[str] = set()
     dupes = {s.name for s in pushed if s.name in seen or seen.add(s.name)}  # type: ignore[func-returns-value]
     if dupes:
-        raise PlanError("DUPLICATE_TENSOR", f"tensors pushed more than once in one update: {_listing(dupes)}", code="INVALID_ARGUMENT")
+        raise PlanError(Reason.DUPLICATE_TENSOR, f"tensors pushed more than once in one update: {_listing(dupes)}")
 
     owners = owners_by_name(manifests)
     unknown = [s.name for s in pushed if s.name not in owners]
     if unknown and not allow_unowned:
-        raise PlanError("UNKNOWN_TENSOR", _unknown_message(unknown, owners), code="INVALID_ARGUMENT", unknown=",".join(unknown[:100]))
+        raise PlanError(Reason.UNKNOWN_TENSOR, _unknown_message(unknown, owners), unknown=",".join(unknown[:100]))
 
     problems: list[tuple[str, str]] = []  # (kind, message)
     for spec in pushed:
@@ -149,11 +149,10 @@ def check_update(
     if problems:
         lines = [msg for _, msg in problems]
         raise PlanError(
-            "DTYPE_MISMATCH" if all(kind == "dtype" for kind, _ in problems) else "SHAPE_MISMATCH",
+            Reason.DTYPE_MISMATCH if all(kind == "dtype" for kind, _ in problems) else Reason.SHAPE_MISMATCH,
             f"{len(lines)} tensor(s) do not match what the workers expect (nothing was sent):\n  "
             + "\n  ".join(lines[:_LIST_LIMIT])
             + (f"\n  ... and {len(lines) - _LIST_LIMIT} more" if len(lines) > _LIST_LIMIT else ""),
-            code="FAILED_PRECONDITION",
         )
 
     if scope == pb.UPDATE_SCOPE_FULL:
@@ -167,10 +166,9 @@ def check_update(
                 for w, names in missing_by_worker.items()
             ]
             raise PlanError(
-                "INCOMPLETE_UPDATE",
+                Reason.INCOMPLETE_UPDATE,
                 f"a FULL update must carry every tensor each worker owns; {len(all_missing)} owned tensor(s) "
                 "are not pushed (push them, or use scope='partial'):\n  " + "\n  ".join(lines),
-                code="FAILED_PRECONDITION",
                 missing=",".join(all_missing[:200]),
             )
     return unknown
@@ -300,12 +298,11 @@ def check_flat_specs(specs: Sequence[TensorSpec], size_bytes: int, where: str) -
     """Every spec must lie inside the buffer and not overlap the next one (client-side, before sending)."""
     for spec in specs:
         if spec.offset_bytes < 0 or any(d < 0 for d in spec.shape):
-            raise PlanError("INVALID_OFFSET", f"{where}: {spec.name} has a negative offset or dimension", code="INVALID_ARGUMENT")
+            raise PlanError(Reason.INVALID_OFFSET, f"{where}: {spec.name} has a negative offset or dimension")
         if spec.offset_bytes + spec.nbytes > size_bytes:
             raise PlanError(
-                "TENSOR_OUT_OF_BOUNDS",
+                Reason.TENSOR_OUT_OF_BOUNDS,
                 f"{where}: {spec.name} ends at byte {spec.offset_bytes + spec.nbytes} but the buffer holds {size_bytes}",
-                code="INVALID_ARGUMENT",
             )
 
 

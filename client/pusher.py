@@ -45,7 +45,7 @@ from weightwire.client.session import CommitGate, SpecTemplates, UpdateSession
 from weightwire.client.staging import Staging
 from weightwire.client.stream import Connections
 from weightwire.client.types import FlatBucket, GatheredBucket, ProgressFn, PushProgress, PushResult, Scope
-from weightwire.core.errors import PushError
+from weightwire.core.errors import PushError, Reason
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -339,7 +339,7 @@ class WeightPusher:
             )
             return session.run()
         except PushError as e:
-            if any(err.reason == "MANIFEST_CHANGED" for err in e.failures.values()):
+            if any(err.kind is Reason.MANIFEST_CHANGED for err in e.failures.values()):
                 self._manifests = None
             raise
         finally:

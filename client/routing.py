@@ -16,6 +16,7 @@ from weightwire.client import plan as planning
 from weightwire.client.plan import PlanError, TensorSpec
 from weightwire.client.types import FlatBucket
 from weightwire.core.devices import DeviceRef, is_own_device
+from weightwire.core.errors import Reason
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -26,7 +27,7 @@ def label_str(p: pb.Payload) -> str:
 
 def flat_bytes(t: torch.Tensor, where: str) -> torch.Tensor:
     if not t.is_contiguous():
-        raise PlanError("INVALID_ARGUMENT", f"{where}: the flat buffer must be contiguous", code="INVALID_ARGUMENT")
+        raise PlanError(Reason.BUFFER_NOT_CONTIGUOUS, f"{where}: the flat buffer must be contiguous")
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -44,10 +45,9 @@ def check_transport_limit(exporter: exp.Exporter, sizes: Iterable[int]) -> None:
     biggest = max(sizes, default=0)
     if biggest > limit:
         raise PlanError(
-            "INVALID_SIZE",
+            Reason.INVALID_SIZE,
             f"a bucket of {biggest} bytes does not fit transport {exporter.name} (at most {limit} bytes per "
             "message); use host shared memory or CUDA IPC for tensors this large",
-            code="INVALID_ARGUMENT",
         )
 
 
@@ -59,10 +59,9 @@ def route_own_device(
     mine = {a: m for a, m in manifests.items() if is_own_device(exporter.label, m.device)}
     if not mine:
         raise PlanError(
-            "NO_PAYLOAD_FOR_DEVICE",
+            Reason.NO_PAYLOAD_FOR_DEVICE,
             f"no worker is on this process's device {exporter.label}; workers are on "
             + ", ".join(sorted({str(m.device) for m in manifests.values()})),
-            code="FAILED_PRECONDITION",
         )
     return mine
 
@@ -80,12 +79,11 @@ def check_labels(
         bad = {w: m for w, m in bad.items() if not (manifests[w].device.is_cuda and any(lb.is_cuda for lb in labels))}
     if bad:
         raise PlanError(
-            "NO_PAYLOAD_FOR_DEVICE",
+            Reason.NO_PAYLOAD_FOR_DEVICE,
             f"{where}: {len(bad)} worker(s) would get no payload for their own device (nothing was sent):\n  "
             + "\n  ".join(bad.values())
             + "\nGive each worker a payload from its own device (push_gathered), push from a process on "
             "that device, use transport='inline', or pass only_own_device=True to skip them.",
-            code="FAILED_PRECONDITION",
         )
 
 
@@ -101,12 +99,11 @@ def manifest_changes(
         st = statuses[a]
         if st.manifest_fingerprint != fingerprints[a] or (planned.instance_id and st.instance_id != planned.instance_id):
             changed[a] = PlanError(
-                "MANIFEST_CHANGED",
+                Reason.MANIFEST_CHANGED,
                 f"worker {planned.worker_id or a} changed since its manifest was read (instance "
                 f"{planned.instance_id or '?'} -> {st.instance_id or '?'}, fingerprint "
                 f"{fingerprints[a][:12]} -> {st.manifest_fingerprint[:12]}): it restarted or "
                 "changed layout. Nothing was sent; the next push re-reads the manifests (make it a FULL update).",
-                code="FAILED_PRECONDITION",
                 worker=a,
             )
     return changed

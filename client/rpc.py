@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from weightwire.core.errors import ERROR_DOMAIN, PushError, WeightwireError
+from weightwire.core.errors import ERROR_DOMAIN, PushError, Reason, WeightwireError
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 
 # The workers accept up to 64 MiB; leave room for the specs around an inline payload.
@@ -79,8 +79,9 @@ _FALLBACK_HINTS = {
 def error_from_rpc(err: grpc.RpcError, *, worker: str | None = None, context: str = "") -> WeightwireError:
     """The ``WeightwireError`` a failed call carries: code, ErrorInfo reason and metadata, message.
 
-    A status without an ErrorInfo (raised by gRPC itself: UNAVAILABLE, DEADLINE_EXCEEDED, ...) gets
-    the code name as its reason and a hint about what it usually means.
+    A status without an ErrorInfo (raised by gRPC itself: UNAVAILABLE, DEADLINE_EXCEEDED, ...), or
+    with an empty reason, gets the reason of its code (``Reason.for_code``) and a hint about what it
+    usually means.
     """
     code = err.code() if isinstance(err, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = (err.details() if isinstance(err, grpc.Call) else str(err)) or ""
@@ -96,7 +97,7 @@ def error_from_rpc(err: grpc.RpcError, *, worker: str | None = None, context: st
             if any_msg.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
                 info = error_details_pb2.ErrorInfo()
                 any_msg.Unpack(info)
-                if info.domain and info.domain != ERROR_DOMAIN:
+                if (info.domain and info.domain != ERROR_DOMAIN) or not info.reason:
                     continue
                 return WeightwireError(
                     info.reason, status.message or details, code=code.name, worker=worker, **dict(info.metadata)
@@ -107,4 +108,4 @@ def error_from_rpc(err: grpc.RpcError, *, worker: str | None = None, context: st
         message = f"{hint}: {details}" if details else hint
     if context:
         message = f"{context}: {message}"
-    return WeightwireError(code.name, message, code=code.name, worker=worker)
+    return WeightwireError(Reason.for_code(code.name), message, code=code.name, worker=worker)

@@ -20,6 +20,7 @@ from weightwire.client import plan as planning
 from weightwire.client.plan import PlanError, TensorSpec
 from weightwire.core import transports
 from weightwire.core.devices import DeviceRef
+from weightwire.core.errors import Reason
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 
@@ -147,13 +148,12 @@ class Staging:
         staged = exporter.wrap(raw)
         if staged is None or exporter.label is None:
             raise PlanError(
-                "HANDLE_MISSING",
+                Reason.HANDLE_MISSING,
                 "export_payload needs a buffer from WeightPusher.host_buffer (CPU) or a CUDA tensor",
-                code="INVALID_ARGUMENT",
             )
         if staged.base_offset_bytes:
             raise PlanError(
-                "INVALID_OFFSET", "export_payload needs a buffer that starts at its allocation's first byte", code="INVALID_ARGUMENT"
+                Reason.INVALID_OFFSET, "export_payload needs a buffer that starts at its allocation's first byte"
             )
         staged.ready()
         size = raw.numel() if size_bytes is None else int(size_bytes)
@@ -286,10 +286,9 @@ def gathered_job(
                 buf.ready()
                 if buf.base_offset_bytes:
                     raise PlanError(
-                        "INVALID_OFFSET",
+                        Reason.INVALID_OFFSET,
                         "a gathered local buffer must start at the beginning of its shared-memory buffer "
                         "(all payloads of a bucket share one layout)",
-                        code="INVALID_ARGUMENT",
                     )
                 payloads.append(exporter.export(buf, size, exporter.label))  # type: ignore[arg-type]
                 if verify and checksum is None:

@@ -18,7 +18,7 @@ from typing import Protocol
 import grpc
 from weightwire.client.readers import ReaderThreads
 from weightwire.client.rpc import Worker, error_from_rpc
-from weightwire.core.errors import WeightwireError
+from weightwire.core.errors import Reason, WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 
@@ -66,7 +66,7 @@ class WorkerStream:
     def start(self, *, reader: bool = True) -> None:
         with self._cv:
             if self.cancelled_by_us:  # another worker failed before this stream was opened
-                self.error = WeightwireError("CANCELLED", "not started", code="CANCELLED", worker=self.address)
+                self.error = WeightwireError(Reason.CANCELLED, "not started", worker=self.address)
                 self.done.set()
                 return
             self.call = self.worker.stub.PushWeights(
@@ -145,12 +145,12 @@ class WorkerStream:
                     self.result = resp.result
             if self.result is None:
                 self.error = WeightwireError(
-                    "MALFORMED_STREAM", "the worker ended the stream without an UpdateResult", code="UNKNOWN", worker=self.address
+                    Reason.RPC_FAILED, "the worker ended the stream without an UpdateResult", worker=self.address
                 )
         except grpc.RpcError as e:
             self.error = error_from_rpc(e, worker=self.address)
         except BaseException as e:  # a bug in a progress callback must not hang the update
-            self.error = WeightwireError("CLIENT_ERROR", f"{type(e).__name__}: {e}", code="INTERNAL", worker=self.address)
+            self.error = WeightwireError(Reason.INTERNAL, f"{type(e).__name__}: {e}", worker=self.address)
             if here and not isinstance(e, Exception):
                 raise  # KeyboardInterrupt and the like in the pushing thread: let it stop the push
         finally:

@@ -1,9 +1,10 @@
 """The one exception type of weightwire and the table from error reason to gRPC status code.
 
-Server code raises ``WeightwireError(Reason.X, message, **metadata)``; the servicer turns it into a
-status with one ``google.rpc.ErrorInfo`` (domain ``weightwire``). The client turns such a status back
-into a ``WeightwireError``. Status codes are carried as their names (``"FAILED_PRECONDITION"``) so
-this module does not import grpc.
+Server and client code raise ``WeightwireError(Reason.X, message, **metadata)``; the servicer turns
+it into a status with one ``google.rpc.ErrorInfo`` (domain ``weightwire``), and the client turns such
+a status back into a ``WeightwireError`` (a status without an ErrorInfo gets the reason named after
+its code, ``Reason.for_code``). Every error has a reason. Status codes are carried as their names
+(``"FAILED_PRECONDITION"``) so this module does not import grpc.
 """
 
 from __future__ import annotations
@@ -62,6 +63,14 @@ class Reason(enum.Enum):
     GROUP_STORE_UNREACHABLE = "UNAVAILABLE"
     TRANSFER_FAILED = "UNAVAILABLE"
     GROUP_TIMEOUT = "DEADLINE_EXCEEDED"
+    INTERNAL = "INTERNAL"
+    # What a client sees without a worker's ErrorInfo (CANCELLED also in a worker's last_error).
+    UNKNOWN_TENSOR = "INVALID_ARGUMENT"
+    BUFFER_NOT_CONTIGUOUS = "INVALID_ARGUMENT"
+    CANCELLED = "CANCELLED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    UNAVAILABLE = "UNAVAILABLE"
+    RPC_FAILED = "UNKNOWN"
 
     # Several members share a value; keep them distinct members (Enum would alias them).
     def __new__(cls, code: str) -> Reason:
@@ -74,12 +83,20 @@ class Reason(enum.Enum):
         """gRPC status code name, e.g. ``"FAILED_PRECONDITION"``."""
         return self.value[1]
 
+    @classmethod
+    def for_code(cls, code: str) -> Reason:
+        """The reason of a status that carried none (raised by gRPC itself, or an older worker's
+        cancellation): the one named after its code, else ``RPC_FAILED``."""
+        return _BY_CODE_NAME.get(code, Reason.RPC_FAILED)
+
 
 class WeightwireError(Exception):
     """An error with a reason, a message a person can act on, and machine-readable metadata.
 
-    ``code`` is the gRPC status code name. ``worker`` is set by the client when the error came
-    from a named worker.
+    ``code`` is the gRPC status code name (the reason's own code unless given, as when a status
+    is decoded). ``worker`` is set by the client when the error came from a named worker. A reason
+    given by name is the ``Reason`` member of that name; a name this version does not know (a newer
+    worker's) is kept as is with ``kind`` None; no name at all is the reason of ``code``.
     """
 
     def __init__(
@@ -91,9 +108,11 @@ class WeightwireError(Exception):
         worker: str | None = None,
         **metadata: str,
     ) -> None:
-        self.reason_name = reason.name if isinstance(reason, Reason) else str(reason)
-        known = Reason.__members__.get(self.reason_name)
-        self.code = code or (known.code if known else "UNKNOWN")
+        if not isinstance(reason, Reason):
+            reason = Reason.__members__.get(reason) or (Reason.for_code(code or "UNKNOWN") if not reason else reason)
+        self.kind: Reason | None = reason if isinstance(reason, Reason) else None
+        self.reason_name = reason.name if isinstance(reason, Reason) else reason
+        self.code = code or (self.kind.code if self.kind is not None else "UNKNOWN")
         self.message = message
         self.worker = worker
         self.metadata = {k: str(v) for k, v in metadata.items()}
@@ -106,6 +125,9 @@ class WeightwireError(Exception):
     def __str__(self) -> str:
         where = f"{self.worker}: " if self.worker else ""
         return f"{where}{self.code}/{self.reason_name}: {self.message}"
+
+
+_BY_CODE_NAME = {r.name: r for r in (Reason.CANCELLED, Reason.DEADLINE_EXCEEDED, Reason.UNAVAILABLE, Reason.INTERNAL)}
 
 
 class PushError(Exception):

@@ -40,15 +40,14 @@ def to_rpc_status(err: WeightwireError) -> grpc.Status:
     """gRPC status for ``err``: its code, its message and one ErrorInfo(reason, metadata)."""
     code = code_pb2.Code.Value(err.code) if err.code in code_pb2.Code.keys() else code_pb2.UNKNOWN
     status = status_pb2.Status(code=code, message=_clip(err.message, _MAX_MESSAGE_CHARS))
-    if err.reason:
-        info = error_details_pb2.ErrorInfo(
-            reason=err.reason,
-            domain=ERROR_DOMAIN,
-            metadata={k: _clip(v, _MAX_METADATA_VALUE_CHARS) for k, v in err.metadata.items()},
-        )
-        detail = any_pb2.Any()
-        detail.Pack(info)
-        status.details.append(detail)
+    info = error_details_pb2.ErrorInfo(
+        reason=err.reason,
+        domain=ERROR_DOMAIN,
+        metadata={k: _clip(v, _MAX_METADATA_VALUE_CHARS) for k, v in err.metadata.items()},
+    )
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status.details.append(detail)
     return rpc_status.to_status(status)
 
 
@@ -80,6 +79,14 @@ class WeightTransferServicer(pb_grpc.WeightTransferServiceServicer):
             yield from self.service.push(request_iterator, client_gone=client_gone)
         except WeightwireError as err:
             context.abort_with_status(to_rpc_status(err))
+        except Exception as e:
+            # A bug, or the request stream broke: the service has already ended the update (and
+            # recorded it for GetStatus); the client gets the same INTERNAL with an ErrorInfo
+            # instead of gRPC's bare UNKNOWN. A client that went away needs no answer.
+            if not context.is_active():
+                return
+            log.exception("push failed unexpectedly")
+            context.abort_with_status(to_rpc_status(WeightwireError(Reason.INTERNAL, f"internal error in the worker: {e!r}")))
 
 
 def _bearer(metadata: Any) -> str | None:

@@ -93,6 +93,11 @@ def test_error_reasons_match_proto() -> None:
         (Reason.GROUP_DUPLICATE_RANK, "FAILED_PRECONDITION"),
         (Reason.TRANSFER_FAILED, "UNAVAILABLE"),
         (Reason.GROUP_TIMEOUT, "DEADLINE_EXCEEDED"),
+        (Reason.INTERNAL, "INTERNAL"),
+        (Reason.UNKNOWN_TENSOR, "INVALID_ARGUMENT"),
+        (Reason.CANCELLED, "CANCELLED"),
+        (Reason.UNAVAILABLE, "UNAVAILABLE"),
+        (Reason.RPC_FAILED, "UNKNOWN"),
     ],
 )
 def test_reason_codes(reason: Reason, code: str) -> None:

@@ -27,6 +27,11 @@ if _version_not_supported:
 
 class WeightTransferServiceStub(object):
     """The engine-side service. One instance per engine worker process.
+    ErrorReason also lists the reasons a client raises itself, so that one list names every reason
+    a trainer can see: UNKNOWN_TENSOR and BUFFER_NOT_CONTIGUOUS (INVALID_ARGUMENT, found before
+    anything is sent); CANCELLED (a worker's update cancelled because another worker failed); and,
+    for a status gRPC produced without a weightwire ErrorInfo, UNAVAILABLE, DEADLINE_EXCEEDED,
+    CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code).
     """
 
     def __init__(self, channel):
@@ -64,6 +69,11 @@ class WeightTransferServiceStub(object):
 
 class WeightTransferServiceServicer(object):
     """The engine-side service. One instance per engine worker process.
+    ErrorReason also lists the reasons a client raises itself, so that one list names every reason
+    a trainer can see: UNKNOWN_TENSOR and BUFFER_NOT_CONTIGUOUS (INVALID_ARGUMENT, found before
+    anything is sent); CANCELLED (a worker's update cancelled because another worker failed); and,
+    for a status gRPC produced without a weightwire ErrorInfo, UNAVAILABLE, DEADLINE_EXCEEDED,
+    CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code).
     """
 
     def GetManifest(self, request, context):
@@ -99,9 +109,11 @@ class WeightTransferServiceServicer(object):
         died or did not send within the group's timeout; the worker has left the group).
         ABORTED: UPDATE_IN_PROGRESS (another push is running on this worker).
         DATA_LOSS: CHECKSUM_MISMATCH.
-        INTERNAL: LOAD_FAILED (the engine adapter raised while loading).
+        INTERNAL: LOAD_FAILED (the engine adapter raised while loading), INTERNAL (an unexpected
+        error in the worker; GetStatus.last_error records the same).
         UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
-        CANCELLED / DEADLINE_EXCEEDED: raised by gRPC when the client goes away or times out.
+        CANCELLED / DEADLINE_EXCEEDED: raised by gRPC when the client goes away or times out (no
+        ErrorInfo); GetStatus.last_error then records reason CANCELLED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -192,6 +204,11 @@ def add_WeightTransferServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class WeightTransferService(object):
     """The engine-side service. One instance per engine worker process.
+    ErrorReason also lists the reasons a client raises itself, so that one list names every reason
+    a trainer can see: UNKNOWN_TENSOR and BUFFER_NOT_CONTIGUOUS (INVALID_ARGUMENT, found before
+    anything is sent); CANCELLED (a worker's update cancelled because another worker failed); and,
+    for a status gRPC produced without a weightwire ErrorInfo, UNAVAILABLE, DEADLINE_EXCEEDED,
+    CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code).
     """
 
     @staticmethod

@@ -42,7 +42,13 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class WeightTransferServiceStub:
-    """The engine-side service. One instance per engine worker process."""
+    """The engine-side service. One instance per engine worker process.
+    ErrorReason also lists the reasons a client raises itself, so that one list names every reason
+    a trainer can see: UNKNOWN_TENSOR and BUFFER_NOT_CONTIGUOUS (INVALID_ARGUMENT, found before
+    anything is sent); CANCELLED (a worker's update cancelled because another worker failed); and,
+    for a status gRPC produced without a weightwire ErrorInfo, UNAVAILABLE, DEADLINE_EXCEEDED,
+    CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code).
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
@@ -77,9 +83,11 @@ class WeightTransferServiceStub:
         died or did not send within the group's timeout; the worker has left the group).
       ABORTED: UPDATE_IN_PROGRESS (another push is running on this worker).
       DATA_LOSS: CHECKSUM_MISMATCH.
-      INTERNAL: LOAD_FAILED (the engine adapter raised while loading).
+      INTERNAL: LOAD_FAILED (the engine adapter raised while loading), INTERNAL (an unexpected
+        error in the worker; GetStatus.last_error records the same).
       UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
-      CANCELLED / DEADLINE_EXCEEDED: raised by gRPC when the client goes away or times out.
+      CANCELLED / DEADLINE_EXCEEDED: raised by gRPC when the client goes away or times out (no
+        ErrorInfo); GetStatus.last_error then records reason CANCELLED.
     """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_weight_transfer_pb2.GetStatusRequest, _weight_transfer_pb2.GetStatusResponse]
     """Weights version, state (CONSISTENT / UPDATING / INCONSISTENT), last result and last error.
@@ -119,7 +127,13 @@ class WeightTransferServiceStub:
 
 @_typing.type_check_only
 class WeightTransferServiceAsyncStub(WeightTransferServiceStub):
-    """The engine-side service. One instance per engine worker process."""
+    """The engine-side service. One instance per engine worker process.
+    ErrorReason also lists the reasons a client raises itself, so that one list names every reason
+    a trainer can see: UNKNOWN_TENSOR and BUFFER_NOT_CONTIGUOUS (INVALID_ARGUMENT, found before
+    anything is sent); CANCELLED (a worker's update cancelled because another worker failed); and,
+    for a status gRPC produced without a weightwire ErrorInfo, UNAVAILABLE, DEADLINE_EXCEEDED,
+    CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code).
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetManifest: _aio.UnaryUnaryMultiCallable[_weight_transfer_pb2.GetManifestRequest, _weight_transfer_pb2.GetManifestResponse]  # type: ignore[assignment]
@@ -151,9 +165,11 @@ class WeightTransferServiceAsyncStub(WeightTransferServiceStub):
         died or did not send within the group's timeout; the worker has left the group).
       ABORTED: UPDATE_IN_PROGRESS (another push is running on this worker).
       DATA_LOSS: CHECKSUM_MISMATCH.
-      INTERNAL: LOAD_FAILED (the engine adapter raised while loading).
+      INTERNAL: LOAD_FAILED (the engine adapter raised while loading), INTERNAL (an unexpected
+        error in the worker; GetStatus.last_error records the same).
       UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
-      CANCELLED / DEADLINE_EXCEEDED: raised by gRPC when the client goes away or times out.
+      CANCELLED / DEADLINE_EXCEEDED: raised by gRPC when the client goes away or times out (no
+        ErrorInfo); GetStatus.last_error then records reason CANCELLED.
     """
     GetStatus: _aio.UnaryUnaryMultiCallable[_weight_transfer_pb2.GetStatusRequest, _weight_transfer_pb2.GetStatusResponse]  # type: ignore[assignment]
     """Weights version, state (CONSISTENT / UPDATING / INCONSISTENT), last result and last error.
@@ -192,7 +208,13 @@ class WeightTransferServiceAsyncStub(WeightTransferServiceStub):
     """
 
 class WeightTransferServiceServicer(metaclass=_abc_1.ABCMeta):
-    """The engine-side service. One instance per engine worker process."""
+    """The engine-side service. One instance per engine worker process.
+    ErrorReason also lists the reasons a client raises itself, so that one list names every reason
+    a trainer can see: UNKNOWN_TENSOR and BUFFER_NOT_CONTIGUOUS (INVALID_ARGUMENT, found before
+    anything is sent); CANCELLED (a worker's update cancelled because another worker failed); and,
+    for a status gRPC produced without a weightwire ErrorInfo, UNAVAILABLE, DEADLINE_EXCEEDED,
+    CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code).
+    """
 
     @_abc_1.abstractmethod
     def GetManifest(
@@ -234,9 +256,11 @@ class WeightTransferServiceServicer(metaclass=_abc_1.ABCMeta):
             died or did not send within the group's timeout; the worker has left the group).
           ABORTED: UPDATE_IN_PROGRESS (another push is running on this worker).
           DATA_LOSS: CHECKSUM_MISMATCH.
-          INTERNAL: LOAD_FAILED (the engine adapter raised while loading).
+          INTERNAL: LOAD_FAILED (the engine adapter raised while loading), INTERNAL (an unexpected
+            error in the worker; GetStatus.last_error records the same).
           UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
-          CANCELLED / DEADLINE_EXCEEDED: raised by gRPC when the client goes away or times out.
+          CANCELLED / DEADLINE_EXCEEDED: raised by gRPC when the client goes away or times out (no
+            ErrorInfo); GetStatus.last_error then records reason CANCELLED.
         """
 
     @_abc_1.abstractmethod
