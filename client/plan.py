@@ -152,7 +152,13 @@ def check_update(
             Reason.DTYPE_MISMATCH if all(kind == "dtype" for kind, _ in problems) else Reason.SHAPE_MISMATCH,
             f"{len(lines)} tensor(s) do not match what the workers expect (nothing was sent):\n  "
             + "\n  ".join(lines[:_LIST_LIMIT])
-            + (f"\n  ... and {len(lines) - _LIST_LIMIT} more" if len(lines) > _LIST_LIMIT else ""),
+            + (f"\n  ... and {len(lines) - _LIST_LIMIT} more" if len(lines) > _LIST_LIMIT else "")
+            + (
+                "\nA dtype is never converted silently: to convert on the way (e.g. fp32 master weights into a "
+                "bf16 engine) pass cast_to=torch.bfloat16 (or a {from: to} map) to push."
+                if any(kind == "dtype" for kind, _ in problems)
+                else ""
+            ),
         )
 
     if scope == pb.UPDATE_SCOPE_FULL:

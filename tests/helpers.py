@@ -71,9 +71,12 @@ def serve_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "weightwire.client.cli", "serve", *args]
 
 
-def spawn_worker(*args: str, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> WorkerProcess:
-    """Start ``weightwire serve ARGS`` and wait for its ``listening`` line (raises if it dies first)."""
-    cmd = serve_command(*args)
+def spawn_worker(
+    *args: str, timeout: float = 60.0, env: Mapping[str, str] | None = None, command: Sequence[str] | None = None
+) -> WorkerProcess:
+    """Start ``weightwire serve ARGS`` (or ``command``: a test's own worker script that prints the same
+    ``listening`` line) and wait for its ``listening`` line (raises if it dies first)."""
+    cmd = list(command) if command is not None else serve_command(*args)
     proc_env = dict(os.environ)
     proc_env.setdefault("PYTHONUNBUFFERED", "1")
     if env:
