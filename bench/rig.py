@@ -167,9 +167,9 @@ def flat_buckets(flat: torch.Tensor, specs: list[TensorSpec], bucket_bytes: int 
 
 
 def parse_size(text: str) -> int:
-    """``64MiB``, ``1GiB``, ``256m``, or plain bytes."""
+    """``64KiB``, ``64MiB``, ``1GiB``, ``256m``, or plain bytes."""
     t = text.strip().lower()
-    for suffix, mult in (("gib", GiB), ("mib", MiB), ("g", GiB), ("m", MiB)):
+    for suffix, mult in (("gib", GiB), ("mib", MiB), ("kib", 1024), ("g", GiB), ("m", MiB), ("k", 1024)):
         if t.endswith(suffix):
             return int(float(t[: -len(suffix)]) * mult)
     return int(t)

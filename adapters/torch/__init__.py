@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -19,7 +19,33 @@ from weightwire.core.devices import DeviceRef, device_ref_of
 from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest, transports_for
 from weightwire.core.topology import pp_layer_span, stage_owns, tp_slice_bounds
 
-__all__ = ["TPRule", "TorchAdapter", "default_worker_id", "shard_tensor", "tp_split_dim"]
+__all__ = [
+    "DEFAULT_GROUP_COPY_MAX_BYTES",
+    "TPRule",
+    "TorchAdapter",
+    "default_worker_id",
+    "shard_tensor",
+    "tp_split_dim",
+]
+
+# Parameters of at most this many bytes are copied together, in one grouped launch per bucket
+# (``torch._foreach_copy_``); larger ones get one ``copy_`` each. A copy launch costs the host a few
+# microseconds whatever its size, so a model's hundreds of norms and biases cost more in launches
+# than in bytes; but a grouped copy moves large tensors slower than plain copies do (11.8 vs 9.0 ms
+# for Qwen3-8B's 15 GiB on an H200), so large ones stay separate. The value is measured
+# (bench/copy_group.py, BENCHMARKS.md "Worker copy").
+DEFAULT_GROUP_COPY_MAX_BYTES = 16 << 20
+
+GroupCopy = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
+
+
+def _copy_each(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
+
+
+# ``torch._foreach_copy_`` (torch >= 2.2); copying one by one does the same where it is missing.
+_GROUP_COPY: GroupCopy = getattr(torch, "_foreach_copy_", None) or _copy_each
 
 
 class TPRule(NamedTuple):
@@ -44,6 +70,19 @@ def shard_tensor(name: str, full: torch.Tensor, rank: ParallelRank, rules: Seque
         return full
     start, end = tp_slice_bounds(full.shape[dim], rank.tp_rank, rank.tp_size)
     return full.narrow(dim, start, end - start)
+
+
+class _LoadPlan(NamedTuple):
+    """How one parameter is loaded, worked out once at construction: the parameter, the split
+    dimension (None: replicated) with its full size and this rank's start and length, and whether
+    it is small enough to be copied in the bucket's grouped launch."""
+
+    param: torch.nn.Parameter
+    dim: int | None
+    full_size: int
+    start: int
+    length: int
+    grouped: bool
 
 
 def default_worker_id(rank: ParallelRank) -> str:
@@ -71,7 +110,10 @@ class TorchAdapter:
         num_layers: int = 0,
         engine: str = "torch",
         worker_id: str | None = None,
+        group_copy_max_bytes: int = DEFAULT_GROUP_COPY_MAX_BYTES,
     ) -> None:
+        if group_copy_max_bytes < 0:
+            raise ValueError(f"group_copy_max_bytes must be >= 0 (0: no grouped copies), got {group_copy_max_bytes}")
         self.module = module
         self.rank = rank
         self.device = torch.device(device)
@@ -82,10 +124,10 @@ class TorchAdapter:
         self.worker_id = worker_id or default_worker_id(rank)
         self.instance_id = uuid.uuid4().hex
         self.span = pp_layer_span(num_layers, rank.pp_rank, rank.pp_size) if num_layers > 0 else None
+        self.group_copy_max_bytes = group_copy_max_bytes
         self._params: dict[str, torch.nn.Parameter] = {}
-        # Each parameter's slicing plan, worked out once: (parameter, split dim or None, full size of
-        # that dim, start, length). Loading then does no name matching per tensor.
-        self._plans: dict[str, tuple[torch.nn.Parameter, int | None, int, int, int]] = {}
+        # Each parameter's load plan, worked out once, so loading does no name matching per tensor.
+        self._plans: dict[str, _LoadPlan] = {}
         owned: list[OwnedTensor] = []
         for name, param in module.named_parameters():
             if self.span is not None and not stage_owns(name, self.span, rank.pp_rank, rank.pp_size):
@@ -94,11 +136,12 @@ class TorchAdapter:
             full_shape = self._full_shape(name, param)
             owned.append(OwnedTensor(name, dtypes.from_torch(param.dtype), full_shape))
             dim = tp_split_dim(name, self.tp_rules) if rank.tp_size > 1 else None
+            grouped = param.numel() * param.element_size() <= group_copy_max_bytes
             if dim is None:
-                self._plans[name] = (param, None, 0, 0, 0)
+                self._plans[name] = _LoadPlan(param, None, 0, 0, 0, grouped)
             else:
                 start, end = tp_slice_bounds(full_shape[dim], rank.tp_rank, rank.tp_size)
-                self._plans[name] = (param, dim, full_shape[dim], start, end - start)
+                self._plans[name] = _LoadPlan(param, dim, full_shape[dim], start, end - start, grouped)
         self._manifest = ShardManifest.build(
             self.own_device,
             rank,
@@ -128,24 +171,40 @@ class TorchAdapter:
         pass
 
     def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Copy each tensor's slice into its parameter; every shape is checked before anything is
+        written. Small parameters are copied in one grouped launch, large ones one by one, all on
+        the current stream; returns once the copies finished on the device."""
+        grouped_dst: list[torch.Tensor] = []
+        grouped_src: list[torch.Tensor] = []
+        each: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, full in named_tensors:
+            # The same slice shard_tensor takes, from the plan made at construction.
+            plan = self._plans[name]
+            param = plan.param
+            if plan.dim is None:
+                part = full
+            elif full.dim() > plan.dim and full.shape[plan.dim] == plan.full_size:
+                part = full.narrow(plan.dim, plan.start, plan.length)
+            else:  # not the manifest's shape (a direct caller): slice as shard_tensor does
+                part = shard_tensor(name, full, self.rank, self.tp_rules)
+            if part.shape != param.shape:
+                raise ValueError(
+                    f"{name}: slice of shape {tuple(part.shape)} does not fit parameter of shape {tuple(param.shape)}"
+                )
+            if plan.grouped and part.dtype == param.dtype and part.device == param.device:
+                grouped_dst.append(param)
+                grouped_src.append(part)
+            else:
+                each.append((param, part))
         with torch.no_grad():
-            for name, full in named_tensors:
-                # The same slice shard_tensor takes, from the plan made at construction.
-                param, dim, full_size, start, length = self._plans[name]
-                if dim is None:
-                    part = full
-                elif full.dim() > dim and full.shape[dim] == full_size:
-                    part = full.narrow(dim, start, length)
-                else:  # not the manifest's shape (a direct caller): slice as shard_tensor does
-                    part = shard_tensor(name, full, self.rank, self.tp_rules)
-                if part.shape != param.shape:
-                    raise ValueError(
-                        f"{name}: slice of shape {tuple(part.shape)} does not fit parameter of shape {tuple(param.shape)}"
-                    )
-                param.copy_(part, non_blocking=False)
+            for dst, part in each:
+                dst.copy_(part)
+            if grouped_dst:
+                _GROUP_COPY(grouped_dst, grouped_src)
         if self.device.type == "cuda":
-            # The service acks right after load returns; the sender may then reuse its buffer.
-            torch.cuda.synchronize(self.device)
+            # The service acks right after load returns; the sender may then reuse its buffer. Every
+            # copy above ran on (or, across GPUs, was joined back into) this device's current stream.
+            torch.cuda.current_stream(self.device).synchronize()
 
     def end_update(self, success: bool) -> None:
         pass

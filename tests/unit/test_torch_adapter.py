@@ -160,3 +160,39 @@ def test_generic_module_replicated_and_split() -> None:
     adapter.load([("a.weight", full_a), ("b", torch.ones(5))])
     assert torch.equal(adapter.module.a.weight, full_a[3:])
     assert torch.equal(adapter.module.b, torch.ones(5))
+
+
+@pytest.mark.parametrize("group_copy_max_bytes", [0, 1024, 1 << 30], ids=["each", "mixed", "all-grouped"])
+@pytest.mark.parametrize("rank", [ParallelRank(), ParallelRank(tp_rank=1, tp_size=2)], ids=str)
+def test_grouped_and_single_copies_load_the_same_bytes(group_copy_max_bytes: int, rank: ParallelRank) -> None:
+    # 0: every parameter copied on its own; 1 KiB: norms grouped, matrices single (on the demo
+    # model both kinds occur, and TP slices are non-contiguous views); 1 GiB: everything grouped.
+    model = build_demo_model(CONFIG, rank, "cpu", 0)
+    adapter = TorchAdapter(
+        model, rank=rank, device=torch.device("cpu"), own_device=HOST, tp_rules=DEMO_TP_RULES,
+        num_layers=CONFIG.num_layers, group_copy_max_bytes=group_copy_max_bytes,
+    )
+    plans = adapter._plans.values()
+    assert any(p.grouped for p in plans) == (group_copy_max_bytes > 0)
+    assert all(p.grouped for p in plans) == (group_copy_max_bytes >= 1 << 30)
+    full = full_checkpoint(CONFIG, 11)
+    adapter.load(list(full.items()))
+    for name, t in expected_shard(full, rank, CONFIG).items():
+        assert torch.equal(adapter.state()[name], t), name
+
+
+def test_a_misfit_tensor_writes_nothing() -> None:
+    # Shapes are checked before any copy, grouped or not: a bad last tensor leaves the first as it was.
+    adapter = adapter_for(ParallelRank())
+    before = adapter.state()["model.norm.weight"].clone()
+    with pytest.raises(ValueError, match="does not fit"):
+        adapter.load([
+            ("model.norm.weight", torch.full_like(before, 3.0)),
+            ("model.embed_tokens.weight", torch.zeros(3)),
+        ])
+    assert torch.equal(adapter.state()["model.norm.weight"], before)
+
+
+def test_negative_group_copy_bound_is_refused() -> None:
+    with pytest.raises(ValueError, match="group_copy_max_bytes"):
+        TorchAdapter(torch.nn.Linear(2, 2), rank=ParallelRank(), device=torch.device("cpu"), own_device=HOST, group_copy_max_bytes=-1)
