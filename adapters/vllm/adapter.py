@@ -1,0 +1,288 @@
+"""``EngineAdapter`` for one vLLM worker: its manifest from the real model, loads through vLLM's
+layerwise reload.
+
+The worker service calls ``begin_update`` / ``load`` / ``end_update`` on its gRPC thread.
+
+When an update may run. vLLM's own weight-transfer API brackets every update with
+``start_weight_update()`` and ``finish_weight_update(weight_version=...)``, and asks the trainer to
+pause generation around them. The backend (``weightwire.adapters.vllm.backend``) turns those two
+calls into an update window on every worker; a push outside the window is refused with
+ENGINE_NOT_PAUSED before anything is touched, and ``finish_weight_update`` waits for a push still
+running. Inside the window the ``ForwardGate`` keeps forward passes and writes of this worker apart
+(a forward waits for the write, a write for a running forward), so even an engine that was not
+paused never runs a forward on a half-written or meta-device parameter.
+
+How tensors are loaded. vLLM's layerwise reload (``vllm.model_executor.model_loader.reload``) is
+what refreshes kernel-layout weights (repacked on CPU, quantized kernels on GPU): a layer is put
+back into model format on the meta device, the model's own ``load_weights`` buffers each incoming
+tensor through the layer's weight loaders, and once every tensor of the layer has arrived the layer
+is materialised, loaded, post-processed and copied into the kernel tensors that the forward pass
+reads. A bare ``load_weights`` after start-up writes into the placeholders and changes nothing (or
+fails). Here each vLLM layer that an update touches is opened for reload when its first tensor
+arrives and finalized when the update ends, so all chunks of one update land in one reload
+session, and layers the update does not touch are left alone (a PARTIAL update of ``lm_head``
+reloads only ``lm_head``).
+
+Fused layers must arrive whole. vLLM processes a layer only when all of it is loaded; a layer with
+some of its tensors missing at the end would be materialised with the rest uninitialised. So a
+committed update must deliver every checkpoint tensor of each layer it touches (q/k/v weights and
+biases of one ``qkv_proj``, gate and up of one ``gate_up_proj``); otherwise the commit fails, those
+layers keep their old weights, and the worker reports INCONSISTENT if other layers were written.
+
+Tensors that wait. vLLM buffers a tensor until its layer is complete, but the service's views into
+the sender's buffer are valid only during ``load``; a tensor whose layer does not complete within
+the same ``load`` call (a layer split across two buckets) is copied first. Every tensor must be
+consumed: ``load_weights`` returns the parameters it loaded, and one that did not reach its layer
+is LOAD_FAILED by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from weightwire.adapters.endpoints import worker_id as default_worker_id
+from weightwire.adapters.vllm.forward_gate import ForwardGate
+from weightwire.adapters.vllm.manifest import ModelLayout, model_layout
+from weightwire.core import dtypes
+from weightwire.core.devices import DeviceRef, device_ref_of
+from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest, transports_for
+
+# Under "vllm." so that vLLM's own log configuration prints it in every worker process.
+log = logging.getLogger("vllm.weightwire")
+
+_NOT_IN_WINDOW = (
+    "vLLM has no weight update open on this worker: call start_weight_update() first (LLM.start_weight_update(), "
+    "or POST /start_weight_update after POST /pause), push, then finish_weight_update(weight_version=...)"
+)
+
+
+class VLLMAdapter:
+    """Publishes what one vLLM worker consumes and loads pushed tensors through vLLM's reload."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        vllm_config: Any,
+        *,
+        rank: ParallelRank,
+        device: torch.device,
+        own_device: DeviceRef | None = None,
+        worker_id: str | None = None,
+        forward_wait_s: float = 30.0,
+    ) -> None:
+        self.model = model
+        self.vllm_config = vllm_config
+        self.rank = rank
+        self.device = torch.device(device)
+        self.own_device = own_device if own_device is not None else device_ref_of(self.device)
+        self.worker_id = worker_id or default_worker_id(rank)
+        self.forward_wait_s = forward_wait_s
+        self.layout: ModelLayout = model_layout(model, vllm_config.model_config.hf_config)
+        modules = dict(model.named_modules())
+        self._layers = {name: modules[name] for name in self.layout.names_by_layer}
+        self.gate = ForwardGate()
+        self._remove_hooks = self.gate.install(model)
+        self._manifest = ShardManifest.build(
+            self.own_device,
+            rank,
+            (OwnedTensor(t.name, dtypes.from_torch(t.dtype), t.shape) for t in self.layout.targets.values()),
+            layer_start=self.layout.layer_start,
+            layer_end=self.layout.layer_end,
+            num_layers=self.layout.num_layers,
+            engine="vllm",
+            worker_id=self.worker_id,
+            transports=transports_for(self.own_device),
+            instance_id=uuid.uuid4().hex,
+        )
+        # Window and update state, shared by the worker's main thread (window) and the gRPC thread.
+        self._cond = threading.Condition()
+        self._window_open = False
+        self._closing = False
+        self._update_version: int | None = None
+        self.committed_version: int | None = None
+        # Per update, gRPC thread only: layers opened for reload -> checkpoint names still missing.
+        self._open_layers: dict[str, set[str]] = {}
+        self._writing = False
+
+    # --- the update window (vLLM's start/finish_weight_update, on the worker's main thread) ----
+
+    def open_window(self) -> None:
+        with self._cond:
+            self._window_open, self._closing = True, False
+
+    def close_window(self, timeout_s: float) -> None:
+        """Refuse new updates, wait up to ``timeout_s`` for a running one, then close the window."""
+        with self._cond:
+            self._closing = True
+            if not self._cond.wait_for(lambda: self._update_version is None, timeout=timeout_s):
+                self._closing = False
+                raise RuntimeError(
+                    f"weightwire {self.worker_id}: update {self._update_version} is still running after "
+                    f"{timeout_s:g} s; call finish_weight_update again once the push returned"
+                )
+            self._window_open, self._closing = False, False
+
+    @property
+    def window_open(self) -> bool:
+        return self._window_open
+
+    def close(self) -> None:
+        """Remove the forward hooks (worker shutdown)."""
+        self._remove_hooks()
+
+    # --- EngineAdapter -------------------------------------------------------------------------
+
+    def manifest(self) -> ShardManifest:
+        return self._manifest
+
+    def begin_update(self, version: int) -> None:
+        with self._cond:
+            if not self._window_open or self._closing:
+                what = "vLLM is finishing its weight update on this worker" if self._closing else _NOT_IN_WINDOW
+                raise WeightwireError(Reason.ENGINE_NOT_PAUSED, f"{self.worker_id}: cannot begin update {version}: {what}")
+            self._update_version = version
+        self._open_layers = {}
+
+    def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            self._check_tensor(name, tensor)
+        if not named_tensors:
+            return
+        if not self._writing:
+            if not self.gate.begin_write(self.forward_wait_s):
+                raise WeightwireError(
+                    Reason.ENGINE_NOT_PAUSED,
+                    f"{self.worker_id}: a forward pass has run for over {self.forward_wait_s:g} s on this worker; "
+                    "pause generation (POST /pause, or no LLM.generate in flight) before pushing",
+                )
+            self._writing = True
+            self._synchronize()  # kernels of the last forward may still read the weights
+        # A tensor stays in vLLM's reload buffers until its layer is complete; views into the
+        # sender's buffer die when this call returns, so tensors of layers that stay open are copied.
+        arriving: dict[str, set[str]] = {}
+        for name, _ in named_tensors:
+            arriving.setdefault(self.layout.targets[name].layer_name, set()).add(name)
+        stays_open = {
+            layer for layer, names in arriving.items()
+            if self._open_layers.get(layer, self.layout.names_by_layer[layer]) - names
+        }
+        with self._vllm_context():
+            for name, tensor in named_tensors:
+                layer = self.layout.targets[name].layer_name
+                self._load_one(name, tensor.clone() if layer in stays_open else tensor)
+        self._synchronize()  # the service acks when we return; the sender may then reuse its buffer
+
+    def end_update(self, success: bool) -> None:
+        if self._update_version is None:
+            return  # begin was refused, or this update already ended
+        version = self._update_version
+        try:
+            incomplete = {layer: missing for layer, missing in self._open_layers.items() if missing}
+            if incomplete:
+                self._restore(incomplete, why="committed without them" if success else f"update {version} failed")
+            self._finalize()
+            if success and incomplete:
+                raise WeightwireError(
+                    Reason.INCOMPLETE_UPDATE,
+                    f"{self.worker_id}: vLLM reloads a layer only whole, and update {version} left "
+                    + "; ".join(f"{layer} without {', '.join(sorted(m))}" for layer, m in sorted(incomplete.items()))
+                    + " (those layers keep their old weights); send every checkpoint tensor of a fused layer "
+                    "(q/k/v, gate/up, their biases) in the same update",
+                )
+            if success:
+                self.committed_version = version
+        finally:
+            self._open_layers = {}
+            if self._writing:
+                self._writing = False
+                self.gate.end_write()
+            with self._cond:
+                self._update_version = None
+                self._cond.notify_all()
+
+    # --- internals -----------------------------------------------------------------------------
+
+    @contextmanager
+    def _vllm_context(self) -> Iterator[None]:
+        from vllm.config import set_current_vllm_config
+
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            yield
+
+    def _check_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        target = self.layout.targets.get(name)
+        if target is None:
+            # The service filters by manifest already; anything else reaching here is a bug upstream.
+            raise WeightwireError(
+                Reason.LOAD_FAILED, f"{self.worker_id}: {name!r} is not in this worker's manifest; refusing to load it"
+            )
+        if tensor.dtype != target.dtype:
+            raise WeightwireError(
+                Reason.DTYPE_MISMATCH, f"{name}: got {tensor.dtype}, this worker expects {target.dtype}", tensor=name
+            )
+        if tuple(tensor.shape) != target.shape:
+            raise WeightwireError(
+                Reason.SHAPE_MISMATCH,
+                f"{name}: got shape {tuple(tensor.shape)}, this worker expects the full checkpoint shape {target.shape}",
+                tensor=name,
+            )
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        target = self.layout.targets[name]
+        module = self._layers[target.layer_name]
+        missing = self._open_layers.get(target.layer_name)
+        if missing is None:
+            initialize_layerwise_reload(module)
+            missing = self._open_layers[target.layer_name] = set(self.layout.names_by_layer[target.layer_name])
+        info = get_layerwise_info(module)
+        buffered_before = len(info.loaded_weights)
+        loaded = self.model.load_weights([(name, tensor)])  # type: ignore[operator]
+        reached = (not info.can_load()) or len(info.loaded_weights) > buffered_before
+        if not reached or (isinstance(loaded, set) and target.param_name not in loaded):
+            raise WeightwireError(
+                Reason.LOAD_FAILED,
+                f"{self.worker_id}: vLLM's load_weights did not consume {name}: it should fill {target.param_name}"
+                + (f" (shard {target.shard_id!r})" if target.shard_id is not None else "")
+                + f", it reported loading {sorted(loaded) if isinstance(loaded, set) else 'nothing it could name'}",
+                tensor=name,
+            )
+        missing.discard(name)
+
+    def _restore(self, layers: dict[str, set[str]], *, why: str) -> None:
+        """Drop what vLLM buffered for these layers, so finalizing puts their old kernel tensors back."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        for layer in layers:
+            info = get_layerwise_info(self._layers[layer])
+            info.loaded_weights = []
+            info.load_numel = 0
+        log.warning(
+            "weightwire %s: keeping the old weights of %d layer(s) that did not receive all their tensors (%s): %s",
+            self.worker_id, len(layers), why, ", ".join(sorted(layers)),
+        )
+
+    def _finalize(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if not self._open_layers:
+            return
+        with self._vllm_context():
+            for layer in self._open_layers:
+                finalize_layerwise_reload(self._layers[layer], self.vllm_config.model_config)
+        self._synchronize()
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,167 @@
+"""vLLM weight-transfer backend ``weightwire``: a weightwire worker service inside every vLLM worker.
+
+vLLM builds the configured weight-transfer engine in each worker process right after the model is
+loaded (``Worker.load_model``, when ``LLM(weight_transfer_config=WeightTransferConfig(backend=
+"weightwire"))`` or ``vllm serve --weight-transfer-config '{"backend": "weightwire"}'``). The plugin
+(``weightwire.adapters.vllm.plugin``) registers this class under that name in every vLLM process.
+Building it starts the rank's worker service at the address its ranks give (``settings.py``); an
+exception here leaves ``load_model``, so an engine that asked for weightwire does not start without it.
+
+vLLM's weight-transfer calls map to weightwire as follows; the trainer pushes the bytes itself with
+``weightwire.client.WeightPusher``, straight into the workers:
+
+- ``init_weight_transfer_engine`` (optional): nothing to rendezvous; accepts an empty ``init_info``.
+- ``start_weight_update``: opens the update window on this worker (pushes outside it are refused
+  with ENGINE_NOT_PAUSED).
+- ``update_weights``: not used; weightwire's bytes never travel through vLLM's RPC. Refused with a
+  message saying so.
+- ``finish_weight_update``: waits for a push still running, closes the window. With
+  ``weight_version=...`` vLLM then records the version for its outputs.
+- ``shutdown``: stops the worker service.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from weightwire.adapters.endpoints import prepare_socket, worker_id
+from weightwire.adapters.vllm.adapter import VLLMAdapter
+from weightwire.adapters.vllm.settings import ENV_BASE_PORT, ENV_SOCKET_DIR, Settings
+from weightwire.core.devices import device_ref_of
+from weightwire.core.manifest import ParallelRank
+
+# Under "vllm." so that vLLM's own log configuration prints it in every worker process.
+log = logging.getLogger("vllm.weightwire")
+
+
+@dataclasses.dataclass
+class WeightwireInitInfo(WeightTransferInitInfo):
+    """No fields: the trainer connects to each worker over gRPC, nothing is set up through vLLM."""
+
+
+@dataclasses.dataclass
+class WeightwireUpdateInfo(WeightTransferUpdateInfo):
+    """No fields: ``update_weights`` is not used with this backend."""
+
+
+class WeightwireWeightTransferEngine(WeightTransferEngine[WeightwireInitInfo, WeightwireUpdateInfo]):
+    """Serves one vLLM worker's weights over weightwire's gRPC contract (see the module docstring)."""
+
+    init_info_cls = WeightwireInitInfo
+    update_info_cls = WeightwireUpdateInfo
+    # Only the target model is served; vLLM refuses start_draft_weight_update for this backend.
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        from weightwire.server import serve
+
+        self.settings = Settings.from_env(str(vllm_config.instance_id))
+        rank = parallel_rank(vllm_config)
+        self.adapter = VLLMAdapter(
+            model,
+            vllm_config,
+            rank=rank,
+            device=device,
+            own_device=device_ref_of(device),
+            worker_id=worker_id(rank),
+            forward_wait_s=self.settings.forward_wait_s,
+        )
+        address = self.settings.endpoints.address(rank)
+        self._socket_path: str | None = None
+        if address.startswith("unix:"):
+            self._socket_path = address.removeprefix("unix:")
+            prepare_socket(self._socket_path, env_hint=f"its own {ENV_SOCKET_DIR} or {ENV_BASE_PORT}")
+        self.server = serve(
+            self.adapter,
+            listen=address,
+            token=self.settings.endpoints.token,
+            tls_cert=self.settings.endpoints.tls_cert,
+            tls_key=self.settings.endpoints.tls_key,
+            own_device=self.adapter.own_device,
+        )
+        self.address = self.server.address
+        self._stopped = False
+        atexit.register(self.shutdown)
+        manifest = self.adapter.manifest()
+        log.info(
+            "weightwire: worker %s of vLLM %s serves %d checkpoint tensors (%.1f MiB, layers [%d, %d) of %d) at %s",
+            self.adapter.worker_id,
+            _vllm_version(),
+            len(manifest.tensors),
+            manifest.total_bytes / 2**20,
+            manifest.layer_start,
+            manifest.layer_end,
+            manifest.num_layers,
+            self.address,
+        )
+
+    def init_transfer_engine(self, init_info: WeightwireInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        self.adapter.open_window()
+
+    def finish_weight_update(self) -> None:
+        self.adapter.close_window(self.settings.finish_wait_s)
+
+    def receive_weights(self, update_info: WeightwireUpdateInfo) -> None:
+        raise RuntimeError(
+            "the weightwire backend receives weights over gRPC: push with weightwire.client.WeightPusher "
+            f"to the workers' addresses (worker {self.adapter.worker_id} listens at {self.address}) between "
+            "start_weight_update() and finish_weight_update(); update_weights is not used"
+        )
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self.server.stop(grace=1.0)
+        self.adapter.close()
+        if self._socket_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._socket_path)
+
+
+def parallel_rank(vllm_config: Any) -> ParallelRank:
+    """This worker's ranks from vLLM's parallel state (TP and PP groups, the DP replica index)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    parallel = vllm_config.parallel_config
+    pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+    if pcp > 1:
+        # Its ranks are a dimension of their own next to TP and PP; worker ids would collide.
+        raise RuntimeError(f"weightwire: prefill_context_parallel_size={pcp} is not supported (TP x PP x DP only)")
+    tp, pp = get_tp_group(), get_pp_group()
+    dp_size = int(parallel.data_parallel_size or 1)
+    dp_rank = int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank) or 0)
+    if dp_rank >= dp_size:
+        dp_rank, dp_size = 0, 1
+    return ParallelRank(
+        tp_rank=tp.rank_in_group,
+        tp_size=tp.world_size,
+        pp_rank=pp.rank_in_group,
+        pp_size=pp.world_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+    )
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:
+        return "unknown"

@@ -1,0 +1,245 @@
+"""The checkpoint tensors one vLLM worker consumes, read from its real model object.
+
+A vLLM model's parameters are not checkpoint tensors. q/k/v projections live fused in one
+``qkv_proj`` layer and gate/up in ``gate_up_proj``, each holding this rank's TP slice; layers
+outside the pipeline stage are ``PPMissingLayer`` (no parameters); ``embed_tokens`` exists on the
+first stage (and on the last one of a model with tied embeddings, where ``lm_head`` shares its
+weight), ``norm`` and ``lm_head`` on the last. And after loading, vLLM may repack a weight into a
+kernel layout: on CPU every unquantized Linear weight becomes a ``[0]``-shaped placeholder next to a
+packed copy, so ``named_parameters()`` shows no checkpoint shape at all.
+
+So the layout is built from what does not change: the module tree (checkpoint names, with fused
+layers expanded through the model's ``packed_modules_mapping``), each parallel layer's own record
+of its unsharded sizes (total heads, head size, output sizes, input size, original vocabulary), and
+the model-format shapes vLLM records for its layerwise reload before any repacking (checked against
+those sizes, so a layout this module does not understand fails at engine start instead of
+publishing a wrong manifest). Quantized layers are refused for the same reason.
+
+Each checkpoint name maps to the vLLM layer (module) whose parameters it fills. vLLM's layerwise
+reload processes a layer once every tensor feeding it has arrived, so the adapter uses
+``ModelLayout.names_by_layer`` to know when a layer is complete.
+
+Called by ``weightwire.adapters.vllm.adapter`` inside each vLLM worker process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from weightwire.core import dtypes
+
+_QKV_SHARD_IDS = ("q", "k", "v")
+
+
+class ManifestError(ValueError):
+    """The model holds a parameter whose checkpoint name or full shape cannot be derived safely."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadTarget:
+    """One checkpoint tensor a worker consumes, and the vLLM layer and parameter it fills."""
+
+    name: str
+    """Checkpoint (Hugging Face) name, e.g. ``model.layers.3.self_attn.k_proj.weight``."""
+    layer_name: str
+    """The vLLM module whose parameter it fills, e.g. ``model.layers.3.self_attn.qkv_proj``."""
+    param_name: str
+    """That parameter's full name, e.g. ``model.layers.3.self_attn.qkv_proj.weight``."""
+    shard_id: str | int | None
+    """The shard of a fused parameter (``"k"``, ``1``), None if unfused."""
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    """Full checkpoint shape (not this rank's slice)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLayout:
+    """What a worker's model consumes, by checkpoint name, and its pipeline stage's layers."""
+
+    targets: Mapping[str, LoadTarget]
+    names_by_layer: Mapping[str, frozenset[str]]
+    """vLLM layer name -> every checkpoint name that feeds it (a fused layer has several)."""
+    layer_start: int
+    layer_end: int
+    num_layers: int
+    tie_word_embeddings: bool
+
+
+def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
+    """Every checkpoint tensor this worker's ``model`` consumes (see the module docstring)."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        LinearBase,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+        UnquantizedLinearMethod,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    tied = bool(getattr(text_config, "tie_word_embeddings", False))
+    num_layers = int(getattr(text_config, "num_hidden_layers", 0) or 0)
+    packed = _packed_modules(model)
+    inner = getattr(model, "model", model)
+    layer_start = int(getattr(inner, "start_layer", 0))
+    layer_end = int(getattr(inner, "end_layer", num_layers))
+    model_format = _model_format_shapes()
+
+    targets: dict[str, LoadTarget] = {}
+    seen_params: dict[int, str] = {}
+
+    def add(name: str, layer_name: str, leaf: str, shard_id: str | int | None, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        try:
+            dtypes.from_torch(dtype)
+        except ValueError as e:
+            raise ManifestError(f"{layer_name}.{leaf}: {e}") from None
+        if name in targets:
+            raise ManifestError(f"checkpoint name {name} would feed both {targets[name].param_name} and {layer_name}.{leaf}")
+        targets[name] = LoadTarget(name, layer_name, _join(layer_name, leaf), shard_id, dtype, shape)
+
+    for layer_name, module in model.named_modules():
+        own = [(leaf, p) for leaf, p in module._parameters.items() if p is not None]
+        if not own:
+            continue
+        attr = layer_name.rpartition(".")[2]
+        parent = layer_name.rpartition(".")[0]
+        for leaf, param in own:
+            if id(param) in seen_params:
+                # A tied parameter (lm_head sharing embed_tokens' weight): its first owner loads it.
+                continue
+            seen_params[id(param)] = _join(layer_name, leaf)
+            where = _join(layer_name, leaf)
+            if isinstance(module, (LinearBase, VocabParallelEmbedding)) and leaf not in ("weight", "bias"):
+                raise ManifestError(
+                    f"{where}: parallel layer with parameter {leaf!r} (quantization scales?); weightwire's "
+                    "vLLM adapter handles unquantized models"
+                )
+            if isinstance(module, LinearBase) and not isinstance(module.quant_method, UnquantizedLinearMethod):
+                raise ManifestError(
+                    f"{where}: layer is quantized ({type(module.quant_method).__name__}); weightwire's vLLM "
+                    "adapter handles unquantized models only"
+                )
+            local = model_format(module, leaf, param)
+            dtype = param.dtype
+
+            if isinstance(module, QKVParallelLinear):
+                names = _fused_names(packed, attr, where, expected=3)
+                q = module.total_num_heads * module.head_size
+                k = module.total_num_kv_heads * module.head_size
+                v = module.total_num_kv_heads * module.v_head_size
+                rows = module.num_heads * module.head_size + module.num_kv_heads * (module.head_size + module.v_head_size)
+                _check_local(where, local, (rows, module.input_size) if leaf == "weight" else (rows,))
+                for full_rows, ckpt, shard in zip((q, k, v), names, _QKV_SHARD_IDS, strict=True):
+                    shape = (full_rows, module.input_size) if leaf == "weight" else (full_rows,)
+                    add(_join(_join(parent, ckpt), leaf), layer_name, leaf, shard, dtype, shape)
+            elif isinstance(module, MergedColumnParallelLinear):
+                names = _fused_names(packed, attr, where, expected=len(module.output_sizes))
+                rows = sum(module.output_partition_sizes)
+                _check_local(where, local, (rows, module.input_size) if leaf == "weight" else (rows,))
+                for index, (full_rows, ckpt) in enumerate(zip(module.output_sizes, names, strict=True)):
+                    shape = (full_rows, module.input_size) if leaf == "weight" else (full_rows,)
+                    add(_join(_join(parent, ckpt), leaf), layer_name, leaf, index, dtype, shape)
+            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
+                if attr in packed:
+                    raise ManifestError(f"{where}: {attr} is listed as fused but is a {type(module).__name__}")
+                full = (module.output_size, module.input_size) if leaf == "weight" else (module.output_size,)
+                if isinstance(module, ColumnParallelLinear):
+                    rows = module.output_size_per_partition
+                    expected = (rows, module.input_size) if leaf == "weight" else (rows,)
+                elif isinstance(module, RowParallelLinear):
+                    expected = (module.output_size, module.input_size_per_partition) if leaf == "weight" else full
+                else:
+                    expected = full
+                _check_local(where, local, expected)
+                add(where, layer_name, leaf, None, dtype, full)
+            elif isinstance(module, LinearBase):
+                raise ManifestError(f"{where}: unsupported parallel layer {type(module).__name__}")
+            elif isinstance(module, VocabParallelEmbedding):
+                if not isinstance(module.quant_method, UnquantizedEmbeddingMethod):
+                    raise ManifestError(f"{where}: embedding is quantized; only unquantized models are supported")
+                if leaf != "weight":
+                    raise ManifestError(f"{where}: embedding parameter {leaf!r} is not supported")
+                _check_local(where, local, (module.num_embeddings_per_partition, module.embedding_dim))
+                if module.num_embeddings_padded - module.org_vocab_size_padded:
+                    raise ManifestError(f"{where}: embeddings with added (LoRA) vocabulary are not supported")
+                if tied and isinstance(module, ParallelLMHead):
+                    raise ManifestError(
+                        f"{where}: the config ties word embeddings but lm_head has a weight of its own"
+                    )
+                add(where, layer_name, leaf, None, dtype, (module.org_vocab_size, module.embedding_dim))
+            else:
+                if hasattr(param, "output_dim") or hasattr(param, "input_dim"):
+                    raise ManifestError(
+                        f"{where}: sharded parameter of {type(module).__name__}, a layer whose full checkpoint "
+                        "shape this adapter cannot derive"
+                    )
+                add(where, layer_name, leaf, None, dtype, local)
+
+    by_layer: dict[str, set[str]] = {}
+    for t in targets.values():
+        by_layer.setdefault(t.layer_name, set()).add(t.name)
+    return ModelLayout(
+        targets=targets,
+        names_by_layer={k: frozenset(v) for k, v in by_layer.items()},
+        layer_start=layer_start,
+        layer_end=layer_end,
+        num_layers=num_layers,
+        tie_word_embeddings=tied,
+    )
+
+
+def _model_format_shapes() -> Any:
+    """``shape_of(module, leaf, param)``: the parameter's model-format (pre-repacking) local shape.
+
+    vLLM records a meta copy of every parameter right after building the model, before loading and
+    kernel repacking (``record_metadata_for_reloading``), for its layerwise reload; that is the
+    shape its weight loaders fill. ``bias`` is not recorded there (vLLM never moves it to meta or
+    repacks it), so the live parameter tells.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    def shape_of(module: torch.nn.Module, leaf: str, param: torch.Tensor) -> tuple[int, ...]:
+        recorded = get_layerwise_info(module).restore_metadata[0].get(leaf)
+        return tuple(recorded.shape if recorded is not None else param.shape)
+
+    return shape_of
+
+
+def _packed_modules(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    declared = getattr(model, "packed_modules_mapping", None) or {}
+    if not isinstance(declared, Mapping):
+        raise ManifestError(f"{type(model).__name__}.packed_modules_mapping is not a mapping")
+    return {str(k): tuple(v) for k, v in declared.items()}
+
+
+def _fused_names(packed: Mapping[str, Sequence[str]], attr: str, where: str, *, expected: int) -> tuple[str, ...]:
+    names = packed.get(attr)
+    if names is None:
+        raise ManifestError(
+            f"{where}: fused layer {attr!r} has no entry in the model's packed_modules_mapping, so the "
+            "checkpoint names it consumes are unknown"
+        )
+    if len(names) != expected:
+        raise ManifestError(f"{where}: {attr!r} packs {expected} outputs but the mapping lists {list(names)}")
+    return tuple(names)
+
+
+def _join(parent: str, name: str) -> str:
+    return f"{parent}.{name}" if parent else name
+
+
+def _check_local(where: str, local: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if local != expected:
+        raise ManifestError(
+            f"{where}: this rank holds model-format shape {local} but the layer's sizes imply {expected}; "
+            "refusing to guess the checkpoint layout"
+        )
