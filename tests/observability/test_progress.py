@@ -1,13 +1,20 @@
-"""The push progress bar: drawn on a terminal (a real pseudo-terminal here), silent otherwise."""
+"""The push progress bar: drawn on a terminal (a real pseudo-terminal here), silent otherwise; and
+``weightwire push`` to a real worker process drawing it in a pseudo-terminal."""
 
 from __future__ import annotations
 
 import io
 import os
+import pathlib
 import re
 import select
+import sys
 
 import pytest
+from helpers import spawn_worker
+from safetensors.torch import save_file
+from terminal import Terminal
+from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.client.progress import PushProgressBar
 from weightwire.client.types import PushProgress
 
@@ -65,3 +72,22 @@ def test_drawn_on_a_terminal() -> None:
     assert "push v3" in text
     assert "4/4 buckets" in text
     assert "32.0 MiB" in text  # rich's DownloadColumn, binary units
+
+
+def test_weightwire_push_draws_the_bar_on_a_terminal(tmp_path: pathlib.Path) -> None:
+    worker = spawn_worker("--model", "demo", "--log-level", "WARNING")
+    try:
+        ckpt = tmp_path / "model.safetensors"
+        save_file(full_checkpoint(DemoConfig(), seed=5), str(ckpt))
+        term = Terminal([sys.executable, "-m", "weightwire.client.cli", "push", "--from", str(ckpt),
+                         "--to", worker.address, "--version", "5", "--bucket-mb", "0.25"])
+        try:
+            text = term.read_until(lambda t: "GB/s" in t and "tp0-pp0" in t)  # the results table came
+        finally:
+            code = term.close(interrupt=False)
+        assert code == 0, term.text()
+        bar = [line for line in term.text().splitlines() if " buckets" in line and "v5" in line]
+        assert bar, text
+        assert "3/3 buckets" in bar[-1]
+    finally:
+        worker.stop()
