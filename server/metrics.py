@@ -237,7 +237,7 @@ def engine_metrics(
       the values next to its own.
     - ``WEIGHTWIRE_METRICS_PORT=P`` (explicitly asked for): also serve this worker's metrics at
       ``http://WEIGHTWIRE_METRICS_HOST:(P + port_offset)/metrics`` (host default ``127.0.0.1``;
-      ``port_offset`` is the worker's index among the engine's workers).
+      ``port_offset`` is the worker's index among the engine's workers; ``0``: a free port each, logged).
     - neither: off, with a log line saying how to turn them on.
 
     ``service`` is the ``WorkerService`` (``RunningServer.service``). Returns None when off.
@@ -258,10 +258,12 @@ def engine_metrics(
     port: int | None = None
     if raw_port:
         try:
-            port = int(raw_port) + port_offset
+            base = int(raw_port)
         except ValueError as e:
             raise ValueError(f"{ENV_METRICS_PORT}={raw_port!r} is not a port number") from e
-        if not 0 < port < 65536:
+        # 0: every worker picks a free port (logged below).
+        port = base + port_offset if base else 0
+        if not 0 <= port < 65536 or base < 0:
             raise ValueError(f"{ENV_METRICS_PORT}={raw_port!r} + worker index {port_offset} is not a port number")
     # In multiprocess mode the values live in files whatever the registry; a registry is only
     # needed for a port of our own.

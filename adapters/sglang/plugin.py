@@ -237,6 +237,11 @@ def start_worker(scheduler: Any, settings: Settings | None = None) -> SchedulerW
     worker = SchedulerWorker(adapter, queue, server, server.address, socket_path, wake_receiver, wake_sender)
     setattr(scheduler, _WORKER_ATTR, worker)
     atexit.register(worker.stop)
+    # Metrics into SGLang's own /metrics (its prometheus multiprocess directory, --enable-metrics).
+    # Imported only here, in the scheduler, after SGLang set PROMETHEUS_MULTIPROC_DIR for it.
+    from weightwire.server.metrics import engine_metrics
+
+    engine_metrics(server.service, engine="sglang", port_offset=worker_index(rank))
     return worker
 
 
