@@ -8,7 +8,7 @@ as ``fsdp_rank.py SCENARIOS.json OUT_DIR``. Runs the scenarios in order and rewr
 ``{"ok": true, "results": {...}}`` or ``{"ok": false, "error": {...}}``, plus memory readings where
 asked. A scenario is a JSON object:
 
-  name, kind ("push" | "gather_checks")
+  name, kind ("push" | "gather_checks" | "raise_version")
   endpoints, routing ("own_device" | "gathered"), sender_rank, version, seed, bucket_size_bytes, timeout_s
   source: "state_dict" (default) | "named_parameters" | "full_tensors" (every DTensor gathered whole first,
           pushed as plain tensors with group=: the control for the memory test)
@@ -19,6 +19,9 @@ asked. A scenario is a JSON object:
   skip_ranks: [rank]                 ranks that do not call push (on a group of its own)
   die_rank, die_after_buckets        that rank exits (code 17) once that many of its buckets were acked
   measure_memory                     peak RSS growth over the push (``/proc/self/clear_refs``)
+
+``raise_version`` (rank 0 only): a PARTIAL update of one tensor to ``endpoint`` at ``version``, from an
+ordinary single-process pusher, so that worker refuses a later, lower version (STALE_VERSION).
 """
 
 from __future__ import annotations
@@ -157,6 +160,17 @@ def run_push(rank: int, world: int, sc: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+def run_raise_version(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
+    if rank != 0:
+        return {"ok": True}
+    with WeightPusher([sc["endpoint"]], transport="inline") as pusher:
+        owned = pusher.manifests()[sc["endpoint"]].tensors
+        name = next(iter(sorted(owned)))
+        shape = tuple(owned[name].shape)
+        pusher.push({name: torch.zeros(shape)}, version=int(sc["version"]), scope="partial")
+    return {"ok": True, "tensor": name}
+
+
 def run_gather_checks(rank: int, world: int) -> dict[str, Any]:
     """``FullTensorWriter`` against DTensors laid out by torch itself, for the layouts it handles
     (even and uneven Shard(0), Shard(1), Replicate, empty shards, a dtype conversion) and one it hands
@@ -208,6 +222,8 @@ def main() -> int:
     for sc in scenarios:
         if sc["kind"] == "gather_checks":
             done[sc["name"]] = run_gather_checks(rank, world)
+        elif sc["kind"] == "raise_version":
+            done[sc["name"]] = run_raise_version(rank, sc)
         else:
             done[sc["name"]] = run_push(rank, world, sc)
         tmp = f"{out_path}.tmp"
