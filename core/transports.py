@@ -76,7 +76,7 @@ HOST_SHM = Transport(
     label_kind=_HOST,
     worker_kinds=(_HOST, _CUDA),
     exporter="weightwire.client.exporters:HostShmExporter",
-    importer="weightwire.server.transports:HostShmImporter",
+    importer="weightwire.server.shm_import:HostShmImporter",
     exports_local_buffers=True,
 )
 INLINE = Transport(
@@ -87,7 +87,7 @@ INLINE = Transport(
     label_kind=None,
     worker_kinds=(_HOST, _CUDA),
     exporter="weightwire.client.exporters:InlineExporter",
-    importer="weightwire.server.transports:InlineImporter",
+    importer="weightwire.server.inline_import:InlineImporter",
 )
 
 TRANSPORTS: tuple[Transport, ...] = (CUDA_IPC, HOST_SHM, INLINE)

@@ -23,6 +23,7 @@ from weightwire.core.cuda_ipc import CudaIpcCache, CudaIpcFields, OpenedStorage
 from weightwire.core.devices import DeviceRef, local_cuda_index
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.server.transports import ImportContext, ImportedPayload, PayloadImporter
+from weightwire.server.views import ReadBatch
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["CudaIpcImporter", "CudaIpcMapping"]
@@ -30,6 +31,8 @@ __all__ = ["CudaIpcImporter", "CudaIpcMapping"]
 
 class CudaIpcMapping:
     """One bucket's use of an opened CUDA storage; ``close`` leaves the cached mapping open."""
+
+    copy_chunk_bytes: int | None = None
 
     def __init__(self, opened: OpenedStorage, source: DeviceRef, peer: bool) -> None:
         self._flat: torch.Tensor | None = opened.flat
@@ -66,8 +69,8 @@ class CudaIpcMapping:
             raw = raw.clone()
         return raw.view(dtype).view(tuple(shape))
 
-    def byte_tensor(self) -> torch.Tensor:
-        """The storage as uint8 on its GPU; see ``transports.strided_views``."""
+    def fetch(self, batch: ReadBatch) -> torch.Tensor:
+        """The storage as uint8 on its GPU, in place (``views.views_over`` views it)."""
         return self._bytes()[: self.size_bytes]
 
     def crc32(self, size_bytes: int) -> int:

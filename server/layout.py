@@ -14,7 +14,6 @@ from collections.abc import Sequence, Set
 
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
-from weightwire.server.transports import ViewItem
 from weightwire.server.validation import (
     CheckedSpec,
     check_against_manifest,
@@ -22,6 +21,7 @@ from weightwire.server.validation import (
     check_payload_size,
     check_spec,
 )
+from weightwire.server.views import ReadPlan, ViewItem, copy_plan, in_place_plan
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 # Validated bucket layouts a worker remembers (a packed push of a large model has a few hundred
@@ -52,6 +52,7 @@ class BucketLayout:
     owned_names: tuple[str, ...]
     views: tuple[ViewItem, ...]
     owned_bytes: int
+    _plans: dict[int | None, ReadPlan] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, specs: Sequence[CheckedSpec], owned: Sequence[CheckedSpec]) -> BucketLayout:
@@ -63,6 +64,18 @@ class BucketLayout:
             views=tuple(ViewItem.of(s.offset_bytes, s.torch_dtype, s.shape) for s in owned),
             owned_bytes=sum(s.nbytes for s in owned),
         )
+
+    def read_plan(self, copy_chunk_bytes: int | None) -> ReadPlan:
+        """How the owned tensors are fetched from a payload that copies in chunks of at most
+        ``copy_chunk_bytes`` (None: one that is viewed in place); worked out once per chunk size."""
+        plan = self._plans.get(copy_chunk_bytes)
+        if plan is None:
+            if copy_chunk_bytes is None:
+                plan = in_place_plan(self.owned_names, self.views)
+            else:
+                plan = copy_plan(self.owned_names, self.views, copy_chunk_bytes)
+            self._plans[copy_chunk_bytes] = plan
+        return plan
 
     def first_seen(self, seen: Set[str]) -> str | None:
         """The first name (in spec order) that is in ``seen``, as the full check would name it."""

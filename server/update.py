@@ -41,9 +41,9 @@ from weightwire.server.transports import (
     ImportContext,
     ImportedPayload,
     PayloadImporter,
-    strided_views,
     transport_name,
 )
+from weightwire.server.views import views_over
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -285,18 +285,20 @@ class Update:
         return _Loaded(opened=opened, open_ns=open_ns, load_ns=load_ns)
 
     def _load(self, index: int, layout: BucketLayout, mapping: ImportedPayload) -> None:
-        views = list(zip(layout.owned_names, strided_views(mapping, layout.views), strict=True))
-        self._loaded_any = True
-        try:
-            self._ctx.adapter.load(views)
-        except WeightwireError:
-            raise
-        except Exception as e:
-            raise WeightwireError(
-                Reason.LOAD_FAILED, f"the engine failed to load bucket {index}: {e!r}", bucket=str(index)
-            ) from e
-        finally:
-            del views
+        for batch in layout.read_plan(mapping.copy_chunk_bytes):
+            base = mapping.fetch(batch)
+            views = list(zip(batch.names, views_over(base, batch.positions, batch.items), strict=True))
+            self._loaded_any = True
+            try:
+                self._ctx.adapter.load(views)
+            except WeightwireError:
+                raise
+            except Exception as e:
+                raise WeightwireError(
+                    Reason.LOAD_FAILED, f"the engine failed to load bucket {index}: {e!r}", bucket=str(index)
+                ) from e
+            finally:
+                del views, base
 
     def _open(self, importer: PayloadImporter, sel: Selection) -> tuple[ImportedPayload, bool]:
         ctx = ImportContext(own_device=self._ctx.own_device, source=sel.device, peer=sel.peer, target=self._ctx.target_device)

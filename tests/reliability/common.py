@@ -99,9 +99,14 @@ def push_raw(
         for resp in call:
             responses.append(resp)
     except grpc.RpcError as err:
-        info, n = error_info(err)
-        return Outcome(responses, err.code(), err.details() or "", info, n)
+        return failed_outcome(err, responses)
     return Outcome(responses, grpc.StatusCode.OK, "", None, 0)
+
+
+def failed_outcome(err: grpc.RpcError, responses: Sequence[pb.PushWeightsResponse] = ()) -> Outcome:
+    """The Outcome of a stream that ended with ``err`` after ``responses``."""
+    info, n = error_info(err)
+    return Outcome(list(responses), err.code(), err.details() or "", info, n)  # type: ignore[attr-defined]
 
 
 def assert_weightwire_error(outcome: Outcome, reasons: Iterable[str] | str) -> str:

@@ -24,7 +24,7 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 
 from . import helpers
-from .common import SHM_DIR, assert_weightwire_error, push_raw, start_worker
+from .common import SHM_DIR, assert_weightwire_error, failed_outcome, push_raw, start_worker
 
 
 class Worker:
@@ -145,4 +145,39 @@ def test_shm_name_of_something_not_a_regular_file_is_refused_at_once(
         os.rmdir(path) if kind == "directory" else os.unlink(path)
     assert_weightwire_error(outcome, "HANDLE_OPEN_FAILED")
     worker.expect_unchanged(before)
+    worker.push_good(segments)
+
+
+def test_segment_shrunk_while_the_worker_reads_it_costs_the_update_not_the_worker(
+    worker: Worker, segments: helpers.ShmSegments
+) -> None:
+    # Two buckets over one segment: the worker opens it for the first and keeps it for the second.
+    # The sender shrinks it in between. A mapped read past the new end raised SIGBUS and killed the
+    # worker; now the second bucket is refused, and the worker (INCONSISTENT: the first bucket had
+    # loaded) takes the next good update.
+    before = worker.status()
+    version = before.weights_version + 1
+    named = worker.checkpoint(version)
+    packed = helpers.pack(named)
+    seg = segments.create(packed.data)
+    payload = helpers.shm_payload(seg, len(packed.data))
+    half = len(packed.specs) // 2
+    feed = helpers.RequestFeed()
+    call = worker.stub.PushWeights(iter(feed), timeout=60)
+    feed.send(helpers.header(version))
+    feed.send(helpers.bucket(0, packed.specs[:half], [payload]))
+    first = next(call)
+    assert first.ack.index == 0 and first.ack.tensors_loaded == half
+    os.truncate(os.path.join(SHM_DIR, seg.name), 4096)
+    feed.send(helpers.bucket(1, packed.specs[half:], [payload]))
+    feed.send(helpers.commit(2))
+    feed.end()
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    outcome = failed_outcome(err.value, [first])
+    assert_weightwire_error(outcome, "INVALID_SIZE")
+    assert worker.alive(), worker.proc.stderr_text()
+    st = worker.status()
+    assert (st.weights_version, st.state, st.open_mappings) == (before.weights_version, pb.WORKER_STATE_INCONSISTENT, 0), st
+    assert st.last_error.reason == "INVALID_SIZE" and "shrank" in st.last_error.message
     worker.push_good(segments)

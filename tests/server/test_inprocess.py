@@ -206,10 +206,27 @@ def test_second_concurrent_push_is_aborted(inproc_worker, segments: ShmSegments)
     assert_holds(worker, full)
 
 
-def _maps_with(name: str) -> list[str]:
-    """The worker's read-only mappings of a segment (the test's own writable one is not counted)."""
+def _worker_fds_of(name: str) -> list[str]:
+    """The worker's read-only descriptors of a segment (the worker reads segments with pread and
+    never maps them; the test's own read-write mapping and descriptor are not counted)."""
+    path = f"/dev/shm/{name}"
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != path:
+                continue
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+        except (OSError, StopIteration):
+            continue  # closed meanwhile
+        if flags & os.O_ACCMODE == os.O_RDONLY:
+            found.append(fd)
+    return found
+
+
+def _segment_mapped_by_worker(name: str) -> bool:
     with open("/proc/self/maps") as f:
-        return [line for line in f if name in line and line.split()[1] == "r--s"]
+        return any(name in line and line.split()[1] == "r--s" for line in f)
 
 
 def test_mappings_read_only_counted_and_released(inproc_worker, segments: ShmSegments) -> None:
@@ -224,15 +241,15 @@ def test_mappings_read_only_counted_and_released(inproc_worker, segments: ShmSeg
     feed.send(reqs[1])
     next(call)
     assert status_of(worker).open_mappings == 1
-    maps = _maps_with(names[0])
-    assert len(maps) == 1  # mapped read-only and shared, once
+    assert len(_worker_fds_of(names[0])) == 1  # opened read-only, once
+    assert not _segment_mapped_by_worker(names[0])  # read, never mapped (a shrinking segment cannot fault it)
     feed.send(reqs[2])
     next(call)
     assert status_of(worker).open_mappings == 2
     feed.send(reqs[3])
     assert list(call)[-1].result.version == 1
     assert status_of(worker).open_mappings == 0
-    assert _maps_with(names[0]) == [] and _maps_with(names[1]) == []
+    assert _worker_fds_of(names[0]) == [] and _worker_fds_of(names[1]) == []
     # The worker never unlinks the sender's segments.
     assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
 
@@ -380,10 +397,10 @@ def test_stop_fails_a_running_update_and_releases_mappings(inproc_worker, segmen
     feed.send(reqs[1])
     next(call)
     name = reqs[1].bucket.payloads[0].host_shm.name
-    assert _maps_with(name)
+    assert _worker_fds_of(name)
     done = threading.Event()
     threading.Thread(target=lambda: (worker.server.stop(grace=0), done.set()), daemon=True).start()
     assert done.wait(30)
     feed.end()
-    assert _maps_with(name) == []
+    assert _worker_fds_of(name) == []
     assert worker.server.service.state == pb.WORKER_STATE_INCONSISTENT
