@@ -8,8 +8,11 @@ every bucket and update, so workers open each handle once. ``wrap`` exports a ca
 buffer (say an all-gather output) in place, with no packing copy. Every payload is labelled with
 the GPU's UUID, never an index.
 
-Before a handle goes out, ``ready`` waits for the packing copies on the producer's stream: a worker
-that reuses a cached mapping does not wait on any CUDA event.
+Before a handle goes out, ``ready`` makes the packing copies visible: when every recipient waits
+for a payload's event before reading (``exporters.consumers_wait_for_events``), it records the
+buffer's interprocess event (``core.cuda_ipc.ProducerEvent``, one per exported buffer) and the
+payload carries it, so packing the next bucket overlaps the workers' copies of this one; otherwise
+it waits for the copies on the host, as a worker that does not wait reads a kept mapping at once.
 """
 
 from __future__ import annotations
@@ -21,9 +24,15 @@ import weakref
 from collections.abc import Sequence
 
 import torch
-from weightwire.client.exporters import Exporter, StagingBuffer, crc32_of
+from weightwire.client.exporters import Exporter, StagingBuffer, consumers_wait, crc32_of
 from weightwire.core import transports
-from weightwire.core.cuda_ipc import CudaIpcFields, SharedCudaBuffer, ipc_collect, share_cuda_tensor
+from weightwire.core.cuda_ipc import (
+    CudaIpcFields,
+    ProducerEvent,
+    SharedCudaBuffer,
+    ipc_collect,
+    share_cuda_tensor,
+)
 from weightwire.core.devices import DeviceRef, cuda_device_uuid
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -35,6 +44,11 @@ __all__ = ["CudaIpcExporter", "CudaStagingBuffer", "cuda_auto_rule", "resolve_cu
 _ALLOC_GRANULE = 2 * 1024 * 1024
 # In-place exports remembered (by storage, weakly) so re-wrapping a persistent buffer reuses its handle.
 _WRAP_CACHE_SIZE = 16
+# Interprocess events one exporter creates at most (one per exported buffer). They are kept until
+# the exporter closes: a worker names an event by its share and may still hold it open. Buffers
+# exported beyond this (a trainer wrapping a new storage every step) make ``ready`` wait on the
+# host instead.
+_MAX_EVENTS = 64
 
 
 def resolve_cuda_device(source: torch.device | str | int | None) -> torch.device:
@@ -59,9 +73,14 @@ class CudaStagingBuffer(StagingBuffer):
     ``flat`` the usable bytes, starting ``base_offset_bytes`` into the storage.
     """
 
-    def __init__(self, flat: torch.Tensor, shared: SharedCudaBuffer, *, owned: bool) -> None:
+    def __init__(
+        self, flat: torch.Tensor, shared: SharedCudaBuffer, *, owned: bool, event: ProducerEvent | None = None
+    ) -> None:
         self._flat: torch.Tensor | None = flat
         self._shared: SharedCudaBuffer | None = shared
+        self._event = event
+        # What the next payload of this buffer carries; ``ready`` sets it.
+        self.fields: CudaIpcFields = shared.fields
         self.capacity_bytes = int(flat.numel())
         self.base_offset_bytes = shared.base_offset_bytes
         self.device = flat.device
@@ -80,10 +99,14 @@ class CudaStagingBuffer(StagingBuffer):
         return self._flat
 
     def ready(self) -> None:
-        # Packing copies ran on the current stream of this GPU; wait for them before any worker
-        # reads (workers reusing a cached mapping wait on nothing).
+        # Packing copies ran on the current stream of this GPU.
+        stream = torch.cuda.current_stream(self.device)
+        if self._event is not None and consumers_wait():
+            self.fields = self.shared.fields.with_event(self._event.record(stream))
+            return
+        self.fields = self.shared.fields
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(stream)
         event.synchronize()
 
     def crc32(self, size_bytes: int) -> int:
@@ -100,13 +123,15 @@ class CudaStagingBuffer(StagingBuffer):
 
 @dataclasses.dataclass(frozen=True)
 class _WrapShare:
-    """A caller's buffer shared once: the handle fields, and a weak reference to its storage so a
-    freed buffer whose address comes back is shared anew rather than confused with the old one."""
+    """A caller's buffer shared once: the handle fields, a weak reference to its storage so a
+    freed buffer whose address comes back is shared anew rather than confused with the old one,
+    and the event paired with this share (None: beyond the exporter's event bound)."""
 
     storage: weakref.ref[torch.UntypedStorage]
     fields: CudaIpcFields
     device: DeviceRef
     device_index: int
+    event: ProducerEvent | None
 
 
 class CudaIpcExporter(Exporter):
@@ -128,7 +153,17 @@ class CudaIpcExporter(Exporter):
         self._lock = threading.Lock()
         self._buffers: list[CudaStagingBuffer] = []
         self._wrapped: collections.OrderedDict[tuple[int, int], _WrapShare] = collections.OrderedDict()
+        self._events: list[ProducerEvent] = []
         self.allocations = 0
+
+    def _new_event(self) -> ProducerEvent | None:
+        """The event for a newly exported buffer, or None beyond ``_MAX_EVENTS`` (caller holds no lock)."""
+        with self._lock:
+            if len(self._events) >= _MAX_EVENTS:
+                return None
+            event = ProducerEvent(self.device.index or 0)
+            self._events.append(event)
+            return event
 
     def allocate(self, capacity_bytes: int) -> CudaStagingBuffer:
         """A new GPU staging buffer, exported once (the pusher pools and reuses it)."""
@@ -136,7 +171,7 @@ class CudaIpcExporter(Exporter):
         rounded = -(-size // _ALLOC_GRANULE) * _ALLOC_GRANULE
         flat = torch.empty(rounded, dtype=torch.uint8, device=self.device)
         shared = share_cuda_tensor(flat)
-        buf = CudaStagingBuffer(flat, shared, owned=True)
+        buf = CudaStagingBuffer(flat, shared, owned=True, event=self._new_event())
         with self._lock:
             self._buffers = [b for b in self._buffers if b._flat is not None]
             self._buffers.append(buf)
@@ -164,7 +199,7 @@ class CudaIpcExporter(Exporter):
             # Share the whole storage once; every later view into it reuses the same handle (and a
             # worker its cached mapping). Only a weak reference is kept: the caller owns the buffer.
             shared = share_cuda_tensor(whole)
-            known = _WrapShare(weakref.ref(storage), shared.fields, shared.device, shared.device_index)
+            known = _WrapShare(weakref.ref(storage), shared.fields, shared.device, shared.device_index, self._new_event())
             with self._lock:
                 self._wrapped[key] = known
                 while len(self._wrapped) > _WRAP_CACHE_SIZE:
@@ -178,7 +213,7 @@ class CudaIpcExporter(Exporter):
             size_bytes=base + int(raw.numel()),
             owner=whole,
         )
-        return CudaStagingBuffer(raw, view, owned=False)
+        return CudaStagingBuffer(raw, view, owned=False, event=known.event)
 
     def export(self, buffer: StagingBuffer, size_bytes: int, label: DeviceRef) -> pb.Payload:
         if not isinstance(buffer, CudaStagingBuffer):
@@ -192,7 +227,7 @@ class CudaIpcExporter(Exporter):
             )
         if size_bytes > shared.fields.storage_size_bytes:
             raise ValueError(f"payload of {size_bytes} bytes exceeds the CUDA storage of {shared.fields.storage_size_bytes}")
-        return pb.Payload(device=label.to_proto(), size_bytes=size_bytes, cuda_ipc=shared.fields.to_proto())
+        return pb.Payload(device=label.to_proto(), size_bytes=size_bytes, cuda_ipc=buffer.fields.to_proto())
 
     def close(self) -> None:
         """Drop every staging buffer and in-place share. Blocks still mapped by a worker stay in
@@ -200,6 +235,7 @@ class CudaIpcExporter(Exporter):
         with self._lock:
             buffers, self._buffers = self._buffers, []
             self._wrapped.clear()
+            self._events.clear()
         for buf in buffers:
             buf.close()
         del buffers

@@ -21,7 +21,7 @@ import mmap
 import os
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from weightwire.core import transports
@@ -31,6 +31,30 @@ from weightwire.core.shm import new_shm_name
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 _SHM_DIR = "/dev/shm"
+
+
+# Per pushing thread: whether every worker of the push it runs waits for a payload's producer event
+# before reading (``consumers_wait_for_events``).
+_push_scope = threading.local()
+
+
+@contextlib.contextmanager
+def consumers_wait_for_events(wait: bool) -> Iterator[None]:
+    """Within this block, on this thread, ``StagingBuffer.ready`` may record a producer event that
+    goes with the payload and return at once, instead of waiting until its writes finished:
+    ``wait`` says every worker that gets this thread's payloads waits for that event before it
+    reads (their manifests' ``waits_for_cuda_ipc_events``). Off everywhere else."""
+    before = getattr(_push_scope, "wait", False)
+    _push_scope.wait = wait
+    try:
+        yield
+    finally:
+        _push_scope.wait = before
+
+
+def consumers_wait() -> bool:
+    """Whether payloads exported on this thread now go only to workers that wait for their events."""
+    return bool(getattr(_push_scope, "wait", False))
 
 
 def crc32_of(data: torch.Tensor) -> int:
@@ -55,7 +79,8 @@ class StagingBuffer(abc.ABC):
 
     def ready(self) -> None:  # noqa: B027 - optional hook
         """Called after packing and before export: make the writes visible to other processes
-        (a CUDA buffer synchronises or records an event here)."""
+        (a CUDA buffer synchronises here, or, within ``consumers_wait_for_events(True)``, records
+        the event its next payload carries)."""
 
     def crc32(self, size_bytes: int) -> int:
         """zlib CRC-32 of the storage's first ``size_bytes`` bytes (for verify_checksums)."""

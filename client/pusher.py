@@ -337,7 +337,12 @@ class WeightPusher:
                 jobs.jobs, setup.manifests, options, connections, self._fingerprints, self._templates, jobs.pools,
                 commit_gate,
             )
-            return session.run()
+            # Staging buffers hand workers an event to wait for instead of waiting for their own
+            # writes, when every recipient says it waits for it. Not in a push of several ranks
+            # (commit_gate): a rank's payloads also go to the sending rank's workers.
+            waits = commit_gate is None and all(m.waits_for_cuda_ipc_events for m in setup.manifests.values())
+            with exp.consumers_wait_for_events(waits):
+                return session.run()
         except PushError as e:
             if any(err.kind is Reason.MANIFEST_CHANGED for err in e.failures.values()):
                 self._manifests = None

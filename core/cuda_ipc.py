@@ -15,6 +15,11 @@ storage is released. The producer keeps a freed shared block in a limbo until th
 (``torch.cuda.ipc_collect()`` frees those). A consumer that gets a second share of a storage it has
 already opened releases the new count at once (``CudaIpcCache``), as torch does.
 
+Readiness: the producer records an interprocess CUDA event after writing a buffer
+(``ProducerEvent``) and sends its handle (``event_handle``, ``event_sync_required``); the consumer
+waits for it before every read, also from a mapping it already holds (``OpenedStorage.wait_ready``),
+so the producer's host does not wait for its own writes before it sends the handle.
+
 Everything on the wire is checked before it reaches torch: the counter file name must be one torch
 makes (``/torch_...``) and its slot inside the file, because the consumer writes to that slot.
 """
@@ -27,7 +32,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from weightwire.core.devices import DeviceRef, cuda_device_uuid
 from weightwire.core.errors import Reason, WeightwireError
@@ -50,6 +55,9 @@ MAX_EVENT_HANDLE_BYTES = 4096
 # trainers feeding it). Entries of a sender that went away keep its device memory mapped until they
 # are evicted, so the bound stays small.
 DEFAULT_CACHE_CAPACITY = 8
+# Producer events a mapping keeps open: one per share of its storage that carried one (a sender
+# shares each staging buffer once), so a few; the oldest is closed beyond this.
+MAX_EVENTS_PER_MAPPING = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +136,24 @@ class CudaIpcFields:
     def ref_counter(self) -> tuple[bytes, int]:
         return (self.ref_counter_handle, self.ref_counter_offset)
 
+    @property
+    def event_key(self) -> tuple[bytes, bytes, int] | None:
+        """Identity of the producer event to wait for before reading, or None (nothing to wait for).
+
+        An event is named together with the share it came with (counter file and slot, unique per
+        share in the producer process): a producer pairs each share with one event for the share's
+        lifetime, so a new share, whose event handle may reuse the bytes of an event destroyed
+        since, is never served an event opened for an older one."""
+        if not self.event_sync_required:
+            return None
+        return (self.event_handle, self.ref_counter_handle, self.ref_counter_offset)
+
+    def with_event(self, event_handle: bytes) -> CudaIpcFields:
+        """The same storage, to be read only after the producer event ``event_handle`` completed."""
+        fields = dataclasses.replace(self, event_handle=bytes(event_handle), event_sync_required=True)
+        fields.validate()
+        return fields
+
 
 def check_ref_counter(handle: bytes, offset: int) -> None:
     """Refuse a counter file the consumer must not write to (it decrements one int64 slot there)."""
@@ -182,7 +208,9 @@ def share_cuda_tensor(tensor: torch.Tensor) -> SharedCudaBuffer:
     Call once per buffer and reuse the result for every bucket and update that writes into that
     buffer: each call registers a fresh consumer reference, and a consumer that already mapped the
     storage keeps using its mapping. Before a consumer reads, the producer must have finished
-    writing (``synchronize_producer``); the event recorded here only covers the first use.
+    writing: send ``fields.with_event(ProducerEvent.record())`` to a consumer that waits for it
+    (this package's, from the version whose manifests say so), or ``synchronize_producer`` first.
+    The event torch records here covers only the writes before this call.
     """
     if tensor.device.type != "cuda":
         raise ValueError(f"share_cuda_tensor needs a CUDA tensor, got one on {tensor.device}")
@@ -221,11 +249,40 @@ def share_cuda_tensor(tensor: torch.Tensor) -> SharedCudaBuffer:
     )
 
 
+class ProducerEvent:
+    """An interprocess CUDA event a producer records after each write into one exported buffer.
+
+    ``record()`` marks the end of the writes queued so far on the stream (the current one by
+    default) and returns the event's IPC handle for ``CudaIpcFields.with_event``; a consumer waits
+    for that point before it reads. Pair one event with one share for the share's lifetime and keep
+    it until the buffer is no longer exported (consumers identify the event by that share).
+    Re-recording is safe once the consumer acked the previous contents: a consumer that waits
+    later waits for the later record, which completes after the earlier one.
+    """
+
+    def __init__(self, device_index: int) -> None:
+        import torch
+
+        self.device_index = device_index
+        # blocking=False: a consumer's host wait spins instead of sleeping (lower latency).
+        self._event = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+        self._handle: bytes | None = None
+
+    def record(self, stream: torch.cuda.Stream | None = None) -> bytes:
+        import torch
+
+        self._event.record(stream or torch.cuda.current_stream(self.device_index))
+        if self._handle is None:
+            self._handle = bytes(self._event.ipc_handle())
+        return self._handle
+
+
 def synchronize_producer(device_index: int, stream: torch.cuda.Stream | None = None) -> None:
     """Wait until writes into an exported buffer finished, so a consumer may read it.
 
-    Consumers that reuse a cached mapping do not wait on any event, so the producer synchronises
-    the stream that wrote the buffer (the current one by default) before it sends the handle.
+    For consumers that do not wait for a ``ProducerEvent`` (older ones read a mapping they keep
+    without waiting for anything), the producer synchronises the stream that wrote the buffer (the
+    current one by default) before it sends the handle.
     """
     import torch
 
@@ -240,7 +297,8 @@ def synchronize_producer(device_index: int, stream: torch.cuda.Stream | None = N
 def open_cuda_storage(fields: CudaIpcFields, device_index: int) -> torch.Tensor:
     """Reopen an exported storage on local device ``device_index`` as a flat uint8 tensor.
 
-    The tensor's length is the real storage size. Raises ``WeightwireError(HANDLE_OPEN_FAILED)``
+    The tensor's length is the real storage size. Nothing here waits for the producer's event
+    (``open_producer_event`` opens it; ``CudaIpcCache.open`` does both). Raises ``WeightwireError(HANDLE_OPEN_FAILED)``
     when CUDA refuses the handle (wrong GPU, producer gone, same process as the producer).
     """
     import torch
@@ -256,8 +314,11 @@ def open_cuda_storage(fields: CudaIpcFields, device_index: int) -> torch.Tensor:
                 fields.storage_offset_bytes,
                 fields.ref_counter_handle,
                 fields.ref_counter_offset,
-                fields.event_handle,
-                fields.event_sync_required,
+                # The producer event is the caller's to wait for (``CudaIpcCache.open`` opens it and
+                # ``OpenedStorage.wait_ready`` waits on the host), not torch's: it would queue a
+                # wait on this thread's stream only, and only for this first open.
+                b"",
+                False,
             )
             flat = torch.empty((0,), dtype=torch.uint8, device=torch.device("cuda", device_index))
             flat.set_(storage, 0, (storage.nbytes(),), (1,))
@@ -269,6 +330,24 @@ def open_cuda_storage(fields: CudaIpcFields, device_index: int) -> torch.Tensor:
             device_index=str(device_index),
         ) from exc
     return flat
+
+
+def open_producer_event(fields: CudaIpcFields, device_index: int) -> torch.cuda.Event:
+    """Open the producer event ``fields`` names (``event_key`` is not None) on ``device_index``.
+
+    Raises ``WeightwireError(HANDLE_OPEN_FAILED)`` when CUDA refuses the handle.
+    """
+    import torch
+
+    try:
+        return torch.cuda.Event.from_ipc_handle(torch.device("cuda", device_index), fields.event_handle)
+    except RuntimeError as exc:
+        raise WeightwireError(
+            Reason.HANDLE_OPEN_FAILED,
+            f"could not open the CUDA IPC event_handle on local device {device_index}: {exc}. The producer "
+            "must record it with weightwire.core.cuda_ipc.ProducerEvent and keep it while the buffer is exported.",
+            device_index=str(device_index),
+        ) from exc
 
 
 def release_ref_counter(fields: CudaIpcFields) -> None:
@@ -292,26 +371,48 @@ Opener = Callable[[CudaIpcFields, int], "torch.Tensor"]
 CounterRelease = Callable[[CudaIpcFields], None]
 
 
+class ReadyEvent(Protocol):
+    """What a consumer does with an opened producer event (``torch.cuda.Event``)."""
+
+    def synchronize(self) -> None: ...
+
+
+EventOpener = Callable[[CudaIpcFields, int], ReadyEvent]
+
+
 @dataclasses.dataclass
 class _Entry:
     flat: torch.Tensor
     device_index: int
     counters: set[tuple[bytes, int]]
     open_duration_ns: int
+    events: collections.OrderedDict[tuple[bytes, bytes, int], ReadyEvent] = dataclasses.field(
+        default_factory=collections.OrderedDict
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class OpenedStorage:
-    """One use of a (possibly cached) mapping: the flat bytes and whether this use opened it."""
+    """One use of a (possibly cached) mapping: the flat bytes, whether this use opened it, and the
+    producer event to wait for before reading (None: the share carried none to wait for)."""
 
     flat: torch.Tensor
     device_index: int
     opened: bool
     open_duration_ns: int
+    ready_event: ReadyEvent | None = None
 
     @property
     def size_bytes(self) -> int:
         return int(self.flat.numel())
+
+    def wait_ready(self) -> None:
+        """Block until the producer's writes before its event completed (no-op without an event).
+
+        A host wait rather than a wait of one stream: the engine may copy on a stream of its own,
+        on another thread, and a host wait orders every one of them after the producer's writes."""
+        if self.ready_event is not None:
+            self.ready_event.synchronize()
 
 
 class CudaIpcCache:
@@ -330,17 +431,20 @@ class CudaIpcCache:
         opener: Opener = open_cuda_storage,
         release_counter: CounterRelease = release_ref_counter,
         collect: Callable[[], None] = ipc_collect,
+        event_opener: EventOpener = open_producer_event,
     ) -> None:
         if capacity < 1:
             raise ValueError("cache capacity must be at least 1")
         self._capacity = capacity
         self._opener = opener
+        self._event_opener = event_opener
         self._release_counter = release_counter
         self._collect = collect
         self._lock = threading.Lock()
         self._entries: collections.OrderedDict[tuple[bytes, int, int, bytes, int], _Entry] = collections.OrderedDict()
         self.opens = 0
         self.evictions = 0
+        self.event_opens = 0
 
     @property
     def capacity(self) -> int:
@@ -356,7 +460,8 @@ class CudaIpcCache:
         return len(self)
 
     def open(self, fields: CudaIpcFields, device_index: int) -> OpenedStorage:
-        """The mapping of ``fields`` on ``device_index``, opened now or taken from the cache."""
+        """The mapping of ``fields`` on ``device_index``, opened now or taken from the cache, with
+        the producer event of this share (opened once per share, then kept with the mapping)."""
         key = (*fields.cache_key, device_index)
         evicted: list[_Entry] = []
         with self._lock:
@@ -368,20 +473,47 @@ class CudaIpcCache:
                     # and the mapping we hold already accounts for our reference.
                     entry.counters.add(fields.ref_counter)
                     self._release_counter(fields)
-                return OpenedStorage(entry.flat, device_index, opened=False, open_duration_ns=0)
+                event = self._event_of(entry, fields, device_index)
+                return OpenedStorage(entry.flat, device_index, opened=False, open_duration_ns=0, ready_event=event)
             start = time.perf_counter_ns()
             flat = self._opener(fields, device_index)
             took = time.perf_counter_ns() - start
             self.opens += 1
-            self._entries[key] = _Entry(flat, device_index, {fields.ref_counter}, took)
+            entry = _Entry(flat, device_index, {fields.ref_counter}, took)
+            self._entries[key] = entry
             while len(self._entries) > self._capacity:
                 _, old = self._entries.popitem(last=False)
                 evicted.append(old)
                 self.evictions += 1
+            error: BaseException | None = None
+            try:
+                event = self._event_of(entry, fields, device_index)
+            except BaseException as e:
+                # The share's event cannot be opened: do not keep a mapping nobody may read.
+                evicted.append(self._entries.pop(key))
+                error = e
         if evicted:
-            del evicted
+            del evicted, entry
             self._collect()
-        return OpenedStorage(flat, device_index, opened=True, open_duration_ns=took)
+        if error is not None:
+            del flat
+            raise error
+        return OpenedStorage(flat, device_index, opened=True, open_duration_ns=took, ready_event=event)
+
+    def _event_of(self, entry: _Entry, fields: CudaIpcFields, device_index: int) -> ReadyEvent | None:
+        key = fields.event_key
+        if key is None:
+            return None
+        event = entry.events.get(key)
+        if event is not None:
+            entry.events.move_to_end(key)
+            return event
+        event = self._event_opener(fields, device_index)
+        self.event_opens += 1
+        entry.events[key] = event
+        while len(entry.events) > MAX_EVENTS_PER_MAPPING:
+            entry.events.popitem(last=False)
+        return event
 
     def release_all(self) -> int:
         """Drop every cached mapping; returns how many were held."""

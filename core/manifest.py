@@ -89,6 +89,9 @@ class ShardManifest:
     worker_id: str = ""
     transports: tuple[pb.TransportKind.ValueType, ...] = transport_table.HOST_WORKER_TRANSPORTS
     instance_id: str = ""
+    # Set by the worker service that publishes the manifest (it knows its importers), not by adapters;
+    # not part of the fingerprint.
+    waits_for_cuda_ipc_events: bool = False
 
     @classmethod
     def build(cls, device: DeviceRef, rank: ParallelRank, tensors: Iterable[OwnedTensor], **kw: object) -> ShardManifest:
@@ -129,6 +132,7 @@ class ShardManifest:
             worker_id=self.worker_id,
             transports=list(self.transports),  # type: ignore[arg-type]
             instance_id=self.instance_id,
+            waits_for_cuda_ipc_events=self.waits_for_cuda_ipc_events,
         )
 
     @classmethod
@@ -144,4 +148,5 @@ class ShardManifest:
             worker_id=msg.worker_id,
             transports=tuple(msg.transports),
             instance_id=msg.instance_id,
+            waits_for_cuda_ipc_events=msg.waits_for_cuda_ipc_events,
         )

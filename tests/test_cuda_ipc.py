@@ -87,13 +87,34 @@ def test_share_refuses_host_tensors() -> None:
         share_cuda_tensor(torch.zeros(4))
 
 
-class FakeCuda:
-    """Stands in for the CUDA calls of CudaIpcCache: each open returns a fresh host buffer."""
+class FakeEvent:
+    """Stands in for an opened producer event: counts host waits."""
 
-    def __init__(self) -> None:
+    def __init__(self, handle: bytes) -> None:
+        self.handle = handle
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+class FakeCuda:
+    """Stands in for the CUDA calls of CudaIpcCache: each open returns a fresh host buffer, each
+    event open a ``FakeEvent``."""
+
+    def __init__(self, fail_events: bool = False) -> None:
         self.opened: list[tuple[bytes, int, int]] = []
         self.released: list[tuple[bytes, int]] = []
+        self.events: list[FakeEvent] = []
         self.collects = 0
+        self.fail_events = fail_events
+
+    def open_event(self, fields: CudaIpcFields, index: int) -> FakeEvent:
+        if self.fail_events:
+            raise WeightwireError("HANDLE_OPEN_FAILED", "fake: the event handle cannot be opened")
+        event = FakeEvent(fields.event_handle)
+        self.events.append(event)
+        return event
 
     def open(self, fields: CudaIpcFields, index: int) -> torch.Tensor:
         self.opened.append((fields.memory_handle, fields.storage_offset_bytes, index))
@@ -106,7 +127,9 @@ class FakeCuda:
         self.collects += 1
 
     def cache(self, capacity: int = 4) -> CudaIpcCache:
-        return CudaIpcCache(capacity, opener=self.open, release_counter=self.release, collect=self.collect)
+        return CudaIpcCache(
+            capacity, opener=self.open, release_counter=self.release, collect=self.collect, event_opener=self.open_event
+        )
 
 
 def test_cache_opens_each_storage_once_and_counts() -> None:
@@ -156,6 +179,51 @@ def test_cache_evicts_least_recently_used_and_releases_all() -> None:
     assert cache.open_mappings == 0 and fake.collects == 3
     assert cache.open(f0, 0).opened
     assert cache.opens == 5
+
+
+def test_producer_event_opened_once_per_share_and_waited_for_on_every_use() -> None:
+    fake = FakeCuda()
+    cache = fake.cache()
+    ev_a = make_fields(event_handle=b"\x01" * 64)
+    uses = [cache.open(ev_a, 0) for _ in range(3)]
+    assert [u.opened for u in uses] == [True, False, False]
+    assert len(fake.events) == 1 and cache.event_opens == 1
+    assert all(u.ready_event is fake.events[0] for u in uses)
+    for u in uses:
+        u.wait_ready()
+    assert fake.events[0].waits == 3
+    # Another share of the same storage (another counter slot) gets its own event, even with
+    # equal handle bytes: they may belong to an event destroyed since.
+    cache.open(make_fields(event_handle=b"\x01" * 64, ref_counter_offset=8), 0)
+    assert cache.event_opens == 2 and cache.opens == 1
+    # Without event_sync_required there is nothing to wait for.
+    plain = cache.open(make_fields(event_handle=b"", event_sync_required=False), 0)
+    assert plain.ready_event is None and cache.event_opens == 2
+    plain.wait_ready()
+    # Events go with their mapping.
+    cache.release_all()
+    assert cache.open(ev_a, 0).opened and cache.event_opens == 3
+
+
+def test_a_share_whose_event_cannot_be_opened_keeps_no_mapping() -> None:
+    fake = FakeCuda(fail_events=True)
+    cache = fake.cache()
+    with pytest.raises(WeightwireError) as info:
+        cache.open(make_fields(), 0)
+    assert info.value.reason == "HANDLE_OPEN_FAILED"
+    assert cache.open_mappings == 0 and fake.collects == 1
+
+
+def test_with_event_names_the_event_to_wait_for() -> None:
+    fields = make_fields(event_handle=b"", event_sync_required=False)
+    assert fields.event_key is None
+    waited = fields.with_event(b"\x07" * 64)
+    assert waited.event_sync_required and waited.event_handle == b"\x07" * 64
+    assert waited.event_key == (b"\x07" * 64, fields.ref_counter_handle, fields.ref_counter_offset)
+    assert waited.cache_key == fields.cache_key  # the same storage, so the same mapping
+    assert CudaIpcFields.from_proto(waited.to_proto()) == waited
+    with pytest.raises(WeightwireError):
+        fields.with_event(b"")
 
 
 def test_cache_capacity_must_be_positive() -> None:

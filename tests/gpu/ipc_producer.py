@@ -7,6 +7,9 @@ serialised ``weightwire.v1.Payload`` (never pickle):
   share           -> "payload <hex>" (a fresh share of the same buffer)
   fill <byte>     -> "ok" after the buffer holds that byte everywhere and the stream is synchronised
   pattern <seed>  -> "ok" after the buffer holds (i * 31 + seed) % 251 for byte i
+  slowfill <byte> -> "event <hex>" at once: a kernel that spins for about 0.2 s, then the fill, are
+                     queued, then the buffer's ProducerEvent is recorded; its IPC handle is sent
+                     without waiting for any of it (a consumer must wait for the event)
   free            -> "freed <allocated bytes after dropping the buffer and ipc_collect>"
   mem             -> "mem <allocated bytes>"
   quit            -> exits
@@ -17,7 +20,13 @@ from __future__ import annotations
 import sys
 
 import torch
-from weightwire.core.cuda_ipc import SharedCudaBuffer, ipc_collect, share_cuda_tensor, synchronize_producer
+from weightwire.core.cuda_ipc import (
+    ProducerEvent,
+    SharedCudaBuffer,
+    ipc_collect,
+    share_cuda_tensor,
+    synchronize_producer,
+)
 
 
 def pattern(n: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -33,6 +42,7 @@ def main() -> int:
     buf: torch.Tensor | None = base[lead:]
     del base
     shares: list[SharedCudaBuffer] = []
+    event = ProducerEvent(0)
 
     def reply(line: str) -> None:
         sys.stdout.write(line + "\n")
@@ -56,6 +66,11 @@ def main() -> int:
             buf.copy_(pattern(buf.numel(), int(args[0]), device))
             synchronize_producer(0)
             reply("ok")
+        elif cmd == "slowfill":
+            assert buf is not None
+            torch.cuda._sleep(400_000_000)  # GPU clock cycles: ~0.2 s on a current GPU
+            buf.fill_(int(args[0]))
+            reply(f"event {event.record().hex()}")
         elif cmd == "free":
             buf = None
             shares.clear()

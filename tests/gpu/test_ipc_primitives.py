@@ -67,6 +67,32 @@ def test_export_import_by_uuid_reuses_one_mapping() -> None:
 
 @pytest.mark.gpu
 @needs_gpus(1)
+def test_kept_mapping_waits_for_the_producer_event() -> None:
+    """The producer sends an event handle right after queueing slow writes, without waiting for
+    them; a consumer reading through its kept mapping waits for that event and sees every byte."""
+    from weightwire.server.cuda_import import CudaIpcMapping
+
+    cache = CudaIpcCache()
+    with producer("0", SIZE) as prod:
+        assert prod.ask("pattern 1") == "ok"
+        payload, _ = parse_share(prod.ask("share"))
+        fields = CudaIpcFields.from_proto(payload.cuda_ipc)
+        assert cache.open(fields, 0).opened
+        for value in (9, 200):
+            kind, handle = prod.ask(f"slowfill {value}").split()
+            assert kind == "event"
+            use = cache.open(fields.with_event(bytes.fromhex(handle)), 0)
+            assert not use.opened and use.ready_event is not None
+            mapping = CudaIpcMapping(use, DeviceRef.from_proto(payload.device), False)
+            got = mapping.view(0, torch.uint8, (SIZE,))
+            assert int(got.min()) == value == int(got.max())
+        # The event of a share is opened once and kept with the mapping.
+        assert cache.event_opens == 1 and cache.opens == 1
+        cache.release_all()
+
+
+@pytest.mark.gpu
+@needs_gpus(1)
 def test_producer_keeps_block_while_consumer_maps_it() -> None:
     """torch's reference counting across processes works with our hand-made transfer: a block a
     consumer still maps is not given back to the producer's allocator until the consumer lets go."""

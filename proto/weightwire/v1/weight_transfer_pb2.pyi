@@ -442,7 +442,7 @@ class LayerRange(_message.Message):
     def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class ShardManifest(_message.Message):
-    __slots__ = ("device", "rank", "tensors", "layer_range", "fingerprint", "engine", "worker_id", "transports", "instance_id")
+    __slots__ = ("device", "rank", "tensors", "layer_range", "fingerprint", "engine", "worker_id", "transports", "instance_id", "waits_for_cuda_ipc_events")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -452,6 +452,7 @@ class ShardManifest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    WAITS_FOR_CUDA_IPC_EVENTS_FIELD_NUMBER: _ClassVar[int]
     device: DeviceId
     rank: ParallelRank
     tensors: _containers.RepeatedCompositeFieldContainer[OwnedTensor]
@@ -461,7 +462,8 @@ class ShardManifest(_message.Message):
     worker_id: str
     transports: _containers.RepeatedScalarFieldContainer[TransportKind]
     instance_id: str
-    def __init__(self, device: _Optional[_Union[DeviceId, _Mapping]] = ..., rank: _Optional[_Union[ParallelRank, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[OwnedTensor, _Mapping]]] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., worker_id: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[TransportKind, str]]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    waits_for_cuda_ipc_events: bool
+    def __init__(self, device: _Optional[_Union[DeviceId, _Mapping]] = ..., rank: _Optional[_Union[ParallelRank, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[OwnedTensor, _Mapping]]] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., worker_id: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[TransportKind, str]]] = ..., instance_id: _Optional[str] = ..., waits_for_cuda_ipc_events: bool = ...) -> None: ...
 
 class GetManifestRequest(_message.Message):
     __slots__ = ()
