@@ -325,7 +325,7 @@ class _RankedUpdate:
             try:
                 buf = self.pool.acquire(b.size_bytes, stopped, deadline)
             except Stopped:
-                self.problem = self.problem or "its update failed (see its workers' errors)"
+                self.problem = self.problem or "its own update failed (see its workers' errors)"
             except Exception as e:
                 self.problem = f"no staging buffer for bucket {g}: {type(e).__name__}: {e}"
         try:
@@ -350,7 +350,7 @@ class _RankedUpdate:
         if sender:
             self._wait_acked(g - self.depth + 1, stopped, deadline)
         if stopped():
-            self.problem = self.problem or "its update failed (see its workers' errors)"
+            self.problem = self.problem or "its own update failed (see its workers' errors)"
         steps = self.ranks.step(self.problem is None, payload, f"bucket {g}")
         not_fine = [r for r, (ok, _) in enumerate(steps) if not ok]
         if not_fine:
@@ -463,13 +463,13 @@ class _RankedUpdate:
 
     # ---------------------------------------------------------------- 3. commit on all or none
 
-    def _gate(self, ok: bool) -> str | None:
-        """Called by this rank's session once its workers acked everything (or something failed):
-        None to commit, else why every rank aborts."""
-        if not ok:
-            self.problem = self.problem or "its update failed (see its workers' errors)"
+    def _gate(self, problem: str | None) -> str | None:
+        """Called by this rank's session once its workers acked everything (``problem`` None) or with
+        what went wrong there: None to commit, else why every rank aborts."""
+        if problem is not None and not (self.stopped_all and problem == "it stopped before its last bucket"):
+            self.problem = self.problem or problem
         self._finish_lockstep()
-        return self._exchange_outcome(ok=ok and self.problem is None and not self.stopped_all)
+        return self._exchange_outcome(ok=problem is None and self.problem is None and not self.stopped_all)
 
     def _exchange_outcome(self, ok: bool) -> str | None:
         self.outcome_sent = True

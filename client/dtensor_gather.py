@@ -43,6 +43,14 @@ class RankLostError(WeightwireError):
         super().__init__(RANK_LOST, message, code="UNAVAILABLE", **metadata)
 
 
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, *, group: Any, async_op: bool) -> Any:
+    """``all_gather_single`` (torch >= 2.13), or its older name ``all_gather_into_tensor``."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
 def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
@@ -195,7 +203,7 @@ class FullTensorWriter:
         )
         out = dst if direct and dst is not None else local.new_empty((world, *padded_shape))
         try:
-            work = dist.all_gather_into_tensor(out.reshape(-1), send.reshape(-1), group=group, async_op=True)
+            work = all_gather_single(out.reshape(-1), send.reshape(-1), group=group, async_op=True)
             if dist.get_backend(group) == "gloo":
                 work.wait(timeout=self.timeout)
             else:  # NCCL: stream-ordered; its watchdog bounds the wait
@@ -241,6 +249,7 @@ __all__ = [
     "CastTo",
     "FullTensorWriter",
     "RankLostError",
+    "all_gather_single",
     "check_cast_to",
     "default_group",
     "has_dtensors",

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from weightwire.client.dtensor_gather import RankLostError
+from weightwire.client.dtensor_gather import RankLostError, all_gather_single
 from weightwire.client.plan import PlanError, TensorSpec
 from weightwire.client.types import PushResult
 from weightwire.core.devices import DeviceRef
@@ -65,11 +65,10 @@ class RankGroup:
         self.timeout = datetime.timedelta(seconds=max(0.001, float(timeout_s)))
 
     def _all_gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        import torch.distributed as dist
 
         out = t.new_empty((self.size, *t.shape))
         try:
-            work = dist.all_gather_into_tensor(out.reshape(-1), t.reshape(-1), group=self.group, async_op=True)
+            work = all_gather_single(out.reshape(-1), t.reshape(-1), group=self.group, async_op=True)
             work.wait(timeout=self.timeout)
             return out.cpu()
         except RuntimeError as e:

@@ -29,10 +29,11 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 # names the worker) normally fires first.
 _GRACE_S = 2.0
 
-# Asked on the pushing thread once every bucket was sent and acked (argument True), or the update
-# failed or stopped here (False): None lets the session commit, a message aborts it with that reason.
-# A multi-rank push (``weightwire.client.collective_push``) agrees with the other trainer ranks here.
-CommitGate = Callable[[bool], str | None]
+# Asked on the pushing thread once every bucket was sent and acked (argument None), or with what went
+# wrong here (a worker failed, the jobs stopped early, acks missing at the deadline): None lets the
+# session commit, a message aborts it with that reason. A multi-rank push
+# (``weightwire.client.collective_push``) agrees with the other trainer ranks here.
+CommitGate = Callable[[str | None], str | None]
 
 
 class SpecTemplates:
@@ -170,11 +171,11 @@ class UpdateSession:
     def _pass_gate(self, sent_all: bool) -> None:
         """Ask the commit gate; commit every stream if it agrees, otherwise fail the update with its reason."""
         with self._cond:
-            ok = sent_all and not self.failed and not self._pending
+            problem = self._problem(sent_all)
         assert self._commit_gate is not None
-        reason = self._commit_gate(ok)
+        reason = self._commit_gate(problem)
         with self._cond:
-            if reason is None and ok and not self.failed:
+            if reason is None and problem is None and not self.failed:
                 self.committed = True
                 for s in self.streams.values():
                     s.commit()
@@ -184,6 +185,20 @@ class UpdateSession:
                 self.aborted_because = reason or "the commit gate refused"
         for s in self.streams.values():
             s.cancel()  # nothing is committed: end every stream now instead of at its deadline
+
+    def _problem(self, sent_all: bool) -> str | None:
+        """What keeps this session from committing, for the commit gate (the caller holds ``_cond``)."""
+        if self.failed:
+            stream = self.streams.get(self.first_failure or "")
+            if stream is not None and stream.error is not None:
+                who = self._manifests[stream.address].worker_id or stream.address
+                return f"worker {who} failed: {stream.error.reason}: {stream.error.message}"[:1000]
+            return "the update failed"
+        if not sent_all:
+            return "it stopped before its last bucket"
+        if self._pending:
+            return f"{len(self._pending)} bucket(s) were not acked before the deadline"
+        return None
 
     def _wait_for_acks(self, deadline: float) -> None:
         with self._cond:

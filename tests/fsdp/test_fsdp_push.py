@@ -119,6 +119,7 @@ def four_ranks(fleets: Fleets, two_ranks: Launch, tmp_path_factory: pytest.TempP
     versions = {
         "tp2_own_device": v["tp2"], "tp2pp2_gathered": v["tp2pp2"], "tp2pp2_own_device": v["tp2pp2"] + 1,
         "gpus_own_device": v["gpus"], "gpus_gathered": v["gpus"] + 1,
+        "gpus_one_worker_refuses": v["gpus"] + 2, "raised": v["gpus"] + 10,
     }
     scenarios = [
         {"name": "gather_checks", "kind": "gather_checks"},
@@ -128,6 +129,11 @@ def four_ranks(fleets: Fleets, two_ranks: Launch, tmp_path_factory: pytest.TempP
         scenario("gpus_own_device", fleets.gpus, versions["gpus_own_device"], stand_in_gpu=True, transport="host_shm"),
         scenario("gpus_gathered", fleets.gpus, versions["gpus_gathered"], stand_in_gpu=True, transport="host_shm",
                  routing="gathered", sender_rank=2),
+        # The worker on GPU 1 is moved past the next version, so it refuses it (STALE_VERSION) while
+        # the workers of the other ranks accept every bucket: none of them may commit.
+        {"name": "raise", "kind": "raise_version", "endpoint": fleets.gpus.endpoints[1], "version": versions["raised"]},
+        scenario("gpus_one_worker_refuses", fleets.gpus, versions["gpus_one_worker_refuses"], stand_in_gpu=True,
+                 transport="host_shm"),
     ]
     before = fleets.versions()
     run = run_ranks(4, scenarios, str(tmp_path_factory.mktemp("four-ranks")))
@@ -198,6 +204,23 @@ def test_gathered_every_worker_imports_from_its_own_gpu(four_ranks: Launch, flee
         assert results[address]["version"] == version
         assert results[address]["source_devices"] == [f"host:{label}"]
     fleets.gpus.assert_dumps(version, seed=version)
+
+
+def test_no_worker_commits_a_version_another_ranks_worker_refused(four_ranks: Launch, fleets: Fleets) -> None:
+    """Direct per-rank: rank 1's worker refuses the version; ranks 0, 2 and 3 had their own workers
+    accept every bucket, and still none of them commits. Every rank raises the same PushError: the
+    refusing worker first, with its reason, the others cancelled because of rank 1."""
+    refused = fleets.gpus.endpoints[1]
+    for rec in four_ranks.records("gpus_one_worker_refuses"):
+        assert not rec["ok"] and rec["error"]["type"] == "PushError", rec
+        failures = rec["error"]["failures"]
+        assert next(iter(failures)) == refused and failures[refused]["reason"] == "STALE_VERSION"
+        for a in fleets.gpus.endpoints:
+            if a != refused:
+                assert failures[a]["reason"] == "CANCELLED" and "trainer rank 1" in failures[a]["message"], failures[a]
+        assert rec["error"]["results"] == []
+    raised, last_good = four_ranks.versions["raised"], four_ranks.versions["gpus_gathered"]
+    assert four_ranks.after["gpus"] == [last_good, raised, last_good, last_good]
 
 
 def test_explicit_dtype_conversion(two_ranks: Launch, fleets: Fleets) -> None:
