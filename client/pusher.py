@@ -70,6 +70,11 @@ class _Setup:
     rechecked: bool = False
 
 
+def _updating(statuses: Mapping[str, pb.GetStatusResponse] | None) -> set[str]:
+    """The workers the re-check found running an update (someone else's: this pusher runs one at a time)."""
+    return {a for a, st in (statuses or {}).items() if st.state == pb.WORKER_STATE_UPDATING}
+
+
 class WeightPusher:
     """Pushes weight updates to a set of engine workers (one endpoint per worker process).
 
@@ -170,7 +175,9 @@ class WeightPusher:
         """Every worker's GetStatus (weights version, state, last result/error), keyed by endpoint."""
         return collect_unary("GetStatus", self._start_all("GetStatus", pb.GetStatusRequest()))  # type: ignore[return-value]
 
-    def _recheck(self, manifests: Mapping[str, ShardManifest], pending: Mapping[str, grpc.Future] | None) -> None:
+    def _recheck(
+        self, manifests: Mapping[str, ShardManifest], pending: Mapping[str, grpc.Future] | None
+    ) -> Mapping[str, pb.GetStatusResponse]:
         """Refuse the update (nothing sent) when a worker restarted or changed since its manifest was read."""
         statuses: Mapping[str, pb.GetStatusResponse] = (
             collect_unary("GetStatus", pending) if pending is not None else self.status()  # type: ignore[assignment]
@@ -179,6 +186,7 @@ class WeightPusher:
         if changed:
             self._manifests = None
             raise PushError(dict(changed))
+        return statuses
 
     # ---------------------------------------------------------------- buffers the caller fills
 
@@ -330,12 +338,13 @@ class WeightPusher:
         if not self._push_lock.acquire(blocking=False):
             raise RuntimeError("a push is already running on this WeightPusher; one update at a time")
         try:
+            statuses = None
             if self.recheck_manifests and not setup.rechecked:
-                self._recheck(setup.manifests, setup.recheck)
+                statuses = self._recheck(setup.manifests, setup.recheck)
             connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)
             session = UpdateSession(
                 jobs.jobs, setup.manifests, options, connections, self._fingerprints, self._templates, jobs.pools,
-                commit_gate,
+                commit_gate, updating_before=_updating(statuses),
             )
             # Staging buffers hand workers an event to wait for instead of waiting for their own
             # writes, when every recipient says it waits for it. Not in a push of several ranks

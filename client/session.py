@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+
+import grpc
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from weightwire.client.blame import collect_results
 from weightwire.client.options import PushOptions
@@ -28,6 +30,8 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 # Local waits get this much longer than the RPC deadline, so gRPC's own DEADLINE_EXCEEDED (which
 # names the worker) normally fires first.
 _GRACE_S = 2.0
+# How often a failed push asks a cancelled worker whether it has ended the update.
+_SETTLE_POLL_S = 0.02
 
 # Asked on the pushing thread once every bucket was sent and acked (argument None), or with what went
 # wrong here (a worker failed, the jobs stopped early, acks missing at the deadline): None lets the
@@ -76,12 +80,17 @@ class UpdateSession:
         templates: SpecTemplates,
         pools: Sequence[StagingPool],
         commit_gate: CommitGate | None = None,
+        updating_before: Collection[str] = (),
     ) -> None:
         self._jobs = list(jobs)
+        # Workers already running another update when this one was planned: a cancelled stream to
+        # one of them is not waited for (that update is someone else's).
+        self._updating_before = frozenset(updating_before)
         self._commit_gate = commit_gate
         self._manifests = manifests
         self._options = options
         self._timeout_s = connections.timeout_s
+        self._metadata = connections.metadata
         self._templates = templates
         self._pools = list(pools)
         self._cond = threading.Condition()
@@ -136,6 +145,8 @@ class UpdateSession:
         finally:
             if not completed or self.failed or any(not s.done.is_set() for s in self.streams.values()):
                 self._cancel_all()
+                if completed:  # not while an exception (say Ctrl-C) is on its way out
+                    self._await_cancelled_updates(deadline)
             self._discard_unacked()
         return collect_results(
             self.streams,
@@ -217,6 +228,34 @@ class UpdateSession:
         for s in self.streams.values():
             # A cancelled call ends at once; bounded anyway so a broken channel cannot hang us.
             s.done.wait(_GRACE_S)
+
+    def _await_cancelled_updates(self, deadline: float) -> None:
+        """Return only once every worker whose stream this session cancelled has ended that update
+        (GetStatus no longer UPDATING), or at the deadline. A cancelled worker may still be inside a
+        load; a trainer retrying at once must not be refused (UPDATE_IN_PROGRESS) by its own failed
+        update. A worker that does not answer GetStatus, or that was busy with another update before
+        this one started, is not waited for."""
+        waiting = [
+            s for s in self.streams.values() if s.cancelled_by_us and s.call is not None and s.address not in self._updating_before
+        ]
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            calls = [
+                (s, s.worker.stub.GetStatus.future(pb.GetStatusRequest(), timeout=remaining, metadata=self._metadata))
+                for s in waiting
+            ]
+            still: list[WorkerStream] = []
+            for s, call in calls:
+                try:
+                    if call.result().state == pb.WORKER_STATE_UPDATING:
+                        still.append(s)
+                except grpc.RpcError:
+                    continue
+            waiting = still
+            if waiting:
+                time.sleep(min(_SETTLE_POLL_S, max(0.0, deadline - time.monotonic())))
 
     def _discard_unacked(self) -> None:
         with self._cond:

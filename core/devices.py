@@ -5,14 +5,18 @@ its own through ``is_own_device``. CUDA devices are named by GPU UUID, never by 
 depend on CUDA_VISIBLE_DEVICES, which differs per process). Host memory is named by the machine's
 boot id, since host shared memory only means something on that machine.
 
-UUIDs are compared only in normalised form: NVML prints ``GPU-1a2b...`` (or ``MIG-...``), torch
-prints the bare lower-case UUID.
+UUIDs are compared only in their one canonical form: NVML prints ``GPU-1a2b...`` (or ``MIG-...``),
+torch prints the bare lower-case UUID. ``normalize_uuid`` makes the canonical form once (trimmed,
+lower case, one ``GPU-``/``MIG-`` prefix removed); every ``DeviceRef`` holds it, and a label from
+the wire that is not a device UUID in that form (a second prefix, control characters, hundreds of
+characters) is refused rather than normalised further, so normalising is never applied twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import uuid as uuid_mod
 
 from weightwire.core.errors import Reason, WeightwireError
@@ -20,10 +24,14 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 _PREFIXES = ("gpu-", "mig-")
+# A device UUID in canonical form (a GPU or MIG UUID, a boot id: 36 characters); room to spare.
+MAX_UUID_CHARS = 128
+_CANONICAL_RE = re.compile(r"[0-9a-z][0-9a-z._:/-]*")
 
 
 def normalize_uuid(raw: str) -> str:
-    """Canonical form of a device UUID: trimmed, lower-case, without a ``GPU-``/``MIG-`` prefix."""
+    """Canonical form of a device UUID: trimmed, lower-case, without a ``GPU-``/``MIG-`` prefix
+    (one: ``GPU-GPU-x`` becomes ``gpu-x``, which ``uuid_problem`` refuses)."""
     text = raw.strip().lower()
     for prefix in _PREFIXES:
         if text.startswith(prefix):
@@ -32,15 +40,32 @@ def normalize_uuid(raw: str) -> str:
     return text
 
 
+def uuid_problem(canonical: str) -> str | None:
+    """Why ``canonical`` (a ``normalize_uuid`` result) cannot name a device, or None when it can."""
+    if not canonical:
+        return "it is empty"
+    if len(canonical) > MAX_UUID_CHARS:
+        return f"it is {len(canonical)} characters long (a device UUID has at most {MAX_UUID_CHARS})"
+    if canonical.startswith(_PREFIXES):
+        return "it carries a GPU-/MIG- prefix twice"
+    if not _CANONICAL_RE.fullmatch(canonical):
+        return "it has characters other than [0-9a-z._:/-]"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceRef:
     """A physical device: kind (``pb.DEVICE_KIND_CUDA`` / ``pb.DEVICE_KIND_HOST``) and normalised UUID."""
 
-    kind: int
+    kind: pb.DeviceKind.ValueType
     uuid: str
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "uuid", normalize_uuid(self.uuid))
+        canonical = normalize_uuid(self.uuid)
+        if canonical.startswith(_PREFIXES):
+            # Normalising this value again would change it: it has no one canonical form.
+            raise ValueError(f"device UUID {self.uuid[:80]!r} carries a GPU-/MIG- prefix twice")
+        object.__setattr__(self, "uuid", canonical)
 
     @classmethod
     def cuda(cls, uuid: str) -> DeviceRef:
@@ -58,12 +83,17 @@ class DeviceRef:
                 Reason.DEVICE_KIND_UNSPECIFIED,
                 f"payload device kind is {msg.kind} (unspecified or unknown); set DEVICE_KIND_CUDA or DEVICE_KIND_HOST",
             )
-        if not normalize_uuid(msg.uuid):
-            raise WeightwireError(Reason.PAYLOAD_LABEL_MISSING, "payload device label has an empty uuid")
+        problem = uuid_problem(normalize_uuid(msg.uuid))
+        if problem is not None:
+            raise WeightwireError(
+                Reason.PAYLOAD_LABEL_MISSING,
+                f"payload device label uuid {msg.uuid[:80]!r}{'...' if len(msg.uuid) > 80 else ''} is not a device UUID: "
+                f"{problem}; label payloads with the bare UUID torch reports (or NVML's GPU-/MIG- form)",
+            )
         return cls(msg.kind, msg.uuid)
 
     def to_proto(self) -> pb.DeviceId:
-        return pb.DeviceId(kind=self.kind, uuid=self.uuid)  # type: ignore[arg-type]
+        return pb.DeviceId(kind=self.kind, uuid=self.uuid)
 
     @property
     def is_cuda(self) -> bool:
@@ -75,8 +105,9 @@ class DeviceRef:
 
 
 def is_own_device(label: DeviceRef, own: DeviceRef) -> bool:
-    """The one decision "is this payload mine": same kind and same normalised UUID."""
-    return label.kind == own.kind and normalize_uuid(label.uuid) == normalize_uuid(own.uuid)
+    """The one decision "is this payload mine": same kind and same canonical UUID (both are
+    canonical already; normalising again would let a second prefix through)."""
+    return label.kind == own.kind and label.uuid == own.uuid
 
 
 @functools.lru_cache(maxsize=1)
@@ -122,8 +153,3 @@ def device_ref_of(device: object) -> DeviceRef:
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         return DeviceRef.cuda(cuda_device_uuid(index))
     return DeviceRef.host()
-
-
-def nvml_uuid_to_torch(nvml_uuid: str) -> str:
-    """NVML prints ``GPU-xxxxxxxx-...``; torch prints the bare form. Both normalise equal."""
-    return normalize_uuid(nvml_uuid)

@@ -249,7 +249,7 @@ def _mutated_payload_cases(target: Target) -> st.SearchStrategy[Case]:
         b = target.bucket(index, [t], kind)
         p = b.payloads[0]
         what = draw(st.sampled_from([
-            "no_payloads", "no_label", "kind_unspecified", "kind_unknown", "uuid_empty", "foreign_host",
+            "no_payloads", "no_label", "kind_unspecified", "kind_unknown", "uuid_empty", "uuid_not_a_device", "foreign_host",
             "foreign_cuda", "foreign_cuda_peer", "own_label_twice", "handle_missing", "size_negative",
             "size_huge", "size_too_small", "inline_size_differs", "shm_size_beyond_segment", "shm_bad_name",
             "shm_missing", "cuda_handle_on_host", "checksum_wrong", "checksum_algorithm",
@@ -268,6 +268,11 @@ def _mutated_payload_cases(target: Target) -> st.SearchStrategy[Case]:
             reasons = {"DEVICE_KIND_UNSPECIFIED"}
         elif what == "uuid_empty":
             p.device.uuid = draw(st.sampled_from(["", " ", "GPU-", "mig-", "\t"]))
+            reasons = {"PAYLOAD_LABEL_MISSING"}
+        elif what == "uuid_not_a_device":
+            # Not a device UUID once normalised: a second prefix on the own UUID, too long, odd text.
+            own = target.own_device.uuid
+            p.device.uuid = draw(st.sampled_from(["GPU-GPU-" + own, "MIG-GPU-" + own, own * 4, own + " x"]))
             reasons = {"PAYLOAD_LABEL_MISSING"}
         elif what == "foreign_host":
             p.device.uuid = str(uuid.UUID(int=draw(st.integers(min_value=0, max_value=2**128 - 1))))

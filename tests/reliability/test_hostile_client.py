@@ -181,3 +181,43 @@ def test_segment_shrunk_while_the_worker_reads_it_costs_the_update_not_the_worke
     assert (st.weights_version, st.state, st.open_mappings) == (before.weights_version, pb.WORKER_STATE_INCONSISTENT, 0), st
     assert st.last_error.reason == "INVALID_SIZE" and "shrank" in st.last_error.message
     worker.push_good(segments)
+
+
+def _label(uuid: str) -> pb.DeviceId:
+    return pb.DeviceId(kind=pb.DEVICE_KIND_HOST, uuid=uuid)
+
+
+def test_doubly_prefixed_own_label_is_not_the_worker_s_own(worker: Worker) -> None:
+    # Normalising twice made "GPU-GPU-<own>" the worker's own: it was imported ahead of a payload
+    # labelled exactly with the own UUID, and the ack named "gpu-<own>" as the source.
+    own = worker.status().device.uuid
+    before = worker.status()
+    version = before.weights_version + 1
+    packed = helpers.pack(worker.checkpoint(version))
+    decoy = bytes(len(packed.data))  # zeros: what must never reach the model
+    payloads = [
+        helpers.inline_payload(decoy, device=_label("GPU-GPU-" + own)),
+        helpers.inline_payload(packed.data, device=_label(own)),
+    ]
+    outcome = push_raw(worker.stub, [helpers.header(version), helpers.bucket(0, packed.specs, payloads), helpers.commit(1)])
+    assert_weightwire_error(outcome, "PAYLOAD_LABEL_MISSING")
+    assert "prefix twice" in outcome.message
+    worker.expect_unchanged(before)
+
+
+def test_nvml_form_of_the_own_label_is_the_own_device_in_canonical_form(worker: Worker) -> None:
+    own = worker.status().device.uuid
+    version = worker.next_version()
+    packed = helpers.pack(worker.checkpoint(version))
+    nvml = helpers.inline_payload(packed.data, device=_label("GPU-" + own.upper()))
+    outcome = push_raw(worker.stub, [helpers.header(version), helpers.bucket(0, packed.specs, [nvml]), helpers.commit(1)])
+    assert outcome.code == grpc.StatusCode.OK, outcome.describe()
+    assert outcome.acks[0].source_device == pb.DeviceId(kind=pb.DEVICE_KIND_HOST, uuid=own)
+    # The same device twice, once in each form, is one label twice.
+    before = worker.status()
+    version += 1
+    packed = helpers.pack(worker.checkpoint(version))
+    twice = [helpers.inline_payload(packed.data, device=_label("GPU-" + own)), helpers.inline_payload(packed.data, device=_label(own))]
+    outcome = push_raw(worker.stub, [helpers.header(version), helpers.bucket(0, packed.specs, twice), helpers.commit(1)])
+    assert_weightwire_error(outcome, "DUPLICATE_PAYLOAD_LABEL")
+    worker.expect_unchanged(before)

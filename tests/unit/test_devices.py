@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from weightwire.core.devices import DeviceRef, is_own_device, normalize_uuid
+from hypothesis import given
+from hypothesis import strategies as st
+from weightwire.core.devices import MAX_UUID_CHARS, DeviceRef, is_own_device, normalize_uuid
 from weightwire.core.errors import WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -52,6 +54,12 @@ def test_is_own_device(label: DeviceRef, own: DeviceRef, mine: bool) -> None:
         (pb.DeviceId(kind=77, uuid=TORCH_UUID), "DEVICE_KIND_UNSPECIFIED"),  # type: ignore[arg-type]
         (pb.DeviceId(kind=pb.DEVICE_KIND_CUDA, uuid=""), "PAYLOAD_LABEL_MISSING"),
         (pb.DeviceId(kind=pb.DEVICE_KIND_CUDA, uuid="GPU-"), "PAYLOAD_LABEL_MISSING"),
+        # A second prefix: normalising once leaves "gpu-...", which is no device UUID.
+        (pb.DeviceId(kind=pb.DEVICE_KIND_CUDA, uuid="GPU-GPU-" + TORCH_UUID), "PAYLOAD_LABEL_MISSING"),
+        (pb.DeviceId(kind=pb.DEVICE_KIND_HOST, uuid="MIG-gpu-" + TORCH_UUID), "PAYLOAD_LABEL_MISSING"),
+        (pb.DeviceId(kind=pb.DEVICE_KIND_CUDA, uuid="a" * (MAX_UUID_CHARS + 1)), "PAYLOAD_LABEL_MISSING"),
+        (pb.DeviceId(kind=pb.DEVICE_KIND_CUDA, uuid=TORCH_UUID + "\x00x"), "PAYLOAD_LABEL_MISSING"),
+        (pb.DeviceId(kind=pb.DEVICE_KIND_CUDA, uuid="é" + TORCH_UUID), "PAYLOAD_LABEL_MISSING"),
     ],
 )
 def test_label_from_wire_rejected(msg: pb.DeviceId, reason: str) -> None:
@@ -62,3 +70,23 @@ def test_label_from_wire_rejected(msg: pb.DeviceId, reason: str) -> None:
 
 def test_label_from_wire_normalised() -> None:
     assert DeviceRef.from_proto(pb.DeviceId(kind=pb.DEVICE_KIND_CUDA, uuid="GPU-" + TORCH_UUID.upper())) == DeviceRef.cuda(TORCH_UUID)
+
+
+def test_a_doubly_prefixed_label_is_never_the_own_device() -> None:
+    own = DeviceRef.cuda(TORCH_UUID)
+    with pytest.raises(ValueError):
+        DeviceRef.cuda("GPU-GPU-" + TORCH_UUID)
+    assert not is_own_device(DeviceRef.cuda("xgpu-" + TORCH_UUID), own)
+
+
+@given(st.text(max_size=60))
+def test_a_label_from_the_wire_is_canonical_once_and_for_all(raw: str) -> None:
+    msg = pb.DeviceId(kind=pb.DEVICE_KIND_CUDA, uuid=raw)
+    try:
+        ref = DeviceRef.from_proto(msg)
+    except WeightwireError as e:
+        assert e.reason == "PAYLOAD_LABEL_MISSING"
+        return
+    # Accepted: its canonical form parses back to itself, and compares equal only to itself.
+    again = DeviceRef.from_proto(ref.to_proto())
+    assert again == ref and is_own_device(again, ref) and normalize_uuid(ref.uuid) == ref.uuid
