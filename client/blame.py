@@ -92,7 +92,7 @@ def collect_results(
                 worker=a,
             )
     if root or cancelled:
-        raise PushError({**root, **cancelled}, results)  # type: ignore[arg-type]
+        raise PushError({**root, **cancelled}, results)
     return results
 
 

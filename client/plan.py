@@ -8,6 +8,7 @@ worker's tensors out fails here, once, with every problem listed, instead of as 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -55,7 +56,7 @@ class TensorSpec:
     def to_proto(self, base_offset_bytes: int = 0) -> pb.TensorSpec:
         return pb.TensorSpec(
             name=self.name,
-            dtype=dtypes.from_torch(self.dtype),  # type: ignore[arg-type]
+            dtype=dtypes.from_torch(self.dtype),
             shape=list(self.shape),
             offset_bytes=self.offset_bytes + base_offset_bytes,
         )
@@ -119,8 +120,9 @@ def check_update(
     explains it), a dtype or shape that differs from what an owning worker expects, and, for FULL
     scope, any worker whose owned tensors are not all pushed.
     """
-    seen: set[str] = set()
-    dupes = {s.name for s in pushed if s.name in seen or seen.add(s.name)}  # type: ignore[func-returns-value]
+    counts = collections.Counter(s.name for s in pushed)
+    seen = set(counts)
+    dupes = {name for name, n in counts.items() if n > 1}
     if dupes:
         raise PlanError(Reason.DUPLICATE_TENSOR, f"tensors pushed more than once in one update: {_listing(dupes)}")
 

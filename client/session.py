@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import threading
 import time
-
-import grpc
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+import grpc
 from weightwire.client.blame import collect_results
 from weightwire.client.options import PushOptions
 from weightwire.client.plan import TensorSpec

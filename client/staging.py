@@ -290,7 +290,10 @@ def gathered_job(
                         "a gathered local buffer must start at the beginning of its shared-memory buffer "
                         "(all payloads of a bucket share one layout)",
                     )
-                payloads.append(exporter.export(buf, size, exporter.label))  # type: ignore[arg-type]
+                label = exporter.label
+                if label is None:
+                    raise PlanError(Reason.PAYLOAD_LABEL_MISSING, f"transport {exporter.name} cannot label a local payload")
+                payloads.append(exporter.export(buf, size, label))
                 if verify and checksum is None:
                     checksum = crc32_checksum(buf.crc32(size))
         except BaseException:

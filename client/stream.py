@@ -136,7 +136,10 @@ class WorkerStream:
 
     def _read(self, here: bool = False) -> None:
         try:
-            for resp in self.call:  # type: ignore[union-attr]
+            call = self.call
+            if call is None:
+                raise RuntimeError(f"stream to {self.address} read before it was started")
+            for resp in call:
                 kind = resp.WhichOneof("message")
                 if kind == "ack":
                     self.acks.append(resp.ack)

@@ -6,7 +6,7 @@ import torch
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-_TABLE: tuple[tuple[int, torch.dtype], ...] = (
+_TABLE: tuple[tuple[pb.DType.ValueType, torch.dtype], ...] = (
     (pb.DTYPE_FLOAT32, torch.float32),
     (pb.DTYPE_FLOAT16, torch.float16),
     (pb.DTYPE_BFLOAT16, torch.bfloat16),
@@ -21,7 +21,7 @@ _TABLE: tuple[tuple[int, torch.dtype], ...] = (
     (pb.DTYPE_FLOAT8_E5M2, torch.float8_e5m2),
 )
 _TO_TORCH: dict[int, torch.dtype] = dict(_TABLE)
-_FROM_TORCH: dict[torch.dtype, int] = {t: p for p, t in _TABLE}
+_FROM_TORCH: dict[torch.dtype, pb.DType.ValueType] = {t: p for p, t in _TABLE}
 
 
 def to_torch(dtype: int) -> torch.dtype:
@@ -36,7 +36,7 @@ def to_torch(dtype: int) -> torch.dtype:
         ) from None
 
 
-def from_torch(dtype: torch.dtype) -> int:
+def from_torch(dtype: torch.dtype) -> pb.DType.ValueType:
     """torch dtype -> contract dtype. Raises ValueError for a dtype the contract cannot carry."""
     try:
         return _FROM_TORCH[dtype]

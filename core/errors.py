@@ -10,6 +10,7 @@ its code, ``Reason.for_code``). Every error has a reason. Status codes are carri
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 
 ERROR_DOMAIN = "weightwire"
 
@@ -137,9 +138,9 @@ class PushError(Exception):
     the workers that did commit (their result objects), so a caller can see the whole picture.
     """
 
-    def __init__(self, failures: dict[str, WeightwireError], results: dict[str, object] | None = None) -> None:
-        self.failures = failures
-        self.results = results or {}
+    def __init__(self, failures: Mapping[str, WeightwireError], results: Mapping[str, object] | None = None) -> None:
+        self.failures = dict(failures)
+        self.results = dict(results or {})
         lines = [f"weight update failed on {len(failures)} worker(s):"]
         for worker, err in failures.items():
             lines.append(f"  - {worker}: {err.code}/{err.reason}: {err.message}")

@@ -58,7 +58,7 @@ class OwnedTensor:
     """A checkpoint tensor a worker consumes: the full checkpoint dtype and shape to be sent."""
 
     name: str
-    dtype: int
+    dtype: pb.DType.ValueType
     shape: tuple[int, ...]
 
     @property
@@ -69,7 +69,7 @@ class OwnedTensor:
         return n * dtypes.itemsize(self.dtype)
 
     def to_proto(self) -> pb.OwnedTensor:
-        return pb.OwnedTensor(name=self.name, dtype=self.dtype, shape=list(self.shape))  # type: ignore[arg-type]
+        return pb.OwnedTensor(name=self.name, dtype=self.dtype, shape=list(self.shape))
 
 
 def transports_for(device: DeviceRef) -> tuple[pb.TransportKind.ValueType, ...]:
@@ -130,7 +130,7 @@ class ShardManifest:
             fingerprint=self.fingerprint,
             engine=self.engine,
             worker_id=self.worker_id,
-            transports=list(self.transports),  # type: ignore[arg-type]
+            transports=list(self.transports),
             instance_id=self.instance_id,
             waits_for_cuda_ipc_events=self.waits_for_cuda_ipc_events,
         )

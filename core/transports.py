@@ -105,22 +105,22 @@ def by_name(name: str) -> Transport | None:
     return _BY_NAME.get(name)
 
 
-def by_kind(kind: int) -> Transport | None:
-    return _BY_KIND.get(kind)  # type: ignore[call-overload]
+def by_kind(kind: pb.TransportKind.ValueType) -> Transport | None:
+    return _BY_KIND.get(kind)
 
 
 def by_field(handle_field: str) -> Transport | None:
     return _BY_FIELD.get(handle_field)
 
 
-def kind_name(kind: int) -> str:
+def kind_name(kind: pb.TransportKind.ValueType) -> str:
     """The name of a wire ``TransportKind`` (``"host_shm"``), also for a kind this table does not know
     (a newer worker's): its enum name without the prefix, lower case."""
     row = by_kind(kind)
     if row is not None:
         return row.name
     try:
-        return pb.TransportKind.Name(kind).removeprefix("TRANSPORT_KIND_").lower()  # type: ignore[arg-type]
+        return pb.TransportKind.Name(kind).removeprefix("TRANSPORT_KIND_").lower()
     except ValueError:
         return f"transport {kind}"
 
