@@ -14,9 +14,13 @@ from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import OwnedTensor
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-# Largest byte count a tensor or payload may claim. Far beyond any real buffer, small enough that
-# offset + nbytes stays inside int64 and no size arithmetic downstream can overflow.
+# Largest byte count a tensor or payload may claim, and the largest dimension. Far beyond any real
+# buffer, small enough that offset + nbytes stays inside int64 and no size arithmetic downstream
+# can overflow.
 MAX_BYTES = 2**62
+# Most dimensions a tensor spec may have (checkpoints use up to 5); checked before the shape is
+# read, so a spec of millions of dimensions costs nothing.
+MAX_DIMS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +44,8 @@ def _shape_text(shape: tuple[int, ...] | list[int]) -> str:
 
 
 def check_spec(spec: pb.TensorSpec) -> CheckedSpec:
-    """Name present, dtype known, dims and offset non-negative, size bounded."""
+    """Name present, dtype known, at most ``MAX_DIMS`` dimensions each in 0..``MAX_BYTES``, size and
+    offset in 0..``MAX_BYTES``."""
     if not spec.name:
         raise WeightwireError(Reason.MALFORMED_STREAM, "a tensor spec has an empty name")
     torch_dtype = dtypes.to_torch(spec.dtype) if spec.dtype != pb.DTYPE_UNSPECIFIED else None
@@ -48,21 +53,30 @@ def check_spec(spec: pb.TensorSpec) -> CheckedSpec:
         raise WeightwireError(
             Reason.DTYPE_UNSPECIFIED, f"tensor {spec.name!r} has dtype DTYPE_UNSPECIFIED; set it explicitly", tensor=spec.name
         )
+    if len(spec.shape) > MAX_DIMS:
+        raise WeightwireError(
+            Reason.INVALID_SHAPE, f"tensor {spec.name!r} has {len(spec.shape)} dimensions (at most {MAX_DIMS})", tensor=spec.name
+        )
     shape = tuple(int(d) for d in spec.shape)
-    numel = 1
+    # The same verdict in any order of the dimensions: each is bounded, then the whole product is
+    # (a zero dimension makes an empty tensor, whatever the others are, as long as each is bounded).
     for d in shape:
-        if d < 0:
-            raise WeightwireError(
-                Reason.INVALID_SHAPE, f"tensor {spec.name!r} has a negative dimension in shape {_shape_text(shape)}", tensor=spec.name
-            )
-        numel *= d
-        if numel * torch_dtype.itemsize > MAX_BYTES:
+        if not 0 <= d <= MAX_BYTES:
             raise WeightwireError(
                 Reason.INVALID_SHAPE,
-                f"tensor {spec.name!r} of shape {_shape_text(shape)} would exceed {MAX_BYTES} bytes",
+                f"tensor {spec.name!r} has a dimension out of range (0..{MAX_BYTES}) in shape {_shape_text(shape)}",
                 tensor=spec.name,
             )
+    numel = 1
+    for d in shape:
+        numel *= d
     nbytes = numel * torch_dtype.itemsize
+    if nbytes > MAX_BYTES:
+        raise WeightwireError(
+            Reason.INVALID_SHAPE,
+            f"tensor {spec.name!r} of shape {_shape_text(shape)} would exceed {MAX_BYTES} bytes",
+            tensor=spec.name,
+        )
     if spec.offset_bytes < 0 or spec.offset_bytes > MAX_BYTES:
         raise WeightwireError(
             Reason.INVALID_OFFSET, f"tensor {spec.name!r} has offset_bytes {spec.offset_bytes} (must be 0..{MAX_BYTES})", tensor=spec.name

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from weightwire.core.devices import MAX_UUID_CHARS, DeviceRef, is_own_device, normalize_uuid
 from weightwire.core.errors import WeightwireError
@@ -79,6 +79,7 @@ def test_a_doubly_prefixed_label_is_never_the_own_device() -> None:
     assert not is_own_device(DeviceRef.cuda("xgpu-" + TORCH_UUID), own)
 
 
+@settings(deadline=None, database=None)
 @given(st.text(max_size=60))
 def test_a_label_from_the_wire_is_canonical_once_and_for_all(raw: str) -> None:
     msg = pb.DeviceId(kind=pb.DEVICE_KIND_CUDA, uuid=raw)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from weightwire.core.errors import WeightwireError
 from weightwire.core.manifest import OwnedTensor
 from weightwire.server.validation import (
@@ -29,7 +33,9 @@ def spec(name: str = "w", dtype: int = F32, shape: tuple[int, ...] = (2, 3), off
         (spec(dtype=BF16, shape=(4,), offset=2), 8, torch.bfloat16),
         (spec(shape=()), 4, torch.float32),  # a scalar
         (spec(shape=(0, 5)), 0, torch.float32),  # empty is valid
-        (spec(shape=(0, 2**62)), 0, torch.float32),  # a zero dim makes any other dim harmless
+        (spec(shape=(0, 2**62)), 0, torch.float32),  # a zero dim makes any other bounded dim harmless
+        (spec(shape=(2**62, 0)), 0, torch.float32),  # ... in either order
+        (spec(shape=(1,) * 32), 4, torch.float32),  # MAX_DIMS dimensions
         (spec(dtype=pb.DTYPE_BOOL, shape=(3,), offset=1), 3, torch.bool),
         (spec(offset=2), 24, torch.float32),  # misaligned offsets are legal (imported with a copy)
     ],
@@ -51,6 +57,9 @@ def test_valid_specs(s: pb.TensorSpec, nbytes: int, torch_dtype: torch.dtype) ->
         (spec(shape=(2**31, 2**31, 2**31)), "INVALID_SHAPE"),  # product overflows int64
         (spec(shape=(2**61,)), "INVALID_SHAPE"),  # 2**63 bytes of float32
         (spec(shape=(2**62 - 1, 2**62 - 1, 2**62 - 1, 2**62 - 1)), "INVALID_SHAPE"),
+        (spec(shape=(0, 2**63 - 1)), "INVALID_SHAPE"),  # a dimension out of range, even next to a zero
+        (spec(shape=(2**63 - 1, 0)), "INVALID_SHAPE"),  # ... in either order
+        (spec(shape=(1,) * 33), "INVALID_SHAPE"),  # more than MAX_DIMS dimensions
         (spec(offset=-1), "INVALID_OFFSET"),
         (spec(offset=2**63 - 1), "INVALID_OFFSET"),
     ],
@@ -123,3 +132,16 @@ def test_against_manifest(s: pb.TensorSpec, owned: OwnedTensor, reason: str | No
     assert e.value.reason == reason
     assert e.value.code == "FAILED_PRECONDITION"
     assert e.value.metadata["tensor"] == "w"
+
+
+@settings(deadline=None, database=None)
+@given(st.lists(st.sampled_from([0, 1, 3, 2**20, 2**40, 2**62, 2**62 + 1, 2**63 - 1]), max_size=5))
+def test_shape_verdict_does_not_depend_on_dimension_order(shape: list[int]) -> None:
+    def verdict(dims: tuple[int, ...]) -> str:
+        try:
+            return f"ok {check_spec(spec(shape=dims)).nbytes}"
+        except WeightwireError as e:
+            return e.reason
+
+    verdicts = {verdict(p) for p in itertools.permutations(shape)}
+    assert len(verdicts) == 1, (shape, verdicts)

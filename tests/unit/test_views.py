@@ -59,7 +59,7 @@ def layouts(draw: st.DrawFn) -> tuple[list[ViewItem], int]:
     return items, end
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, database=None)
 @given(layout=layouts(), chunk=st.sampled_from([64, 256, 4096, 1 << 20, 1 << 30]))
 def test_copy_plan_reads_every_tensor_exactly(layout: tuple[list[ViewItem], int], chunk: int) -> None:
     items, end = layout
