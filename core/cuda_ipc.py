@@ -389,6 +389,7 @@ class _Entry:
     events: collections.OrderedDict[tuple[bytes, bytes, int], ReadyEvent] = dataclasses.field(
         default_factory=collections.OrderedDict
     )
+    view_memo: dict[int, tuple[object, list[torch.Tensor]]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,6 +402,9 @@ class OpenedStorage:
     opened: bool
     open_duration_ns: int
     ready_event: ReadyEvent | None = None
+    # Tensor views over ``flat`` a consumer built and may use again while this mapping lives (its
+    # bytes stay where they are); dropped with the mapping. See ``server.views.batch_views``.
+    view_memo: dict[int, tuple[object, list[torch.Tensor]]] | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -474,16 +478,19 @@ class CudaIpcCache:
                     entry.counters.add(fields.ref_counter)
                     self._release_counter(fields)
                 event = self._event_of(entry, fields, device_index)
-                return OpenedStorage(entry.flat, device_index, opened=False, open_duration_ns=0, ready_event=event)
+                return OpenedStorage(
+                    entry.flat, device_index, opened=False, open_duration_ns=0, ready_event=event, view_memo=entry.view_memo
+                )
             start = time.perf_counter_ns()
             flat = self._opener(fields, device_index)
             took = time.perf_counter_ns() - start
             self.opens += 1
             entry = _Entry(flat, device_index, {fields.ref_counter}, took)
+            memo = entry.view_memo
             self._entries[key] = entry
             while len(self._entries) > self._capacity:
-                _, old = self._entries.popitem(last=False)
-                evicted.append(old)
+                # No local name for the evicted entry: it must be gone before ``_collect`` runs.
+                evicted.append(self._entries.popitem(last=False)[1])
                 self.evictions += 1
             error: BaseException | None = None
             try:
@@ -498,7 +505,7 @@ class CudaIpcCache:
         if error is not None:
             del flat
             raise error
-        return OpenedStorage(flat, device_index, opened=True, open_duration_ns=took, ready_event=event)
+        return OpenedStorage(flat, device_index, opened=True, open_duration_ns=took, ready_event=event, view_memo=memo)
 
     def _event_of(self, entry: _Entry, fields: CudaIpcFields, device_index: int) -> ReadyEvent | None:
         key = fields.event_key

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import zlib
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from weightwire.core import transports
@@ -30,12 +30,20 @@ __all__ = ["CudaIpcImporter", "CudaIpcMapping"]
 
 
 class CudaIpcMapping:
-    """One bucket's use of an opened CUDA storage; ``close`` leaves the cached mapping open."""
+    """One bucket's use of an opened CUDA storage; ``close`` leaves the cached mapping open.
+
+    The first read of its bytes (``fetch``, ``view``, ``crc32``) waits for the producer's event when
+    the payload carried one: a kept mapping is live memory the producer may still be writing. Views
+    built over it may be kept in ``view_memo`` for later buckets of the same layout (the mapping's
+    bytes stay where they are while the cache holds it).
+    """
 
     copy_chunk_bytes: int | None = None
 
     def __init__(self, opened: OpenedStorage, source: DeviceRef, peer: bool) -> None:
         self._flat: torch.Tensor | None = opened.flat
+        self._wait_ready: Callable[[], None] | None = opened.wait_ready if opened.ready_event is not None else None
+        self.view_memo = opened.view_memo
         self.size_bytes = opened.size_bytes
         self.device_index = opened.device_index
         self.source_device = source
@@ -46,6 +54,9 @@ class CudaIpcMapping:
     def _bytes(self) -> torch.Tensor:
         if self._flat is None:
             raise WeightwireError(Reason.HANDLE_OPEN_FAILED, "CUDA IPC mapping used after close")
+        if self._wait_ready is not None:
+            self._wait_ready()
+            self._wait_ready = None
         return self._flat
 
     def view(self, offset_bytes: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -79,6 +90,8 @@ class CudaIpcMapping:
 
     def close(self) -> None:
         self._flat = None
+        self._wait_ready = None
+        self.view_memo = None
 
 
 class CudaIpcImporter(PayloadImporter):
@@ -86,6 +99,9 @@ class CudaIpcImporter(PayloadImporter):
 
     TRANSPORT = transports.CUDA_IPC
     reusable = True
+    # Every mapping waits for its payload's producer event before its bytes are read (see
+    # CudaIpcMapping); the worker's manifest says so (ShardManifest.waits_for_cuda_ipc_events).
+    waits_for_producer_events = True
 
     def __init__(self, cache: CudaIpcCache | None = None) -> None:
         self._cache = cache

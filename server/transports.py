@@ -71,6 +71,9 @@ class PayloadImporter(abc.ABC):
     TRANSPORT: ClassVar[transports.Transport | None] = None
     # True: the importer caches mappings across updates itself; the service never closes them.
     reusable: bool = False
+    # True: its mappings wait for a payload's producer event before their bytes are read (CUDA IPC);
+    # the worker's manifest then says so, and trainers skip their own wait.
+    waits_for_producer_events: bool = False
 
     @property
     def field_name(self) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from weightwire.core.errors import Reason, WeightwireError
@@ -134,6 +135,41 @@ def copy_plan(names: Sequence[str], items: Sequence[ViewItem], chunk_bytes: int)
         b_pos.append(pos)
     close()
     return tuple(batches)
+
+
+# Batches whose views one mapping keeps (a staging buffer of a packed push of a large model serves
+# up to a few hundred layouts); beyond this the memo starts over.
+MAX_MEMO_BATCHES = 512
+
+
+class _Fetches(Protocol):
+    def fetch(self, batch: ReadBatch) -> torch.Tensor: ...
+
+
+def batch_views(mapping: _Fetches, batch: ReadBatch) -> list[torch.Tensor]:
+    """``views_over`` the bytes ``mapping.fetch(batch)`` gives, for every tensor of ``batch``.
+
+    ``fetch`` runs every time (it is where a mapping reads, or waits for its producer). A mapping
+    whose bytes stay where they are for as long as it is kept (a CUDA IPC storage) has a
+    ``view_memo`` dict: the views of a batch are built once and reused for the same batch (the
+    layout's read plan, which the layout cache keeps) while the mapping lives, instead of one
+    ``as_strided`` per tensor per bucket.
+    """
+    base = mapping.fetch(batch)
+    memo: dict[int, tuple[object, list[torch.Tensor]]] | None = getattr(mapping, "view_memo", None)
+    if memo is None:
+        return views_over(base, batch.positions, batch.items)
+    hit = memo.get(id(batch))
+    if hit is not None and hit[0] is batch:  # the entry holds the batch, so its id is not reused
+        return hit[1]
+    views = views_over(base, batch.positions, batch.items)
+    storage = base.untyped_storage().data_ptr()
+    if any(v.numel() and v.untyped_storage().data_ptr() != storage for v in views):
+        return views  # a misaligned tensor was copied out: its bytes are this bucket's only
+    if len(memo) >= MAX_MEMO_BATCHES:
+        memo.clear()
+    memo[id(batch)] = (batch, views)
+    return views
 
 
 def views_over(base: torch.Tensor, positions: Sequence[int], items: Sequence[ViewItem]) -> list[torch.Tensor]:
