@@ -167,9 +167,11 @@ class Update:
         payloads = list(msg.payloads)
         layout, checksum = self._accept(msg, payloads)
         ack = pb.BucketAck(index=msg.index, tensors_skipped=len(layout.specs) - len(layout.owned))
+        # Every payload's label and handle are checked, also those this worker does not select and
+        # in a bucket it owns nothing of: a malformed bucket is malformed for everyone.
+        payload_labels(payloads)
+        self._check_handles(payloads)
         if not layout.owned:
-            # Labels are still checked (a malformed bucket is malformed for everyone).
-            payload_labels(payloads)
             return ack
         sel, importer = self._select(payloads)
         loaded = self._import(msg.index, layout, sel, importer, checksum)
@@ -251,8 +253,15 @@ class Update:
                 f"a {transport_name(field)} handle cannot live on device {sel.device}; label it with the device that holds it",
                 transport=field,
             )
-        importer.check(sel.payload)
         return sel, importer
+
+    def _check_handles(self, payloads: Sequence[pb.Payload]) -> None:
+        """Each payload's handle fields, by the importer of its transport (a transport this worker
+        has no importer for is refused only if it is the one selected)."""
+        for payload in payloads:
+            importer = self._ctx.importers.get(payload.WhichOneof("handle") or "")
+            if importer is not None:
+                importer.check(payload)
 
     def _import(
         self, index: int, layout: BucketLayout, sel: Selection, importer: PayloadImporter, checksum: int | None
