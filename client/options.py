@@ -8,10 +8,15 @@ Each entry point of ``WeightPusher`` builds one from its arguments; the job buil
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import TYPE_CHECKING
 
 from weightwire.client.dtensor_gather import CastTo
 from weightwire.client.types import ProgressFn
 from weightwire.v1 import weight_transfer_pb2 as pb
+
+if TYPE_CHECKING:
+    from weightwire.client.trainer_metrics import TrainerMetrics
 
 _SCOPES = {"full": pb.UPDATE_SCOPE_FULL, "partial": pb.UPDATE_SCOPE_PARTIAL}
 
@@ -39,6 +44,9 @@ class PushOptions:
     update_id: str = ""
     # Explicit dtype conversion on the way (e.g. fp32 master weights into a bf16 engine); never implied.
     cast_to: CastTo = None
+    # Where the push's durations are recorded (``WeightPusher(metrics=...)``), and when it was asked for.
+    metrics: TrainerMetrics | None = None
+    started_at: float = dataclasses.field(default_factory=time.monotonic, compare=False)
 
     def header(self, manifest_fingerprint: str) -> pb.UpdateHeader:
         """The UpdateHeader of this push for a worker whose manifest had ``manifest_fingerprint``."""

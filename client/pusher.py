@@ -30,6 +30,7 @@ import dataclasses
 import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -48,6 +49,9 @@ from weightwire.client.types import FlatBucket, GatheredBucket, ProgressFn, Push
 from weightwire.core.errors import PushError, Reason
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
+
+if TYPE_CHECKING:
+    from weightwire.client.trainer_metrics import TrainerMetrics
 
 
 def _close_all(staging: Staging, workers: list[Worker], readers: ReaderThreads) -> None:
@@ -84,7 +88,8 @@ class WeightPusher:
     (``weightwire.core.transports``: ``cuda_ipc``, ``host_shm``, ``inline``). ``recheck_manifests``
     re-reads every worker's fingerprint and instance id (GetStatus, concurrently) before each
     update, to refuse a plan made against a worker that has since restarted; the worker checks the
-    header's fingerprint too.
+    header's fingerprint too. ``metrics`` (a ``weightwire.client.trainer_metrics.TrainerMetrics``)
+    records every push's durations (plan, transfer, commit; per worker) for Prometheus.
     """
 
     def __init__(
@@ -99,6 +104,7 @@ class WeightPusher:
         align_bytes: int = planning.DEFAULT_ALIGN_BYTES,
         pipeline_depth: int = 2,
         recheck_manifests: bool = True,
+        metrics: TrainerMetrics | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("WeightPusher needs at least one worker endpoint")
@@ -112,6 +118,7 @@ class WeightPusher:
         self.transport = transport
         self.align_bytes = int(align_bytes)
         self.recheck_manifests = recheck_manifests
+        self.metrics = metrics
         self._metadata = call_metadata(token)
         self._workers = {a: Worker(a, tls_ca=tls_ca) for a in self.endpoints}
         self._manifests: dict[str, ShardManifest] | None = None
@@ -337,6 +344,8 @@ class WeightPusher:
             raise RuntimeError("this WeightPusher is closed")
         if not self._push_lock.acquire(blocking=False):
             raise RuntimeError("a push is already running on this WeightPusher; one update at a time")
+        if self.metrics is not None:
+            options = dataclasses.replace(options, metrics=self.metrics)
         try:
             statuses = None
             if self.recheck_manifests and not setup.rechecked:

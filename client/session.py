@@ -147,15 +147,21 @@ class UpdateSession:
                 if completed:  # not while an exception (say Ctrl-C) is on its way out
                     self._await_cancelled_updates(deadline)
             self._discard_unacked()
-        return collect_results(
-            self.streams,
-            self._manifests,
-            timeout_s=self._timeout_s,
-            committed=self.committed,
-            deadline_hit=self.deadline_hit,
-            first_failure=self.first_failure,
-            cancelled_because=self.aborted_because,
-        )
+        try:
+            return collect_results(
+                self.streams,
+                self._manifests,
+                timeout_s=self._timeout_s,
+                committed=self.committed,
+                deadline_hit=self.deadline_hit,
+                first_failure=self.first_failure,
+                cancelled_because=self.aborted_because,
+            )
+        finally:
+            if self._options.metrics is not None:
+                self._options.metrics.record_session(
+                    self.streams, self._manifests, version=self._options.version, started_at=self._options.started_at,
+                )
 
     def _send_jobs(self, deadline: float) -> bool:
         """Stage and send every job in order; False when it stopped before the last one."""

@@ -60,6 +60,9 @@ class WorkerStream:
         self.done = threading.Event()
         self.started = time.monotonic()
         self.finished = 0.0
+        # When the last ack arrived and the commit went out (0.0: not yet), for trainer metrics.
+        self.last_ack_at = 0.0
+        self.commit_sent_at = 0.0
         self.call: grpc.Call | None = None
         self._reading = False
 
@@ -119,6 +122,7 @@ class WorkerStream:
         self._put(pb.PushWeightsRequest(bucket=bucket))
 
     def commit(self) -> None:
+        self.commit_sent_at = time.monotonic()
         self._put(pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=len(self.sent_jobs))))
         self._put(None)
 
@@ -143,6 +147,7 @@ class WorkerStream:
                 kind = resp.WhichOneof("message")
                 if kind == "ack":
                     self.acks.append(resp.ack)
+                    self.last_ack_at = time.monotonic()
                     self._owner.on_ack(self, resp.ack)
                 elif kind == "result":
                     self.result = resp.result

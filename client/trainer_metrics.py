@@ -28,10 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from google.rpc import code_pb2
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.errors import Reason
+
+if TYPE_CHECKING:
+    from weightwire.client.stream import WorkerStream
+    from weightwire.core.manifest import ShardManifest
 
 # A push of a small model over shm is a few milliseconds, a large one over a slow path minutes.
 PUSH_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -106,6 +111,12 @@ class TrainerMetrics:
         for phase in PHASES:
             self._push_seconds.labels(phase)
 
+    def record_session(
+        self, streams: Mapping[str, WorkerStream], manifests: Mapping[str, ShardManifest], *, version: int, started_at: float
+    ) -> None:
+        """Record the push whose update streams these were (called by the pusher when it ends)."""
+        self.record(push_timing(streams, manifests, version=version, started_at=started_at))
+
     def record(self, push: PushTiming) -> None:
         self._pushes.labels("committed" if push.committed else "failed").inc()
         for phase, value in (("plan", push.plan_s), ("transfer", push.transfer_s), ("commit", push.commit_s), ("total", push.total_s)):
@@ -124,6 +135,38 @@ class TrainerMetrics:
             self._version.set(push.version)
 
 
-def failure_reasons(failures: Mapping[str, WeightwireError]) -> dict[str, str]:
-    """``{address: reason}`` of a ``PushError``'s failures (the code when a failure has no reason)."""
-    return {a: (e.reason or e.code) for a, e in failures.items()}
+def push_timing(
+    streams: Mapping[str, WorkerStream], manifests: Mapping[str, ShardManifest], *, version: int, started_at: float
+) -> PushTiming:
+    """The phases of one push from its streams' clocks (``time.monotonic``): streams open at
+    ``started``, the last ack at ``last_ack_at``, the commit sent at ``commit_sent_at`` and the end at
+    ``finished`` (0.0: never happened)."""
+    all_streams = list(streams.values())
+    opened = min((s.started for s in all_streams), default=started_at)
+    ended = max((s.finished for s in all_streams), default=opened)
+    commits = [s.commit_sent_at for s in all_streams if s.commit_sent_at]
+    acks = [s.last_ack_at for s in all_streams if s.last_ack_at]
+    committed = bool(all_streams) and all(s.result is not None and s.error is None for s in all_streams)
+    transfer_end = min(commits) if commits else (max(acks) if acks else None)
+    workers = []
+    for address, s in streams.items():
+        manifest = manifests.get(address)
+        ok = s.result is not None and s.error is None
+        workers.append(
+            WorkerTiming(
+                worker=(manifest.worker_id if manifest is not None else "") or address,
+                transfer_s=s.last_ack_at - s.started if s.last_ack_at else None,
+                commit_s=s.finished - s.commit_sent_at if ok and s.commit_sent_at else None,
+                bytes_loaded=s.result.bytes_loaded if ok and s.result is not None else 0,
+                reason="" if ok else (s.error.reason if s.error is not None else "RPC_FAILED"),
+            )
+        )
+    return PushTiming(
+        version=version,
+        committed=committed,
+        plan_s=max(0.0, opened - started_at),
+        transfer_s=transfer_end - opened if transfer_end is not None else None,
+        commit_s=ended - min(commits) if committed and commits else None,
+        total_s=max(0.0, ended - started_at),
+        workers=tuple(workers),
+    )
