@@ -169,8 +169,7 @@ class Update:
         ack = pb.BucketAck(index=msg.index, tensors_skipped=len(layout.specs) - len(layout.owned))
         # Every payload's label and handle are checked, also those this worker does not select and
         # in a bucket it owns nothing of: a malformed bucket is malformed for everyone.
-        payload_labels(payloads)
-        self._check_handles(payloads)
+        self._check_payloads(payloads)
         if not layout.owned:
             return ack
         sel, importer = self._select(payloads)
@@ -247,19 +246,22 @@ class Update:
                 f"{f'; a worker on {ctx.own_device} cannot' if unfit else ''})",
                 transport=field,
             )
-        if row is not None and row.label_kind is not None and sel.device.kind != row.label_kind:
-            raise WeightwireError(
-                Reason.TRANSPORT_UNAVAILABLE,
-                f"a {transport_name(field)} handle cannot live on device {sel.device}; label it with the device that holds it",
-                transport=field,
-            )
         return sel, importer
 
-    def _check_handles(self, payloads: Sequence[pb.Payload]) -> None:
-        """Each payload's handle fields, by the importer of its transport (a transport this worker
-        has no importer for is refused only if it is the one selected)."""
-        for payload in payloads:
-            importer = self._ctx.importers.get(payload.WhichOneof("handle") or "")
+    def _check_payloads(self, payloads: Sequence[pb.Payload]) -> None:
+        """Each payload's label, whether its handle can live on the labelled device, and its handle
+        fields (by the importer of its transport; a transport this worker has no importer for is
+        refused only when it is the one selected)."""
+        for payload, label in zip(payloads, payload_labels(payloads), strict=True):
+            field = payload.WhichOneof("handle") or ""
+            row = transports.by_field(field)
+            if row is not None and row.label_kind is not None and label.kind != row.label_kind:
+                raise WeightwireError(
+                    Reason.TRANSPORT_UNAVAILABLE,
+                    f"a {transport_name(field)} handle cannot live on device {label}; label it with the device that holds it",
+                    transport=field,
+                )
+            importer = self._ctx.importers.get(field)
             if importer is not None:
                 importer.check(payload)
 

@@ -280,7 +280,13 @@ def _mutated_payload_cases(target: Target) -> st.SearchStrategy[Case]:
         elif what in ("foreign_cuda", "foreign_cuda_peer"):
             p.device.kind = pb.DEVICE_KIND_CUDA
             p.device.uuid = "GPU-" + str(uuid.UUID(int=draw(st.integers(min_value=0, max_value=2**128 - 1))))
-            if what == "foreign_cuda_peer":
+            if p.WhichOneof("handle") == "host_shm":
+                # Host shared memory cannot live on a GPU: every payload is checked for that,
+                # before selection looks for this worker's own payload.
+                reasons = {"TRANSPORT_UNAVAILABLE"}
+                if what == "foreign_cuda_peer":
+                    msgs[0].header.allow_peer_device_import = True
+            elif what == "foreign_cuda_peer":
                 msgs[0].header.allow_peer_device_import = True
                 reasons = {"PEER_DEVICE_UNAVAILABLE"}
             else:

@@ -221,3 +221,33 @@ def test_nvml_form_of_the_own_label_is_the_own_device_in_canonical_form(worker: 
     outcome = push_raw(worker.stub, [helpers.header(version), helpers.bucket(0, packed.specs, twice), helpers.commit(1)])
     assert_weightwire_error(outcome, "DUPLICATE_PAYLOAD_LABEL")
     worker.expect_unchanged(before)
+
+
+FOREIGN_HOST = pb.DeviceId(kind=pb.DEVICE_KIND_HOST, uuid="0badb007-0000-0000-0000-000000000000")
+
+
+def test_a_malformed_payload_is_refused_even_when_another_one_is_selected(worker: Worker) -> None:
+    # The whole message is validated: an inline payload whose length differs from size_bytes, or
+    # an shm name outside the rule, is refused also when it belongs to another device.
+    before = worker.status()
+    version = before.weights_version + 1
+    packed = helpers.pack(worker.checkpoint(version))
+    short = helpers.inline_payload(packed.data[:-8], device=FOREIGN_HOST, size_bytes=len(packed.data))
+    bad_name = helpers.shm_payload("/ww-../../etc/passwd", len(packed.data), device=FOREIGN_HOST)
+    for broken, reason in ((short, "INVALID_SIZE"), (bad_name, "INVALID_SHM_NAME")):
+        own = helpers.inline_payload(packed.data)
+        outcome = push_raw(worker.stub, [helpers.header(version), helpers.bucket(0, packed.specs, [own, broken]), helpers.commit(1)])
+        assert_weightwire_error(outcome, reason)
+        worker.expect_unchanged(before)
+
+
+def test_a_malformed_payload_is_refused_in_a_bucket_the_worker_owns_nothing_of(worker: Worker) -> None:
+    before = worker.status()
+    version = before.weights_version + 1
+    packed = helpers.pack({"not.owned.by.this.worker": torch.zeros(4)})
+    bad_name = helpers.shm_payload("ww-a/../../etc/shadow", len(packed.data))
+    outcome = push_raw(worker.stub, [
+        helpers.header(version, scope=pb.UPDATE_SCOPE_PARTIAL), helpers.bucket(0, packed.specs, [bad_name]), helpers.commit(1),
+    ])
+    assert_weightwire_error(outcome, "INVALID_SHM_NAME")
+    worker.expect_unchanged(before)
