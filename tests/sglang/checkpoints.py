@@ -54,7 +54,7 @@ class ModelSpec:
             num_attention_heads=self.num_heads,
             num_key_value_heads=self.kv_heads,
             tie_word_embeddings=self.tie,
-            max_position_embeddings=2048,
+            max_position_embeddings=4096,
             dtype=self.dtype_name,
             # No end-of-sequence token: greedy runs always produce max_new_tokens tokens.
             eos_token_id=None,

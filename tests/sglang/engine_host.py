@@ -14,7 +14,7 @@ or ``{"ok": false, "error": "..."}``. EOF or ``{"op": "shutdown"}`` shuts the en
 Ops: ``generate`` (``input_ids``, ``max_new_tokens``) -> ``{"output_ids", "weight_version",
 "finish_reason"}`` per prompt; ``start_background`` (a long streamed request; answers once its
 first tokens came back, so it is really running in the scheduler); ``finish_background`` (waits
-for it; its finish reason); ``pause`` (``mode``); ``continue``; ``update_weight_version``
+for it; its finish reason); ``pause`` (``mode``); ``continue``; ``flush_cache``; ``update_weight_version``
 (``version``: what ``POST /update_weight_version`` does, for the copy SGLang reports).
 """
 
@@ -65,6 +65,9 @@ class Host:
 
             await tm.continue_generation(ContinueGenerationReqInput())
             return None
+        if op == "flush_cache":
+            out = await tm.flush_cache()
+            return bool(getattr(out, "success", out))
         if op == "update_weight_version":
             # What SGLang's HTTP route does; its Engine has no method for it.
             if hasattr(tm, "update_weight_version"):
@@ -83,13 +86,18 @@ class Host:
 
         async def run() -> dict[str, Any]:
             last: dict[str, Any] = {}
-            gen = await self.engine.async_generate(
-                input_ids=input_ids, sampling_params={**GREEDY, "max_new_tokens": max_new_tokens}, stream=True
-            )
-            async for chunk in gen:
-                last = chunk
-                if not started.done() and len(chunk.get("output_ids") or []) >= 2:
-                    started.set_result(None)
+            try:
+                gen = await self.engine.async_generate(
+                    input_ids=input_ids, sampling_params={**GREEDY, "max_new_tokens": max_new_tokens}, stream=True
+                )
+                async for chunk in gen:
+                    last = chunk
+                    if not started.done() and len(chunk.get("output_ids") or []) >= 2:
+                        started.set_result(None)
+            except BaseException as e:
+                if not started.done():
+                    started.set_exception(e)
+                raise
             if not started.done():
                 started.set_exception(RuntimeError(f"background request ended before it ran: {last.get('meta_info')}"))
             return summary(last)

@@ -54,6 +54,7 @@ def engine_kwargs(model_path: str, *, tp: int = 1, pp: int = 1, dtype: str = "fl
         "disable_cuda_graph": True,
         "skip_tokenizer_init": True,
         "max_total_tokens": 4096,
+        "context_length": 4096,
         "max_running_requests": 4,
         "dtype": dtype,
         "sleep_on_idle": sleep_on_idle,
