@@ -47,7 +47,6 @@ from weightwire.client.dtensor_gather import (
 )
 from weightwire.client.plan import PlanError, TensorSpec
 from weightwire.client.rank_agreement import (
-    RANKS_DISAGREE,
     RankGroup,
     UpdateDigest,
     disagreement,
@@ -66,7 +65,7 @@ from weightwire.client.routing import check_transport_limit
 from weightwire.client.staging import Job, PreparedBucket, StagingPool, Stopped, crc32_checksum, export_staged
 from weightwire.client.types import PushResult
 from weightwire.core.devices import DeviceRef
-from weightwire.core.errors import PushError, WeightwireError
+from weightwire.core.errors import PushError, Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -199,7 +198,7 @@ class _RankedUpdate:
             raise peer_failed(failed[0][0], failed[0][1], before_sending=True)
         message = disagreement([rec["digest"] for rec in records])
         if message:
-            raise PlanError(RANKS_DISAGREE, message, code="FAILED_PRECONDITION")
+            raise PlanError(Reason.TRAINER_RANKS_DISAGREE, message)
         assert exporter is not None
         labels = [label_of(rec.get("label")) for rec in records]
         items = self.items
@@ -227,7 +226,7 @@ class _RankedUpdate:
         pusher = self.pusher
         missing = unplaced_workers(manifests, labels, self.routing)
         if missing:
-            raise PlanError("NO_PAYLOAD_FOR_DEVICE", missing, code="FAILED_PRECONDITION")
+            raise PlanError(Reason.NO_PAYLOAD_FOR_DEVICE, missing)
         bucket_bytes = pusher.bucket_size_bytes
         if exporter.bucket_bytes_limit is not None:
             bucket_bytes = min(bucket_bytes, exporter.bucket_bytes_limit)
@@ -504,7 +503,7 @@ class _RankedUpdate:
         if root or cancelled or self.abort_reason is not None:
             if not root and not cancelled:
                 root[f"trainer rank {self.me}"] = WeightwireError(
-                    "TRAINER_RANK_FAILED", self.abort_reason or "aborted", code="ABORTED"
+                    Reason.TRAINER_RANK_FAILED, self.abort_reason or "aborted"
                 )
             raise PushError({**root, **cancelled}, dict(all_results))  # type: ignore[arg-type]
         order = {a: i for i, a in enumerate(self.pusher.endpoints)}
@@ -514,7 +513,7 @@ class _RankedUpdate:
 def _as_error(e: Exception) -> WeightwireError:
     if isinstance(e, WeightwireError):
         return e
-    return WeightwireError("CLIENT_ERROR", f"{type(e).__name__}: {e}", code="INTERNAL")
+    return WeightwireError(Reason.INTERNAL, f"{type(e).__name__}: {e}")
 
 
 def push_from_ranks(

@@ -21,16 +21,11 @@ from typing import Any
 
 import torch
 from weightwire.client.plan import TensorSpec
-from weightwire.core.errors import WeightwireError
+from weightwire.core.errors import Reason, WeightwireError
 
 # ``cast_to``: one dtype for every floating-point tensor, or a map from a pushed dtype to the dtype
 # the engine gets. Integer and bool tensors are never converted by the single-dtype form.
 CastTo = torch.dtype | Mapping[torch.dtype, torch.dtype] | None
-
-# The reason a trainer rank sees when another rank of its group went away (died, or did not take
-# part within the deadline) during a collective. Client-side only: no worker ever reports it.
-RANK_LOST = "TRAINER_RANK_LOST"
-
 
 class RankLostError(WeightwireError):
     """A collective of the trainer's process group failed: a rank died, or did not take part in time.
@@ -40,7 +35,7 @@ class RankLostError(WeightwireError):
     """
 
     def __init__(self, message: str, **metadata: str) -> None:
-        super().__init__(RANK_LOST, message, code="UNAVAILABLE", **metadata)
+        super().__init__(Reason.TRAINER_RANK_LOST, message, **metadata)
 
 
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, *, group: Any, async_op: bool) -> Any:
@@ -245,7 +240,6 @@ def _lost(name: str, err: RuntimeError) -> RankLostError:
 
 
 __all__ = [
-    "RANK_LOST",
     "CastTo",
     "FullTensorWriter",
     "RankLostError",

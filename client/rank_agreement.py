@@ -31,12 +31,8 @@ from weightwire.client.dtensor_gather import RankLostError, all_gather_single
 from weightwire.client.plan import PlanError, TensorSpec
 from weightwire.client.types import PushResult
 from weightwire.core.devices import DeviceRef
-from weightwire.core.errors import WeightwireError
+from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
-
-# Client-side reasons of a multi-rank update (no worker reports these).
-RANKS_DISAGREE = "TRAINER_RANKS_DISAGREE"
-RANK_FAILED = "TRAINER_RANK_FAILED"
 
 # Bounds on what one rank sends: a per-bucket step (flag and one serialised Payload), and any other
 # record (digests, outcomes, the results of every worker a rank pushed to).
@@ -224,11 +220,11 @@ def error_record(err: BaseException) -> dict[str, str]:
     if isinstance(failures, Mapping) and failures:
         worker, first = next(iter(failures.items()))
         return {
-            "reason": getattr(first, "reason", "CLIENT_ERROR"),
+            "reason": getattr(first, "reason", Reason.INTERNAL.name),
             "code": getattr(first, "code", "UNKNOWN"),
             "message": f"{worker}: {getattr(first, 'message', first)}"[:_MESSAGE_CHARS],
         }
-    return {"reason": "CLIENT_ERROR", "code": "INTERNAL", "message": f"{type(err).__name__}: {err}"[:_MESSAGE_CHARS]}
+    return {"reason": Reason.INTERNAL.name, "code": "INTERNAL", "message": f"{type(err).__name__}: {err}"[:_MESSAGE_CHARS]}
 
 
 def peer_failed(rank: int, record: Mapping[str, str], before_sending: bool) -> WeightwireError:
@@ -236,9 +232,8 @@ def peer_failed(rank: int, record: Mapping[str, str], before_sending: bool) -> W
     tail = "; nothing was sent to any worker" if before_sending else "; no worker committed"
     cls = PlanError if before_sending else WeightwireError
     return cls(
-        RANK_FAILED,
+        Reason.TRAINER_RANK_FAILED,
         f"trainer rank {rank} failed: {record.get('reason')}: {record.get('message')}{tail}",
-        code="ABORTED",
         rank=str(rank),
         rank_reason=str(record.get("reason", "")),
     )
@@ -328,8 +323,6 @@ def failure_of(d: Mapping[str, Any]) -> WeightwireError:
 
 __all__ = [
     "MAX_RECORD_BYTES",
-    "RANKS_DISAGREE",
-    "RANK_FAILED",
     "STEP_SLOT_BYTES",
     "RankGroup",
     "UpdateDigest",

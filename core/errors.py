@@ -72,6 +72,10 @@ class Reason(enum.Enum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     UNAVAILABLE = "UNAVAILABLE"
     RPC_FAILED = "UNKNOWN"
+    # A multi-rank (FSDP2) push: the ranks' updates differ, another rank failed, a rank was lost.
+    TRAINER_RANKS_DISAGREE = "FAILED_PRECONDITION"
+    TRAINER_RANK_FAILED = "ABORTED"
+    TRAINER_RANK_LOST = "UNAVAILABLE"
 
     # Several members share a value; keep them distinct members (Enum would alias them).
     def __new__(cls, code: str) -> Reason:

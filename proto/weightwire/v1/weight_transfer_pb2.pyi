@@ -133,6 +133,9 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_DEADLINE_EXCEEDED: _ClassVar[ErrorReason]
     ERROR_REASON_UNAVAILABLE: _ClassVar[ErrorReason]
     ERROR_REASON_RPC_FAILED: _ClassVar[ErrorReason]
+    ERROR_REASON_TRAINER_RANKS_DISAGREE: _ClassVar[ErrorReason]
+    ERROR_REASON_TRAINER_RANK_FAILED: _ClassVar[ErrorReason]
+    ERROR_REASON_TRAINER_RANK_LOST: _ClassVar[ErrorReason]
 DEVICE_KIND_UNSPECIFIED: DeviceKind
 DEVICE_KIND_CUDA: DeviceKind
 DEVICE_KIND_HOST: DeviceKind
@@ -226,6 +229,9 @@ ERROR_REASON_CANCELLED: ErrorReason
 ERROR_REASON_DEADLINE_EXCEEDED: ErrorReason
 ERROR_REASON_UNAVAILABLE: ErrorReason
 ERROR_REASON_RPC_FAILED: ErrorReason
+ERROR_REASON_TRAINER_RANKS_DISAGREE: ErrorReason
+ERROR_REASON_TRAINER_RANK_FAILED: ErrorReason
+ERROR_REASON_TRAINER_RANK_LOST: ErrorReason
 
 class DeviceId(_message.Message):
     __slots__ = ("kind", "uuid")

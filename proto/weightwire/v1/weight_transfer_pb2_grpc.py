@@ -31,7 +31,10 @@ class WeightTransferServiceStub(object):
     a trainer can see: UNKNOWN_TENSOR and BUFFER_NOT_CONTIGUOUS (INVALID_ARGUMENT, found before
     anything is sent); CANCELLED (a worker's update cancelled because another worker failed); and,
     for a status gRPC produced without a weightwire ErrorInfo, UNAVAILABLE, DEADLINE_EXCEEDED,
-    CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code).
+    CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code). An update pushed
+    by every rank of a trainer (FSDP2) adds TRAINER_RANKS_DISAGREE (FAILED_PRECONDITION: the ranks'
+    updates differ; nothing sent), TRAINER_RANK_FAILED (ABORTED: another rank failed) and
+    TRAINER_RANK_LOST (UNAVAILABLE: a rank died or did not take part in time).
     """
 
     def __init__(self, channel):
@@ -73,7 +76,10 @@ class WeightTransferServiceServicer(object):
     a trainer can see: UNKNOWN_TENSOR and BUFFER_NOT_CONTIGUOUS (INVALID_ARGUMENT, found before
     anything is sent); CANCELLED (a worker's update cancelled because another worker failed); and,
     for a status gRPC produced without a weightwire ErrorInfo, UNAVAILABLE, DEADLINE_EXCEEDED,
-    CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code).
+    CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code). An update pushed
+    by every rank of a trainer (FSDP2) adds TRAINER_RANKS_DISAGREE (FAILED_PRECONDITION: the ranks'
+    updates differ; nothing sent), TRAINER_RANK_FAILED (ABORTED: another rank failed) and
+    TRAINER_RANK_LOST (UNAVAILABLE: a rank died or did not take part in time).
     """
 
     def GetManifest(self, request, context):
@@ -208,7 +214,10 @@ class WeightTransferService(object):
     a trainer can see: UNKNOWN_TENSOR and BUFFER_NOT_CONTIGUOUS (INVALID_ARGUMENT, found before
     anything is sent); CANCELLED (a worker's update cancelled because another worker failed); and,
     for a status gRPC produced without a weightwire ErrorInfo, UNAVAILABLE, DEADLINE_EXCEEDED,
-    CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code).
+    CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code). An update pushed
+    by every rank of a trainer (FSDP2) adds TRAINER_RANKS_DISAGREE (FAILED_PRECONDITION: the ranks'
+    updates differ; nothing sent), TRAINER_RANK_FAILED (ABORTED: another rank failed) and
+    TRAINER_RANK_LOST (UNAVAILABLE: a rank died or did not take part in time).
     """
 
     @staticmethod
