@@ -28,6 +28,9 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 # distinct ones), and the tensor specs over all of them (a bound on the cache's memory).
 MAX_CACHED_LAYOUTS = 1024
 MAX_CACHED_SPECS = 1 << 16
+# Whole bucket messages remembered as a faster way to their layout, by their serialized bytes in
+# all (a bound on that index's memory: a 400-tensor bucket serializes to ~30 KiB).
+MAX_CACHED_MESSAGE_BYTES = 32 << 20
 
 
 def layout_key(msg: pb.Bucket, payloads: Sequence[pb.Payload]) -> bytes:
@@ -130,17 +133,47 @@ class LayoutCache:
     go first beyond ``max_layouts`` layouts or ``max_specs`` specs. Only the thread running the
     worker's one update at a time adds to it."""
 
-    def __init__(self, max_layouts: int = MAX_CACHED_LAYOUTS, max_specs: int = MAX_CACHED_SPECS) -> None:
+    def __init__(
+        self,
+        max_layouts: int = MAX_CACHED_LAYOUTS,
+        max_specs: int = MAX_CACHED_SPECS,
+        max_message_bytes: int = MAX_CACHED_MESSAGE_BYTES,
+    ) -> None:
         self._max_layouts = max_layouts
         self._max_specs = max_specs
+        self._max_message_bytes = max_message_bytes
         self._layouts: dict[tuple[bytes, str], BucketLayout] = {}
         self._specs = 0
+        # Serialized bucket message and fingerprint -> the layout key it resolved to.
+        self._by_message: dict[tuple[bytes, str], tuple[bytes, str]] = {}
+        self._message_bytes = 0
 
     def __len__(self) -> int:
         return len(self._layouts)
 
     def get(self, key: tuple[bytes, str]) -> BucketLayout | None:
         return self._layouts.get(key)
+
+    def get_message(self, message: bytes, fingerprint: str) -> BucketLayout | None:
+        """The layout of a bucket whose serialized message is byte for byte one seen before
+        (``put_message``); None if not, or if that layout has left the cache since. Building the
+        message's bytes costs a fraction of ``layout_key``; they hold everything the key does."""
+        key = self._by_message.get((message, fingerprint))
+        return None if key is None else self._layouts.get(key)
+
+    def put_message(self, message: bytes, fingerprint: str, key: tuple[bytes, str]) -> None:
+        """Remember that ``message`` has the layout cached under ``key``; oldest first out."""
+        if key not in self._layouts or len(message) > self._max_message_bytes:
+            return
+        entry = (message, fingerprint)
+        if entry in self._by_message:
+            return
+        while self._by_message and self._message_bytes + len(message) > self._max_message_bytes:
+            oldest = next(iter(self._by_message))
+            del self._by_message[oldest]
+            self._message_bytes -= len(oldest[0])
+        self._by_message[entry] = key
+        self._message_bytes += len(message)
 
     def put(self, key: tuple[bytes, str], layout: BucketLayout) -> None:
         while self._layouts and (

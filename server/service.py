@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import torch
+from weightwire.core import transports
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
@@ -61,6 +62,8 @@ class WorkerService:
         self.importers = importers if importers is not None else make_importers()
         self.on_commit = on_commit
         self._manifest: ShardManifest = adapter.manifest()
+        cuda_importer = self.importers.get(transports.CUDA_IPC.handle_field)
+        self._waits_for_cuda_ipc_events = cuda_importer is not None and cuda_importer.waits_for_producer_events
         self.layouts = LayoutCache()
         self._update_context = UpdateContext(
             adapter=adapter,
@@ -124,7 +127,10 @@ class WorkerService:
         return held + (active.open_mapping_count() if active is not None else 0)
 
     def get_manifest(self) -> pb.GetManifestResponse:
-        return pb.GetManifestResponse(manifest=self._manifest.to_proto())
+        manifest = self._manifest.to_proto()
+        # How this worker imports is its importers' business, not the engine adapter's.
+        manifest.waits_for_cuda_ipc_events = self._waits_for_cuda_ipc_events
+        return pb.GetManifestResponse(manifest=manifest)
 
     def get_status(self) -> pb.GetStatusResponse:
         with self._mu:

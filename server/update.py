@@ -43,7 +43,7 @@ from weightwire.server.transports import (
     PayloadImporter,
     transport_name,
 )
-from weightwire.server.views import views_over
+from weightwire.server.views import batch_views
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -197,15 +197,26 @@ class Update:
         if msg.index in self._bucket_indices:
             raise WeightwireError(Reason.DUPLICATE_BUCKET, f"bucket {msg.index} arrived twice in this update", bucket=str(msg.index))
         self._bucket_indices.add(msg.index)
-        key = (layout_key(msg, payloads), self._ctx.manifest.fingerprint)
-        layout = self._ctx.layouts.get(key)
+        fingerprint = self._ctx.manifest.fingerprint
+        # A trainer sends byte-identical bucket messages every update (same specs, same reused
+        # handles): their serialization finds the layout faster than ``layout_key`` builds its key.
+        # Not with a checksum (new every update) or inline bytes (too large to serialize again).
+        message = b""
+        if not msg.HasField("checksum") and not any(p.HasField("inline_data") for p in payloads):
+            message = msg.SerializeToString()
+        layout = self._ctx.layouts.get_message(message, fingerprint) if message else None
         if layout is None:
-            specs = check_structure(msg, payloads, self._names_seen)
-            # The checksum's own checks come next in the rule order; they depend on the header, so
-            # they run per update too, but a bad checksum field must still win over ownership.
-            self._checked_checksum(msg)
-            layout = BucketLayout.of(specs, check_ownership(specs, self._ctx.manifest))
-            self._ctx.layouts.put(key, layout)
+            key = (layout_key(msg, payloads), fingerprint)
+            layout = self._ctx.layouts.get(key)
+            if layout is None:
+                specs = check_structure(msg, payloads, self._names_seen)
+                # The checksum's own checks come next in the rule order; they depend on the header,
+                # so they run per update too, but a bad checksum field must still win over ownership.
+                self._checked_checksum(msg)
+                layout = BucketLayout.of(specs, check_ownership(specs, self._ctx.manifest))
+                self._ctx.layouts.put(key, layout)
+            if message:
+                self._ctx.layouts.put_message(message, fingerprint, key)
         repeated = layout.first_seen(self._names_seen)
         if repeated is not None:
             raise duplicate_tensor(repeated)
@@ -297,8 +308,7 @@ class Update:
 
     def _load(self, index: int, layout: BucketLayout, mapping: ImportedPayload) -> None:
         for batch in layout.read_plan(mapping.copy_chunk_bytes):
-            base = mapping.fetch(batch)
-            views = list(zip(batch.names, views_over(base, batch.positions, batch.items), strict=True))
+            views = list(zip(batch.names, batch_views(mapping, batch), strict=True))
             self._loaded_any = True
             try:
                 self._ctx.adapter.load(views)
@@ -309,7 +319,7 @@ class Update:
                     Reason.LOAD_FAILED, f"the engine failed to load bucket {index}: {e!r}", bucket=str(index)
                 ) from e
             finally:
-                del views, base
+                del views
 
     def _open(self, importer: PayloadImporter, sel: Selection) -> tuple[ImportedPayload, bool]:
         ctx = ImportContext(own_device=self._ctx.own_device, source=sel.device, peer=sel.peer, target=self._ctx.target_device)
