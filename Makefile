@@ -26,17 +26,35 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed ## Create .venv and install weightwire with test and dev extras (idempotent)
 
-# SGLang's real model classes, parallel state and plugin registry on CPU, for tests/sglang. sglang's
-# own requirements pull a CUDA torch and GPU kernels, so it goes in with --no-deps plus the few
-# packages its LLM code imports, all under constraints that keep the CPU torch.
+# Real SGLang engines on CPU for tests/sglang, at both ends of the supported range: 0.5.23 in .venv,
+# 0.5.17 in its own environment (its pins differ: transformers, openai, xgrammar). sglang's own
+# requirements pull a CUDA torch and GPU kernels, so it goes in with --no-deps plus the packages its
+# engine imports, all under constraints that keep the CPU torch; tests/support adds the test-only
+# shims that let it run without a GPU (never part of the weightwire wheel).
 SGLANG_REQS := tests/sglang/requirements-cpu.txt
+SGLANG_0517_REQS := tests/sglang/requirements-cpu-0517.txt
 SGLANG_CONSTRAINTS := tests/sglang/constraints-cpu.txt
-$(VENV)/.sglang-installed: $(SGLANG_REQS) $(SGLANG_CONSTRAINTS) | $(VENV)/.installed
+SGLANG_SHIMS := tests/support
+SGLANG_0517_VENV := .venv-sglang-0517
+$(VENV)/.sglang-installed: $(SGLANG_REQS) $(SGLANG_CONSTRAINTS) $(SGLANG_SHIMS)/pyproject.toml $(SGLANG_SHIMS)/sglang_cpu_shims/__init__.py | $(VENV)/.installed
 	$(PIP) install -q -c $(SGLANG_CONSTRAINTS) --no-deps sglang==0.5.23 torchvision==0.28.0 compressed-tensors==0.18.0
 	$(PIP) install -q --no-warn-conflicts -c $(SGLANG_CONSTRAINTS) -r $(SGLANG_REQS)
+	$(PIP) install -q --no-deps --force-reinstall ./$(SGLANG_SHIMS)
 	@touch $@
 
-install-sglang: $(VENV)/.sglang-installed ## Add SGLang 0.5.23 (CPU test stack, ~1.6 GB) to .venv (idempotent)
+$(SGLANG_0517_VENV)/.installed: pyproject.toml $(SGLANG_0517_REQS) $(SGLANG_CONSTRAINTS) $(SGLANG_SHIMS)/pyproject.toml $(SGLANG_SHIMS)/sglang_cpu_shims/__init__.py
+	@test -x $(SGLANG_0517_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_0517_VENV)
+	$(SGLANG_0517_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_0517_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(SGLANG_0517_VENV)/bin/python -m pip install -q -c $(SGLANG_CONSTRAINTS) -e .
+	$(SGLANG_0517_VENV)/bin/python -m pip install -q -c $(SGLANG_CONSTRAINTS) --no-deps sglang==0.5.17 torchvision==0.28.0 compressed-tensors==0.18.0
+	$(SGLANG_0517_VENV)/bin/python -m pip install -q --no-warn-conflicts -c $(SGLANG_CONSTRAINTS) -r $(SGLANG_0517_REQS)
+	$(SGLANG_0517_VENV)/bin/python -m pip install -q --no-deps --force-reinstall ./$(SGLANG_SHIMS)
+	@touch $@
+
+install-sglang: $(VENV)/.sglang-installed install-sglang-0517 ## Add SGLang 0.5.23 (CPU test stack, ~1.6 GB) to .venv, and make the 0.5.17 environment
+
+install-sglang-0517: $(SGLANG_0517_VENV)/.installed ## Make .venv-sglang-0517: SGLang 0.5.17 + weightwire (editable) on the CPU torch (idempotent)
 
 proto: install ## Regenerate the checked-in stubs from $(PROTO_SRC)
 	$(PROTOC) --python_out=proto --pyi_out=proto --grpc_python_out=proto --mypy_grpc_out=proto $(PROTO_SRC)
@@ -57,7 +75,7 @@ typecheck: install ## mypy over the packages
 test: install install-sglang ## Run the CPU test suite (what CI runs)
 	$(PY) -m pytest -q
 
-test-sglang: install install-sglang ## Run only the SGLang adapter tests (CPU, SGLang's real classes)
+test-sglang: install install-sglang ## Run only the SGLang tests (real engines on CPU, SGLang 0.5.23 and 0.5.17)
 	$(PY) -m pytest -q -m sglang tests/sglang
 
 test-gpu: ## Run the GPU suite on a CUDA machine (current python, not .venv; tests/gpu/run_suite.sh also installs and records the hardware)
@@ -80,6 +98,6 @@ bench-report: install ## Tables of the committed benchmark results, and the plot
 	$(PY) bench/report.py --plots
 
 clean: ## Remove build outputs (keeps .venv)
-	rm -rf build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache $(SGLANG_SHIMS)/build $(SGLANG_SHIMS)/*.egg-info
 
-.PHONY: help install install-sglang test-sglang proto checkproto lint typecheck test test-gpu smoke demo bench-cpu bench-gpu bench-report clean
+.PHONY: help install install-sglang install-sglang-0517 test-sglang proto checkproto lint typecheck test test-gpu smoke demo bench-cpu bench-gpu bench-report clean

@@ -18,6 +18,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from weightwire.core.errors import ERROR_DOMAIN, Reason, WeightwireError
+from weightwire.server.messages import MAX_MESSAGE_BYTES, clip_utf8
 from weightwire.server.service import WorkerService
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
@@ -25,29 +26,49 @@ from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightTransferService"].full_name
-# Status details travel in a trailer whose size the receiver limits (8 KiB by default).
-_MAX_MESSAGE_CHARS = 2000
-_MAX_METADATA_VALUE_CHARS = 3000
+# A status travels in the trailers: grpc-message (the message, percent-encoded: a non-ASCII byte
+# takes three) and grpc-status-details-bin (the Status with its ErrorInfo, base64: four bytes per
+# three). A client refuses trailers over 8 KiB by default (RESOURCE_EXHAUSTED instead of the status,
+# at random between 8 and 16 KiB), so both together stay below this, with room for the rest.
+TRAILER_BUDGET_BYTES = 6144
+_MAX_METADATA_ENTRIES = 16
+_MAX_METADATA_KEY_BYTES = 64
 # How long a stream that ended without a commit waits to learn whether the client cancelled it.
 _CANCEL_GRACE_S = 0.5
 
 
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _percent_encoded_len(text: str) -> int:
+    return sum(1 if 0x20 <= b <= 0x7E and b != 0x25 else 3 for b in text.encode("utf-8"))
+
+
+def _status_of(code: int, message: str, reason: str, metadata: dict[str, str]) -> status_pb2.Status:
+    status = status_pb2.Status(code=code, message=message)
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=metadata))
+    status.details.append(detail)
+    return status
+
+
+def _trailer_bytes(status: status_pb2.Status) -> int:
+    return _percent_encoded_len(status.message) + -(-status.ByteSize() // 3) * 4
 
 
 def to_rpc_status(err: WeightwireError) -> grpc.Status:
-    """gRPC status for ``err``: its code, its message and one ErrorInfo(reason, metadata)."""
+    """gRPC status for ``err``: its code, its message and one ErrorInfo(reason, metadata), cut (in
+    UTF-8 bytes, at character boundaries; the longest text first) to fit ``TRAILER_BUDGET_BYTES``."""
     code = code_pb2.Code.Value(err.code) if err.code in code_pb2.Code.keys() else code_pb2.UNKNOWN
-    status = status_pb2.Status(code=code, message=_clip(err.message, _MAX_MESSAGE_CHARS))
-    info = error_details_pb2.ErrorInfo(
-        reason=err.reason,
-        domain=ERROR_DOMAIN,
-        metadata={k: _clip(v, _MAX_METADATA_VALUE_CHARS) for k, v in err.metadata.items()},
-    )
-    detail = any_pb2.Any()
-    detail.Pack(info)
-    status.details.append(detail)
+    message = clip_utf8(err.message, MAX_MESSAGE_BYTES)
+    metadata = {
+        clip_utf8(k, _MAX_METADATA_KEY_BYTES): v for k, v in list(err.metadata.items())[:_MAX_METADATA_ENTRIES]
+    }
+    status = _status_of(code, message, err.reason, metadata)
+    while _trailer_bytes(status) > TRAILER_BUDGET_BYTES:
+        longest = max(metadata, key=lambda k: len(metadata[k].encode()), default=None)
+        if longest is not None and len(metadata[longest].encode()) > len(message.encode()):
+            metadata[longest] = clip_utf8(metadata[longest], len(metadata[longest].encode()) // 2)
+        else:
+            message = clip_utf8(message, len(message.encode()) // 2)
+        status = _status_of(code, message, err.reason, metadata)
     return rpc_status.to_status(status)
 
 
