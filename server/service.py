@@ -21,6 +21,7 @@ from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.server.adapter import EngineAdapter
 from weightwire.server.layout import LayoutCache
+from weightwire.server.messages import MAX_MESSAGE_BYTES, clip_utf8
 from weightwire.server.transports import PayloadImporter, make_importers
 from weightwire.server.update import Update, UpdateContext, now_timestamp
 from weightwire.server.update_events import UpdateEvents, UpdateObserver
@@ -32,6 +33,8 @@ __all__ = ["CommitHook", "Update", "WorkerService"]
 log = logging.getLogger(__name__)
 
 CommitHook = Callable[[pb.UpdateResult], None]
+# UpdateHeader.update_id is a label for logs and status, echoed in UpdateResult.
+MAX_UPDATE_ID_BYTES = 256
 
 
 def _cancelled() -> WeightwireError:
@@ -163,7 +166,10 @@ class WorkerService:
     # --- updates -------------------------------------------------------------------------------
 
     def _record_failure(self, err: WeightwireError, version: int) -> None:
-        detail = pb.ErrorDetail(code=err.code, reason=err.reason, message=err.message, time=now_timestamp(), version=version)
+        # Bounded: the message may quote what a client sent (names, labels), and every later
+        # GetStatus carries it.
+        message = clip_utf8(err.message, MAX_MESSAGE_BYTES)
+        detail = pb.ErrorDetail(code=err.code, reason=err.reason, message=message, time=now_timestamp(), version=version)
         self._last_error = detail
         self._failed += 1
 
@@ -215,6 +221,13 @@ class WorkerService:
             )
         if header.version <= 0:
             raise WeightwireError(Reason.INVALID_VERSION, f"version must be a positive integer, got {header.version}")
+        id_bytes = len(header.update_id.encode())
+        if id_bytes > MAX_UPDATE_ID_BYTES:
+            # It is echoed in the result and kept for GetStatus: bounded like everything stored.
+            raise WeightwireError(
+                Reason.MALFORMED_STREAM,
+                f"update_id is {id_bytes} bytes; at most {MAX_UPDATE_ID_BYTES} (a label such as 'step-1200')",
+            )
         if header.version <= self._version:
             raise WeightwireError(
                 Reason.STALE_VERSION,
@@ -226,9 +239,9 @@ class WorkerService:
         if header.manifest_fingerprint and header.manifest_fingerprint != fingerprint:
             raise WeightwireError(
                 Reason.MANIFEST_CHANGED,
-                f"the update was planned for manifest {header.manifest_fingerprint} but this worker's manifest is "
-                f"{fingerprint} (it restarted or changed layout); fetch the manifest again",
-                expected=header.manifest_fingerprint,
+                f"the update was planned for manifest {clip_utf8(header.manifest_fingerprint, 128)} but this worker's "
+                f"manifest is {fingerprint} (it restarted or changed layout); fetch the manifest again",
+                expected=clip_utf8(header.manifest_fingerprint, 256),
                 actual=fingerprint,
             )
 

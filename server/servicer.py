@@ -62,7 +62,8 @@ def to_rpc_status(err: WeightwireError) -> grpc.Status:
         clip_utf8(k, _MAX_METADATA_KEY_BYTES): v for k, v in list(err.metadata.items())[:_MAX_METADATA_ENTRIES]
     }
     status = _status_of(code, message, err.reason, metadata)
-    while _trailer_bytes(status) > TRAILER_BUDGET_BYTES:
+    while _trailer_bytes(status) > TRAILER_BUDGET_BYTES and (message or any(metadata.values())):
+        # Halve the longest text (each halving shrinks it, down to empty: this ends).
         longest = max(metadata, key=lambda k: len(metadata[k].encode()), default=None)
         if longest is not None and len(metadata[longest].encode()) > len(message.encode()):
             metadata[longest] = clip_utf8(metadata[longest], len(metadata[longest].encode()) // 2)

@@ -35,7 +35,7 @@ from weightwire.server.layout import (
     duplicate_tensor,
     layout_key,
 )
-from weightwire.server.messages import bounded_join, name_list
+from weightwire.server.messages import MAX_MESSAGE_BYTES, bounded_join, clip_utf8, name_list
 from weightwire.server.selection import Selection, payload_labels, select_own_payload
 from weightwire.server.transports import (
     ImportContext,
@@ -47,6 +47,10 @@ from weightwire.server.views import batch_views
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+# What one update may accumulate (names are kept to refuse duplicates); far above any model's.
+MAX_BUCKETS_PER_UPDATE = 1 << 20
+MAX_TENSORS_PER_UPDATE = 1 << 20
 
 def now_timestamp() -> timestamp_pb2.Timestamp:
     ts = timestamp_pb2.Timestamp()
@@ -137,10 +141,11 @@ class Update:
             except Exception:
                 log.exception("engine adapter failed in end_update(False)")
         new_state = pb.WORKER_STATE_INCONSISTENT if self._loaded_any else self.prior_state
+        shown = clip_utf8(str(err), MAX_MESSAGE_BYTES)  # it may quote what the client sent
         if self._loaded_any:
-            log.error("update %d failed after loading tensors; worker is INCONSISTENT: %s", self.version, err)
+            log.error("update %d failed after loading tensors; worker is INCONSISTENT: %s", self.version, shown)
         else:
-            log.warning("update %d failed: %s", self.version, err)
+            log.warning("update %d failed: %s", self.version, shown)
         self._owner.update_failed(self, err, new_state)
         return err
 
@@ -196,6 +201,8 @@ class Update:
             raise WeightwireError(Reason.MALFORMED_STREAM, f"bucket index {msg.index} is negative")
         if msg.index in self._bucket_indices:
             raise WeightwireError(Reason.DUPLICATE_BUCKET, f"bucket {msg.index} arrived twice in this update", bucket=str(msg.index))
+        if len(self._bucket_indices) >= MAX_BUCKETS_PER_UPDATE:
+            raise WeightwireError(Reason.MALFORMED_STREAM, f"more than {MAX_BUCKETS_PER_UPDATE} buckets in one update")
         self._bucket_indices.add(msg.index)
         fingerprint = self._ctx.manifest.fingerprint
         # A trainer sends byte-identical bucket messages every update (same specs, same reused
@@ -221,6 +228,8 @@ class Update:
         if repeated is not None:
             raise duplicate_tensor(repeated)
         checksum = self._checked_checksum(msg)
+        if len(self._names_seen) + len(layout.names) > MAX_TENSORS_PER_UPDATE:
+            raise WeightwireError(Reason.MALFORMED_STREAM, f"more than {MAX_TENSORS_PER_UPDATE} tensor specs in one update")
         self._names_seen |= layout.names
         return layout, checksum
 
