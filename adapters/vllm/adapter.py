@@ -87,6 +87,7 @@ class VLLMAdapter:
         self.layout: ModelLayout = model_layout(model, vllm_config.model_config.hf_config)
         modules = dict(model.named_modules())
         self._layers = {name: modules[name] for name in self.layout.names_by_layer}
+        self._tied = {name: modules[name] for names in self.layout.tied_layers.values() for name in names}
         self.gate = ForwardGate()
         self._remove_hooks = self.gate.install(model)
         self._manifest = ShardManifest.build(
@@ -187,7 +188,7 @@ class VLLMAdapter:
             incomplete = {layer: missing for layer, missing in self._open_layers.items() if missing}
             if incomplete:
                 self._restore(incomplete, why="committed without them" if success else f"update {version} failed")
-            self._finalize()
+            self._finalize(set(self._open_layers) - set(incomplete))
             if success and incomplete:
                 raise WeightwireError(
                     Reason.INCOMPLETE_UPDATE,
@@ -273,7 +274,7 @@ class VLLMAdapter:
             self.worker_id, len(layers), why, ", ".join(sorted(layers)),
         )
 
-    def _finalize(self) -> None:
+    def _finalize(self, reloaded: set[str]) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         if not self._open_layers:
@@ -281,6 +282,15 @@ class VLLMAdapter:
         with self._vllm_context():
             for layer in self._open_layers:
                 finalize_layerwise_reload(self._layers[layer], self.vllm_config.model_config)
+            # vLLM's reload post-processes only the layer it loaded (its documented limit for tied
+            # parameters); a layer sharing the parameter keeps kernels built from the old values
+            # (on CPU a tied lm_head packs its own copy of the embedding), so rebuild them.
+            for layer in sorted(reloaded):
+                for tied in self.layout.tied_layers.get(layer, ()):
+                    module = self._tied[tied]
+                    method = getattr(module, "quant_method", None)
+                    if method is not None:
+                        method.process_weights_after_loading(module)
         self._synchronize()
 
     def _synchronize(self) -> None:

@@ -117,6 +117,8 @@ class WeightwireWeightTransferEngine(WeightTransferEngine[WeightwireInitInfo, We
         self.adapter.close_window(self.settings.finish_wait_s)
 
     def receive_weights(self, update_info: WeightwireUpdateInfo) -> None:
+        # vLLM ends its update session when update_weights fails; close the window with it.
+        self.adapter.close_window(self.settings.finish_wait_s)
         raise RuntimeError(
             "the weightwire backend receives weights over gRPC: push with weightwire.client.WeightPusher "
             f"to the workers' addresses (worker {self.adapter.worker_id} listens at {self.address}) between "

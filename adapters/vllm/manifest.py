@@ -17,7 +17,9 @@ publishing a wrong manifest). Quantized layers are refused for the same reason.
 
 Each checkpoint name maps to the vLLM layer (module) whose parameters it fills. vLLM's layerwise
 reload processes a layer once every tensor feeding it has arrived, so the adapter uses
-``ModelLayout.names_by_layer`` to know when a layer is complete.
+``ModelLayout.names_by_layer`` to know when a layer is complete, and ``tied_layers`` to know which
+other layers read a reloaded parameter too (a tied ``lm_head``, whose CPU kernel packs its own copy
+of the embedding at start-up).
 
 Called by ``weightwire.adapters.vllm.adapter`` inside each vLLM worker process.
 """
@@ -62,6 +64,9 @@ class ModelLayout:
     targets: Mapping[str, LoadTarget]
     names_by_layer: Mapping[str, frozenset[str]]
     """vLLM layer name -> every checkpoint name that feeds it (a fused layer has several)."""
+    tied_layers: Mapping[str, tuple[str, ...]]
+    """vLLM layer name -> the other layers that share one of its parameters (a tied ``lm_head``).
+    vLLM's reload re-processes only the layer it loads; these must be re-processed after it."""
     layer_start: int
     layer_end: int
     num_layers: int
@@ -95,7 +100,8 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
     model_format = _model_format_shapes()
 
     targets: dict[str, LoadTarget] = {}
-    seen_params: dict[int, str] = {}
+    owner_of_param: dict[int, str] = {}
+    tied_layers: dict[str, list[str]] = {}
 
     def add(name: str, layer_name: str, leaf: str, shard_id: str | int | None, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         try:
@@ -113,10 +119,13 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
         attr = layer_name.rpartition(".")[2]
         parent = layer_name.rpartition(".")[0]
         for leaf, param in own:
-            if id(param) in seen_params:
+            owner = owner_of_param.get(id(param))
+            if owner is not None:
                 # A tied parameter (lm_head sharing embed_tokens' weight): its first owner loads it.
+                if layer_name not in tied_layers.setdefault(owner, []):
+                    tied_layers[owner].append(layer_name)
                 continue
-            seen_params[id(param)] = _join(layer_name, leaf)
+            owner_of_param[id(param)] = layer_name
             where = _join(layer_name, leaf)
             if isinstance(module, (LinearBase, VocabParallelEmbedding)) and leaf not in ("weight", "bias"):
                 raise ManifestError(
@@ -190,6 +199,7 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
     return ModelLayout(
         targets=targets,
         names_by_layer={k: frozenset(v) for k, v in by_layer.items()},
+        tied_layers={k: tuple(v) for k, v in tied_layers.items()},
         layer_start=layer_start,
         layer_end=layer_end,
         num_layers=num_layers,

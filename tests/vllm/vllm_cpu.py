@@ -171,15 +171,14 @@ class CpuEngine:
                 skip_tokenizer_init=True,
                 seed=0,
                 weight_transfer_config=WeightTransferConfig(backend="weightwire"),
+                **({"worker_extension_cls": "cpu_pp_fix.CpuPipelineBuffers"} if pp > 1 else {}),
             )
         except BaseException:
             self._env.close()
             raise
         self.start_s = time.perf_counter() - t0
         if pp > 1:
-            from cpu_pp_fix import allocate_pp_receive_buffers
-
-            self.llm.collective_rpc(allocate_pp_receive_buffers)
+            self.llm.collective_rpc("allocate_pp_receive_buffers")
 
     def generate(self) -> list[list[int]]:
         from vllm import SamplingParams
