@@ -134,6 +134,9 @@ class WorkerMetrics:
         self._updates.labels(worker_id, "committed", "")
         self._update_seconds.labels(worker_id, "committed")
         self._open_mappings_of: Callable[[], int] = lambda: 0
+        # The per-transport series of each bucket, looked up once (labels() costs a few microseconds).
+        self._by_transport: dict[str, tuple[Counter, Histogram, Histogram, Counter]] = {}
+        self._by_outcome: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
 
     def attach(self, service: WorkerService) -> WorkerMetrics:
         """Observe ``service`` from now on; records its current version and state."""
@@ -157,22 +160,38 @@ class WorkerMetrics:
         if not ack.HasField("source_device"):
             self._buckets.labels(self.worker_id, "none").inc()
             return
-        transport = _TRANSPORTS.get(ack.transport, "unspecified")
-        self._buckets.labels(self.worker_id, transport).inc()
-        self._open_seconds.labels(self.worker_id, transport).observe(ack.open_duration_ns / 1e9)
-        self._load_seconds.labels(self.worker_id, transport).observe(ack.load_duration_ns / 1e9)
+        series = self._by_transport.get(_TRANSPORTS.get(ack.transport, "unspecified"))
+        if series is None:
+            transport = _TRANSPORTS.get(ack.transport, "unspecified")
+            series = self._by_transport[transport] = (
+                self._buckets.labels(self.worker_id, transport),
+                self._open_seconds.labels(self.worker_id, transport),
+                self._load_seconds.labels(self.worker_id, transport),
+                self._handles.labels(self.worker_id, transport),
+            )
+        buckets, open_seconds, load_seconds, handles = series
+        buckets.inc()
+        open_seconds.observe(ack.open_duration_ns / 1e9)
+        load_seconds.observe(ack.load_duration_ns / 1e9)
         self._bytes.inc(ack.bytes_loaded)
         self._tensors.inc(ack.tensors_loaded)
         if ack.handle_opened:
-            self._handles.labels(self.worker_id, transport).inc()
+            handles.inc()
         if ack.peer_device_import:
             self._peer.inc()
         self._open_mappings.set(self._open_mappings_of())
 
     def update_finished(self, outcome: UpdateOutcome) -> None:
-        self._updates.labels(self.worker_id, outcome.outcome, reason_label(outcome.reason)).inc()
+        key = (outcome.outcome, reason_label(outcome.reason))
+        series = self._by_outcome.get(key)
+        if series is None:  # a bounded set: outcomes x reasons
+            series = self._by_outcome[key] = (
+                self._updates.labels(self.worker_id, *key),
+                self._update_seconds.labels(self.worker_id, outcome.outcome),
+            )
+        series[0].inc()
         if outcome.duration_s is not None:
-            self._update_seconds.labels(self.worker_id, outcome.outcome).observe(outcome.duration_s)
+            series[1].observe(outcome.duration_s)
         if outcome.outcome == "committed":
             self._last_commit.set_to_current_time()
         self._version.set(outcome.weights_version)
