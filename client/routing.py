@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from weightwire.client import exporters as exp
 from weightwire.client import plan as planning
+from weightwire.client.dtensor_gather import is_dtensor
 from weightwire.client.plan import PlanError, TensorSpec
 from weightwire.client.types import FlatBucket
 from weightwire.core.devices import DeviceRef, is_own_device
@@ -26,6 +27,13 @@ def label_str(p: pb.Payload) -> str:
 
 
 def flat_bytes(t: torch.Tensor, where: str) -> torch.Tensor:
+    if is_dtensor(t):
+        raise PlanError(
+            Reason.SHARDED_BUFFER,
+            f"{where}: the flat buffer is a DTensor (each rank holds a shard); push_flat, push_gathered and "
+            "export_payload take local flat buffers. Pass DTensors (an FSDP2 state_dict() or named_parameters()) "
+            "to push() on every rank: it gathers them one bucket at a time",
+        )
     if not t.is_contiguous():
         raise PlanError(Reason.BUFFER_NOT_CONTIGUOUS, f"{where}: the flat buffer must be contiguous")
     return t.reshape(-1).view(torch.uint8)

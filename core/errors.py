@@ -68,6 +68,7 @@ class Reason(enum.Enum):
     # What a client sees without a worker's ErrorInfo (CANCELLED also in a worker's last_error).
     UNKNOWN_TENSOR = "INVALID_ARGUMENT"
     BUFFER_NOT_CONTIGUOUS = "INVALID_ARGUMENT"
+    SHARDED_BUFFER = "INVALID_ARGUMENT"
     CANCELLED = "CANCELLED"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     UNAVAILABLE = "UNAVAILABLE"

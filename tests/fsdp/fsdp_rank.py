@@ -8,7 +8,7 @@ as ``fsdp_rank.py SCENARIOS.json OUT_DIR``. Runs the scenarios in order and rewr
 ``{"ok": true, "results": {...}}`` or ``{"ok": false, "error": {...}}``, plus memory readings where
 asked. A scenario is a JSON object:
 
-  name, kind ("push" | "gather_checks" | "raise_version")
+  name, kind ("push" | "gather_checks" | "raise_version" | "flat_dtensor")
   endpoints, routing ("own_device" | "gathered"), sender_rank, version, seed, bucket_size_bytes, timeout_s
   source: "state_dict" (default) | "named_parameters" | "full_tensors" (every DTensor gathered whole first,
           pushed as plain tensors with group=: the control for the memory test)
@@ -20,6 +20,7 @@ asked. A scenario is a JSON object:
   die_rank, die_after_buckets        that rank exits (code 17) once that many of its buckets were acked
   measure_memory                     peak RSS growth over the push (``/proc/self/clear_refs``)
 
+``flat_dtensor``: a DTensor given to ``push_flat`` and to ``export_payload`` (both take local buffers).
 ``raise_version`` (rank 0 only): a PARTIAL update of one tensor to ``endpoint`` at ``version``, from an
 ordinary single-process pusher, so that worker refuses a later, lower version (STALE_VERSION).
 """
@@ -171,6 +172,26 @@ def run_raise_version(rank: int, sc: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "tensor": name}
 
 
+def run_flat_dtensor(sc: dict[str, Any]) -> dict[str, Any]:
+    from weightwire.client import FlatBucket, TensorSpec
+
+    model = fsdp_model(config_of(sc.get("config")), 1)
+    shard = model.state_dict()["model.norm.weight"]
+    out: dict[str, Any] = {}
+    with WeightPusher(sc["endpoints"]) as pusher:
+        for what, call in (
+            ("push_flat", lambda: pusher.push_flat(
+                [FlatBucket(shard, [TensorSpec("model.norm.weight", shard.dtype, tuple(shard.shape))])], version=int(sc["version"]), scope="partial")),
+            ("export_payload", lambda: pusher.export_payload(shard)),
+        ):
+            try:
+                call()
+                out[what] = {"ok": True}
+            except WeightwireError as e:
+                out[what] = {"ok": False, "error": error_json(e)}
+    return {"ok": True, "cases": out}
+
+
 def run_gather_checks(rank: int, world: int) -> dict[str, Any]:
     """``FullTensorWriter`` against DTensors laid out by torch itself, for the layouts it handles
     (even and uneven Shard(0), Shard(1), Replicate, empty shards, a dtype conversion) and one it hands
@@ -222,6 +243,8 @@ def main() -> int:
     for sc in scenarios:
         if sc["kind"] == "gather_checks":
             done[sc["name"]] = run_gather_checks(rank, world)
+        elif sc["kind"] == "flat_dtensor":
+            done[sc["name"]] = run_flat_dtensor(sc)
         elif sc["kind"] == "raise_version":
             done[sc["name"]] = run_raise_version(rank, sc)
         else:

@@ -96,6 +96,7 @@ def two_ranks(fleets: Fleets, tmp_path_factory: pytest.TempPathFactory) -> Launc
     }
     scenarios = [
         {"name": "gather_checks", "kind": "gather_checks"},
+        {"name": "flat_dtensor", "kind": "flat_dtensor", "endpoints": fleets.tp2.endpoints, "version": versions["tp2_own_device"]},
         scenario("tp2_own_device", fleets.tp2, versions["tp2_own_device"]),
         scenario("tp2_named_parameters_gathered", fleets.tp2, versions["tp2_named_parameters_gathered"],
                  source="named_parameters", routing="gathered", sender_rank=1),
@@ -245,6 +246,16 @@ def test_two_ranks_cannot_serve_four_gpus(two_ranks: Launch) -> None:
         assert not rec["ok"] and rec["error"]["reason"] == "NO_PAYLOAD_FOR_DEVICE"
         assert "host:stand-in-gpu-2" in rec["error"]["message"] and "host:stand-in-gpu-3" in rec["error"]["message"]
     assert two_ranks.after["gpus"] == two_ranks.before["gpus"]
+
+
+def test_dtensors_in_flat_entry_points_are_refused_with_a_reason(two_ranks: Launch) -> None:
+    """push_flat and export_payload take local flat buffers: a DTensor shard gets SHARDED_BUFFER and
+    a pointer to push(), not an error from inside torch."""
+    for rec in two_ranks.records("flat_dtensor"):
+        for what in ("push_flat", "export_payload"):
+            case = rec["cases"][what]
+            assert not case["ok"] and case["error"]["reason"] == "SHARDED_BUFFER", case
+            assert "push()" in case["error"]["message"]
 
 
 def test_ranks_pushing_different_versions_are_refused(two_ranks: Launch) -> None:

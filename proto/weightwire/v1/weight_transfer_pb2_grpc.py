@@ -28,7 +28,7 @@ if _version_not_supported:
 class WeightTransferServiceStub(object):
     """The engine-side service. One instance per engine worker process.
     ErrorReason also lists the reasons a client raises itself, so that one list names every reason
-    a trainer can see: UNKNOWN_TENSOR and BUFFER_NOT_CONTIGUOUS (INVALID_ARGUMENT, found before
+    a trainer can see: UNKNOWN_TENSOR, BUFFER_NOT_CONTIGUOUS and SHARDED_BUFFER (INVALID_ARGUMENT, found before
     anything is sent); CANCELLED (a worker's update cancelled because another worker failed); and,
     for a status gRPC produced without a weightwire ErrorInfo, UNAVAILABLE, DEADLINE_EXCEEDED,
     CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code). An update pushed
@@ -73,7 +73,7 @@ class WeightTransferServiceStub(object):
 class WeightTransferServiceServicer(object):
     """The engine-side service. One instance per engine worker process.
     ErrorReason also lists the reasons a client raises itself, so that one list names every reason
-    a trainer can see: UNKNOWN_TENSOR and BUFFER_NOT_CONTIGUOUS (INVALID_ARGUMENT, found before
+    a trainer can see: UNKNOWN_TENSOR, BUFFER_NOT_CONTIGUOUS and SHARDED_BUFFER (INVALID_ARGUMENT, found before
     anything is sent); CANCELLED (a worker's update cancelled because another worker failed); and,
     for a status gRPC produced without a weightwire ErrorInfo, UNAVAILABLE, DEADLINE_EXCEEDED,
     CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code). An update pushed
@@ -211,7 +211,7 @@ def add_WeightTransferServiceServicer_to_server(servicer, server):
 class WeightTransferService(object):
     """The engine-side service. One instance per engine worker process.
     ErrorReason also lists the reasons a client raises itself, so that one list names every reason
-    a trainer can see: UNKNOWN_TENSOR and BUFFER_NOT_CONTIGUOUS (INVALID_ARGUMENT, found before
+    a trainer can see: UNKNOWN_TENSOR, BUFFER_NOT_CONTIGUOUS and SHARDED_BUFFER (INVALID_ARGUMENT, found before
     anything is sent); CANCELLED (a worker's update cancelled because another worker failed); and,
     for a status gRPC produced without a weightwire ErrorInfo, UNAVAILABLE, DEADLINE_EXCEEDED,
     CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code). An update pushed

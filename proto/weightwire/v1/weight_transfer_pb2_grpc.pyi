@@ -44,7 +44,7 @@ GRPC_VERSION: str
 class WeightTransferServiceStub:
     """The engine-side service. One instance per engine worker process.
     ErrorReason also lists the reasons a client raises itself, so that one list names every reason
-    a trainer can see: UNKNOWN_TENSOR and BUFFER_NOT_CONTIGUOUS (INVALID_ARGUMENT, found before
+    a trainer can see: UNKNOWN_TENSOR, BUFFER_NOT_CONTIGUOUS and SHARDED_BUFFER (INVALID_ARGUMENT, found before
     anything is sent); CANCELLED (a worker's update cancelled because another worker failed); and,
     for a status gRPC produced without a weightwire ErrorInfo, UNAVAILABLE, DEADLINE_EXCEEDED,
     CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code). An update pushed
@@ -132,7 +132,7 @@ class WeightTransferServiceStub:
 class WeightTransferServiceAsyncStub(WeightTransferServiceStub):
     """The engine-side service. One instance per engine worker process.
     ErrorReason also lists the reasons a client raises itself, so that one list names every reason
-    a trainer can see: UNKNOWN_TENSOR and BUFFER_NOT_CONTIGUOUS (INVALID_ARGUMENT, found before
+    a trainer can see: UNKNOWN_TENSOR, BUFFER_NOT_CONTIGUOUS and SHARDED_BUFFER (INVALID_ARGUMENT, found before
     anything is sent); CANCELLED (a worker's update cancelled because another worker failed); and,
     for a status gRPC produced without a weightwire ErrorInfo, UNAVAILABLE, DEADLINE_EXCEEDED,
     CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code). An update pushed
@@ -216,7 +216,7 @@ class WeightTransferServiceAsyncStub(WeightTransferServiceStub):
 class WeightTransferServiceServicer(metaclass=_abc_1.ABCMeta):
     """The engine-side service. One instance per engine worker process.
     ErrorReason also lists the reasons a client raises itself, so that one list names every reason
-    a trainer can see: UNKNOWN_TENSOR and BUFFER_NOT_CONTIGUOUS (INVALID_ARGUMENT, found before
+    a trainer can see: UNKNOWN_TENSOR, BUFFER_NOT_CONTIGUOUS and SHARDED_BUFFER (INVALID_ARGUMENT, found before
     anything is sent); CANCELLED (a worker's update cancelled because another worker failed); and,
     for a status gRPC produced without a weightwire ErrorInfo, UNAVAILABLE, DEADLINE_EXCEEDED,
     CANCELLED, INTERNAL or RPC_FAILED (any other code, kept as the status code). An update pushed
