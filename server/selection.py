@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from weightwire.core.devices import DeviceRef, is_own_device, local_cuda_index
 from weightwire.core.errors import Reason, WeightwireError
+from weightwire.server.messages import bounded_join
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 # Labels listed in an error message before it says "... and N more" (metadata has them all).
@@ -80,7 +81,7 @@ def select_own_payload(
     shown = ", ".join(str(label) for label in labels[:_MAX_LABELS_IN_MESSAGE])
     if len(labels) > _MAX_LABELS_IN_MESSAGE:
         shown += f" ... and {len(labels) - _MAX_LABELS_IN_MESSAGE} more"
-    metadata = {"own_device": str(own_device), "labels": ",".join(str(label) for label in labels)}
+    metadata = {"own_device": str(own_device), "labels": bounded_join(str(label) for label in labels)}
     if allow_peer:
         if own_device.is_cuda:
             for payload, label in zip(payloads, labels, strict=True):

@@ -251,3 +251,77 @@ def test_a_malformed_payload_is_refused_in_a_bucket_the_worker_owns_nothing_of(w
     ])
     assert_weightwire_error(outcome, "INVALID_SHM_NAME")
     worker.expect_unchanged(before)
+
+
+MEGABYTES = 5 * 1024 * 1024
+
+
+def _status_error_bytes(worker: Worker) -> int:
+    """GetStatus through a default client (4 MiB receive limit) works; the bytes of its last error."""
+    st = worker.status()
+    return len(st.last_error.message.encode())
+
+
+@pytest.mark.parametrize("field", ["fingerprint", "tensor_name", "device_label", "update_id"])
+def test_megabytes_of_client_text_are_neither_stored_nor_echoed(worker: Worker, field: str) -> None:
+    # A refused update that quoted megabytes of client text made every later GetStatus fail for a
+    # default client (over its 4 MiB message limit) until another failure replaced it.
+    before = worker.status()
+    version = before.weights_version + 1
+    packed = helpers.pack(worker.checkpoint(version))
+    huge = "x" * MEGABYTES
+    head = helpers.header(version)
+    specs = list(packed.specs)
+    payload = helpers.inline_payload(packed.data)
+    if field == "fingerprint":
+        head.header.manifest_fingerprint, reason = huge, "MANIFEST_CHANGED"
+    elif field == "update_id":
+        head.header.update_id, reason = huge, "MALFORMED_STREAM"
+    elif field == "tensor_name":
+        specs[0] = pb.TensorSpec(name=huge, dtype=pb.DTYPE_UNSPECIFIED, shape=[1])
+        reason = "DTYPE_UNSPECIFIED"
+    else:
+        payload.device.uuid, reason = huge, "PAYLOAD_LABEL_MISSING"
+    outcome = push_raw(worker.stub, [head, helpers.bucket(0, specs, [payload]), helpers.commit(1)])
+    assert_weightwire_error(outcome, reason)
+    assert len(outcome.message.encode()) <= 1024
+    assert sum(len(k) + len(v.encode()) for k, v in outcome.info.metadata.items()) <= 6144  # type: ignore[union-attr]
+    assert _status_error_bytes(worker) <= 1024
+    worker.expect_unchanged(before)
+
+
+def test_an_update_id_is_echoed_up_to_its_bound(worker: Worker) -> None:
+    version = worker.next_version()
+    label = "é" * 128  # 256 bytes: the most an update_id may carry
+    outcome = push_raw(worker.stub, helpers.full_update_requests(version, worker.checkpoint(version), None, buckets=1, update_id=label))
+    assert outcome.code == grpc.StatusCode.OK, outcome.describe()
+    assert outcome.result is not None and outcome.result.update_id == label
+    assert worker.status().last_result.update_id == label
+
+
+@pytest.mark.parametrize("name", ["é" * 2000, "中" * 1000, "😀" * 1000], ids=["latin", "cjk", "emoji"])
+def test_non_ascii_text_in_an_error_still_fits_the_status(worker: Worker, name: str) -> None:
+    # Messages were cut by characters; gRPC limits the trailer in bytes (a non-ASCII byte takes
+    # three once percent-encoded), so the client got RESOURCE_EXHAUSTED instead of the reason.
+    before = worker.status()
+    version = before.weights_version + 1
+    spec = pb.TensorSpec(name=name, dtype=pb.DTYPE_UNSPECIFIED, shape=[1])
+    outcome = push_raw(worker.stub, [helpers.header(version), helpers.bucket(0, [spec], [helpers.inline_payload(b"\0" * 4)]), helpers.commit(1)])
+    assert_weightwire_error(outcome, "DTYPE_UNSPECIFIED")
+    assert outcome.info is not None and outcome.info.metadata["tensor"] and name.startswith(outcome.info.metadata["tensor"].removesuffix("..."))
+    worker.expect_unchanged(before)
+
+
+def test_an_error_listing_hundreds_of_labels_still_fits_the_status(worker: Worker) -> None:
+    before = worker.status()
+    version = before.weights_version + 1
+    packed = helpers.pack({"model.norm.weight": worker.checkpoint(version)["model.norm.weight"]})
+    foreign = [
+        helpers.inline_payload(packed.data, device=pb.DeviceId(kind=pb.DEVICE_KIND_HOST, uuid=f"{i:08x}-" + "0" * 100))
+        for i in range(300)
+    ]
+    head = helpers.header(version, scope=pb.UPDATE_SCOPE_PARTIAL)
+    outcome = push_raw(worker.stub, [head, helpers.bucket(0, packed.specs, foreign), helpers.commit(1)])
+    assert_weightwire_error(outcome, "NO_PAYLOAD_FOR_DEVICE")
+    assert outcome.info is not None and outcome.info.metadata["labels"].startswith("host:00000000-")
+    worker.expect_unchanged(before)
