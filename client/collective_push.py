@@ -47,6 +47,7 @@ from weightwire.client.dtensor_gather import (
 )
 from weightwire.client.plan import PlanError, TensorSpec
 from weightwire.client.rank_agreement import (
+    STEP_SLOT_BYTES,
     RankGroup,
     UpdateDigest,
     disagreement,
@@ -402,7 +403,10 @@ class _RankedUpdate:
             raise RuntimeError("an exporting rank needs a transport that labels its payloads")
         crc = buf.crc32(size) if self.options.verify_checksums else None
         head = bytes([1 if crc is not None else 0]) + (crc or 0).to_bytes(4, "big")
-        return head + self.exporter.export(buf, size, label).SerializeToString()
+        data = head + self.exporter.export(buf, size, label).SerializeToString()
+        if len(data) > STEP_SLOT_BYTES - 16:  # refused here, so the step exchange itself still happens
+            raise RuntimeError(f"a payload of {len(data)} bytes does not fit the ranks' {STEP_SLOT_BYTES}-byte step")
+        return data
 
     def _with_peer_payloads(
         self, g: int, own: PreparedBucket | None, steps: Sequence[tuple[bool, bytes]]
