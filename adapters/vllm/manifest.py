@@ -89,6 +89,7 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
         UnquantizedEmbeddingMethod,
         VocabParallelEmbedding,
     )
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     tied = bool(getattr(text_config, "tie_word_embeddings", False))
@@ -186,10 +187,12 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
                     )
                 add(where, layer_name, leaf, None, dtype, (module.org_vocab_size, module.embedding_dim))
             else:
-                if hasattr(param, "output_dim") or hasattr(param, "input_dim"):
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                if hasattr(param, "output_dim") or hasattr(param, "input_dim") or loader is not default_weight_loader:
+                    # A layer that shards, stacks (mixture-of-experts) or converts what it loads.
                     raise ManifestError(
-                        f"{where}: sharded parameter of {type(module).__name__}, a layer whose full checkpoint "
-                        "shape this adapter cannot derive"
+                        f"{where}: parameter of {type(module).__name__} with a weight loader of its own, a layer "
+                        "whose checkpoint names and full shapes this adapter cannot derive"
                     )
                 add(where, layer_name, leaf, None, dtype, local)
 
