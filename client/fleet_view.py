@@ -26,7 +26,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 from weightwire.client.rpc import Worker, error_from_rpc
-from weightwire.core.errors import WeightwireError
+from weightwire.core.errors import Reason, WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 Status: TypeAlias = "pb.GetStatusResponse | WeightwireError"
@@ -47,7 +47,7 @@ def poll_statuses(
         except grpc.RpcError as e:
             out[address] = error_from_rpc(e, worker=address, context="GetStatus")
         except futures.CancelledError:
-            out[address] = WeightwireError("CANCELLED", "cancelled", code="CANCELLED", worker=address)
+            out[address] = WeightwireError(Reason.CANCELLED, "cancelled", worker=address)
     return out
 
 
