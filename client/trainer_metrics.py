@@ -41,14 +41,12 @@ if TYPE_CHECKING:
 # A push of a small model over shm is a few milliseconds, a large one over a slow path minutes.
 PUSH_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 PHASES = ("plan", "transfer", "commit", "total")
-# Reasons the client itself gives (not from a worker's ErrorInfo).
-_CLIENT_REASONS = frozenset({"CLIENT_ERROR"})
 _GRPC_CODES = frozenset(code_pb2.Code.keys())
 
 
 def reason_label(reason: str) -> str:
-    """A bounded label value: weightwire's reasons, gRPC codes and the client's own, else ``OTHER``."""
-    if reason in Reason.__members__ or reason in _GRPC_CODES or reason in _CLIENT_REASONS:
+    """A bounded label value: weightwire's reasons (the client's own among them) and gRPC codes, else ``OTHER``."""
+    if reason in Reason.__members__ or reason in _GRPC_CODES:
         return reason
     return "OTHER"
 
