@@ -10,7 +10,8 @@ is sent; ``weightwire.client.pusher`` hands the jobs to an ``UpdateSession``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 from weightwire.client import exporters as exp
@@ -42,6 +43,66 @@ class Jobs:
     pools: list[StagingPool]
 
 
+@dataclasses.dataclass(frozen=True)
+class _TensorPlan:
+    """What ``tensor_jobs`` concluded for one push's names, dtypes and shapes: the names no worker
+    owns (allowed by ``allow_unowned``) and the bucket plans. ``manifests`` holds the manifest
+    objects the key names by id, so no other object can take their ids while the entry lives."""
+
+    manifests: tuple[ShardManifest, ...]
+    unknown: frozenset[str]
+    plans: tuple[planning.BucketPlan, ...]
+
+
+class TensorPlans:
+    """``push`` plans that already passed the planning checks, by what they depend on.
+
+    A trainer pushes the same names, dtypes and shapes every update against the same (frozen)
+    manifest objects: the name, dtype, shape and coverage checks and the bucket plan give the same
+    answer again, and reusing the plan's ``TensorSpec`` objects lets each bucket's spec message be
+    reused too (``session.SpecTemplates``). Building the key (one tuple per tensor) costs a fifth
+    of the checks it skips on 399 tensors. Only successes are kept; new manifests (a re-read after
+    a restart) are new objects and so a miss.
+    """
+
+    _MAX_ENTRIES = 16
+
+    def __init__(self) -> None:
+        self._entries: dict[Hashable, _TensorPlan] = {}
+
+    @staticmethod
+    def key(
+        items: Sequence[tuple[str, torch.Tensor]],
+        manifests: Mapping[str, ShardManifest],
+        options: PushOptions,
+        bucket_bytes: int,
+        align_bytes: int,
+    ) -> Hashable:
+        cast = options.cast_to
+        cast_key = tuple(sorted(cast.items(), key=str)) if isinstance(cast, Mapping) else cast
+        return (
+            tuple([(name, t.dtype, t.shape) for name, t in items]),
+            tuple([(a, id(m)) for a, m in manifests.items()]),
+            options.scope,
+            options.allow_unowned,
+            cast_key,
+            bucket_bytes,
+            align_bytes,
+        )
+
+    def get(self, key: Hashable) -> _TensorPlan | None:
+        return self._entries.get(key)
+
+    def put(self, key: Hashable, plan: _TensorPlan) -> None:
+        if len(self._entries) >= self._MAX_ENTRIES:
+            self._entries.clear()
+        self._entries[key] = plan
+
+
+# One plan cache per pusher, kept with its staging (which lives exactly as long as the pusher).
+_PLANS: weakref.WeakKeyDictionary[Staging, TensorPlans] = weakref.WeakKeyDictionary()
+
+
 def tensor_jobs(
     items: Sequence[tuple[str, torch.Tensor]],
     manifests: Mapping[str, ShardManifest],
@@ -52,18 +113,27 @@ def tensor_jobs(
 ) -> Jobs:
     """Named tensors packed into buckets of at most the pusher's bucket size (inline: under the
     message limit), each sent to the workers that own something in it."""
-    # With ``cast_to`` a spec carries the dtype sent; packing converts while it copies.
-    specs = [TensorSpec(name, target_dtype(t.dtype, options.cast_to), tuple(t.shape)) for name, t in items]
-    unknown = set(planning.check_update(specs, manifests, scope=options.scope, allow_unowned=options.allow_unowned))
-    check_labels(manifests, [exporter.label] if exporter.label else None, "every bucket")
-
     bucket_bytes = staging.bucket_size_bytes
     if exporter.bucket_bytes_limit is not None:
         bucket_bytes = min(bucket_bytes, exporter.bucket_bytes_limit)
-    owners = planning.owners_by_name(manifests)
-    plans = planning.plan_buckets(
-        [s for s in specs if s.name not in unknown], owners, bucket_bytes=bucket_bytes, align_bytes=align_bytes
-    )
+    cache = _PLANS.setdefault(staging, TensorPlans())
+    key = cache.key(items, manifests, options, bucket_bytes, align_bytes)
+    known = cache.get(key)
+    if known is None:
+        # With ``cast_to`` a spec carries the dtype sent; packing converts while it copies.
+        specs = [TensorSpec(name, target_dtype(t.dtype, options.cast_to), tuple(t.shape)) for name, t in items]
+        unknown = frozenset(planning.check_update(specs, manifests, scope=options.scope, allow_unowned=options.allow_unowned))
+    else:
+        unknown = known.unknown
+    check_labels(manifests, [exporter.label] if exporter.label else None, "every bucket")
+    if known is None:
+        owners = planning.owners_by_name(manifests)
+        plans = tuple(planning.plan_buckets(
+            [s for s in specs if s.name not in unknown], owners, bucket_bytes=bucket_bytes, align_bytes=align_bytes
+        ))
+        cache.put(key, _TensorPlan(tuple(manifests.values()), unknown, plans))
+    else:
+        plans = known.plans
     # plan_buckets indexes the filtered list; map back to the tensors.
     kept = [t for (name, t) in items if name not in unknown]
     check_transport_limit(exporter, [p.size_bytes for p in plans])
