@@ -21,6 +21,7 @@ model constructed under SGLang's parallel state.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -97,9 +98,11 @@ class SGLangAdapter:
         weight_session: WeightUpdateSession | None = None,
         engine_gate: EngineGate | None = None,
         on_committed: Callable[[int], None] | None = None,
+        idle_wait_s: float = 0.0,
     ) -> None:
         """``engine_queue``: where steps run (None: on the calling thread, for a model that no
-        engine is running). ``engine_gate``: refuses writes while the engine serves requests.
+        engine is running). ``engine_gate``: refuses writes while the engine serves requests;
+        a refusal is retried on later passes for ``idle_wait_s`` before the step fails.
         ``on_committed(version)``: runs on the engine thread after a successful update."""
         self.model = model
         self.rank = rank
@@ -110,6 +113,7 @@ class SGLangAdapter:
         self._queue = engine_queue
         self._session = weight_session if weight_session is not None else LoaderWeightSession(model, self.device)
         self._gate = engine_gate
+        self._idle_wait_s = idle_wait_s
         self._on_committed = on_committed
         self._params = dict(model.named_parameters())
         self._version: int | None = None
@@ -136,11 +140,7 @@ class SGLangAdapter:
         return self._manifest
 
     def begin_update(self, version: int) -> None:
-        def step() -> None:
-            self._check_gate(f"begin update {version}")
-            self._session.begin_weight_update()
-
-        self._on_engine(step, what=f"begin update {version}")
+        self._gated(self._session.begin_weight_update, what=f"begin update {version}")
         self._version = version
         self._session_open = True
 
@@ -151,14 +151,13 @@ class SGLangAdapter:
             return
 
         def step() -> None:
-            self._check_gate(f"load {len(named_tensors)} tensor(s)")
             self._synchronize()  # a forward launched before the pause may still read the weights
             with torch.no_grad():
                 for name, tensor in named_tensors:
                     self._load_one(name, tensor)
             self._synchronize()  # the service acks when we return; the sender may then reuse its buffer
 
-        self._on_engine(step, what=f"load {len(named_tensors)} tensor(s)")
+        self._gated(step, what=f"load {len(named_tensors)} tensor(s)")
 
     def end_update(self, success: bool) -> None:
         version, was_open = self._version, self._session_open
@@ -181,12 +180,29 @@ class SGLangAdapter:
             return fn()
         return self._queue.call(fn, what=what)
 
-    def _check_gate(self, what: str) -> None:
-        if self._gate is None:
-            return
-        refusal = self._gate()
-        if refusal is not None:
-            raise WeightwireError(Reason.ENGINE_NOT_PAUSED, f"{self.worker_id}: cannot {what}: {refusal}")
+    def _gated(self, fn: Callable[[], None], *, what: str) -> None:
+        """Run ``fn`` on the engine thread in a pass where the gate allows writing.
+
+        A refused pass is tried again, on later passes, for up to ``idle_wait_s``: SGLang's
+        ``pause_generation(mode="abort")`` returns before the schedulers dropped the aborted
+        requests, and a pipeline stage after the first still lists finished requests until its
+        next pass. Writing only ever happens in a pass whose own gate check allowed it.
+        """
+        deadline = time.monotonic() + self._idle_wait_s
+
+        def step() -> str | None:
+            refusal = self._gate() if self._gate is not None else None
+            if refusal is None:
+                fn()
+            return refusal
+
+        while True:
+            refusal = self._on_engine(step, what=what)
+            if refusal is None:
+                return
+            if time.monotonic() >= deadline:
+                raise WeightwireError(Reason.ENGINE_NOT_PAUSED, f"{self.worker_id}: cannot {what}: {refusal}")
+            time.sleep(0.005)
 
     def _check_tensor(self, name: str, tensor: torch.Tensor) -> None:
         found = self.layout.targets.get(name)

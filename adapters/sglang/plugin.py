@@ -220,6 +220,7 @@ def start_worker(scheduler: Any, settings: Settings | None = None) -> SchedulerW
         weight_session=weight_session_of(runner),
         engine_gate=functools.partial(scheduler_gate, scheduler, pause_honoured=pause_honoured(scheduler, rank)),
         on_committed=functools.partial(after_commit, scheduler, settings),
+        idle_wait_s=settings.idle_wait_s,
     )
     address = settings.address(rank)
     socket_path = None

@@ -18,6 +18,9 @@ Environment variables (documented in docs/sglang.md):
   (default: flush it on the scheduler thread once the update committed).
 - ``WEIGHTWIRE_SGLANG_ENGINE_TIMEOUT_S``: how long a load waits for the scheduler thread to pick it
   up (default 300).
+- ``WEIGHTWIRE_SGLANG_IDLE_WAIT_S``: how long an update step waits for a scheduler that still
+  holds requests to become idle (aborted requests drain over a pass or two) before refusing with
+  ENGINE_NOT_PAUSED (default 5).
 - ``WEIGHTWIRE_SGLANG_ALLOW_UNTESTED``: ``1`` starts the plugin in an SGLang release outside the
   tested range (it still refuses if the hook targets are missing).
 
@@ -46,6 +49,7 @@ ENV_ENABLE = "WEIGHTWIRE_SGLANG_ENABLE"
 ENV_FLUSH_CACHE = "WEIGHTWIRE_SGLANG_FLUSH_CACHE"
 ENV_ENGINE_TIMEOUT = "WEIGHTWIRE_SGLANG_ENGINE_TIMEOUT_S"
 ENV_ALLOW_UNTESTED = "WEIGHTWIRE_SGLANG_ALLOW_UNTESTED"
+ENV_IDLE_WAIT = "WEIGHTWIRE_SGLANG_IDLE_WAIT_S"
 
 SOCKET_SUFFIX = ".sock"
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
@@ -71,6 +75,7 @@ class Settings:
     flush_cache: bool = True
     engine_timeout_s: float = 300.0
     allow_untested: bool = False
+    idle_wait_s: float = 5.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, engine_port: int | None = None) -> Settings:
@@ -100,15 +105,8 @@ class Settings:
                 f"{ENV_HOST}={host} is not a loopback address: set {ENV_TOKEN} (and {ENV_TLS_CERT}/{ENV_TLS_KEY}) "
                 "so that nobody else on the network can push weights into this engine"
             )
-        raw_timeout = env.get(ENV_ENGINE_TIMEOUT)
-        timeout = 300.0
-        if raw_timeout:
-            try:
-                timeout = float(raw_timeout)
-            except ValueError:
-                raise SettingsError(f"{ENV_ENGINE_TIMEOUT}={raw_timeout!r} is not a number of seconds") from None
-            if timeout <= 0:
-                raise SettingsError(f"{ENV_ENGINE_TIMEOUT} must be > 0, got {timeout}")
+        timeout = _seconds(env, ENV_ENGINE_TIMEOUT, default=300.0, allow_zero=False)
+        idle_wait = _seconds(env, ENV_IDLE_WAIT, default=5.0, allow_zero=True)
         return cls(
             enabled=enabled,
             socket_dir=socket_dir,
@@ -120,6 +118,7 @@ class Settings:
             flush_cache=_flag(env, ENV_FLUSH_CACHE, default=True),
             engine_timeout_s=timeout,
             allow_untested=_flag(env, ENV_ALLOW_UNTESTED, default=False),
+            idle_wait_s=idle_wait,
         )
 
     def address(self, rank: ParallelRank) -> str:
@@ -185,6 +184,19 @@ def socket_path(socket_dir: str, rank: ParallelRank) -> str:
             f"{MAX_SOCKET_PATH}: choose a shorter {ENV_SOCKET_DIR}"
         )
     return path
+
+
+def _seconds(env: Mapping[str, str], key: str, *, default: float, allow_zero: bool) -> float:
+    raw = env.get(key)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{key}={raw!r} is not a number of seconds") from None
+    if value < 0 or (value == 0 and not allow_zero) or value != value or value == float("inf"):
+        raise SettingsError(f"{key} must be {'>= 0' if allow_zero else '> 0'} and finite, got {raw!r}")
+    return value
 
 
 def _flag(env: Mapping[str, str], key: str, *, default: bool) -> bool:

@@ -55,6 +55,11 @@ def test_addresses_from_environment(tmp_path: Path) -> None:
     default = Settings.from_env({}, engine_port=30000)
     assert default.socket_dir == default_socket_dir(30000)
     assert default.address(rank).endswith("weightwire-sglang-30000/tp1-pp1.sock")
+    assert Settings.from_env({}).idle_wait_s == 5.0
+    assert Settings.from_env({"WEIGHTWIRE_SGLANG_IDLE_WAIT_S": "0"}).idle_wait_s == 0.0
+    assert Settings.from_env({"WEIGHTWIRE_SGLANG_ALLOW_UNTESTED": "1"}).allow_untested is True
+    assert unix.engine_key() != Settings.from_env({"WEIGHTWIRE_SGLANG_SOCKET_DIR": str(tmp_path / "b")}).engine_key()
+    assert tcp.engine_key() == "tcp:127.0.0.1:40100"
     guarded = Settings.from_env({"WEIGHTWIRE_SGLANG_BASE_PORT": "40100", "WEIGHTWIRE_SGLANG_HOST": "10.0.0.5",
                                  "WEIGHTWIRE_TOKEN": "s3cret"})
     assert guarded.address(rank) == "10.0.0.5:40103" and guarded.token == "s3cret"
@@ -70,6 +75,11 @@ def test_addresses_from_environment(tmp_path: Path) -> None:
         ({"WEIGHTWIRE_SGLANG_BASE_PORT": "40000", "WEIGHTWIRE_SGLANG_HOST": "0.0.0.0"}, "WEIGHTWIRE_TOKEN"),
         ({"WEIGHTWIRE_SGLANG_ENABLE": "maybe"}, "use 1 or 0"),
         ({"WEIGHTWIRE_SGLANG_ENGINE_TIMEOUT_S": "-1"}, "> 0"),
+        ({"WEIGHTWIRE_SGLANG_ENGINE_TIMEOUT_S": "0"}, "> 0"),
+        ({"WEIGHTWIRE_SGLANG_IDLE_WAIT_S": "-0.5"}, ">= 0"),
+        ({"WEIGHTWIRE_SGLANG_IDLE_WAIT_S": "nan"}, "finite"),
+        ({"WEIGHTWIRE_SGLANG_IDLE_WAIT_S": "soon"}, "not a number"),
+        ({"WEIGHTWIRE_SGLANG_ALLOW_UNTESTED": "perhaps"}, "use 1 or 0"),
     ],
 )
 def test_bad_environment_is_refused(env: dict[str, str], message: str) -> None:
@@ -226,3 +236,33 @@ def test_discover_command(tmp_path: Path, listeners: list[socket.socket], capsys
     assert run_discover_command([str(tmp_path), "--count", "3"]) == 1
     assert "expected 3 workers" in capsys.readouterr().err
     assert run_discover_command([]) == 2
+
+
+# ------------------------------------------------------------------------------------------- wake
+
+
+def test_wake_datagram_ends_an_idle_poll_and_is_drained() -> None:
+    """What makes a push fast with sleep_on_idle: a sleeping scheduler's zmq poll returns as soon
+    as a worker of its replica queues a step (the poll's own timeout is 1 s in SGLang)."""
+    import time
+
+    from weightwire.adapters.sglang.wake import WakeReceiver, WakeSender
+
+    zmq = pytest.importorskip("zmq")
+    key = f"unix:/test/{time.monotonic_ns()}"
+    receiver = WakeReceiver(key, 0)
+    sender = WakeSender(key, [0, 1, 3])  # 1 and 3: ranks that do not sleep (nothing bound): ignored
+    poller = zmq.Poller()
+    poller.register(receiver.fileno(), zmq.POLLIN)
+    try:
+        assert poller.poll(0) == []
+        sender.wake()
+        sender.wake()
+        assert poller.poll(5000) != []  # readable: the poll ended on the datagram, not its timeout
+        assert receiver.drain() == 2
+        assert poller.poll(0) == []  # drained: the next idle poll sleeps again
+        with pytest.raises(OSError):
+            WakeReceiver(key, 0)  # one sleeper per name: a second engine with the same key cannot bind
+    finally:
+        receiver.close()
+        sender.close()
