@@ -5,12 +5,12 @@ itself here: ``serve`` (weightwire.server.cli), ``manifest``/``status``/``push``
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from collections.abc import Sequence
 
 from weightwire import __version__
+from weightwire.core.optional import load_optional
 
 # module providing add_parser(subparsers) for each subcommand; modules arrive with their issues.
 _SUBCOMMAND_MODULES = (
@@ -25,13 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"weightwire {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod_name in _SUBCOMMAND_MODULES:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ModuleNotFoundError as e:
-            if e.name != mod_name:
-                raise
-            continue
-        mod.add_parser(sub)
+        add_parser = load_optional(f"{mod_name}:add_parser")
+        if callable(add_parser):
+            add_parser(sub)
     return parser
 
 

@@ -79,8 +79,9 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
 
 def _token(args: argparse.Namespace) -> str | None:
     if getattr(args, "token_file", None):
-        with open(args.token_file, encoding="utf-8") as f:
-            return f.read().strip()
+        from weightwire.core.netutil import read_token_file
+
+        return read_token_file(args.token_file)
     return args.token
 
 
@@ -127,12 +128,12 @@ def human_bytes(n: float) -> str:
 
 
 def _ranks(rank: Any) -> str:
-    parts = [f"tp{rank.tp_rank}/{rank.tp_size or 1}", f"pp{rank.pp_rank}/{rank.pp_size or 1}"]
-    if (rank.dp_size or 1) > 1:
-        parts.append(f"dp{rank.dp_rank}/{rank.dp_size}")
-    if (rank.sp_size or 1) > 1:
-        parts.append(f"sp{rank.sp_rank}/{rank.sp_size}")
-    return " ".join(parts)
+    from weightwire.core.manifest import ParallelRank
+
+    try:
+        return ParallelRank.from_proto(rank).short()
+    except ValueError as e:  # a worker reporting ranks out of range: show what it said
+        return f"({e})"
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from weightwire.core.shm import SHM_DIR
+
 LISTENING_PREFIX = "weightwire-serve listening "
 
 
@@ -235,7 +237,8 @@ def _demo(args: argparse.Namespace, workdir: str, workers: LocalWorkers, pusher_
     fake_shm = pusher.export_payload(buf)  # real shared memory with the right bytes...
     fake_shm.device.CopyFrom(foreign_host.to_proto())  # ...under another machine's label
     fake_gpu = pb.Payload(device=foreign_gpu.to_proto(), size_bytes=size,
-                          cuda_ipc=pb.CudaIpcHandle(memory_handle=b"\0" * 64, storage_size_bytes=size))
+                          cuda_ipc=pb.CudaIpcHandle(memory_handle=b"\0" * 64, storage_size_bytes=size,
+                                                    ref_counter_handle=b"/torch_1_elsewhere"))
     bucket = GatheredBucket([TensorSpec(s.name, s.dtype, s.shape, s.offset_bytes) for s in specs], [fake_shm, fake_gpu], size)
     _say("")
     _say(f"injected mismatch: v{bad_version} in a bucket labelled only {foreign_host} and {foreign_gpu}")
@@ -277,7 +280,7 @@ def _demo(args: argparse.Namespace, workdir: str, workers: LocalWorkers, pusher_
                       right=(2, 3, 4, 5, 6, 7)))
 
     pusher.close()
-    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"ww-{os.getpid()}-")] if os.path.isdir("/dev/shm") else []
+    leftovers = [n for n in os.listdir(SHM_DIR) if n.startswith(f"ww-{os.getpid()}-")] if os.path.isdir(SHM_DIR) else []
     checks.ok(not leftovers, f"no shared-memory segments left behind ({leftovers})")
     _say("")
     if checks.failures:

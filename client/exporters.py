@@ -27,11 +27,8 @@ import torch
 from weightwire.core import transports
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
-from weightwire.core.shm import new_shm_name
+from weightwire.core.shm import SHM_DIR, new_shm_name
 from weightwire.v1 import weight_transfer_pb2 as pb
-
-_SHM_DIR = "/dev/shm"
-
 
 # Per pushing thread: whether every worker of the push it runs waits for a payload's producer event
 # before reading (``consumers_wait_for_events``).
@@ -159,7 +156,7 @@ class ShmSegment(StagingBuffer):
     def __init__(self, capacity_bytes: int, tag: str = "") -> None:
         self.capacity_bytes = max(int(capacity_bytes), 1)
         self.name = new_shm_name(tag)
-        path = os.path.join(_SHM_DIR, self.name)
+        path = os.path.join(SHM_DIR, self.name)
         # O_EXCL: a name collision must never make two pushers share a segment.
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -192,7 +189,7 @@ class ShmSegment(StagingBuffer):
             return
         self._closed = True
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(_SHM_DIR, self.name))
+            os.unlink(os.path.join(SHM_DIR, self.name))
         self._tensor = None
         mm, self._mmap = self._mmap, None
         if mm is not None:

@@ -6,13 +6,17 @@ Used by ``weightwire.client.pusher`` and the CLI commands.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import threading
+from collections.abc import Iterable, Mapping
 
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from weightwire.core.errors import ERROR_DOMAIN, PushError, Reason, WeightwireError
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 # The workers accept up to 64 MiB; leave room for the specs around an inline payload.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024 + 1024 * 1024
@@ -46,6 +50,30 @@ class Worker:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def close_workers(workers: Iterable[Worker], timeout_s: float = 5.0) -> None:
+    """Close every worker's channel, giving up after ``timeout_s``.
+
+    A channel whose call was interrupted inside gRPC (Ctrl-C while the pushing thread waited on a
+    call) can block ``close`` forever on a lock that call still holds; closing must never hang the
+    trainer's exit, so the closes run on a daemon thread and a stuck one is left behind.
+    """
+    pending = list(workers)
+
+    def close_all() -> None:
+        for w in pending:
+            w.close()
+
+    try:
+        closer = threading.Thread(target=close_all, name="ww-close-channels", daemon=True)
+        closer.start()
+    except RuntimeError:  # no new threads at interpreter shutdown: close here
+        close_all()
+        return
+    closer.join(timeout_s)
+    if closer.is_alive():
+        log.warning("closing the channels to %d worker(s) did not finish within %.0f s; left to the process exit", len(pending), timeout_s)
 
 
 def start_unary(

@@ -195,7 +195,7 @@ def test_gathered_payloads_each_worker_picks_its_own(engine: Engine, pusher: Wei
     other_gpu = pb.Payload(
         device=DeviceRef.cuda("GPU-6a4c1c0e-0000-4000-8000-00000000beef").to_proto(),
         size_bytes=size,
-        cuda_ipc=pb.CudaIpcHandle(memory_handle=b"\x01" * 64, storage_size_bytes=size),
+        cuda_ipc=pb.CudaIpcHandle(memory_handle=b"\x01" * 64, storage_size_bytes=size, ref_counter_handle=b"/torch_1_elsewhere"),
     )
     results = pusher.push_gathered([GatheredBucket(specs, [other_gpu, other_host, mine], size)], version=v)
     for addr, r in results.items():
