@@ -155,7 +155,7 @@ def flat_jobs(
 ) -> Jobs:
     """One job per flat buffer that some worker owns something in; the planning checks are skipped
     for the exact layouts ``checked`` already passed."""
-    # Byte sizes as ``flat_bytes`` will see them (it only refuses, below, in the same order as ever).
+    # Byte sizes as ``flat_bytes`` sees them; the name checks run first so their errors win over its.
     sizes = [b.buffer.numel() * b.buffer.element_size() for b in buckets]
     checked_key = checked.key(buckets, sizes, manifests, options.scope, options.allow_unowned)
     routed = checked.get(checked_key)
