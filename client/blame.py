@@ -128,5 +128,6 @@ def _result(address: str, worker_id: str, s: WorkerStream) -> PushResult:
         source_devices=tuple(
             sorted({str(DeviceRef(a.source_device.kind, a.source_device.uuid)) for a in s.acks if a.HasField("source_device")})
         ),
+        bytes_received=r.bytes_received,
     )
 

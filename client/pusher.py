@@ -38,7 +38,9 @@ from weightwire.client import exporters as exp
 from weightwire.client import jobs as job_builders
 from weightwire.client import plan as planning
 from weightwire.client.dtensor_gather import CastTo, check_cast_to, has_dtensors, named_items, source_device
+from weightwire.client.group_send import GroupExporter, GroupLink, TransferGroupOptions
 from weightwire.client.options import PushOptions, scope_value
+from weightwire.client.plan import PlanError
 from weightwire.client.readers import ReaderThreads
 from weightwire.client.routing import CheckedLayouts, flat_bytes, manifest_changes, route_own_device
 from weightwire.client.rpc import Worker, call_metadata, collect_unary, start_unary
@@ -72,6 +74,8 @@ class _Setup:
     # Set when the caller already re-checked the fingerprints (a multi-rank push does it before
     # the ranks agree, so that a restarted worker fails every rank before anything is sent).
     rechecked: bool = False
+    # The transfer group the update's bytes travel over (transport "transfer_group").
+    group: GroupLink | None = None
 
 
 def _updating(statuses: Mapping[str, pb.GetStatusResponse] | None) -> set[str]:
@@ -105,6 +109,7 @@ class WeightPusher:
         pipeline_depth: int = 2,
         recheck_manifests: bool = True,
         metrics: TrainerMetrics | None = None,
+        transfer_group: TransferGroupOptions | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("WeightPusher needs at least one worker endpoint")
@@ -132,6 +137,13 @@ class WeightPusher:
         # worker per update is a large share of a small update's cost on a busy host. Room for a
         # reader still ending after a cancelled update next to the next update's readers.
         self._readers = ReaderThreads(2 * len(self.endpoints) + 2, "ww-push")
+        # Bytes over a torch.distributed group between machines (weightwire.client.group_send):
+        # formed at the first push, reused while every worker still holds it.
+        self._group = (
+            GroupLink(transfer_group, self._workers, self._metadata, self.timeout_s) if transfer_group is not None else None
+        )
+        if self._group is not None and transport == "auto":
+            self.transport = "transfer_group"
         # Segments are unlinked even if the caller forgets close() (also at interpreter exit).
         self._finalizer = weakref.finalize(self, _close_all, self._staging, list(self._workers.values()), self._readers)
 
@@ -154,6 +166,8 @@ class WeightPusher:
     def close(self) -> None:
         """Unlink every staging segment and close the channels. Idempotent."""
         self._closed = True
+        if self._group is not None:
+            self._group.close()  # leave the transfer group first
         self._staging.close_user_buffers()
         self._finalizer()
 
@@ -181,6 +195,16 @@ class WeightPusher:
     def status(self) -> dict[str, pb.GetStatusResponse]:
         """Every worker's GetStatus (weights version, state, last result/error), keyed by endpoint."""
         return collect_unary("GetStatus", self._start_all("GetStatus", pb.GetStatusRequest()))  # type: ignore[return-value]
+
+    def leave_transfer_group(self) -> None:
+        """Tear the transfer group down on this side and on every worker (the next push forms a new one)."""
+        if self._group is not None:
+            self._group.teardown("left on request")
+
+    @property
+    def transfer_group_id(self) -> str | None:
+        """The id of the transfer group now formed, or None."""
+        return self._group.group_id if self._group is not None else None
 
     def _recheck(
         self, manifests: Mapping[str, ShardManifest], pending: Mapping[str, grpc.Future] | None
@@ -334,6 +358,14 @@ class WeightPusher:
         if name == "auto":
             name = exp.choose_transport([m.device for m in setup.manifests.values()], source)
         exporter = self._staging.exporter(name, source)
+        if isinstance(exporter, GroupExporter):
+            if self._group is None:
+                raise PlanError(
+                    Reason.TRANSPORT_UNAVAILABLE,
+                    "transport 'transfer_group' needs WeightPusher(..., transfer_group=TransferGroupOptions(host=...))",
+                )
+            exporter.use_device(self._group.device)
+            setup.group = self._group
         setup.manifests = route_own_device(setup.manifests, exporter, options.only_own_device)
         return setup, exporter
 
@@ -350,6 +382,9 @@ class WeightPusher:
             statuses = None
             if self.recheck_manifests and not setup.rechecked:
                 statuses = self._recheck(setup.manifests, setup.recheck)
+            if setup.group is not None:
+                setup.group.ensure(setup.manifests, statuses, max((j.size_bytes for j in jobs.jobs), default=0))
+                jobs = job_builders.Jobs(setup.group.route(jobs.jobs, setup.manifests), jobs.pools)
             connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)
             session = UpdateSession(
                 jobs.jobs, setup.manifests, options, connections, self._fingerprints, self._templates, jobs.pools,
@@ -364,6 +399,12 @@ class WeightPusher:
         except PushError as e:
             if any(err.kind is Reason.MANIFEST_CHANGED for err in e.failures.values()):
                 self._manifests = None
+            if setup.group is not None:
+                # The workers leave the group when an update fails; so does this side. A worker not
+                # in the plan restarted since its manifest was read: read them again next time.
+                setup.group.teardown("an update failed", leave=False)
+                if any(err.kind is Reason.GROUP_UNKNOWN_MEMBER for err in e.failures.values()):
+                    self._manifests = None
             raise
         finally:
             self._push_lock.release()

@@ -178,10 +178,12 @@ class UpdateSession:
             cache: dict[DeviceRef, pb.Payload] = {}
             for a in job.recipients:
                 bucket = self._templates.bucket(job.specs, prepared.base_offset_bytes)
-                bucket.payloads.extend(prepared.payloads_for(self._manifests[a].device, cache))
+                bucket.payloads.extend(prepared.payloads_for(self._manifests[a].device, cache, a))
                 if prepared.checksum is not None:
                     bucket.checksum.CopyFrom(prepared.checksum)
                 self.streams[a].send_bucket(job_id, bucket)
+            if prepared.on_sent is not None:
+                prepared.on_sent()
         return True
 
     def _pass_gate(self, sent_all: bool) -> None:

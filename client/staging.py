@@ -182,8 +182,17 @@ class PreparedBucket:
     release: Callable[[bool], None]
     # Where the layout starts inside the exported storage (a wrapped view into a larger buffer).
     base_offset_bytes: int = 0
+    # The buffer holding the bucket (for transports that move its bytes themselves).
+    staged: exp.StagingBuffer | None = None
+    # A transport whose payload differs per worker (transfer groups: each worker's group rank and
+    # byte ranges), by worker address; it wins over ``fixed`` and ``per_worker``.
+    per_recipient: Callable[[str], pb.Payload] | None = None
+    # Called once the bucket message is queued on every recipient's stream (the transfer starts).
+    on_sent: Callable[[], None] | None = None
 
-    def payloads_for(self, device: DeviceRef, cache: dict[DeviceRef, pb.Payload]) -> list[pb.Payload]:
+    def payloads_for(self, device: DeviceRef, cache: dict[DeviceRef, pb.Payload], worker: str = "") -> list[pb.Payload]:
+        if self.per_recipient is not None:
+            return [self.per_recipient(worker)]
         if self.per_worker is None:
             return self.fixed
         if device not in cache:
@@ -212,8 +221,8 @@ def export_staged(
     buf.ready()
     checksum = crc32_checksum(buf.crc32(size)) if verify else None
     if exporter.label is not None:
-        return PreparedBucket([exporter.export(buf, size, exporter.label)], None, checksum, release)
-    return PreparedBucket([], lambda dev: exporter.export(buf, size, dev), checksum, release)
+        return PreparedBucket([exporter.export(buf, size, exporter.label)], None, checksum, release, staged=buf)
+    return PreparedBucket([], lambda dev: exporter.export(buf, size, dev), checksum, release, staged=buf)
 
 
 def pool_release(pool: StagingPool, buf: exp.StagingBuffer) -> Callable[[bool], None]:

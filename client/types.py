@@ -38,6 +38,8 @@ class PushResult:
     # and every device it imported payloads from (normalised labels, e.g. "cuda:1a2b...").
     peer_device_imports: int = 0
     source_devices: tuple[str, ...] = ()
+    # Bytes that reached this worker over the network (transfer groups; 0 for other transports).
+    bytes_received: int = 0
 
     @property
     def gbps(self) -> float:

@@ -500,21 +500,28 @@ class TransferGroup:
 
     def close(self) -> None:
         """Destroy this side of the group: its sockets close, so operations of peers on it fail at
-        once. Idempotent. Operations still posted here end at their own deadline."""
+        once. Idempotent and never blocking: a process group's destructor waits for the operations
+        still running on its threads (until they fail or reach the timeout), so it runs on a
+        thread of its own."""
         with self._lock:
             if self.closed:
                 return
             self.closed = True
-            pg, self._pg = self._pg, None
-            subgroups, self._subgroups = self._subgroups, {}
+            doomed = [self._pg, *(p for p, _ in self._subgroups.values())]
+            self._pg = None
+            self._subgroups = {}
             self._store = None
-        for entry in [pg, *(p for p, _ in subgroups.values())]:
-            if entry is not None and self.spec.backend == pb.TRANSFER_BACKEND_NCCL:
-                try:
-                    entry.abort()
-                except Exception:
-                    pass
-        del pg, subgroups
+        threading.Thread(target=_destroy, args=(doomed, self.spec.backend), name="ww-group-close", daemon=True).start()
+
+
+def _destroy(doomed: list[Any], backend: int) -> None:
+    if backend == pb.TRANSFER_BACKEND_NCCL:
+        for pg in doomed:
+            try:
+                pg.abort()  # NCCL communicators must be aborted, not only dropped
+            except Exception:
+                pass
+    doomed.clear()  # the last references: the destructors run here
 
 
 __all__ = [

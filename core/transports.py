@@ -90,7 +90,20 @@ INLINE = Transport(
     importer="weightwire.server.inline_import:InlineImporter",
 )
 
-TRANSPORTS: tuple[Transport, ...] = (CUDA_IPC, HOST_SHM, INLINE)
+TRANSFER_GROUP = Transport(
+    name="transfer_group",
+    kind=pb.TRANSPORT_KIND_TRANSFER_GROUP,
+    handle_field="transfer_group",
+    human_name="a transfer group (torch.distributed)",
+    # The bytes land in the receiving worker's own staging buffer: each worker's payload is
+    # labelled with its own device. Never picked by transport="auto" (it needs a group formed).
+    label_kind=None,
+    worker_kinds=(_HOST, _CUDA),
+    exporter="weightwire.client.group_send:GroupExporter",
+    importer="weightwire.server.group_import:GroupImporter",
+)
+
+TRANSPORTS: tuple[Transport, ...] = (CUDA_IPC, HOST_SHM, TRANSFER_GROUP, INLINE)
 
 _BY_NAME = {t.name: t for t in TRANSPORTS}
 _BY_KIND = {t.kind: t for t in TRANSPORTS}
@@ -167,6 +180,7 @@ __all__ = [
     "HOST_SHM",
     "HOST_WORKER_TRANSPORTS",
     "INLINE",
+    "TRANSFER_GROUP",
     "TRANSPORTS",
     "Transport",
     "by_field",

@@ -59,6 +59,13 @@ def add_parser(subparsers: Any) -> None:
         "'weightwire-serve metrics URL' after the listening line); default: no metrics endpoint",
     )
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="address of the metrics endpoint (default 127.0.0.1)")
+    p.add_argument(
+        "--group-host",
+        default=None,
+        metavar="ADDR",
+        help="address of this machine that transfer-group sockets listen on, reachable by the trainer "
+        "(default: the --listen TCP host, else 127.0.0.1); see docs/distributed.md",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=run)
 
@@ -120,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = serve(
             adapter, listen=args.listen, token=token, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            own_device=own_device, on_commit=on_commit,
+            own_device=own_device, on_commit=on_commit, group_host=args.group_host,
         )
     except (ValueError, OSError) as e:
         print(f"weightwire serve: {e}", file=sys.stderr)

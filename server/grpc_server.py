@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from weightwire.core.devices import DeviceRef
 from weightwire.server.adapter import EngineAdapter
+from weightwire.server.group_import import default_group_host
 from weightwire.server.service import CommitHook, WorkerService
 from weightwire.server.servicer import SERVICE_NAME, TokenAuthInterceptor, WeightTransferServicer
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
@@ -98,13 +99,15 @@ def serve(
     own_device: DeviceRef | None = None,
     on_commit: CommitHook | None = None,
     max_workers: int = 8,
+    group_host: str | None = None,
 ) -> RunningServer:
     """Serve ``adapter`` over gRPC and return once the server accepts requests.
 
     ``listen``: ``unix:/abs/path.sock`` or ``HOST:PORT`` (port 0 picks one; ``.address`` has it);
     None means a Unix socket in a fresh private directory. A non-loopback TCP address requires
     ``token``. ``tls_cert``/``tls_key``: PEM files to serve TLS on TCP. ``own_device`` defaults to the
-    adapter manifest's device.
+    adapter manifest's device. ``group_host``: the address of this machine that transfer groups'
+    sockets listen on (default: the TCP listen host, or 127.0.0.1 for a unix socket or a wildcard).
     """
     if (tls_cert is None) != (tls_key is None):
         raise ValueError("TLS needs both a certificate and a key file")
@@ -128,6 +131,9 @@ def serve(
             log.warning("serving %s with a token but without TLS: the token travels in clear text", listen)
 
     service = WorkerService(adapter, own_device=own_device or adapter.manifest().device, on_commit=on_commit)
+    if service.transfer_group is not None:
+        # Transfer-group sockets listen on this address only (docs/distributed.md).
+        service.transfer_group.configure(listen_host=group_host or default_group_host(listen))
     interceptors = [TokenAuthInterceptor(token)] if token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weightwire-rpc"),

@@ -18,10 +18,13 @@ import torch
 from weightwire.core import transports
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.group_plan import MemberIdentity
 from weightwire.core.manifest import ShardManifest
 from weightwire.server.adapter import EngineAdapter
+from weightwire.server.group_import import GroupImporter
 from weightwire.server.layout import LayoutCache
 from weightwire.server.messages import MAX_MESSAGE_BYTES, clip_utf8
+from weightwire.server.read_ahead import read_ahead
 from weightwire.server.transports import PayloadImporter, make_importers
 from weightwire.server.update import Update, UpdateContext, now_timestamp
 from weightwire.server.update_events import UpdateEvents, UpdateObserver
@@ -153,7 +156,38 @@ class WorkerService:
             if self._last_error is not None:
                 resp.last_error.CopyFrom(self._last_error)
         resp.open_mappings = self.open_mappings()
+        group = self.transfer_group
+        if group is not None:
+            resp.transfer_group.CopyFrom(group.status())
         return resp
+
+    # --- transfer groups (weightwire.server.group_import) ---------------------------------------
+
+    @property
+    def transfer_group(self) -> GroupImporter | None:
+        importer = self.importers.get(transports.TRANSFER_GROUP.handle_field)
+        return importer if isinstance(importer, GroupImporter) else None
+
+    def _group_or_refuse(self) -> GroupImporter:
+        group = self.transfer_group
+        if group is None:
+            raise WeightwireError(Reason.TRANSPORT_UNAVAILABLE, "this worker has no transfer-group importer")
+        with self._mu:
+            if self._active is not None:
+                raise WeightwireError(
+                    Reason.UPDATE_IN_PROGRESS,
+                    f"an update (version {self._active.version}) is running on this worker; join or leave after it ended",
+                    active_version=str(self._active.version),
+                )
+        return group
+
+    def join_transfer_group(self, request: pb.JoinTransferGroupRequest) -> pb.JoinTransferGroupResponse:
+        """Form the group of ``request.spec`` as this worker (its manifest's identity); blocks until
+        every member has joined and checked it, or raises with the reason."""
+        return self._group_or_refuse().join(request.spec, MemberIdentity.of_worker(self._manifest), self.target_device)
+
+    def leave_transfer_group(self, request: pb.LeaveTransferGroupRequest) -> pb.LeaveTransferGroupResponse:
+        return pb.LeaveTransferGroupResponse(left=self._group_or_refuse().leave(request.group_id))
 
     def close(self) -> None:
         """Release every mapping (worker shutdown). An update still running is failed first."""
@@ -309,7 +343,8 @@ class WorkerService:
                 )
                 raise err
             update = self.begin_update(first.header)
-            for req in requests:
+            # A transport that receives ahead (transfer groups) sees the next bucket while this one loads.
+            for req in read_ahead(requests, self.importers):
                 kind = req.WhichOneof("message")
                 if kind == "bucket":
                     ack = update.bucket(req.bucket)

@@ -85,6 +85,24 @@ class WeightTransferServicer(pb_grpc.WeightTransferServiceServicer):
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
         return self.service.get_status()
 
+    def JoinTransferGroup(
+        self, request: pb.JoinTransferGroupRequest, context: grpc.ServicerContext
+    ) -> pb.JoinTransferGroupResponse:
+        try:
+            return self.service.join_transfer_group(request)
+        except WeightwireError as err:
+            context.abort_with_status(to_rpc_status(err))
+            raise  # unreachable: abort_with_status raises
+
+    def LeaveTransferGroup(
+        self, request: pb.LeaveTransferGroupRequest, context: grpc.ServicerContext
+    ) -> pb.LeaveTransferGroupResponse:
+        try:
+            return self.service.leave_transfer_group(request)
+        except WeightwireError as err:
+            context.abort_with_status(to_rpc_status(err))
+            raise  # unreachable: abort_with_status raises
+
     def PushWeights(
         self, request_iterator: Iterator[pb.PushWeightsRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.PushWeightsResponse]:

@@ -91,6 +91,8 @@ class _Loaded:
     opened: bool
     open_ns: int
     load_ns: int
+    # Bytes that arrived over the network for it (a transfer group's mapping says; else 0).
+    received: int = 0
 
 
 class Update:
@@ -119,6 +121,7 @@ class Update:
         self._loaded: set[str] = set()
         self._loaded_any = False
         self._bytes_loaded = 0
+        self._bytes_received = 0
         self._handles_opened = 0
         self._mappings: dict[Hashable, ImportedPayload] = {}
         self._finish_lock = threading.Lock()
@@ -191,6 +194,8 @@ class Update:
         ack.handle_opened = loaded.opened
         ack.open_duration_ns = loaded.open_ns
         ack.load_duration_ns = loaded.load_ns
+        ack.bytes_received = loaded.received
+        self._bytes_received += loaded.received
         return ack
 
     def _accept(self, msg: pb.Bucket, payloads: list[pb.Payload]) -> tuple[BucketLayout, int | None]:
@@ -313,7 +318,7 @@ class Update:
             if mapping not in self._mappings.values():
                 # Not shared within this update: done with it (a reusable importer keeps its cache).
                 mapping.close()
-        return _Loaded(opened=opened, open_ns=open_ns, load_ns=load_ns)
+        return _Loaded(opened=opened, open_ns=open_ns, load_ns=load_ns, received=getattr(mapping, "bytes_received", 0))
 
     def _load(self, index: int, layout: BucketLayout, mapping: ImportedPayload) -> None:
         for batch in layout.read_plan(mapping.copy_chunk_bytes):
@@ -396,6 +401,7 @@ class Update:
             tensors_loaded=len(self._loaded),
             bytes_loaded=self._bytes_loaded,
             handles_opened=self._handles_opened,
+            bytes_received=self._bytes_received,
             duration_ns=time.perf_counter_ns() - self._t0,
             state=new_state,
             update_id=self.header.update_id,

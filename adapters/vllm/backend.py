@@ -35,7 +35,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weightwire.adapters.endpoints import prepare_socket, worker_id
+from weightwire.adapters.endpoints import prepare_socket, worker_id, worker_index
 from weightwire.adapters.vllm.adapter import VLLMAdapter
 from weightwire.adapters.vllm.settings import ENV_BASE_PORT, ENV_SOCKET_DIR, Settings
 from weightwire.core.devices import device_ref_of
@@ -94,6 +94,11 @@ class WeightwireWeightTransferEngine(WeightTransferEngine[WeightwireInitInfo, We
         self.address = self.server.address
         self._stopped = False
         atexit.register(self.shutdown)
+        # Metrics into vLLM's /metrics when its prometheus runs in multiprocess mode (several API
+        # servers, or PROMETHEUS_MULTIPROC_DIR set), or on WEIGHTWIRE_METRICS_PORT + worker index.
+        from weightwire.server.metrics import engine_metrics
+
+        engine_metrics(self.server.service, engine="vllm", port_offset=worker_index(rank))
         manifest = self.adapter.manifest()
         log.info(
             "weightwire: worker %s of vLLM %s serves %d checkpoint tensors (%.1f MiB, layers [%d, %d) of %d) at %s",

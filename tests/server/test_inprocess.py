@@ -326,7 +326,7 @@ def test_manifest_rpc(inproc_worker) -> None:
     assert (m.layer_range.start_layer, m.layer_range.end_layer, m.layer_range.num_layers) == (0, 2, 4)
     assert {t.name: tuple(t.shape) for t in m.tensors} == {n: t.shape for n, t in local.tensors.items()}
     assert m.instance_id and m.engine == "torch"
-    assert set(m.transports) == {pb.TRANSPORT_KIND_HOST_SHM, pb.TRANSPORT_KIND_INLINE}
+    assert set(m.transports) == {pb.TRANSPORT_KIND_HOST_SHM, pb.TRANSPORT_KIND_TRANSFER_GROUP, pb.TRANSPORT_KIND_INLINE}
 
 
 def test_reflection_lists_services(inproc_worker) -> None:
