@@ -43,7 +43,7 @@ from weightwire.client.options import PushOptions, scope_value
 from weightwire.client.plan import PlanError
 from weightwire.client.readers import ReaderThreads
 from weightwire.client.routing import CheckedLayouts, flat_bytes, manifest_changes, route_own_device
-from weightwire.client.rpc import Worker, call_metadata, collect_unary, start_unary
+from weightwire.client.rpc import Worker, call_metadata, close_workers, collect_unary, start_unary
 from weightwire.client.session import CommitGate, SpecTemplates, UpdateSession
 from weightwire.client.staging import Staging
 from weightwire.client.stream import Connections
@@ -60,8 +60,7 @@ def _close_all(staging: Staging, workers: list[Worker], readers: ReaderThreads) 
     # Not waiting for the readers: closing the channels below ends any call a thread is still blocked in.
     readers.shutdown()
     staging.close()
-    for w in workers:
-        w.close()
+    close_workers(workers)
 
 
 @dataclasses.dataclass

@@ -15,9 +15,9 @@ whether they fit (``Exporter.fits``); the last row fits everywhere.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 from weightwire.core.devices import DeviceRef
+from weightwire.core.optional import load_optional
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 _CUDA = pb.DEVICE_KIND_CUDA
@@ -48,11 +48,11 @@ class Transport:
         than one in all (host memory, or bytes in the message)."""
         return self.label_kind is not None and self.label_kind != _HOST
 
-    def load_exporter(self) -> type | None:
+    def load_exporter(self) -> object | None:
         """The trainer-side exporter class, or None when its module cannot be imported here."""
         return load_optional(self.exporter)
 
-    def load_importer(self) -> type | None:
+    def load_importer(self) -> object | None:
         """The worker-side importer class, or None when its module cannot be imported here."""
         return load_optional(self.importer)
 
@@ -161,20 +161,6 @@ def for_local_buffer(device_type: str) -> Transport:
 HOST_WORKER_TRANSPORTS: tuple[pb.TransportKind.ValueType, ...] = tuple(t.kind for t in TRANSPORTS if _HOST in t.worker_kinds)
 
 
-def load_optional(ref: str) -> type | None:
-    """The object ``"module:attr"`` names, or None when that module itself is not installed here
-    (a missing dependency inside it still raises, so a broken transport is never silently absent)."""
-    module_name, _, attr = ref.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
-        return None
-    obj: type = getattr(module, attr)
-    return obj
-
-
 __all__ = [
     "CUDA_IPC",
     "HOST_SHM",
@@ -190,6 +176,5 @@ __all__ = [
     "for_local_buffer",
     "for_worker",
     "kind_name",
-    "load_optional",
     "names",
 ]
