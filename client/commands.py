@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from weightwire.core.errors import PushError, Reason, WeightwireError
+from weightwire.core.transports import names as transport_names
 
 _MB = 1024 * 1024
 
@@ -57,7 +58,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--version", type=int, required=True, metavar="N", help="weights version to install (> current)")
     p.add_argument("--partial", action="store_true", help="a PARTIAL update (default FULL: every owned tensor)")
     p.add_argument("--bucket-mb", type=float, default=64.0, help="staging bucket size in MiB (default 64)")
-    p.add_argument("--transport", default="auto", help="auto (default), host_shm, inline or cuda_ipc")
+    p.add_argument("--transport", default="auto", help=f"auto (default) or one of: {', '.join(transport_names())}")
     p.add_argument("--allow-unowned", action="store_true", help="skip checkpoint tensors no worker owns")
     p.add_argument("--verify-checksums", action="store_true", help="send CRC-32 per bucket; workers verify")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (there is none when stderr is not a terminal)")
