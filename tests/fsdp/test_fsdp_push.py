@@ -6,7 +6,8 @@ Fleets (shared by every test of this module): a TP2 and a TP2 x PP2 engine of re
 serve`` workers (host devices of this machine); a TP2 x PP2 engine whose four workers sit on four
 stand-in GPUs (``labelled_worker.py``: a host label per worker, standing for the GPU a real worker
 would be on; trainer rank r labels its shared memory as stand-in GPU r), for the direct per-rank
-pattern; a bf16 worker for the explicit dtype conversion. Each group of ranks runs its scenarios in
+pattern; a bf16 worker for the explicit dtype conversion; a worker of a model whose vocabulary and
+MLP sizes do not divide by the number of ranks (FSDP2's uneven shards). Each group of ranks runs its scenarios in
 one launch (``fsdp_rank.py``), and the tests read what every rank reported.
 """
 
@@ -18,9 +19,12 @@ from typing import Any
 import pytest
 import torch
 from fsdp_ranks import Fleet, RankRun, labelled_fleet, run_ranks, serve_fleet
+from weightwire.adapters.torch.demo import DemoConfig
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 STAND_IN = [f"stand-in-gpu-{i}" for i in range(4)]
+# 257 rows over 2 ranks are 129 + 128, over 4 ranks 65 + 64 + 64 + 64; 131 likewise.
+ODD = {"vocab_size": 257, "intermediate_size": 131}
 
 
 class Fleets:
@@ -30,15 +34,19 @@ class Fleets:
         # Worker (tp t, pp p) on stand-in GPU p * 2 + t: one engine worker per GPU, as colocated.
         self.gpus = labelled_fleet(2, 2, f"{base}/gpus", labels=STAND_IN)
         self.bf16 = labelled_fleet(1, 1, f"{base}/bf16", labels=[None], config_args=["--dtype", "bfloat16"])
+        self.odd = labelled_fleet(
+            1, 1, f"{base}/odd", labels=[None], config_args=["--vocab-size", "257", "--intermediate-size", "131"],
+            config=DemoConfig(**ODD),
+        )
 
     def all(self) -> list[Fleet]:
-        return [self.tp2, self.tp2pp2, self.gpus, self.bf16]
+        return [self.tp2, self.tp2pp2, self.gpus, self.bf16, self.odd]
 
     def versions(self) -> dict[str, list[int]]:
         return {name: [s.weights_version for s in f.statuses()] for name, f in self.named().items()}
 
     def named(self) -> dict[str, Fleet]:
-        return {"tp2": self.tp2, "tp2pp2": self.tp2pp2, "gpus": self.gpus, "bf16": self.bf16}
+        return {"tp2": self.tp2, "tp2pp2": self.tp2pp2, "gpus": self.gpus, "bf16": self.bf16, "odd": self.odd}
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +96,9 @@ def scenario(name: str, fleet: Fleet, version: int, **kw: Any) -> dict[str, Any]
 @pytest.fixture(scope="module")
 def two_ranks(fleets: Fleets, tmp_path_factory: pytest.TempPathFactory) -> Launch:
     v = {"tp2": fleets.tp2.next_version(), "tp2pp2": fleets.tp2pp2.next_version(), "gpus": fleets.gpus.next_version(),
-         "bf16": fleets.bf16.next_version()}
+         "bf16": fleets.bf16.next_version(), "odd": fleets.odd.next_version()}
     versions = {
+        "odd_shapes": v["odd"],
         "tp2_own_device": v["tp2"], "tp2_named_parameters_gathered": v["tp2"] + 1, "tp2pp2_gathered": v["tp2pp2"],
         "bf16_without_cast": v["bf16"], "bf16_cast": v["bf16"], "gpus_unreachable": v["gpus"],
         "disagree": v["tp2"] + 2, "not_pushing": v["tp2"] + 2,
@@ -101,6 +110,7 @@ def two_ranks(fleets: Fleets, tmp_path_factory: pytest.TempPathFactory) -> Launc
         scenario("tp2_named_parameters_gathered", fleets.tp2, versions["tp2_named_parameters_gathered"],
                  source="named_parameters", routing="gathered", sender_rank=1),
         scenario("tp2pp2_gathered", fleets.tp2pp2, versions["tp2pp2_gathered"], routing="gathered"),
+        scenario("odd_shapes", fleets.odd, versions["odd_shapes"], config=ODD),
         scenario("bf16_without_cast", fleets.bf16, versions["bf16_without_cast"]),
         scenario("bf16_cast", fleets.bf16, versions["bf16_cast"], cast_to="bfloat16"),
         scenario("gpus_unreachable", fleets.gpus, versions["gpus_unreachable"], stand_in_gpu=True, transport="host_shm"),
@@ -116,8 +126,10 @@ def two_ranks(fleets: Fleets, tmp_path_factory: pytest.TempPathFactory) -> Launc
 
 @pytest.fixture(scope="module")
 def four_ranks(fleets: Fleets, two_ranks: Launch, tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    v = {"tp2": fleets.tp2.next_version(), "tp2pp2": fleets.tp2pp2.next_version(), "gpus": fleets.gpus.next_version()}
+    v = {"tp2": fleets.tp2.next_version(), "tp2pp2": fleets.tp2pp2.next_version(), "gpus": fleets.gpus.next_version(),
+         "odd": fleets.odd.next_version()}
     versions = {
+        "odd_shapes": v["odd"],
         "tp2_own_device": v["tp2"], "tp2pp2_gathered": v["tp2pp2"], "tp2pp2_own_device": v["tp2pp2"] + 1,
         "gpus_own_device": v["gpus"], "gpus_gathered": v["gpus"] + 1,
         "gpus_one_worker_refuses": v["gpus"] + 2, "raised": v["gpus"] + 10,
@@ -127,6 +139,7 @@ def four_ranks(fleets: Fleets, two_ranks: Launch, tmp_path_factory: pytest.TempP
         scenario("tp2_own_device", fleets.tp2, versions["tp2_own_device"]),
         scenario("tp2pp2_gathered", fleets.tp2pp2, versions["tp2pp2_gathered"], routing="gathered"),
         scenario("tp2pp2_own_device", fleets.tp2pp2, versions["tp2pp2_own_device"], source="named_parameters"),
+        scenario("odd_shapes", fleets.odd, versions["odd_shapes"], config=ODD, routing="gathered"),
         scenario("gpus_own_device", fleets.gpus, versions["gpus_own_device"], stand_in_gpu=True, transport="host_shm"),
         scenario("gpus_gathered", fleets.gpus, versions["gpus_gathered"], stand_in_gpu=True, transport="host_shm",
                  routing="gathered", sender_rank=2),
@@ -163,6 +176,8 @@ def test_full_values_of_every_dtensor_layout(request: pytest.FixtureRequest, wor
     (4, "tp2_own_device", "tp2"),
     (4, "tp2pp2_gathered", "tp2pp2"),
     (4, "tp2pp2_own_device", "tp2pp2"),
+    (2, "odd_shapes", "odd"),
+    (4, "odd_shapes", "odd"),
 ])
 def test_fsdp2_into_real_serve_fleets_bit_exact(
     request: pytest.FixtureRequest, fleets: Fleets, world: int, name: str, fleet_name: str
