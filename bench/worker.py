@@ -144,12 +144,12 @@ class WeightwireReceiver(Receiver):
         svc, adapter = self.service, self.adapter
         begin, load = svc.begin_update, adapter.load
 
-        def timed_begin(header: Any) -> Any:
+        def timed_begin(header: Any, *args: Any, **kwargs: Any) -> Any:
             t0 = now()
             with self._lock:
                 self._current = {"version": int(header.version), "t_header_ns": t0, "open_ns": 0, "opens": 0,
                                  "copy_ns": 0, "loads": 0, "tensors": 0}
-            update = begin(header)
+            update = begin(header, *args, **kwargs)
             with self._lock:
                 if self._current is not None:
                     self._current["begin_ns"] = now() - t0
@@ -173,14 +173,15 @@ class WeightwireReceiver(Receiver):
         commit = service_mod.Update.commit
         receiver = self
 
-        def timed_commit(update: Any, msg: Any) -> Any:
+        def timed_commit(update: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:
             t0 = now()
-            result = commit(update, msg)
+            result = commit(update, msg, *args, **kwargs)
             t1 = now()
             with receiver._lock:
                 rec = receiver._current
                 if rec is not None and rec["version"] == update.version:
-                    rec.update(commit_ns=t1 - t0, t_commit_end_ns=t1, handles_opened=int(result.handles_opened),
+                    rec.update(commit_ns=t1 - t0, t_commit_start_ns=t0, t_commit_end_ns=t1,
+                               handles_opened=int(result.handles_opened),
                                bytes_loaded=int(result.bytes_loaded), server_duration_ns=int(result.duration_ns),
                                buckets=int(result.bucket_count))
                     receiver._done.append(rec)
@@ -191,16 +192,19 @@ class WeightwireReceiver(Receiver):
 
         bucket = service_mod.Update._bucket
 
-        def timed_bucket(update: Any, msg: Any) -> Any:
+        def timed_bucket(update: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:
             # Everything the worker does for one bucket: checks, selection, open, views, load.
             t0 = now()
             try:
-                return bucket(update, msg)
+                return bucket(update, msg, *args, **kwargs)
             finally:
-                took = now() - t0
+                t1 = now()
                 with receiver._lock:
-                    if receiver._current is not None:
-                        receiver._current["bucket_ns"] = receiver._current.get("bucket_ns", 0) + took
+                    rec = receiver._current
+                    if rec is not None:
+                        rec["bucket_ns"] = rec.get("bucket_ns", 0) + t1 - t0
+                        rec.setdefault("t_first_bucket_ns", t0)
+                        rec["t_last_bucket_end_ns"] = t1
 
         service_mod.Update._bucket = timed_bucket
 
