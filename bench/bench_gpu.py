@@ -324,6 +324,10 @@ class Bench:
                 begin_ms=ms(s.get("begin_ns", 0)), opens=s["opens"], server_loads=s["loads"],
                 bucket_ms=ms(s.get("bucket_ns", 0)),
                 pre_ms=ms(s["t_header_ns"] - u["t0_ns"]), post_ms=ms(u["t1_ns"] - s.get("t_commit_end_ns", u["t1_ns"])),
+                # The stream's two hops inside the update: header -> first bucket at the worker, and
+                # last bucket done -> commit at the worker (its ack to the trainer, the commit back).
+                header_to_bucket_ms=ms(s.get("t_first_bucket_ns", s["t_header_ns"]) - s["t_header_ns"]),
+                last_bucket_to_commit_ms=ms(s.get("t_commit_start_ns", 0) - s.get("t_last_bucket_end_ns", 0)),
             )
             u["control_ms"] = u["total_ms"] - u["open_ms"] - u["copy_ms"] - u["commit_ms"] - u["stage_ms"]
         for d in devices:
