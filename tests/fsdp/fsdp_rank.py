@@ -108,6 +108,7 @@ def run_push(rank: int, world: int, sc: dict[str, Any]) -> dict[str, Any]:
     version = int(sc.get("version_by_rank", {}).get(str(rank), sc["version"]))
     seed = int(sc.get("seed", sc["version"]))
     model = fsdp_model(config, seed)
+    dist.barrier()  # the push starts together: a slow model build is not a rank that fails to take part
     group = None
     if sc.get("skip_ranks"):
         # The ranks' agreement runs on a group of its own, so the default group stays usable.
@@ -116,7 +117,7 @@ def run_push(rank: int, world: int, sc: dict[str, Any]) -> dict[str, Any]:
             return {"ok": True, "skipped": True}
     pusher = WeightPusher(
         sc["endpoints"], transport=sc.get("transport", "auto"), bucket_size_bytes=int(sc.get("bucket_size_bytes", 1 << 16)),
-        timeout_s=float(sc.get("timeout_s", 30)),
+        timeout_s=float(sc.get("timeout_s", 120)),
     )
     if sc.get("stand_in_gpu"):
         # Test-only: the pusher's host shared-memory exporter, labelled as this rank's stand-in GPU.

@@ -51,7 +51,7 @@ def free_port() -> int:
 
 
 def run_ranks(
-    world: int, scenarios: Sequence[dict[str, Any]], out_dir: str, *, timeout_s: float = 300.0, env: dict[str, str] | None = None
+    world: int, scenarios: Sequence[dict[str, Any]], out_dir: str, *, timeout_s: float = 600.0, env: dict[str, str] | None = None
 ) -> RankRun:
     """Run ``fsdp_rank.py`` on ``world`` ranks over the scenarios; kill every rank still running at
     ``timeout_s`` (a hang is then visible as exit code -9 in ``returncodes``)."""

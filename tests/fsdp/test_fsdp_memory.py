@@ -19,6 +19,7 @@ from weightwire.adapters.torch.demo import DemoConfig, checkpoint_shapes
 CONFIG = DemoConfig(num_layers=16, hidden_size=512, intermediate_size=2048, vocab_size=2048)
 CONFIG_ARGS = ["--num-layers", "16", "--hidden-size", "512", "--intermediate-size", "2048", "--vocab-size", "2048"]
 BUCKET_BYTES = 16 * 1024 * 1024
+pytestmark = pytest.mark.timeout(900)
 PIPELINE_DEPTH = 2  # WeightPusher's default: this many staging buffers at most
 # Python, gRPC and torch bookkeeping of one push, whatever the model (threads, messages, manifests).
 ALLOWANCE_BYTES = 24 * 1024 * 1024

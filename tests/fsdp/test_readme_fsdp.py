@@ -15,6 +15,7 @@ from helpers import demo_args, spawn_workers
 
 README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
 MARKER = "# fsdp_push.py:"
+pytestmark = pytest.mark.timeout(900)
 
 
 def readme_example() -> str:
@@ -39,7 +40,7 @@ def test_readme_fsdp2_example_runs_as_written(tmp_path: pytest.TempPathFactory) 
         assert command[:4] == ["torchrun", "--standalone", "--nproc-per-node", "2"]
         args = [sys.executable, "-m", "torch.distributed.run", *command[1:4], str(script), *(f"unix:{s}" for s in sockets)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        out = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, check=False)
+        out = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, check=False)
         assert out.returncode == 0, out.stdout + out.stderr
         assert "{'tp0-pp0': 1, 'tp1-pp0': 1}" in out.stdout, out.stdout + out.stderr
         fleet.assert_dumps(1, seed=1)
