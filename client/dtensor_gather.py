@@ -97,6 +97,8 @@ def target_dtype(dtype: torch.dtype, cast_to: CastTo) -> torch.dtype:
 def check_cast_to(cast_to: CastTo) -> None:
     if cast_to is None:
         return
+    if not isinstance(cast_to, torch.dtype | Mapping):
+        raise TypeError(f"cast_to takes a torch.dtype or a mapping of torch.dtype -> torch.dtype, not {cast_to!r}")
     targets = [cast_to] if isinstance(cast_to, torch.dtype) else list(cast_to.values())
     keys = [] if isinstance(cast_to, torch.dtype) else list(cast_to.keys())
     for d in [*targets, *keys]:
