@@ -45,6 +45,7 @@ from weightwire.client.dtensor_gather import (
     source_device,
     spec_of,
 )
+from weightwire.client.jobs import Jobs
 from weightwire.client.plan import PlanError, TensorSpec
 from weightwire.client.rank_agreement import (
     STEP_SLOT_BYTES,
@@ -269,8 +270,6 @@ class _RankedUpdate:
                     recipients = tuple(a for a in b.recipients if a in mine_set)
                     if recipients:
                         jobs.append(Job(list(b.specs), recipients, b.size_bytes, self._job(g)))
-                from weightwire.client.jobs import Jobs
-
                 sub = dataclasses.replace(setup, manifests={a: manifests[a] for a in mine}, recheck=None, rechecked=True)
                 local_results = pusher._run(sub, Jobs(jobs, [self.pool]), self.options, commit_gate=self._gate)
             else:
