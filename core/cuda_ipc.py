@@ -389,7 +389,7 @@ class _Entry:
     events: collections.OrderedDict[tuple[bytes, bytes, int], ReadyEvent] = dataclasses.field(
         default_factory=collections.OrderedDict
     )
-    view_memo: dict[int, tuple[object, list[torch.Tensor]]] = dataclasses.field(default_factory=dict)
+    view_memo: dict[int, object] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,7 +404,7 @@ class OpenedStorage:
     ready_event: ReadyEvent | None = None
     # Tensor views over ``flat`` a consumer built and may use again while this mapping lives (its
     # bytes stay where they are); dropped with the mapping. See ``server.views.batch_views``.
-    view_memo: dict[int, tuple[object, list[torch.Tensor]]] | None = None
+    view_memo: dict[int, object] | None = None
 
     @property
     def size_bytes(self) -> int:

@@ -43,7 +43,7 @@ from weightwire.server.transports import (
     PayloadImporter,
     transport_name,
 )
-from weightwire.server.views import batch_views
+from weightwire.server.views import batch_load, batch_views
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -322,10 +322,10 @@ class Update:
 
     def _load(self, index: int, layout: BucketLayout, mapping: ImportedPayload) -> None:
         for batch in layout.read_plan(mapping.copy_chunk_bytes):
-            views = list(zip(batch.names, batch_views(mapping, batch), strict=True))
+            views = batch_views(mapping, batch)
             self._loaded_any = True
             try:
-                self._ctx.adapter.load(views)
+                batch_load(mapping, batch, views, self._ctx.adapter)()
             except WeightwireError:
                 raise
             except Exception as e:

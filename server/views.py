@@ -16,7 +16,7 @@ read along rather than split), so the staging memory stays bounded however large
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -146,6 +146,23 @@ class _Fetches(Protocol):
     def fetch(self, batch: ReadBatch) -> torch.Tensor: ...
 
 
+@dataclasses.dataclass
+class _Kept:
+    """What a mapping remembers for one batch: the batch itself (so its id stays its own), the
+    views over the mapping, and each adapter's prepared load of them (``prepare_load``), by
+    adapter id with the adapter held for the same reason."""
+
+    batch: ReadBatch
+    views: list[torch.Tensor]
+    loads: dict[int, tuple[object, Callable[[], None]]] = dataclasses.field(default_factory=dict)
+
+
+def _kept(mapping: object, batch: ReadBatch) -> _Kept | None:
+    memo: dict[int, object] | None = getattr(mapping, "view_memo", None)
+    kept = memo.get(id(batch)) if memo is not None else None
+    return kept if isinstance(kept, _Kept) and kept.batch is batch else None
+
+
 def batch_views(mapping: _Fetches, batch: ReadBatch) -> list[torch.Tensor]:
     """``views_over`` the bytes ``mapping.fetch(batch)`` gives, for every tensor of ``batch``.
 
@@ -156,20 +173,44 @@ def batch_views(mapping: _Fetches, batch: ReadBatch) -> list[torch.Tensor]:
     ``as_strided`` per tensor per bucket.
     """
     base = mapping.fetch(batch)
-    memo: dict[int, tuple[object, list[torch.Tensor]]] | None = getattr(mapping, "view_memo", None)
-    if memo is None:
-        return views_over(base, batch.positions, batch.items)
-    hit = memo.get(id(batch))
-    if hit is not None and hit[0] is batch:  # the entry holds the batch, so its id is not reused
-        return hit[1]
+    kept = _kept(mapping, batch)
+    if kept is not None:
+        return kept.views
     views = views_over(base, batch.positions, batch.items)
+    memo: dict[int, object] | None = getattr(mapping, "view_memo", None)
+    if memo is None:
+        return views
     storage = base.untyped_storage().data_ptr()
     if any(v.numel() and v.untyped_storage().data_ptr() != storage for v in views):
         return views  # a misaligned tensor was copied out: its bytes are this bucket's only
     if len(memo) >= MAX_MEMO_BATCHES:
         memo.clear()
-    memo[id(batch)] = (batch, views)
+    memo[id(batch)] = _Kept(batch, views)
     return views
+
+
+class _Loads(Protocol):
+    def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None: ...
+
+
+def batch_load(mapping: object, batch: ReadBatch, views: list[torch.Tensor], adapter: _Loads) -> Callable[[], None]:
+    """The call that loads ``views`` (``batch_views(mapping, batch)``) into ``adapter``.
+
+    For remembered views and an adapter with ``prepare_load`` (its checks and slicing up front, the
+    copies on each call), the prepared load is made once and kept with the views; otherwise it is
+    ``adapter.load`` of the named views, as every time before.
+    """
+    named = list(zip(batch.names, views, strict=True))
+    prepare: Callable[[Sequence[tuple[str, torch.Tensor]]], Callable[[], None]] | None = getattr(adapter, "prepare_load", None)
+    kept = _kept(mapping, batch)
+    if prepare is None or kept is None or kept.views is not views:
+        return lambda: adapter.load(named)
+    known = kept.loads.get(id(adapter))
+    if known is not None and known[0] is adapter:
+        return known[1]
+    load = prepare(named)
+    kept.loads[id(adapter)] = (adapter, load)
+    return load
 
 
 def views_over(base: torch.Tensor, positions: Sequence[int], items: Sequence[ViewItem]) -> list[torch.Tensor]:

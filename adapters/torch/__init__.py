@@ -174,6 +174,12 @@ class TorchAdapter:
         """Copy each tensor's slice into its parameter; every shape is checked before anything is
         written. Small parameters are copied in one grouped launch, large ones one by one, all on
         the current stream; returns once the copies finished on the device."""
+        self.prepare_load(named_tensors)()
+
+    def prepare_load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Callable[[], None]:
+        """``load``'s checks and slicing now, its copies when the returned function is called (as
+        often as wanted: each call copies what the tensors hold then). The worker keeps it for views
+        it reuses across updates (a kept CUDA IPC mapping), so the per-tensor work is done once."""
         grouped_dst: list[torch.Tensor] = []
         grouped_src: list[torch.Tensor] = []
         each: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -196,15 +202,21 @@ class TorchAdapter:
                 grouped_src.append(part)
             else:
                 each.append((param, part))
-        with torch.no_grad():
-            for dst, part in each:
-                dst.copy_(part)
-            if grouped_dst:
-                _GROUP_COPY(grouped_dst, grouped_src)
-        if self.device.type == "cuda":
-            # The service acks right after load returns; the sender may then reuse its buffer. Every
-            # copy above ran on (or, across GPUs, was joined back into) this device's current stream.
-            torch.cuda.current_stream(self.device).synchronize()
+        on_cuda = self.device.type == "cuda"
+
+        def copy() -> None:
+            with torch.no_grad():
+                for dst, part in each:
+                    dst.copy_(part)
+                if grouped_dst:
+                    _GROUP_COPY(grouped_dst, grouped_src)
+            if on_cuda:
+                # The service acks right after this returns; the sender may then reuse its buffer.
+                # Every copy above ran on (or, across GPUs, was joined back into) the calling
+                # thread's current stream of this device.
+                torch.cuda.current_stream(self.device).synchronize()
+
+        return copy
 
     def end_update(self, success: bool) -> None:
         pass

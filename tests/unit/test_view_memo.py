@@ -1,14 +1,20 @@
-"""Views a kept mapping remembers (``views.batch_views``) and the CUDA IPC mapping's wait for its
-producer event, on CPU: a remembered view still shows the bytes of each new bucket, a copied
-(misaligned) tensor is never remembered, and every bucket fetches (waits) again."""
+"""Views a kept mapping remembers (``views.batch_views``), the adapter's prepared load kept with them
+(``views.batch_load``), and the CUDA IPC mapping's wait for its producer event, on CPU: a remembered
+view and a kept load still copy the bytes of each new bucket, a copied (misaligned) tensor is never
+remembered, and every bucket fetches (waits) again."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
+import pytest
 import torch
+from weightwire.adapters.torch import TorchAdapter
 from weightwire.core.cuda_ipc import OpenedStorage
 from weightwire.core.devices import DeviceRef
+from weightwire.core.manifest import ParallelRank
 from weightwire.server.cuda_import import CudaIpcMapping
-from weightwire.server.views import ViewItem, batch_views, in_place_plan
+from weightwire.server.views import ViewItem, batch_load, batch_views, in_place_plan
 
 
 class KeptBytes:
@@ -17,7 +23,7 @@ class KeptBytes:
     def __init__(self, flat: torch.Tensor, memo: bool) -> None:
         self.flat = flat
         self.fetches = 0
-        self.view_memo: dict[int, tuple[object, list[torch.Tensor]]] | None = {} if memo else None
+        self.view_memo: dict[int, object] | None = {} if memo else None
 
     def fetch(self, batch: object) -> torch.Tensor:
         self.fetches += 1
@@ -65,7 +71,7 @@ def test_a_mapping_without_memo_gets_new_views() -> None:
 def test_cuda_mapping_waits_once_before_its_first_read_and_drops_its_memo_on_close() -> None:
     flat = torch.arange(32, dtype=torch.uint8)
     event = CountingEvent()
-    memo: dict[int, tuple[object, list[torch.Tensor]]] = {}
+    memo: dict[int, object] = {}
     mapping = CudaIpcMapping(OpenedStorage(flat, 0, False, 0, ready_event=event, view_memo=memo), DeviceRef.cuda("abc"), False)
     assert event.waits == 0  # nothing is read at open
     (batch,) = in_place_plan(["a"], [ViewItem.of(8, torch.uint8, (4,))])
@@ -76,8 +82,75 @@ def test_cuda_mapping_waits_once_before_its_first_read_and_drops_its_memo_on_clo
     assert mapping.view_memo is None
     # The next bucket's use of the same kept storage waits again, and finds the views.
     again = CudaIpcMapping(OpenedStorage(flat, 0, False, 0, ready_event=event, view_memo=memo), DeviceRef.cuda("abc"), False)
-    assert batch_views(again, batch) is memo[id(batch)][1]
+    assert batch_views(again, batch) is memo[id(batch)].views  # type: ignore[attr-defined]
     assert event.waits == 2
     # No event: nothing to wait for.
     plain = CudaIpcMapping(OpenedStorage(flat, 0, False, 0), DeviceRef.cuda("abc"), False)
     assert plain.fetch(batch).numel() == 32
+
+
+class CountingAdapter:
+    """An adapter with ``prepare_load`` (as TorchAdapter): counts how often it prepares and loads."""
+
+    def __init__(self, inner: TorchAdapter) -> None:
+        self.inner = inner
+        self.prepared = 0
+        self.loads = 0
+
+    def load(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.loads += 1
+        self.inner.load(named)
+
+    def prepare_load(self, named: Sequence[tuple[str, torch.Tensor]]) -> Callable[[], None]:
+        self.prepared += 1
+        return self.inner.prepare_load(named)
+
+
+def _tiny_adapter() -> TorchAdapter:
+    module = torch.nn.Module()
+    module.register_parameter("w", torch.nn.Parameter(torch.zeros(2, 2), requires_grad=False))
+    module.register_parameter("n", torch.nn.Parameter(torch.zeros(3), requires_grad=False))
+    return TorchAdapter(module, rank=ParallelRank(), device=torch.device("cpu"), own_device=DeviceRef.host(), group_copy_max_bytes=12)
+
+
+def test_a_prepared_load_is_kept_with_remembered_views_and_copies_each_new_bucket() -> None:
+    flat = torch.zeros(64, dtype=torch.uint8)
+    (batch,) = in_place_plan(["w", "n"], [ViewItem.of(0, torch.float32, (2, 2)), ViewItem.of(32, torch.float32, (3,))])
+    mapping = KeptBytes(flat, memo=True)
+    adapter = CountingAdapter(_tiny_adapter())
+    for value in (1.0, 2.0, 3.0):
+        flat[:16].view(torch.float32).fill_(value)
+        flat[32:44].view(torch.float32).fill_(-value)
+        views = batch_views(mapping, batch)
+        batch_load(mapping, batch, views, adapter)()
+        assert adapter.inner.state()["w"].tolist() == [[value] * 2] * 2
+        assert adapter.inner.state()["n"].tolist() == [-value] * 3
+    assert adapter.prepared == 1 and adapter.loads == 0
+    # Views nobody remembers (a mapping without memo) go through load every time.
+    plain = KeptBytes(flat, memo=False)
+    batch_load(plain, batch, batch_views(plain, batch), adapter)()
+    assert adapter.loads == 1 and adapter.prepared == 1
+
+
+def test_an_adapter_without_prepare_load_gets_load() -> None:
+    flat = torch.zeros(64, dtype=torch.uint8)
+    (batch,) = in_place_plan(["n"], [ViewItem.of(32, torch.float32, (3,))])
+    mapping = KeptBytes(flat, memo=True)
+    inner = _tiny_adapter()
+
+    class LoadOnly:
+        calls = 0
+
+        def load(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+            LoadOnly.calls += 1
+            inner.load(named)
+
+    for _ in range(2):
+        batch_load(mapping, batch, batch_views(mapping, batch), LoadOnly())()
+    assert LoadOnly.calls == 2
+
+
+def test_prepare_load_checks_shapes_up_front() -> None:
+    adapter = _tiny_adapter()
+    with pytest.raises(ValueError, match="does not fit"):
+        adapter.prepare_load([("w", torch.zeros(3))])
