@@ -158,15 +158,18 @@ def _byte_ranges(ranges: Sequence[tuple[int, int]]) -> list[pb.ByteRange]:
 
 
 class _Sends:
-    """Waits for every posted send in order, on one thread; the first failure tears the group down."""
+    """Waits, on one thread and in order, for each bucket's posted sends; a bucket whose sends all
+    completed has left this process, so its buffer may be reused (``on_done``) before the workers
+    acked it. A failure is reported to ``on_failure`` (the bucket's buffer then stays with the
+    session, which discards it when the update fails)."""
 
     def __init__(self, on_failure: Callable[[WeightwireError], None]) -> None:
-        self._queue: queue.SimpleQueue[tuple[TransferGroup, Any, str] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[TransferGroup, list[Any], str, Callable[[], None]] | None] = queue.SimpleQueue()
         self._on_failure = on_failure
         threading.Thread(target=self._run, name="ww-group-sends", daemon=True).start()
 
-    def add(self, group: TransferGroup, work: Any, what: str) -> None:
-        self._queue.put((group, work, what))
+    def add(self, group: TransferGroup, works: list[Any], what: str, on_done: Callable[[], None]) -> None:
+        self._queue.put((group, works, what, on_done))
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -176,13 +179,16 @@ class _Sends:
             item = self._queue.get()
             if item is None:
                 return
-            group, work, what = item
+            group, works, what, on_done = item
             if group.closed:
                 continue
             try:
-                group.wait(work, what)
+                for work in works:
+                    group.wait(work, what)
             except WeightwireError as err:
                 self._on_failure(err)
+                continue
+            on_done()
 
 
 @dataclasses.dataclass
@@ -421,30 +427,42 @@ class GroupLink:
                 payloads[a] = pb.Payload(device=manifests[a].device.to_proto(), size_bytes=size, transfer_group=handle)
                 sends.append((a, ranges))
         release = prepared.release
+        released = threading.Lock()
+
+        def release_once(ok: bool) -> None:
+            # The first verdict wins: a buffer handed back when its sends completed may already be
+            # in use for a later bucket when the session releases this one.
+            if released.acquire(blocking=False):
+                release(ok)
 
         def on_sent() -> None:
             # Every recipient's stream has the bucket message; now the bytes. Errors arrive through
-            # ``_Sends`` (they tear the group down; the workers then fail their updates).
+            # ``_Sends`` (the worker concerned then fails its update and the session ends it).
+            works: list[Any] = []
             try:
                 if subgroup is not None:
+                    what = f"broadcast of bucket {seq}"
                     for offset, n in merged_ranges(job.specs, base):
-                        self._sends.add(group, group.broadcast(data[offset : offset + n], subgroup), f"broadcast of bucket {seq}")
+                        works.append(group.broadcast(data[offset : offset + n], subgroup))
                 else:
+                    what = f"sending bucket {seq}"
                     for a, ranges in sends:
                         dst = plan.ranks[a]
                         for i, (offset, n) in enumerate(ranges):
-                            work = group.send(data[offset : offset + n], dst, message_tag(seq, i))
-                            self._sends.add(group, work, f"sending bucket {seq} to {manifests[a].worker_id or a}")
+                            works.append(group.send(data[offset : offset + n], dst, message_tag(seq, i)))
             except WeightwireError as err:
                 self._send_failed(err)
+                return
             except Exception as e:
                 self._send_failed(WeightwireError(Reason.TRANSFER_FAILED, f"posting the sends of bucket {seq}: {e!r}"))
+                return
+            self._sends.add(group, works, what, lambda: release_once(True))
 
         def release_routed(ok: bool) -> None:
             if not ok:
                 # A worker may wait for bytes that will not come: close our side so it fails now.
                 self.teardown("an update failed")
-            release(ok)
+            release_once(ok)
 
         return dataclasses.replace(
             prepared, fixed=[], per_worker=None, per_recipient=payloads.__getitem__, on_sent=on_sent, release=release_routed

@@ -1,0 +1,292 @@
+"""A model's push over a transfer group (gloo) against bare torch.distributed between the same
+processes, and scaling over 1..N workers.
+
+    .venv/bin/python bench/bench_distributed.py [--model cpu-m] [--workers 1,2,4,8] [--reps 3] [--out DIR]
+
+For each worker count N: N worker processes (this script with ``--role worker``), each a real
+weightwire worker (``weightwire.server.serve`` over a ``TorchAdapter`` holding the model; N
+data-parallel replicas of TP1, so every worker owns every tensor) that also joins a bare
+``ProcessGroupGloo`` of its own. This process is the trainer and measures, per case, the wall time
+of moving the model into every worker:
+
+``ww_broadcast``    ``WeightPusher.push`` over a transfer group, one broadcast per bucket (default)
+``ww_p2p``          the same with ``broadcast=False``: point-to-point sends to each worker
+``limit_broadcast`` bare ``broadcast`` of the same buckets (same sizes, already flat) on the bare group
+``limit_p2p``       bare ``send``/``recv`` of the same buckets to each worker
+
+The limits move the same bytes between the same processes with nothing else: no gRPC, no packing
+of tensors into buckets, no copy into the model, no acks. The ratio ``limit time / weightwire time``
+is the share of the limit's throughput weightwire reaches (goal >= 0.9). Results go to
+``DIR/distributed_results.json`` and a table on stdout. CPU only; NCCL runs are a later issue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import models
+
+HOST = "127.0.0.1"
+_QUIET = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+# --------------------------------------------------------------------------------------------
+# The worker process
+# --------------------------------------------------------------------------------------------
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from weightwire.adapters.torch import TorchAdapter
+    from weightwire.core.devices import DeviceRef
+    from weightwire.core.manifest import ParallelRank
+    from weightwire.server import serve
+
+    torch.set_num_threads(1)
+    shapes = models.tensor_shapes(args.model)
+    rank = ParallelRank(dp_rank=args.dp_rank, dp_size=args.dp_size)
+    module = models.build_module(shapes, torch.device("cpu"))
+    adapter = TorchAdapter(module, rank=rank, device=torch.device("cpu"), own_device=DeviceRef.host(), tp_rules=models.TP_RULES)
+    server = serve(adapter, own_device=DeviceRef.host(), group_host=HOST)
+    bare: Any = None
+    print(json.dumps({"ready": server.address}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        out: dict[str, Any] = {"ok": True}
+        if op == "bare_join":
+            store = torch.distributed.TCPStore(HOST, cmd["port"], None, False, datetime.timedelta(seconds=60))
+            opts = torch.distributed.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            opts._timeout = datetime.timedelta(seconds=120)
+            opts._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=HOST, lazy_init=False)]
+            bare = torch.distributed.ProcessGroupGloo(
+                torch.distributed.PrefixStore(cmd["prefix"], store), cmd["rank"], cmd["world"], opts
+            )
+        elif op == "bare_receive":
+            # Receive every bucket in order into two alternating buffers (as weightwire's worker
+            # stages), then tell the trainer with a one-byte send.
+            sizes = cmd["sizes"]
+            buffers = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(2)]
+            for i, n in enumerate(sizes):
+                view = buffers[i % 2][:n]
+                if cmd["mode"] == "p2p":
+                    bare.recv([view], 0, i).wait()
+                else:
+                    opts = torch.distributed.BroadcastOptions()
+                    opts.rootRank = 0
+                    bare.broadcast([view], opts).wait()
+            bare.send([torch.ones(1, dtype=torch.uint8)], 0, 1 << 20).wait()
+        elif op == "stats":
+            with open("/proc/self/status") as f:
+                out["rss_kib"] = next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+            out["status"] = str(server.service.get_status().transfer_group).replace("\n", " ")
+        elif op == "quit":
+            print(json.dumps(out), flush=True)
+            break
+        print(json.dumps(out), flush=True)
+    server.stop(0)
+    return 0
+
+
+class WorkerProc:
+    def __init__(self, model: str, dp_rank: int, dp_size: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--role", "worker", "--model", model,
+             "--dp-rank", str(dp_rank), "--dp-size", str(dp_size)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **_QUIET},
+        )
+        self.address = self.answer()["ready"]
+
+    def answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench worker exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        try:
+            self.send(op="quit")
+            self.proc.wait(30)
+        except Exception:
+            self.proc.kill()
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer
+# --------------------------------------------------------------------------------------------
+
+
+class BareGroup:
+    """The limit: a plain ProcessGroupGloo of this process (rank 0) and the workers."""
+
+    def __init__(self, workers: list[WorkerProc], tag: str) -> None:
+        from weightwire.core.transfer_group import StoreServer
+
+        self.workers = workers
+        self.server = StoreServer(HOST, 0, timeout_s=60)
+        for i, w in enumerate(workers, start=1):
+            w.send(op="bare_join", port=self.server.port, prefix=tag, rank=i, world=len(workers) + 1)
+        opts = torch.distributed.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = datetime.timedelta(seconds=120)
+        opts._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=HOST, lazy_init=False)]
+        self.pg = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(tag, self.server.store), 0, len(workers) + 1, opts)
+        for w in workers:
+            w.answer()
+
+    def move(self, buckets: list[torch.Tensor], mode: str) -> float:
+        """Wall time of moving every bucket to every worker, until each confirmed."""
+        sizes = [b.numel() for b in buckets]
+        for w in self.workers:
+            w.send(op="bare_receive", sizes=sizes, mode=mode)
+        t0 = time.perf_counter()
+        works = []
+        for i, b in enumerate(buckets):
+            if mode == "p2p":
+                works += [self.pg.send([b], r, i) for r in range(1, len(self.workers) + 1)]
+            else:
+                opts = torch.distributed.BroadcastOptions()
+                opts.rootRank = 0
+                works.append(self.pg.broadcast([b], opts))
+        for w in works:
+            w.wait()
+        done = [torch.zeros(1, dtype=torch.uint8) for _ in self.workers]
+        for r, d in enumerate(done, start=1):
+            self.pg.recv([d], r, 1 << 20).wait()
+        elapsed = time.perf_counter() - t0
+        for w in self.workers:
+            w.answer()
+        return elapsed
+
+
+def bucket_buffers(tensors: list[torch.Tensor], names: list[str], bucket_bytes: int) -> list[torch.Tensor]:
+    """The same buckets the pusher plans (same sizes), packed once, for the limits."""
+    from weightwire.client import plan as planning
+
+    specs = [planning.TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in zip(names, tensors, strict=True)]
+    owners = {n: ("w",) for n in names}
+    plans = planning.plan_buckets(specs, owners, bucket_bytes=bucket_bytes)
+    out = []
+    for p in plans:
+        buf = torch.empty(p.size_bytes, dtype=torch.uint8)
+        planning.pack_into(buf, p.specs, [tensors[i] for i in p.items])
+        out.append(buf)
+    return out
+
+
+def run_trainer(args: argparse.Namespace) -> int:
+    from weightwire.client import WeightPusher
+    from weightwire.client.group_send import TransferGroupOptions
+
+    shapes = models.tensor_shapes(args.model)
+    names = [t.name for t in shapes]
+    tensors = models.random_tensors(shapes, torch.device("cpu"), seed=1)
+    total = models.model_bytes(args.model)
+    buckets = bucket_buffers(tensors, names, args.bucket_mb << 20)
+    counts = [int(x) for x in args.workers.split(",")]
+    rows: list[dict[str, Any]] = []
+    version = 0
+    for n in counts:
+        workers = [WorkerProc(args.model, i, n) for i in range(n)]
+        try:
+            bare = BareGroup(workers, f"bare-{n}")
+            pushers = {
+                mode: WeightPusher(
+                    [w.address for w in workers], timeout_s=120, bucket_size_bytes=args.bucket_mb << 20,
+                    transfer_group=TransferGroupOptions(host=HOST, broadcast=(mode == "broadcast")),
+                )
+                for mode in ("broadcast", "p2p")
+            }
+            times: dict[str, list[float]] = {k: [] for k in ("ww_broadcast", "ww_p2p", "limit_broadcast", "limit_p2p")}
+            # Warm-up (forms each group, allocates staging), then interleaved repetitions.
+            for mode, pusher in pushers.items():
+                version += 1
+                pusher.push(list(zip(names, tensors, strict=True)), version=version)
+                bare.move(buckets, mode)
+            for rep in range(args.reps):
+                models.refill(tensors, seed=100 + rep)
+                for mode, pusher in pushers.items():
+                    version += 1
+                    t0 = time.perf_counter()
+                    results = pusher.push(list(zip(names, tensors, strict=True)), version=version)
+                    times[f"ww_{mode}"].append(time.perf_counter() - t0)
+                    assert all(r.bytes_received == total for r in results.values()), "every worker receives the whole model"
+                    times[f"limit_{mode}"].append(bare.move(buckets, mode))
+            stats = []
+            for w in workers:
+                w.send(op="stats")
+                stats.append(w.answer())
+            for p in pushers.values():
+                p.close()
+        finally:
+            for w in workers:
+                w.stop()
+        med = {k: statistics.median(v) for k, v in times.items()}
+        row = {
+            "workers": n,
+            "model_bytes": total,
+            "bytes_moved": total * n,
+            **{f"{k}_s": round(v, 4) for k, v in med.items()},
+            **{f"{k}_all_s": [round(x, 4) for x in v] for k, v in times.items()},
+            "ratio_broadcast": round(med["limit_broadcast"] / med["ww_broadcast"], 3),
+            "ratio_p2p": round(med["limit_p2p"] / med["ww_p2p"], 3),
+            "worker_rss_mib": [round(s["rss_kib"] / 1024) for s in stats],
+            "worker_group_status": stats[0]["status"],
+        }
+        rows.append(row)
+        print(
+            f"{n} worker(s): weightwire broadcast {med['ww_broadcast']:.3f} s vs bare broadcast {med['limit_broadcast']:.3f} s "
+            f"(ratio {row['ratio_broadcast']}); p2p {med['ww_p2p']:.3f} s vs bare send/recv {med['limit_p2p']:.3f} s "
+            f"(ratio {row['ratio_p2p']}); {total * n / med['ww_broadcast'] / 2**30:.2f} GiB/s delivered by broadcast",
+            flush=True,
+        )
+    out = {
+        "model": args.model,
+        "model_bytes": total,
+        "tensors": len(shapes),
+        "bucket_mb": args.bucket_mb,
+        "reps": args.reps,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "command": " ".join(sys.argv),
+        "rows": rows,
+    }
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "distributed_results.json"), "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--role", choices=["trainer", "worker"], default="trainer")
+    p.add_argument("--model", default="cpu-m", choices=sorted(models.PRESETS))
+    p.add_argument("--workers", default="1,2,4,8", help="worker counts, comma-separated")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--out", default="")
+    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--dp-size", type=int, default=1)
+    args = p.parse_args()
+    os.environ.update(_QUIET)
+    return run_worker(args) if args.role == "worker" else run_trainer(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
