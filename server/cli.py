@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 from weightwire.core.manifest import ParallelRank
+from weightwire.server.streams import DEFAULT_IDLE_TIMEOUT_S
 
 log = logging.getLogger("weightwire.serve")
 
@@ -59,6 +60,13 @@ def add_parser(subparsers: Any) -> None:
         "'weightwire-serve metrics URL' after the listening line); default: no metrics endpoint",
     )
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="address of the metrics endpoint (default 127.0.0.1)")
+    p.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        metavar="S",
+        help=f"end a PushWeights stream that sends nothing for S seconds (default {DEFAULT_IDLE_TIMEOUT_S:g})",
+    )
     p.add_argument(
         "--group-host",
         default=None,
@@ -126,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         server = serve(
-            adapter, listen=args.listen, token=token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            adapter, listen=args.listen, token=token, tls_cert=args.tls_cert, tls_key=args.tls_key, idle_timeout_s=args.idle_timeout_s,
             own_device=own_device, on_commit=on_commit, group_host=args.group_host,
         )
     except (ValueError, OSError) as e:

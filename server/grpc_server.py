@@ -23,6 +23,8 @@ from weightwire.server.adapter import EngineAdapter
 from weightwire.server.group_import import default_group_host
 from weightwire.server.service import CommitHook, WorkerService
 from weightwire.server.servicer import SERVICE_NAME, TokenAuthInterceptor, WeightTransferServicer
+from weightwire.server.streams import DEFAULT_IDLE_TIMEOUT_S
+from weightwire.server.thread_pools import PoolRouter
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -59,11 +61,19 @@ def _check_unix_path(path: str) -> None:
 class RunningServer:
     """A started worker server. ``address`` is a gRPC target (``unix:/...`` or ``HOST:PORT``)."""
 
-    def __init__(self, server: grpc.Server, service: WorkerService, address: str, private_dir: str | None) -> None:
+    def __init__(
+        self,
+        server: grpc.Server,
+        service: WorkerService,
+        address: str,
+        private_dir: str | None,
+        pools: tuple[futures.ThreadPoolExecutor, ...] = (),
+    ) -> None:
         self.server = server
         self.service = service
         self.address = address
         self._private_dir = private_dir
+        self._pools = pools
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
 
@@ -74,6 +84,8 @@ class RunningServer:
                 return
             self.server.stop(grace).wait()
             self.service.close()
+            for pool in self._pools:
+                pool.shutdown(wait=False)
             if self._private_dir:
                 shutil.rmtree(self._private_dir, ignore_errors=True)
             self._stopped.set()
@@ -99,6 +111,8 @@ def serve(
     own_device: DeviceRef | None = None,
     on_commit: CommitHook | None = None,
     max_workers: int = 8,
+    max_streams: int = 8,
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     group_host: str | None = None,
 ) -> RunningServer:
     """Serve ``adapter`` over gRPC and return once the server accepts requests.
@@ -106,7 +120,10 @@ def serve(
     ``listen``: ``unix:/abs/path.sock`` or ``HOST:PORT`` (port 0 picks one; ``.address`` has it);
     None means a Unix socket in a fresh private directory. A non-loopback TCP address requires
     ``token``. ``tls_cert``/``tls_key``: PEM files to serve TLS on TCP. ``own_device`` defaults to the
-    adapter manifest's device. ``group_host``: the address of this machine that transfer groups'
+    adapter manifest's device. ``max_workers`` threads answer the unary calls (status, manifest,
+    health), ``max_streams`` others the PushWeights streams (and transfer-group joins), two the
+    reflection streams: an open or stuck stream never delays a status or a health check. A stream
+    that sends nothing for ``idle_timeout_s`` ends with DEADLINE_EXCEEDED. ``group_host``: the address of this machine that transfer groups'
     sockets listen on (default: the TCP listen host, or 127.0.0.1 for a unix socket or a wildcard).
     """
     if (tls_cert is None) != (tls_key is None):
@@ -130,11 +147,24 @@ def serve(
         if not is_loopback(host) and tls_cert is None:
             log.warning("serving %s with a token but without TLS: the token travels in clear text", listen)
 
-    service = WorkerService(adapter, own_device=own_device or adapter.manifest().device, on_commit=on_commit)
+    service = WorkerService(
+        adapter, own_device=own_device or adapter.manifest().device, on_commit=on_commit, idle_timeout_s=idle_timeout_s
+    )
     if service.transfer_group is not None:
         # Transfer-group sockets listen on this address only (docs/distributed.md).
         service.transfer_group.configure(listen_host=group_host or default_group_host(listen))
-    interceptors = [TokenAuthInterceptor(token)] if token else []
+    # Streams on pools of their own; the default pool (unary calls) is never held by a stream.
+    stream_pool = futures.ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="weightwire-push")
+    reflection_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightwire-reflection")
+    service_prefix = f"/{SERVICE_NAME}/"
+    router = PoolRouter({
+        service_prefix + "PushWeights": stream_pool,
+        service_prefix + "JoinTransferGroup": stream_pool,
+        service_prefix + "LeaveTransferGroup": stream_pool,
+        f"/{reflection.SERVICE_NAME}/ServerReflectionInfo": reflection_pool,
+    })
+    interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token)] if token else []
+    interceptors.append(router)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weightwire-rpc"),
         interceptors=interceptors,
@@ -180,4 +210,4 @@ def serve(
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     server.start()
     log.info("worker %s serving on %s", adapter.manifest().worker_id, address)
-    return RunningServer(server, service, address, private_dir)
+    return RunningServer(server, service, address, private_dir, (stream_pool, reflection_pool))

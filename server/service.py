@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -24,6 +25,7 @@ from weightwire.server.adapter import EngineAdapter
 from weightwire.server.group_import import GroupImporter
 from weightwire.server.layout import LayoutCache
 from weightwire.server.messages import MAX_MESSAGE_BYTES, clip_utf8
+from weightwire.server.streams import DEFAULT_IDLE_TIMEOUT_S, StreamReader
 from weightwire.server.read_ahead import read_ahead
 from weightwire.server.transports import PayloadImporter, make_importers
 from weightwire.server.update import Update, UpdateContext, now_timestamp
@@ -38,11 +40,15 @@ log = logging.getLogger(__name__)
 CommitHook = Callable[[pb.UpdateResult], None]
 # UpdateHeader.update_id is a label for logs and status, echoed in UpdateResult.
 MAX_UPDATE_ID_BYTES = 256
+# How long a new update waits for one whose client cancelled it to end (its engine call returns).
+ABANDONED_WAIT_S = 30.0
+# How long after the commit the stream may take to end (the client closes its side right after it).
+END_AFTER_COMMIT_S = 30.0
 
 
 def _cancelled() -> WeightwireError:
-    # No ErrorInfo reason: gRPC itself reports CANCELLED to the (gone) client; this is for GetStatus.
-    return WeightwireError("", "the client went away (stream cancelled) before commit", code="CANCELLED")
+    # gRPC itself reports CANCELLED to the (gone) client; this is what GetStatus and the log keep.
+    return WeightwireError(Reason.CANCELLED, "the client went away (stream cancelled) before commit")
 
 
 class WorkerService:
@@ -58,8 +64,11 @@ class WorkerService:
         importers: dict[str, PayloadImporter] | None = None,
         on_commit: CommitHook | None = None,
         is_local_cuda: Callable[[DeviceRef], bool] | None = None,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
         self.adapter = adapter
+        # A stream that sends nothing for this long ends with DEADLINE_EXCEEDED (streams.StreamReader).
+        self.idle_timeout_s = idle_timeout_s
         self.own_device = own_device
         self.host_device = host_device if host_device is not None else DeviceRef.host()
         self.target_device = target_device if target_device is not None else torch.device(
@@ -82,6 +91,8 @@ class WorkerService:
             layouts=self.layouts,
         )
         self._mu = threading.Lock()
+        # Notified when the active update is let go (a new header may be waiting for that).
+        self._released = threading.Condition(self._mu)
         self._version = 0
         self._state: pb.WorkerState = pb.WORKER_STATE_CONSISTENT
         self._active: Update | None = None
@@ -193,7 +204,7 @@ class WorkerService:
         """Release every mapping (worker shutdown). An update still running is failed first."""
         active = self._active
         if active is not None:
-            active.fail(WeightwireError("", "the worker is shutting down", code="CANCELLED"))
+            active.fail(WeightwireError(Reason.CANCELLED, "the worker is shutting down"))
         for imp in self.importers.values():
             imp.release()
 
@@ -207,24 +218,37 @@ class WorkerService:
         self._last_error = detail
         self._failed += 1
 
-    def begin_update(self, header: pb.UpdateHeader) -> Update:
-        """Accept a header (or raise): one update at a time, version newer, manifest unchanged."""
+    def begin_update(self, header: pb.UpdateHeader, *, rpc_ended: threading.Event | None = None) -> Update:
+        """Accept a header (or raise): one update at a time, version newer, manifest unchanged.
+
+        An update whose client has already gone (its stream cancelled or past its deadline) but
+        that is still ending (the engine has not returned from a load yet) is waited for, up to
+        ``ABANDONED_WAIT_S`` or until this stream ends (``rpc_ended``): a trainer that retries after
+        a failed push is not refused because of its own previous update.
+        """
         refused: WeightwireError | None = None
         with self._mu:
+            self._wait_for_abandoned(header.version, rpc_ended)
             try:
                 if self._active is not None:
+                    active = self._active
                     raise WeightwireError(
                         Reason.UPDATE_IN_PROGRESS,
-                        f"another update (version {self._active.version}) is running on this worker; "
-                        "retry after it finished",
-                        active_version=str(self._active.version),
+                        f"another update (version {active.version}) is running on this worker; retry after it finished"
+                        if not active.abandoned
+                        else f"the previous update (version {active.version}) was cancelled by its client but has not "
+                        f"ended after {ABANDONED_WAIT_S:g} s (the engine is still in a load); retry when it has",
+                        active_version=str(active.version),
                     )
                 self._check_header(header)
             except WeightwireError as err:
                 self._record_failure(err, header.version)
                 refused = err
             else:
-                update = Update(self._update_context, self, header, prior_state=self._state, previous_version=self._version)
+                update = Update(
+                    self._update_context, self, header, prior_state=self._state, previous_version=self._version,
+                    rpc_ended=rpc_ended,
+                )
                 self._active = update
                 self._state = pb.WORKER_STATE_UPDATING
         if refused is not None:
@@ -247,6 +271,20 @@ class WorkerService:
             raise refused from e
         update.begun = True
         return update
+
+    def _wait_for_abandoned(self, version: int, rpc_ended: threading.Event | None) -> None:
+        """With ``_mu`` held: wait while the active update is one whose client is gone."""
+        active = self._active
+        if active is None or not active.abandoned:
+            return
+        log.info("update %d waits for update %d, cancelled by its client, to end", version, active.version)
+        deadline = time.monotonic() + ABANDONED_WAIT_S
+        while self._active is not None and self._active.abandoned:
+            left = deadline - time.monotonic()
+            if left <= 0 or (rpc_ended is not None and rpc_ended.is_set()):
+                return
+            # Woken by _release; polled as well, so that this stream's own end is noticed.
+            self._released.wait(min(left, 0.05))
 
     def _check_header(self, header: pb.UpdateHeader) -> None:
         if header.scope not in (pb.UPDATE_SCOPE_FULL, pb.UPDATE_SCOPE_PARTIAL):
@@ -319,57 +357,92 @@ class WorkerService:
         with self._mu:
             if self._active is update:
                 self._active = None
+                self._released.notify_all()
 
     def push(
-        self, requests: Iterator[pb.PushWeightsRequest], *, client_gone: Callable[[], bool] | None = None
+        self,
+        requests: Iterator[pb.PushWeightsRequest],
+        *,
+        client_gone: Callable[[], bool] | None = None,
+        rpc_ended: threading.Event | None = None,
     ) -> Iterator[pb.PushWeightsResponse]:
-        """The PushWeights stream: header, buckets, commit. Raises WeightwireError on any failure.
+        """The PushWeights stream: header, buckets, commit, then the end of the stream. Raises
+        WeightwireError on any failure.
 
-        If the caller stops iterating (client gone) or ``requests`` raises, the update fails and,
-        when something was already loaded, the worker becomes INCONSISTENT. ``client_gone`` tells a
-        cancelled stream (recorded as CANCELLED) from one the client closed without a commit.
+        Each request is awaited for at most ``idle_timeout_s`` (DEADLINE_EXCEEDED after that). The
+        commit happens only once the stream ends right after the commit message: a message after
+        it is MALFORMED_STREAM and nothing is committed. If the caller stops iterating (client gone)
+        or ``requests`` raises, the update fails and, when something was already loaded, the worker
+        becomes INCONSISTENT. ``client_gone`` tells a cancelled stream (recorded as CANCELLED) from
+        one the client closed without a commit; ``rpc_ended`` is set by the transport once the RPC
+        is over (cancelled, timed out or finished), so a new update knows this one is unwinding.
         """
         update: Update | None = None
+        reader = StreamReader(requests, self.idle_timeout_s)
+        requests = reader
+        commit: pb.UpdateCommit | None = None
         try:
-            first = next(requests, None)
-            if first is None or first.WhichOneof("message") != "header":
-                what = "nothing" if first is None else (first.WhichOneof("message") or "an empty message")
-                err = WeightwireError(Reason.MALFORMED_STREAM, f"an update must start with a header; received {what}")
+            reader.waiting_for = "the header"
+            try:
+                first = next(requests, None)
+                if first is None or first.WhichOneof("message") != "header":
+                    what = "nothing" if first is None else (first.WhichOneof("message") or "an empty message")
+                    raise WeightwireError(Reason.MALFORMED_STREAM, f"an update must start with a header; received {what}")
+            except WeightwireError as err:
+                # Refused before any update began: no header, or none in time.
                 with self._mu:
                     self._record_failure(err, 0)
                 self._events.failed(
                     self._manifest.worker_id, None, err, began=False, prior_state=self._state,
                     new_state=self._state, weights_version=self._version,
                 )
-                raise err
-            update = self.begin_update(first.header)
+                raise
+            update = self.begin_update(first.header, rpc_ended=rpc_ended)
+            reader.waiting_for = "the next bucket or the commit"
             # A transport that receives ahead (transfer groups) sees the next bucket while this one loads.
             for req in read_ahead(requests, self.importers):
                 kind = req.WhichOneof("message")
+                if commit is not None:
+                    what = f"a {kind}" if kind else "an empty message"
+                    raise update.fail(WeightwireError(
+                        Reason.MALFORMED_STREAM,
+                        f"{what} arrived after the commit; the commit must be the last message of an update "
+                        "(nothing was committed)",
+                    ))
                 if kind == "bucket":
                     ack = update.bucket(req.bucket)
                     self._events.bucket_acked(ack)
                     yield pb.PushWeightsResponse(ack=ack)
                 elif kind == "commit":
-                    yield pb.PushWeightsResponse(result=update.commit(req.commit))
-                    return
+                    # Committed once the stream ends right after it (the loop ends), never earlier.
+                    commit = req.commit
+                    reader.timeout_s = min(END_AFTER_COMMIT_S, self.idle_timeout_s)
+                    reader.waiting_for = "the end of the stream after the commit"
+                    reader.hint = "; close the stream (half-close) right after sending the commit"
                 else:
                     what = "a second header" if kind == "header" else "an empty message"
                     raise update.fail(WeightwireError(Reason.MALFORMED_STREAM, f"received {what} inside an update"))
+            if commit is not None:
+                yield pb.PushWeightsResponse(result=update.commit(commit))
+                return
             if client_gone is not None and client_gone():
                 raise update.fail(_cancelled())
             raise update.fail(
                 WeightwireError(Reason.MALFORMED_STREAM, "the stream ended before a commit; the update was not applied")
             )
-        except WeightwireError:
+        except WeightwireError as refused:
+            # Raised by the reader too (an idle stream): the update ends with that reason.
+            if update is not None:
+                update.fail(refused)
             raise
         except Exception as e:
             # The request stream broke (client gone) or a bug: never leave the update half-open.
             if update is not None and not update.finished:
                 gone = client_gone is not None and client_gone()
-                err = _cancelled() if gone else WeightwireError("", f"internal error in the worker: {e!r}", code="INTERNAL")
-                update.fail(err)
+                failure = _cancelled() if gone else WeightwireError(Reason.INTERNAL, f"internal error in the worker: {e!r}")
+                update.fail(failure)
             raise
         finally:
+            reader.close()
             if update is not None and not update.finished:
                 update.fail(_cancelled())

@@ -116,7 +116,7 @@ class WeightTransferServicer(pb_grpc.WeightTransferServiceServicer):
             return terminated.wait(_CANCEL_GRACE_S) or not context.is_active()
 
         try:
-            yield from self.service.push(request_iterator, client_gone=client_gone)
+            yield from self.service.push(request_iterator, client_gone=client_gone, rpc_ended=terminated)
         except WeightwireError as err:
             context.abort_with_status(to_rpc_status(err))
         except Exception as e:

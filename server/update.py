@@ -106,6 +106,7 @@ class Update:
         *,
         prior_state: pb.WorkerState,
         previous_version: int,
+        rpc_ended: threading.Event | None = None,
     ) -> None:
         self._ctx = ctx
         self._owner = owner
@@ -115,6 +116,7 @@ class Update:
         self.previous_version = previous_version
         self.begun = False
         self.finished = False
+        self._rpc_ended = rpc_ended
         self._t0 = time.perf_counter_ns()
         self._bucket_indices: set[int] = set()
         self._names_seen: set[str] = set()
@@ -125,6 +127,13 @@ class Update:
         self._handles_opened = 0
         self._mappings: dict[Hashable, ImportedPayload] = {}
         self._finish_lock = threading.Lock()
+
+    @property
+    def abandoned(self) -> bool:
+        """It is ending but still holds the worker: failed or committed and not yet let go, or its
+        stream is over (the client cancelled or timed out) and its thread is still unwinding
+        (typically inside the engine's load). A new update waits for such a one."""
+        return self.finished or (self._rpc_ended is not None and self._rpc_ended.is_set())
 
     def open_mapping_count(self) -> int:
         return len(self._mappings)

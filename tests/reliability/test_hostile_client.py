@@ -26,12 +26,16 @@ from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 from . import helpers
 from .common import SHM_DIR, assert_weightwire_error, failed_outcome, push_raw, start_worker
 
+# The module's worker ends a stream that sends nothing for this long: short, so the idle tests are
+# quick; far above any gap between the messages the other tests send.
+IDLE_TIMEOUT_S = 5
+
 
 class Worker:
     """The worker process of this module, its stub, and the checkpoint each version carries."""
 
     def __init__(self) -> None:
-        self.proc = start_worker()
+        self.proc = start_worker(extra=["--idle-timeout-s", str(IDLE_TIMEOUT_S)])
         self.channel = grpc.insecure_channel(self.proc.address)
         self.stub = pb_grpc.WeightTransferServiceStub(self.channel)
         self.config = DemoConfig()
@@ -325,3 +329,130 @@ def test_an_error_listing_hundreds_of_labels_still_fits_the_status(worker: Worke
     assert_weightwire_error(outcome, "NO_PAYLOAD_FOR_DEVICE")
     assert outcome.info is not None and outcome.info.metadata["labels"].startswith("host:00000000-")
     worker.expect_unchanged(before)
+
+
+# --- streams that go quiet, and what comes after a commit -------------------------------------
+
+
+def _thread_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_idle_streams_do_not_starve_status_manifest_or_health() -> None:
+    # A handful of PushWeights streams that open and send nothing (and one that sends a header and
+    # goes quiet) used to hold every thread of the worker's one pool: GetStatus, GetManifest and
+    # the health check timed out. This worker keeps the default idle deadline (minutes).
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    proc = start_worker()
+    channel = grpc.insecure_channel(proc.address)
+    stub = pb_grpc.WeightTransferServiceStub(channel)
+    feeds = [helpers.RequestFeed() for _ in range(12)]
+    try:
+        base = _thread_count(proc.proc.pid)
+        feeds[0].send(helpers.header(1))
+        calls = [stub.PushWeights(iter(feed), timeout=120) for feed in feeds]
+        # The worker has taken the streams on (one thread each, or more).
+        assert helpers.wait_until(lambda: _thread_count(proc.proc.pid) >= base + 8, timeout=60)
+        assert helpers.wait_until(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=30).state == pb.WORKER_STATE_UPDATING)
+        assert stub.GetManifest(pb.GetManifestRequest(), timeout=30).manifest.tensors
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        for call in calls:
+            call.cancel()
+        assert helpers.wait_until(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=30).state == pb.WORKER_STATE_CONSISTENT)
+    finally:
+        for feed in feeds:
+            feed.end()
+        channel.close()
+        proc.stop()
+
+
+def _worker_deadline(call: object, worker: Worker) -> object:
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)  # type: ignore[call-overload]
+    outcome = failed_outcome(err.value)
+    assert_weightwire_error(outcome, "DEADLINE_EXCEEDED")  # the worker's, with its ErrorInfo
+    assert f"{IDLE_TIMEOUT_S} s" in outcome.message
+    return outcome
+
+
+def test_a_stream_that_sends_nothing_ends_with_a_reason(worker: Worker, segments: helpers.ShmSegments) -> None:
+    before = worker.status()
+    feed = helpers.RequestFeed()
+    try:
+        outcome = _worker_deadline(worker.stub.PushWeights(iter(feed), timeout=120), worker)
+    finally:
+        feed.end()
+    assert "the header" in outcome.message  # type: ignore[attr-defined]
+    st = worker.expect_unchanged(before)
+    assert st.last_error.reason == "DEADLINE_EXCEEDED" and st.updates_failed == before.updates_failed + 1
+    worker.push_good(segments)
+
+
+def test_a_header_then_silence_does_not_hold_the_update(worker: Worker, segments: helpers.ShmSegments) -> None:
+    before = worker.status()
+    feed = helpers.RequestFeed()
+    feed.send(helpers.header(before.weights_version + 1))
+    try:
+        outcome = _worker_deadline(worker.stub.PushWeights(iter(feed), timeout=120), worker)
+    finally:
+        feed.end()
+    assert "the next bucket or the commit" in outcome.message  # type: ignore[attr-defined]
+    worker.expect_unchanged(before)
+    worker.push_good(segments)
+
+
+@pytest.mark.parametrize("after", ["commit", "header", "bucket"])
+def test_a_message_after_the_commit_is_malformed_and_nothing_commits(
+    worker: Worker, segments: helpers.ShmSegments, after: str
+) -> None:
+    # header -> bucket -> commit -> commit used to end OK and commit, while the contract says a
+    # message after the commit is MALFORMED_STREAM. The worker now commits only when the stream
+    # ends right after the commit.
+    before = worker.status()
+    version = before.weights_version + 1
+    reqs = helpers.full_update_requests(version, worker.checkpoint(version), segments, buckets=1)
+    extra = {"commit": reqs[-1], "header": helpers.header(version + 1), "bucket": reqs[1]}[after]
+    outcome = push_raw(worker.stub, [*reqs, extra])
+    assert_weightwire_error(outcome, "MALFORMED_STREAM")
+    assert "after the commit" in outcome.message and outcome.result is None
+    st = worker.status()
+    # Not committed: version kept; the bucket had loaded, so the worker is INCONSISTENT.
+    assert (st.weights_version, st.state, st.open_mappings) == (before.weights_version, pb.WORKER_STATE_INCONSISTENT, 0), st
+    worker.push_good(segments)
+
+
+def test_a_commit_the_client_does_not_close_after_is_not_applied(worker: Worker, segments: helpers.ShmSegments) -> None:
+    before = worker.status()
+    version = before.weights_version + 1
+    reqs = helpers.full_update_requests(version, worker.checkpoint(version), segments, buckets=1)
+    feed = helpers.RequestFeed()
+    for req in reqs:
+        feed.send(req)
+    try:
+        outcome = _worker_deadline(worker.stub.PushWeights(iter(feed), timeout=120), worker)
+    finally:
+        feed.end()
+    assert "end of the stream after the commit" in outcome.message  # type: ignore[attr-defined]
+    assert worker.status().weights_version == before.weights_version
+    worker.push_good(segments)
+
+
+def test_a_retry_right_after_a_cancelled_update_is_never_refused(worker: Worker, segments: helpers.ShmSegments) -> None:
+    # A trainer whose push failed elsewhere cancels this worker's stream and retries at once; the
+    # cancelled update may still be unwinding. The retry must not get UPDATE_IN_PROGRESS for it.
+    for _ in range(20):
+        version = worker.next_version()
+        reqs = helpers.full_update_requests(version, worker.checkpoint(version), segments, buckets=2)
+        feed = helpers.RequestFeed()
+        call = worker.stub.PushWeights(iter(feed), timeout=60)
+        feed.send(reqs[0])
+        feed.send(reqs[1])
+        assert next(call).ack.index == 0
+        call.cancel()
+        feed.end()
+        outcome = push_raw(worker.stub, reqs)
+        assert outcome.code == grpc.StatusCode.OK, outcome.describe()
+        assert worker.status().weights_version == version
+        segments.close()

@@ -3,6 +3,7 @@ concurrency, cancellation, mapping release, health, reflection, listeners and to
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import threading
@@ -200,6 +201,7 @@ def test_second_concurrent_push_is_aborted(inproc_worker, segments: ShmSegments)
     assert (other.code, other.reason) == (grpc.StatusCode.ABORTED, "UPDATE_IN_PROGRESS")
     for req in reqs[2:]:
         feed.send(req)
+    feed.end()  # the commit is the last message: the worker commits once the stream ends after it
     rest = list(call)
     assert rest[-1].result.version == 1
     assert status_of(worker).weights_version == 1
@@ -247,6 +249,7 @@ def test_mappings_read_only_counted_and_released(inproc_worker, segments: ShmSeg
     next(call)
     assert status_of(worker).open_mappings == 2
     feed.send(reqs[3])
+    feed.end()
     assert list(call)[-1].result.version == 1
     assert status_of(worker).open_mappings == 0
     assert _worker_fds_of(names[0]) == [] and _worker_fds_of(names[1]) == []
@@ -404,3 +407,43 @@ def test_stop_fails_a_running_update_and_releases_mappings(inproc_worker, segmen
     feed.end()
     assert _worker_fds_of(name) == []
     assert worker.server.service.state == pb.WORKER_STATE_INCONSISTENT
+
+
+def test_a_new_update_waits_for_a_cancelled_one_to_end(
+    inproc_worker, segments: ShmSegments, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A trainer retries right after its update failed elsewhere and it cancelled this worker's
+    # stream; the engine is still inside a load of the cancelled update. The retry must wait for
+    # that update to end, then land, instead of getting UPDATE_IN_PROGRESS for it.
+    caplog.set_level(logging.INFO, logger="weightwire.server.service")
+    worker = inproc_worker()
+    stub = worker.stub()
+    full = full_checkpoint(worker.config, 1)
+    reqs = full_update_requests(1, full, segments, buckets=2)
+    in_load, let_go = threading.Event(), threading.Event()
+    real_load = worker.adapter.load
+
+    def slow_load(views):  # an engine whose load takes a while
+        in_load.set()
+        assert let_go.wait(60)
+        real_load(views)
+
+    monkeypatch.setattr(worker.adapter, "load", slow_load)
+    feed = RequestFeed()
+    call = stub.PushWeights(iter(feed), timeout=60)
+    feed.send(reqs[0])
+    feed.send(reqs[1])
+    assert in_load.wait(30)
+    call.cancel()
+    feed.end()
+    retry: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: retry.update(outcome=push(stub, reqs)), daemon=True)
+    thread.start()
+    assert wait_until(lambda: "waits for update 1, cancelled by its client" in caplog.text or "outcome" in retry)
+    let_go.set()
+    thread.join(60)
+    outcome = retry["outcome"]
+    assert outcome.code == grpc.StatusCode.OK, (outcome.code, outcome.reason, outcome.message)  # type: ignore[attr-defined]
+    st = status_of(worker)
+    assert (st.weights_version, st.state, st.open_mappings) == (1, pb.WORKER_STATE_CONSISTENT, 0)
+    assert_holds(worker, full)

@@ -1,0 +1,89 @@
+"""The requests of one PushWeights stream, read with a deadline for each.
+
+``WorkerService.push`` reads a stream through a ``StreamReader``: a thread of its own takes the
+requests from gRPC's iterator (whose ``next`` cannot time out) and hands them over one at a time, so
+the worker waits for each with a deadline. A client that opens a stream, or sends a header, and
+then goes quiet gets a status with a reason when the deadline passes, instead of holding the
+worker's one update (and a thread) for as long as its connection lives. At most one request waits
+between the two threads, so gRPC's flow control still holds a fast sender back. No gRPC in here.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+from weightwire.core.errors import Reason, WeightwireError
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+__all__ = ["DEFAULT_IDLE_TIMEOUT_S", "StreamReader"]
+
+# How long a stream may go without a message before the worker ends it. Generous: between two
+# messages a trainer may stage a large bucket, wait for a slow worker's ack (it commits only after
+# every worker acked) or gather over its own ranks.
+DEFAULT_IDLE_TIMEOUT_S = 300.0
+_END = object()
+_PUT_POLL_S = 0.2
+
+
+class StreamReader:
+    """Iterates ``requests`` with ``timeout_s`` for each next request (``WeightwireError``
+    DEADLINE_EXCEEDED when it passes; ``waiting_for`` names what was awaited in its message).
+    ``close`` lets the reading thread go; it also ends by itself with the stream."""
+
+    def __init__(self, requests: Iterator[pb.PushWeightsRequest], timeout_s: float) -> None:
+        self._requests = requests
+        self.timeout_s = timeout_s
+        self.waiting_for = "a message"
+        self.hint = ""
+        self._done = False
+        self._handoff: queue.Queue[object] = queue.Queue(maxsize=1)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="ww-push-reader", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: object) -> bool:
+        # Never block for good: the worker may have stopped reading (the update ended).
+        while not self._closed.is_set():
+            try:
+                self._handoff.put(item, timeout=_PUT_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self) -> None:
+        try:
+            for req in self._requests:
+                if not self._put(req):
+                    return
+            self._put(_END)
+        except BaseException as e:  # the stream broke (cancelled, connection lost): raised in order
+            self._put(e)
+
+    def __iter__(self) -> StreamReader:
+        return self
+
+    def __next__(self) -> pb.PushWeightsRequest:
+        if self._done:
+            raise StopIteration
+        try:
+            item = self._handoff.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise WeightwireError(
+                Reason.DEADLINE_EXCEEDED,
+                f"the stream sent nothing for {self.timeout_s:g} s while this worker waited for {self.waiting_for}; "
+                f"the update was not applied{self.hint}",
+                idle_timeout_s=f"{self.timeout_s:g}",
+            ) from None
+        if item is _END:
+            self._done = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        return item  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self._closed.set()

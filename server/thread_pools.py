@@ -1,0 +1,57 @@
+"""Which thread pool serves which RPC, so that long calls cannot starve short ones.
+
+gRPC Python runs every call on one thread pool, and a stream holds its thread for as long as it is
+open: a handful of PushWeights streams that opened and went quiet used to occupy every thread, and
+GetStatus, GetManifest and the health check timed out. ``PoolRouter`` (a server interceptor that
+``weightwire.server.grpc_server.serve`` installs) puts the long-lived calls on pools of their own,
+through gRPC's per-method ``experimental_thread_pool`` (the attribute grpc's own health service uses
+for its Watch stream); the unary calls keep the server's default pool, which no stream can occupy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+__all__ = ["PoolRouter"]
+
+
+def _on_pool(handler: grpc.RpcMethodHandler, pool: futures.ThreadPoolExecutor) -> grpc.RpcMethodHandler:
+    """The same handler, run on ``pool``."""
+    if handler.request_streaming and handler.response_streaming:
+        inner, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        inner, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        inner, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+    else:
+        inner, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+    if inner is None:
+        return handler
+
+    def behavior(request: Any, context: grpc.ServicerContext) -> Any:
+        return inner(request, context)
+
+    behavior.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    return make(behavior, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
+class PoolRouter(grpc.ServerInterceptor):
+    """Runs each call whose full method name is in ``pools`` on that pool; the rest as they were."""
+
+    def __init__(self, pools: Mapping[str, futures.ThreadPoolExecutor]) -> None:
+        self._pools = dict(pools)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        pool = self._pools.get(handler_call_details.method or "")
+        if handler is None or pool is None:
+            return handler
+        return _on_pool(handler, pool)
