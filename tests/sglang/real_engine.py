@@ -7,6 +7,7 @@ SGLang 0.5.23; ``make install-sglang-0517`` makes ``.venv-sglang-0517`` with 0.5
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -64,15 +65,17 @@ def engine_kwargs(model_path: str, *, tp: int = 1, pp: int = 1, dtype: str = "fl
     }
 
 
-def cpu_env(world: int) -> dict[str, str]:
-    """Environment of an engine with ``world`` ranks on this machine's cores."""
+def cpu_env(tp: int, pp: int = 1, release: str = "0.5.23") -> dict[str, str]:
+    """Environment of an engine with ``tp`` x ``pp`` ranks on this machine's cores."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     env.pop("SGLANG_USE_CPU_ENGINE", None)  # it needs a CPU build of sgl_kernel that no index serves
     env.pop("SGLANG_PLUGINS", None)
     env.pop("WEIGHTWIRE_SGLANG_ENABLE", None)
     cores = max(1, os.cpu_count() or 1)
-    # SGLang checks its CPU binding per rank; one entry per rank, `|`-separated.
-    env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(world))
+    # SGLang binds each rank's OpenMP threads from this `|`-separated list: 0.5.17 wants exactly one
+    # entry per TP rank, 0.5.23 one per rank of the whole engine (it indexes by device id).
+    entries = tp if release == "0.5.17" else tp * pp
+    env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(entries))
     return env
 
 
@@ -88,8 +91,7 @@ class EngineHost:
         self.env = env
         self.socket_dir = socket_dir
         self.log_path = log_path
-        world = int(kwargs.get("tp_size", 1)) * int(kwargs.get("pp_size", 1))
-        process_env = cpu_env(world)
+        process_env = cpu_env(int(kwargs.get("tp_size", 1)), int(kwargs.get("pp_size", 1)), env.version)
         process_env["WEIGHTWIRE_SGLANG_SOCKET_DIR"] = socket_dir
         process_env.update(extra_env or {})
         self._log = open(log_path, "w")
@@ -166,12 +168,18 @@ class EngineHost:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             pass
-        _kill_group(self.proc)
+        stop_process_group(self.proc)
         self._log.close()
 
 
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    """Kill what remains of the engine's process group (schedulers outliving a crashed driver)."""
+def stop_process_group(proc: subprocess.Popen[str], grace_s: float = 0.0) -> None:
+    """End ``proc`` and everything left in its process group (it was started with
+    ``start_new_session=True``): SIGTERM, up to ``grace_s`` for a clean exit, then SIGKILL."""
+    if grace_s > 0 and proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
     deadline = time.monotonic() + 20
     sig = signal.SIGTERM
     while time.monotonic() < deadline:
@@ -180,6 +188,6 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
         except (ProcessLookupError, PermissionError):
             break
         time.sleep(0.5)
-        proc.poll()  # reap the driver, or its zombie keeps the group alive
+        proc.poll()  # reap the leader, or its zombie keeps the group alive
         sig = signal.SIGKILL
     proc.wait(timeout=30)

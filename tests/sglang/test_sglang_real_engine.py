@@ -11,8 +11,7 @@ the weight version SGLang reports.
 One engine per (SGLang release, topology) serves every test of this module in order (module-scoped
 fixture), so the state flows: each test starts from the weights the previous one left and checks
 against them. Topologies cover TP1, TP2, TP2 x PP2 (and PP2 in the bfloat16 test) over Qwen2 and
-Llama, one with tied embeddings, one with a KV head replicated over two TP ranks, with and without
-``sleep_on_idle``; the bfloat16 engine (PP2, tied) is compared with its own start-up tokens on the
+Llama, one with tied embeddings, with and without ``sleep_on_idle``; the bfloat16 engine (PP2, tied) is compared with its own start-up tokens on the
 same checkpoint, since bfloat16 kernels round differently from transformers.
 """
 
@@ -58,8 +57,9 @@ class Topology:
 
 TOPOLOGIES = {
     "tp1-qwen2-tied": Topology(1, 1, ModelSpec(QWEN2, tie=True), sleep_on_idle=True),
-    # One KV head over two TP ranks: SGLang replicates it on both.
-    "tp2-llama-kv1": Topology(2, 1, ModelSpec(LLAMA, kv_heads=1), sleep_on_idle=False),
+    # (A Llama with one KV head over two TP ranks does not start in SGLang 0.5.23 itself: its
+    # loader narrows past the replicated head while loading the checkpoint from disk.)
+    "tp2-llama": Topology(2, 1, ModelSpec(LLAMA), sleep_on_idle=False),
     "tp2pp2-llama": Topology(2, 2, ModelSpec(LLAMA), sleep_on_idle=True),
 }
 ENGINES = [("0.5.23", name) for name in TOPOLOGIES] + [("0.5.17", "tp1-qwen2-tied"), ("0.5.17", "tp2pp2-llama")]
@@ -268,3 +268,49 @@ def test_refused_updates_leave_the_old_tokens(running: Running) -> None:
         running.host.resume()
     assert running.worker_versions() == {(running.version, pb.WORKER_STATE_CONSISTENT)}
     assert running.check_generates_expected() == old
+
+
+@pytest.fixture(scope="module")
+def bf16_pp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineHost, WeightPusher, ModelSpec]]:
+    env = SGLANG_ENVS["0.5.23"]
+    if not env.available():
+        pytest.skip("no SGLang 0.5.23 environment: `make install-sglang` makes it")
+    spec = ModelSpec(QWEN2, tie=True, dtype=torch.bfloat16)
+    root = tmp_path_factory.mktemp("bf16-pp2")
+    model = write_model_dir(spec, str(root / "model"), full_checkpoint(spec, seed=11))
+    socket_dir = f"/tmp/ww-sgl-{uuid.uuid4().hex[:10]}"
+    host = EngineHost(env, engine_kwargs(model, pp=2, dtype="bfloat16"), socket_dir=socket_dir,
+                      log_path=str(root / "engine.log"))
+    try:
+        with WeightPusher(discover(socket_dir, count=2, timeout_s=60), transport="host_shm", timeout_s=120) as pusher:
+            yield host, pusher, spec
+    finally:
+        host.stop()
+
+
+def test_bfloat16_pp2_tied_push_gives_the_tokens_of_a_fresh_engine(
+    bf16_pp2: tuple[EngineHost, WeightPusher, ModelSpec],
+) -> None:
+    """bfloat16 kernels round differently from transformers, so the reference here is the engine
+    itself freshly started from checkpoint A: pushing B changes its tokens, pushing A back (FULL,
+    then the tied embedding alone as a PARTIAL update) gives exactly the start-up tokens again."""
+    host, pusher, spec = bf16_pp2
+    a, b = full_checkpoint(spec, seed=11), full_checkpoint(spec, seed=12)
+    fresh = host.tokens(PROMPTS, NEW_TOKENS)
+    last = next(m for m in pusher.manifests().values() if m.rank.pp_rank == 1)
+    assert "model.embed_tokens.weight" in last.tensors and "lm_head.weight" not in last.tensors
+
+    def push(weights: dict[str, torch.Tensor], version: int, scope: str = "full") -> list[list[int]]:
+        host.pause("abort")
+        results = pusher.push(weights, version=version, scope=scope)  # type: ignore[arg-type]
+        host.resume()
+        assert {(r.version, r.state) for r in results.values()} == {(version, "CONSISTENT")}
+        outputs = host.generate(PROMPTS, NEW_TOKENS)
+        assert {o["weight_version"] for o in outputs} == {str(version)}
+        return [o["output_ids"] for o in outputs]
+
+    assert push(b, 1) != fresh
+    assert push(a, 2) == fresh
+    name = "model.embed_tokens.weight"
+    assert push({name: b[name]}, 3, "partial") != fresh
+    assert push({name: a[name]}, 4, "partial") == fresh
