@@ -25,8 +25,8 @@ from weightwire.server.adapter import EngineAdapter
 from weightwire.server.group_import import GroupImporter
 from weightwire.server.layout import LayoutCache
 from weightwire.server.messages import MAX_MESSAGE_BYTES, clip_utf8
-from weightwire.server.streams import DEFAULT_IDLE_TIMEOUT_S, StreamReader
 from weightwire.server.read_ahead import read_ahead
+from weightwire.server.streams import DEFAULT_IDLE_TIMEOUT_S, StreamReader
 from weightwire.server.transports import PayloadImporter, make_importers
 from weightwire.server.update import Update, UpdateContext, now_timestamp
 from weightwire.server.update_events import UpdateEvents, UpdateObserver
