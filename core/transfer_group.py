@@ -155,8 +155,15 @@ def _nccl(store: Any, rank: int, size: int, timeout: datetime.timedelta, listen_
     opts._timeout = timeout
     pg = torch.distributed.ProcessGroupNCCL(store, rank, size, opts)
     # Connect now, so that an unreachable peer fails the formation and not the first bucket.
-    pg.eager_connect_single_device(device)
+    pg.eager_connect_single_device(_indexed(device))
     return pg
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:<current device>`` (NCCL needs the index)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 BackendFactory = Callable[[Any, int, int, datetime.timedelta, str, torch.device], Any]
@@ -173,7 +180,7 @@ def backend_name(backend: int) -> str:
 
 def staging_device(backend: int, device: torch.device) -> torch.device:
     """Where a member's transfer buffers live: host memory for gloo, the member's GPU for NCCL."""
-    return device if backend == pb.TRANSFER_BACKEND_NCCL else torch.device("cpu")
+    return _indexed(device) if backend == pb.TRANSFER_BACKEND_NCCL else torch.device("cpu")
 
 
 # ---------------------------------------------------------------------------------------------
