@@ -48,7 +48,12 @@ END_AFTER_COMMIT_S = 30.0
 
 def _cancelled() -> WeightwireError:
     # gRPC itself reports CANCELLED to the (gone) client; this is what GetStatus and the log keep.
-    return WeightwireError(Reason.CANCELLED, "the client went away (stream cancelled) before commit")
+    # gRPC refusing one of the client's messages (over 64 MiB) ends the stream the same way.
+    return WeightwireError(
+        Reason.CANCELLED,
+        "the stream was cancelled before commit: the client went away, or gRPC refused one of its messages "
+        "(one over 64 MiB: the client got RESOURCE_EXHAUSTED)",
+    )
 
 
 class WorkerService:

@@ -447,3 +447,17 @@ def test_a_new_update_waits_for_a_cancelled_one_to_end(
     st = status_of(worker)
     assert (st.weights_version, st.state, st.open_mappings) == (1, pb.WORKER_STATE_CONSISTENT, 0)
     assert_holds(worker, full)
+
+
+def test_the_last_version_a_worker_can_take_is_the_largest_int64(inproc_worker) -> None:
+    # Decided: any positive int64 is a version; after 2^63-1 nothing is newer, so every later
+    # update is STALE_VERSION (saying so) until the worker restarts at version 0.
+    worker = inproc_worker()
+    stub = worker.stub()
+    full = full_checkpoint(worker.config, 1)
+    last = 2**63 - 1
+    assert push(stub, full_update_requests(last, full, None, buckets=1)).code == grpc.StatusCode.OK
+    refused = push(stub, full_update_requests(last, full, None, buckets=1))
+    assert (refused.code, refused.reason, refused.metadata["current_version"]) == (grpc.StatusCode.FAILED_PRECONDITION, "STALE_VERSION", str(last))
+    st = status_of(worker)
+    assert (st.weights_version, st.state) == (last, pb.WORKER_STATE_CONSISTENT)

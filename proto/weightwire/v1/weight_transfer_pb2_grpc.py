@@ -93,15 +93,21 @@ class WeightTransferServiceServicer(object):
 
     def PushWeights(self, request_iterator, context):
         """One weight update per stream: the client sends `header`, then zero or more `bucket`s, then
-        `commit`. The server answers every bucket with a BucketAck, sent only after the copy into the
-        model has finished on the device (the sender may then reuse that buffer), and ends with one
-        UpdateResult after a verified commit. Any error ends the stream with a status; the weights
-        version never advances on an error. An error after some tensors were loaded leaves the worker
-        INCONSISTENT until the next successful FULL update.
+        `commit`, and then closes its side of the stream (half-close): the worker commits only when
+        the end of the stream follows the commit. The server answers every bucket with a BucketAck,
+        sent only after the copy into the model has finished on the device (the sender may then reuse
+        that buffer), and ends with one UpdateResult after a verified commit. Any error ends the stream
+        with a status; the weights version never advances on an error. An error after some tensors
+        were loaded leaves the worker INCONSISTENT until the next successful FULL update. Every
+        payload of a bucket is validated, also those the worker does not select and in a bucket it
+        owns nothing of. Each message is awaited for at most the worker's idle deadline (300 s by
+        default; see DEADLINE_EXCEEDED below). Text the worker quotes back (tensor names, labels,
+        fingerprints) is cut to fit the status trailer, in UTF-8 bytes.
 
         Codes and ErrorInfo reasons:
         INVALID_ARGUMENT: MALFORMED_STREAM (first message not a header, a second header, a message
-        after commit, an empty oneof), SCOPE_UNSPECIFIED, INVALID_VERSION, DTYPE_UNSPECIFIED,
+        after commit (nothing is committed), an empty oneof, an update_id over 256 bytes, more than
+        2^20 buckets or tensor names in one update), SCOPE_UNSPECIFIED, INVALID_VERSION, DTYPE_UNSPECIFIED,
         DEVICE_KIND_UNSPECIFIED, INVALID_SHAPE, INVALID_OFFSET, INVALID_SIZE,
         TENSOR_OUT_OF_BOUNDS, PAYLOAD_COUNT_MISMATCH, PAYLOAD_LABEL_MISSING,
         DUPLICATE_PAYLOAD_LABEL, HANDLE_MISSING, INVALID_SHM_NAME, DUPLICATE_TENSOR,
@@ -118,8 +124,17 @@ class WeightTransferServiceServicer(object):
         INTERNAL: LOAD_FAILED (the engine adapter raised while loading), INTERNAL (an unexpected
         error in the worker; GetStatus.last_error records the same).
         UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
+        DEADLINE_EXCEEDED: DEADLINE_EXCEEDED from the worker (with ErrorInfo, metadata
+        idle_timeout_s): the stream sent nothing for the idle deadline, before its header, between
+        messages, or after its commit instead of ending; the update fails with it.
         CANCELLED / DEADLINE_EXCEEDED: raised by gRPC when the client goes away or times out (no
-        ErrorInfo); GetStatus.last_error then records reason CANCELLED.
+        ErrorInfo); GetStatus.last_error then records reason CANCELLED. A header arriving while the
+        worker still ends such an update (its engine call has not returned) waits for it, up to
+        30 s, instead of getting UPDATE_IN_PROGRESS.
+        Refused by gRPC before the worker sees them, so without ErrorInfo and not recorded as such:
+        RESOURCE_EXHAUSTED for a message over 64 MiB (GetStatus.last_error records CANCELLED: the
+        worker cannot tell this from a client that went away), INTERNAL for bytes that do not
+        decode as a PushWeightsRequest, UNIMPLEMENTED for an unknown method.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
