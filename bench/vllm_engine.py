@@ -11,6 +11,9 @@ and in that same engine, repetition after repetition, these replace every weight
 ``weightwire``      ``update_window``: vLLM's ``start_weight_update``, ``WeightPusher.push`` of the
                     full checkpoint over host shared memory from this process into the worker(s),
                     ``finish_weight_update(weight_version=...)`` and ``reset_prefix_cache``
+``in place``        the same with the trainer's weights already in one host shared-memory buffer
+                    (``WeightPusher.host_buffer``, ``push_flat``): no packing copy, the worker reads
+                    them where they are (a trainer whose parameters live in that buffer)
 ``reload``          vLLM's ``reload_weights(weights_path=...)`` in every worker (``collective_rpc``)
                     from the same checkpoint as a safetensors directory in the page cache (tmpfs),
                     then ``reset_prefix_cache``: vLLM's own in-place reload, the path its weight
@@ -81,6 +84,25 @@ class Bench:
             self.pusher.push(weights, version=self.version)
         return time.perf_counter() - t0
 
+    def flat(self, weights: dict[str, torch.Tensor]) -> list[Any]:
+        """The checkpoint in one host shared-memory buffer, as a trainer keeping its weights there has it."""
+        from weightwire.client import FlatBucket, layout_flat, pack_into
+
+        items = list(weights.items())
+        specs, size = layout_flat(items)
+        buffer = self.pusher.host_buffer(size)
+        pack_into(buffer, specs, [t for _, t in items])
+        return [FlatBucket(buffer, specs)]
+
+    def in_place(self, flat: list[Any]) -> float:
+        from weightwire.adapters.vllm import update_window
+
+        self.version += 1
+        t0 = time.perf_counter()
+        with update_window(self.engine.llm, self.version):
+            self.pusher.push_flat(flat, version=self.version)
+        return time.perf_counter() - t0
+
     def reload(self, path: Path) -> float:
         t0 = time.perf_counter()
         self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
@@ -121,11 +143,12 @@ def run_size(size_gib: float, tp: int, reps: int, work: Path) -> dict[str, Any]:
     engine = CpuEngine(path_a, tp=tp, pp=1, socket_dir=work / f"s-{size_gib}")
     start_s = time.perf_counter() - t0
     bench = Bench(engine)
-    samples: dict[str, list[float]] = {"weightwire": [], "reload": [], "save": [], "memcpy": []}
+    samples: dict[str, list[float]] = {"weightwire": [], "in_place": [], "reload": [], "save": [], "memcpy": []}
     try:
         tokens_a = engine.generate()
         bench.weightwire(b)  # warm-up: the first push creates the shared-memory segments
         tokens_b = engine.generate()
+        flat_a = bench.flat(a)
         if tokens_a == tokens_b:
             raise RuntimeError("checkpoints a and b give the same tokens: the checks would show nothing")
         for i in range(reps):
@@ -133,6 +156,10 @@ def run_size(size_gib: float, tp: int, reps: int, work: Path) -> dict[str, Any]:
             samples["save"].append(save_s(spec, a, work / f"ckpt-{size_gib}-{i}"))
             samples["reload"].append(bench.reload(work / f"ckpt-{size_gib}-{i}"))
             check(engine.generate(), tokens_a, "reload")
+            samples["weightwire"].append(bench.weightwire(b))
+            check(engine.generate(), tokens_b, "weightwire")
+            samples["in_place"].append(bench.in_place(flat_a))
+            check(engine.generate(), tokens_a, "in place")
             samples["weightwire"].append(bench.weightwire(b))
             check(engine.generate(), tokens_b, "weightwire")
             samples["memcpy"].append(memcpy_s(a))
@@ -148,6 +175,8 @@ def run_size(size_gib: float, tp: int, reps: int, work: Path) -> dict[str, Any]:
         "engine_start_s": start_s, "median_s": med, "samples_s": samples,
         "ratios": {
             "weightwire_over_memcpy": med["weightwire"] / med["memcpy"],
+            "in_place_over_memcpy": med["in_place"] / med["memcpy"],
+            "reload_over_in_place": med["reload"] / med["in_place"],
             "reload_over_weightwire": med["reload"] / med["weightwire"],
             "save_reload_over_weightwire": med["save+reload"] / med["weightwire"],
         },
@@ -172,7 +201,7 @@ def main() -> None:
             m, r = res["median_s"], res["ratios"]
             print(
                 f"{size:5.3f} GiB TP{args.tp} ({res['bytes'] / GiB:.3f} GiB, {res['tensors']} tensors): "
-                f"weightwire {m['weightwire'] * 1e3:8.1f} ms | reload {m['reload'] * 1e3:8.1f} ms "
+                f"weightwire {m['weightwire'] * 1e3:8.1f} ms | in place {m['in_place'] * 1e3:8.1f} ms | reload {m['reload'] * 1e3:8.1f} ms "
                 f"(x{r['reload_over_weightwire']:.2f}) | save+reload {m['save+reload'] * 1e3:8.1f} ms "
                 f"(x{r['save_reload_over_weightwire']:.2f}) | memcpy {m['memcpy'] * 1e3:7.1f} ms "
                 f"(weightwire = x{r['weightwire_over_memcpy']:.1f} memcpy) | engine start {res['engine_start_s']:.0f} s",

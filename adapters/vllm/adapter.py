@@ -174,10 +174,12 @@ class VLLMAdapter:
             layer for layer, names in arriving.items()
             if self._open_layers.get(layer, self.layout.names_by_layer[layer]) - names
         }
+        batch = [
+            (name, tensor.clone() if self.layout.targets[name].layer_name in stays_open else tensor)
+            for name, tensor in named_tensors
+        ]
         with self._vllm_context():
-            for name, tensor in named_tensors:
-                layer = self.layout.targets[name].layer_name
-                self._load_one(name, tensor.clone() if layer in stays_open else tensor)
+            self._load_batch(batch, arriving)
         self._synchronize()  # the service acks when we return; the sender may then reuse its buffer
 
     def end_update(self, success: bool) -> None:
@@ -237,29 +239,39 @@ class VLLMAdapter:
                 tensor=name,
             )
 
-    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+    def _load_batch(self, batch: list[tuple[str, torch.Tensor]], arriving: dict[str, set[str]]) -> None:
+        """One ``load_weights`` call for a bucket's tensors (per-call overhead is per bucket, not per
+        tensor), then a check that each tensor reached its layer."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-        target = self.layout.targets[name]
-        module = self._layers[target.layer_name]
-        missing = self._open_layers.get(target.layer_name)
-        if missing is None:
-            initialize_layerwise_reload(module)
-            missing = self._open_layers[target.layer_name] = set(self.layout.names_by_layer[target.layer_name])
-        info = get_layerwise_info(module)
-        buffered_before = len(info.loaded_weights)
-        loaded = self.model.load_weights([(name, tensor)])  # type: ignore[operator]
-        reached = (not info.can_load()) or len(info.loaded_weights) > buffered_before
-        if not reached or (isinstance(loaded, set) and target.param_name not in loaded):
-            raise WeightwireError(
-                Reason.LOAD_FAILED,
-                f"{self.worker_id}: vLLM's load_weights did not consume {name}: it should fill {target.param_name}"
-                + (f" (shard {target.shard_id!r})" if target.shard_id is not None else "")
-                + f", it reported loading {sorted(loaded) if isinstance(loaded, set) else 'nothing it could name'}",
-                tensor=name,
+        buffered_before: dict[str, int] = {}
+        for layer in arriving:
+            if layer not in self._open_layers:
+                initialize_layerwise_reload(self._layers[layer])
+                self._open_layers[layer] = set(self.layout.names_by_layer[layer])
+            buffered_before[layer] = len(get_layerwise_info(self._layers[layer]).loaded_weights)
+        loaded = self.model.load_weights(batch)  # type: ignore[operator]
+        for layer, names in arriving.items():
+            info = get_layerwise_info(self._layers[layer])
+            # Processed (its last tensor arrived, vLLM loaded and repacked it), or buffered: every
+            # tensor sent to the layer is one more buffered load of it.
+            reached = not info.can_load() or len(info.loaded_weights) == buffered_before[layer] + len(names)
+            unreported = sorted(
+                n for n in names if isinstance(loaded, set) and self.layout.targets[n].param_name not in loaded
             )
-        missing.discard(name)
+            if not reached or unreported:
+                first = unreported[0] if unreported else sorted(names)[0]
+                target = self.layout.targets[first]
+                raise WeightwireError(
+                    Reason.LOAD_FAILED,
+                    f"{self.worker_id}: vLLM's load_weights did not consume {', '.join(unreported or sorted(names))}: "
+                    f"they should fill {layer} ({target.param_name}"
+                    + (f", shard {target.shard_id!r}" if target.shard_id is not None else "")
+                    + f"), it reported loading {_names(loaded) if isinstance(loaded, set) else 'nothing it could name'}",
+                    tensor=first,
+                )
+            self._open_layers[layer] -= names
 
     def _restore(self, layers: dict[str, set[str]], *, why: str) -> None:
         """Drop what vLLM buffered for these layers, so finalizing puts their old kernel tensors back."""
@@ -296,3 +308,8 @@ class VLLMAdapter:
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _names(names: set[str], limit: int = 10) -> str:
+    items = sorted(names)
+    return ", ".join(items[:limit]) + (f" ... and {len(items) - limit} more" if len(items) > limit else "") if items else "nothing"
