@@ -529,16 +529,3 @@ class CudaIpcCache:
             self._entries.clear()
         self._collect()
         return count
-
-
-_PROCESS_CACHE: CudaIpcCache | None = None
-_PROCESS_CACHE_LOCK = threading.Lock()
-
-
-def process_cache() -> CudaIpcCache:
-    """The one cache of this process (CUDA maps a handle once per process anyway)."""
-    global _PROCESS_CACHE
-    with _PROCESS_CACHE_LOCK:
-        if _PROCESS_CACHE is None:
-            _PROCESS_CACHE = CudaIpcCache()
-        return _PROCESS_CACHE

@@ -18,9 +18,13 @@ import dataclasses
 import functools
 import re
 import uuid as uuid_mod
+from typing import TYPE_CHECKING
 
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
 
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 _PREFIXES = ("gpu-", "mig-")
@@ -144,11 +148,11 @@ def local_cuda_index(device: DeviceRef) -> int | None:
     return local_cuda_devices().get(device.uuid)
 
 
-def device_ref_of(device: object) -> DeviceRef:
+def device_ref_of(device: torch.device | str | int) -> DeviceRef:
     """The physical identity of a torch device: its GPU's UUID on CUDA, the host's boot id otherwise."""
     import torch
 
-    dev = torch.device(device)  # type: ignore[call-overload]
+    dev = torch.device(device)
     if dev.type == "cuda":
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         return DeviceRef.cuda(cuda_device_uuid(index))

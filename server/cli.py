@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 from weightwire.core.manifest import ParallelRank
+from weightwire.core.netutil import read_token_file
 from weightwire.server.streams import DEFAULT_IDLE_TIMEOUT_S
 
 log = logging.getLogger("weightwire.serve")
@@ -106,8 +107,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     token = args.token
     if args.token_file:
-        with open(args.token_file, encoding="utf-8") as f:
-            token = f.read().strip()
+        token = read_token_file(args.token_file)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             print("weightwire serve: --device cuda but no CUDA device is visible", file=sys.stderr)

@@ -7,7 +7,6 @@ TCP only when asked; a non-loopback address needs a token.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import shutil
@@ -19,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from weightwire.core.devices import DeviceRef
+from weightwire.core.netutil import is_loopback
 from weightwire.server.adapter import EngineAdapter
 from weightwire.server.group_import import default_group_host
 from weightwire.server.service import CommitHook, WorkerService
@@ -39,15 +39,6 @@ def split_host_port(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"listen address {address!r} is neither 'unix:/path' nor 'HOST:PORT'")
     return host.strip("[]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _check_unix_path(path: str) -> None:

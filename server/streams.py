@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
+from typing import cast
 
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -83,7 +84,7 @@ class StreamReader:
         if isinstance(item, BaseException):
             self._done = True
             raise item
-        return item  # type: ignore[return-value]
+        return cast(pb.PushWeightsRequest, item)
 
     def close(self) -> None:
         self._closed.set()

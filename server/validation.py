@@ -28,7 +28,7 @@ class CheckedSpec:
     """A TensorSpec that passed ``check_spec``."""
 
     name: str
-    dtype: int
+    dtype: pb.DType
     torch_dtype: torch.dtype
     shape: tuple[int, ...]
     offset_bytes: int
