@@ -189,6 +189,8 @@ def check_spec(spec: pb.TransferGroupSpec) -> None:
     if spec.backend not in (pb.TRANSFER_BACKEND_GLOO, pb.TRANSFER_BACKEND_NCCL):
         raise _bad_spec(f"backend {spec.backend} is unspecified or unknown; use TRANSFER_BACKEND_GLOO or TRANSFER_BACKEND_NCCL")
     try:
+        if len(spec.store_address) > 256:
+            raise ValueError(f"{len(spec.store_address)} characters (at most 256)")
         split_address(spec.store_address)
     except ValueError as e:
         raise _bad_spec(f"store address: {clip(str(e))}") from None

@@ -121,6 +121,7 @@ def _mutate(field: str, value: object) -> pb.TransferGroupSpec:
         ("backend", pb.TRANSFER_BACKEND_UNSPECIFIED, "INVALID_GROUP_SPEC", "backend"),
         ("store_address", "no-port", "INVALID_GROUP_SPEC", "store address"),
         ("store_address", "host:70000", "INVALID_GROUP_SPEC", "store address"),
+        ("store_address", "h" * 300 + ":1", "INVALID_GROUP_SPEC", "at most 256"),
         ("world_size", 6, "INVALID_GROUP_SPEC", "members for world size"),
         ("world_size", 1, "INVALID_GROUP_SPEC", "world size"),
         ("drop_member", None, "INVALID_GROUP_SPEC", "members for world size"),
