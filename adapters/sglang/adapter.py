@@ -118,6 +118,8 @@ class SGLangAdapter:
         self._params = dict(model.named_parameters())
         self._version: int | None = None
         self._session_open = False
+        # Set and read on the engine thread: an update's begin ran there and its end has not.
+        self.update_open = False
         self._manifest = ShardManifest.build(
             self.own_device,
             rank,
@@ -140,7 +142,11 @@ class SGLangAdapter:
         return self._manifest
 
     def begin_update(self, version: int) -> None:
-        self._gated(self._session.begin_weight_update, what=f"begin update {version}")
+        def step() -> None:
+            self._session.begin_weight_update()
+            self.update_open = True
+
+        self._gated(step, what=f"begin update {version}")
         self._version = version
         self._session_open = True
 
@@ -166,12 +172,18 @@ class SGLangAdapter:
             return  # begin was refused: SGLang's session was never opened, so there is nothing to close
 
         def step() -> None:
+            self.update_open = False
             # Always close SGLang's session: it re-packs what begin unpacked.
             self._session.end_weight_update(run_post_load=False)
             if success and version is not None and self._on_committed is not None:
                 self._on_committed(version)
 
         self._on_engine(step, what="end update")
+
+    def may_linger(self) -> bool:
+        """On the engine thread: whether it may wait for this update's next step instead of
+        returning to the event loop (an update is open and no batch could run anyway)."""
+        return self.update_open and (self._gate is None or self._gate() is None)
 
     # --- internals -----------------------------------------------------------------------------
 

@@ -64,6 +64,10 @@ OLDEST_SGLANG = (0, 5, 17)
 NEWEST_SGLANG = (0, 5, 23)
 SUPPORTED_RANGE = "0.5.17 through 0.5.23"
 _WORKER_ATTR = "_weightwire_worker"
+# While an update is open on an idle or paused scheduler, each loop pass waits this long for the
+# update's next step (engine_thread.EngineTaskQueue.drain). Other ranks of the replica wait for
+# this rank's passes, so it stays short.
+LINGER_S = 0.002
 
 
 @dataclasses.dataclass
@@ -83,7 +87,7 @@ class SchedulerWorker:
         run then means one more loop pass, never a lost step), then run the queued steps."""
         if self.wake_receiver is not None:
             self.wake_receiver.drain()
-        return self.queue.drain()
+        return self.queue.drain(linger_s=LINGER_S, linger_while=self.adapter.may_linger)
 
     def stop(self) -> None:
         self.server.stop(grace=1.0)
