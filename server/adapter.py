@@ -36,6 +36,11 @@ class EngineAdapter(Protocol):
         The tensors are read-only views into the sender's buffer, valid only during this call: the
         adapter must copy, and the copy must have finished on the device when it returns (the
         service acks the bucket right after). Names are validated against ``manifest()`` already.
+
+        An adapter may also offer ``prepare_load(named_tensors) -> Callable[[], None]``: ``load``'s
+        checks and slicing now, its copies (finished on the device when it returns) each time the
+        returned function is called. For views a kept CUDA IPC mapping serves again in later
+        updates, the service prepares once and then only calls it (``TorchAdapter`` does this).
         """
         ...
 
