@@ -74,6 +74,8 @@ class Bench:
         self.pusher = WeightPusher(discover(socket_dir, count=1, timeout_s=60), transport="host_shm", timeout_s=600)
         self.version = 0
         self.has_session = hasattr(engine, "begin_weight_update")
+        # Each push as the trainer saw it, and the update's duration as the worker measured it.
+        self.push_split: list[dict[str, float]] = []
 
     def tokens(self) -> list[list[int]]:
         return [o["output_ids"] for o in self.engine.generate(input_ids=PROMPTS, sampling_params=SAMPLING)]
@@ -85,7 +87,9 @@ class Bench:
         self.version += 1
         t0 = time.perf_counter()
         loop.run_until_complete(tm.pause_generation(PauseGenerationReqInput(mode="abort")))
-        self.pusher.push(weights, version=self.version)
+        t1 = time.perf_counter()
+        (result,) = self.pusher.push(weights, version=self.version).values()
+        self.push_split.append({"push_s": time.perf_counter() - t1, "worker_s": result.server_duration_s})
         loop.run_until_complete(tm.continue_generation(ContinueGenerationReqInput()))
         return time.perf_counter() - t0
 
@@ -167,7 +171,7 @@ def run_size(size_gib: float, reps: int, work: Path) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in samples.items()}
     return {
         "size_gib": size_gib, "bytes": total, "layers": spec.num_layers, "tensors": len(a), "engine_start_s": start_s,
-        "median_s": med, "samples_s": samples,
+        "median_s": med, "samples_s": samples, "weightwire_push_split": bench.push_split,
         "ratios": {
             "weightwire_over_memcpy": med["weightwire"] / med["memcpy"],
             "from_tensor_over_weightwire": med["from_tensor"] / med["weightwire"],

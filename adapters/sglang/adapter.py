@@ -181,9 +181,10 @@ class SGLangAdapter:
         self._on_engine(step, what="end update")
 
     def may_linger(self) -> bool:
-        """On the engine thread: whether it may wait for this update's next step instead of
-        returning to the event loop (an update is open and no batch could run anyway)."""
-        return self.update_open and (self._gate is None or self._gate() is None)
+        """On the engine thread: whether it may wait a moment for an update step instead of going
+        straight back to the event loop: only when no batch could run anyway (the gate allows
+        writing: the engine is idle, or paused in a loop that honours the pause)."""
+        return self._gate is None or self._gate() is None
 
     # --- internals -----------------------------------------------------------------------------
 

@@ -62,15 +62,15 @@ class EngineTaskQueue:
                 ) from None
             return fut.result()  # type: ignore[return-value]
 
-    def drain(self, *, linger_s: float = 0.0, linger_while: Callable[[], bool] | None = None) -> int:
+    def drain(self, *, linger: Callable[[], float] | None = None) -> int:
         """Run every queued task on the calling thread; returns how many ran. Never raises: a
         task's exception goes to the thread that submitted it.
 
-        With ``linger_s`` > 0, when the queue is empty and ``linger_while()`` is true, wait up to
-        ``linger_s`` for one more task before returning. The wait blocks on a lock, which releases
+        With ``linger``, when the queue is empty, wait up to ``linger()`` seconds (0: not at all)
+        for one more task before returning. The wait blocks on a lock, which releases
         the GIL: SGLang's idle event loop is pure Python and otherwise holds it nearly all the time,
-        so the worker's gRPC threads in the same process (receiving the next bucket, opening its
-        handle) would get it only at each interpreter switch interval.
+        so the worker's gRPC threads in the same process (accepting a stream, receiving the next
+        bucket, opening its handle) would get it only at each interpreter switch interval.
         """
         ran = 0
         self._drain_thread = threading.get_ident()
@@ -79,10 +79,11 @@ class EngineTaskQueue:
                 try:
                     fn, fut = self._tasks.get_nowait()
                 except queue.Empty:
-                    if linger_s <= 0 or linger_while is None or not linger_while():
+                    wait_s = linger() if linger is not None else 0.0
+                    if wait_s <= 0:
                         return ran
                     try:
-                        fn, fut = self._tasks.get(timeout=linger_s)
+                        fn, fut = self._tasks.get(timeout=wait_s)
                     except queue.Empty:
                         return ran
                 if not fut.set_running_or_notify_cancel():

@@ -64,10 +64,14 @@ OLDEST_SGLANG = (0, 5, 17)
 NEWEST_SGLANG = (0, 5, 23)
 SUPPORTED_RANGE = "0.5.17 through 0.5.23"
 _WORKER_ATTR = "_weightwire_worker"
-# While an update is open on an idle or paused scheduler, each loop pass waits this long for the
-# update's next step (engine_thread.EngineTaskQueue.drain). Other ranks of the replica wait for
-# this rank's passes, so it stays short.
+# An idle or paused scheduler's loop pass waits up to this long for an update step
+# (engine_thread.EngineTaskQueue.drain), so that the worker's gRPC threads get the GIL that SGLang's
+# spinning idle loop would otherwise hold. A request arriving at an idle engine waits at most this
+# much longer; other ranks of the replica wait on this rank's passes, so it stays short.
 LINGER_S = 0.002
+# The same wait while an update is open in a replica of one rank (no other rank waits on its
+# passes): the scheduler thread then stays in the hook from one step to the next.
+SOLO_UPDATE_LINGER_S = 0.05
 
 
 @dataclasses.dataclass
@@ -87,7 +91,16 @@ class SchedulerWorker:
         run then means one more loop pass, never a lost step), then run the queued steps."""
         if self.wake_receiver is not None:
             self.wake_receiver.drain()
-        return self.queue.drain(linger_s=LINGER_S, linger_while=self.adapter.may_linger)
+        return self.queue.drain(linger=self.linger_s)
+
+    def linger_s(self) -> float:
+        """How long the scheduler thread may wait for a step now (see LINGER_S)."""
+        if not self.adapter.may_linger():
+            return 0.0
+        rank = self.adapter.rank
+        if self.adapter.update_open and rank.tp_size * rank.pp_size == 1:
+            return SOLO_UPDATE_LINGER_S
+        return LINGER_S
 
     def stop(self) -> None:
         self.server.stop(grace=1.0)
