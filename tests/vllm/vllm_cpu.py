@@ -20,7 +20,6 @@ import dataclasses
 import gc
 import json
 import os
-import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -156,7 +155,6 @@ class CpuEngine:
         self.socket_dir = socket_dir
         self._env = contextlib.ExitStack()
         self._env.enter_context(_environment(engine_env(tp, pp, socket_dir)))
-        sys.path.insert(0, str(HERE))
         t0 = time.perf_counter()
         try:
             self.llm = LLM(
