@@ -8,6 +8,7 @@ updates must leave tokens, weights version and state exactly as they were.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -139,6 +140,30 @@ def test_mislabelled_wrong_shape_unknown_and_concurrent_pushes_change_nothing(
         with updates_held_open(pusher, version), pytest.raises(PushError) as concurrent:
             pusher.push(lm_head, version=version, scope="partial")
         assert refused(concurrent.value, {"UPDATE_IN_PROGRESS"})
+    check_engine(engine, pusher, expected)
+
+
+def test_finish_weight_update_waits_for_a_push_still_running(
+    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+) -> None:
+    check_engine(engine, pusher, expected)
+    states_when_finished: list[set[int]] = []
+
+    def finish() -> None:
+        engine.llm.finish_weight_update()
+        states_when_finished.append({s.state for s in pusher.status().values()})
+
+    engine.llm.start_weight_update()
+    with updates_held_open(pusher, expected.version + 1):
+        finisher = threading.Thread(target=finish)
+        finisher.start()
+        finisher.join(timeout=1.0)
+        assert finisher.is_alive()  # the worker holds finish_weight_update while its update runs
+    finisher.join(timeout=120)
+    assert states_when_finished == [{pb.WORKER_STATE_CONSISTENT}]  # it returned after the update ended
+    with pytest.raises(PushError) as closed:
+        pusher.push({"lm_head.weight": checkpoints[THIRD]["lm_head.weight"]}, version=expected.version + 1, scope="partial")
+    assert refused(closed.value, {"ENGINE_NOT_PAUSED"})
     check_engine(engine, pusher, expected)
 
 
