@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -45,6 +46,9 @@ _BACKENDS = {"gloo": pb.TRANSFER_BACKEND_GLOO, "nccl": pb.TRANSFER_BACKEND_NCCL}
 # with its reason at the group's timeout; the RPC deadline only guards a hung worker).
 _JOIN_GRACE_S = 5.0
 _LEAVE_TIMEOUT_S = 5.0
+# How long closing the pusher waits for its process groups to be destroyed (they end at once unless
+# an operation is still running; a process exiting meanwhile would cut a destructor off halfway).
+_CLOSE_WAIT_S = 10.0
 # Key of the trainer's own part in a PushError about forming (workers are keyed by address).
 TRAINER_KEY = "trainer"
 
@@ -135,19 +139,6 @@ class GroupExporter(exp.Exporter):
 # --------------------------------------------------------------------------------------------
 
 
-def merged_ranges(specs: Sequence[TensorSpec], base_offset_bytes: int = 0) -> list[tuple[int, int]]:
-    """The bucket's bytes that hold these tensors, as ascending (offset, size) runs: adjacent
-    tensors merge, gaps between them (alignment, tensors of others) are not sent."""
-    spans = sorted((s.offset_bytes + base_offset_bytes, s.nbytes) for s in specs if s.nbytes > 0)
-    out: list[list[int]] = []
-    for offset, size in spans:
-        if out and offset <= out[-1][0] + out[-1][1]:
-            out[-1][1] = max(out[-1][1], offset + size - out[-1][0])
-        else:
-            out.append([offset, size])
-    return [(o, n) for o, n in out]
-
-
 def _byte_ranges(ranges: Sequence[tuple[int, int]]) -> list[pb.ByteRange]:
     return [pb.ByteRange(offset_bytes=o, size_bytes=n) for o, n in ranges]
 
@@ -166,29 +157,36 @@ class _Sends:
     def __init__(self, on_failure: Callable[[WeightwireError], None]) -> None:
         self._queue: queue.SimpleQueue[tuple[TransferGroup, list[Any], str, Callable[[], None]] | None] = queue.SimpleQueue()
         self._on_failure = on_failure
-        threading.Thread(target=self._run, name="ww-group-sends", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="ww-group-sends", daemon=True)
+        self._thread.start()
 
     def add(self, group: TransferGroup, works: list[Any], what: str, on_done: Callable[[], None]) -> None:
         self._queue.put((group, works, what, on_done))
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float) -> None:
+        """End the thread and wait for it: a thread that still drops a torch.distributed Work while
+        the interpreter exits aborts the process (the Work's destructor releases the GIL)."""
         self._queue.put(None)
+        self._thread.join(wait_s)
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            group, works, what, on_done = item
-            if group.closed:
-                continue
-            try:
-                for work in works:
-                    group.wait(work, what)
-            except WeightwireError as err:
-                self._on_failure(err)
-                continue
-            on_done()
+            self._wait(*item)
+            del item  # no Work outlives its wait here (see ``stop``)
+
+    def _wait(self, group: TransferGroup, works: list[Any], what: str, on_done: Callable[[], None]) -> None:
+        if group.closed:
+            return
+        try:
+            for work in works:
+                group.wait(work, what)
+        except WeightwireError as err:
+            self._on_failure(err)
+            return
+        on_done()
 
 
 @dataclasses.dataclass
@@ -215,6 +213,7 @@ class GroupLink:
         self.identity = MemberIdentity.of_trainer(options.trainer_rank, uuid.uuid4().hex)
         self._store: StoreServer | None = None
         self._formed: _Formed | None = None
+        self._closing: list[TransferGroup] = []
         self._lock = threading.Lock()
         self._sequence = 0
         self._failure: WeightwireError | None = None
@@ -332,7 +331,7 @@ class GroupLink:
         self._failure = self._failure or err
         log.warning("transfer group %s: %s", self.group_id, err.message)
 
-    def teardown(self, why: str, *, leave: bool = True) -> None:
+    def teardown(self, why: str, *, leave: bool = True, wait_s: float = 0.0) -> None:
         """Destroy this side of the group (pending receives on the workers fail at once); with
         ``leave``, also tell every worker to leave it (best effort)."""
         with self._lock:
@@ -340,7 +339,9 @@ class GroupLink:
         if formed is None:
             return
         log.info("tearing down transfer group %s: %s", formed.plan.group_id, why)
-        formed.group.close()
+        with self._lock:
+            self._closing = [g for g in self._closing if not g.destroyed] + [formed.group]
+        formed.group.close(wait_s)
         if leave:
             self._leave_all(formed.plan.group_id)
 
@@ -358,75 +359,143 @@ class GroupLink:
 
     def close(self) -> None:
         self.teardown("the pusher closed")
-        self._sends.stop()
+        # Every group torn down so far gets its destructors finished (a process that exits during
+        # one aborts), within one bound in all.
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        with self._lock:
+            closing, self._closing = self._closing, []
+        for group in closing:
+            group.close(max(0.0, deadline - time.monotonic()))
+        self._sends.stop(max(0.0, deadline - time.monotonic()))
         if self._store is not None:
             self._store.close()
             self._store = None
 
     # ---------------------------------------------------------------- routing
 
-    def route(self, jobs: Sequence[Job], manifests: Mapping[str, ShardManifest]) -> list[Job]:
+    def route(
+        self,
+        jobs: Sequence[Job],
+        manifests: Mapping[str, ShardManifest],
+        sources: Mapping[str, torch.Tensor] | None = None,
+        *,
+        verify_checksums: bool = False,
+    ) -> list[Job]:
         """The same jobs, whose prepared buckets carry per-worker transfer-group payloads and post
-        their sends once the bucket messages are queued."""
+        their sends once the bucket messages are queued.
+
+        With ``sources`` (the tensors ``push`` was given, by name), a bucket whose tensors are all
+        contiguous, on this group's device and of the dtype sent is sent straight from them: each
+        tensor of at least ``DIRECT_MIN_BYTES`` as its own message, runs of smaller adjacent ones
+        packed into a small buffer; nothing is copied into a staging buffer.
+        """
         formed = self._formed
         if formed is None:
             raise WeightwireError(Reason.GROUP_NOT_JOINED, "the transfer group is not formed")
-        return [dataclasses.replace(job, prepare=self._routed_prepare(job, formed, manifests)) for job in jobs]
+        return [
+            dataclasses.replace(job, prepare=self._routed_prepare(job, formed, manifests, sources, verify_checksums))
+            for job in jobs
+        ]
 
     def _routed_prepare(
-        self, job: Job, formed: _Formed, manifests: Mapping[str, ShardManifest]
+        self,
+        job: Job,
+        formed: _Formed,
+        manifests: Mapping[str, ShardManifest],
+        sources: Mapping[str, torch.Tensor] | None,
+        verify_checksums: bool,
     ) -> Callable[[Callable[[], bool], float], PreparedBucket]:
         inner = job.prepare
         workers = set(job.recipients)
         subgroup = next(
             (sid for sid, members in formed.plan.subgroup_workers.items() if set(members) == workers), None
         )
+        direct = None if verify_checksums or sources is None else self._direct_sources(job, sources)
 
         def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
+            if direct is not None:
+                flats = dict(zip((sp.name for sp in job.specs), direct, strict=True))
+                return self._bucket(
+                    job, lambda specs: _direct_segments(specs, [flats[sp.name] for sp in specs]), formed, manifests,
+                    subgroup, 0, None, lambda ok: None,
+                )
             prepared = inner(stopped, deadline)
             try:
-                return self._routed(job, prepared, formed, manifests, subgroup)
+                staged = prepared.staged
+                if staged is None:
+                    raise WeightwireError(Reason.TRANSPORT_UNAVAILABLE, "a transfer-group bucket needs its staged buffer")
+                base = prepared.base_offset_bytes
+                data = staged.tensor()
+                return self._bucket(
+                    job, lambda specs: _packed_segments(specs, data, base), formed, manifests, subgroup, base,
+                    prepared.checksum, prepared.release,
+                )
             except BaseException:
                 prepared.release(False)
                 raise
 
         return prepare
 
-    def _routed(
-        self, job: Job, prepared: PreparedBucket, formed: _Formed, manifests: Mapping[str, ShardManifest], subgroup: int | None
+    def _direct_sources(self, job: Job, sources: Mapping[str, torch.Tensor]) -> list[torch.Tensor] | None:
+        """Each spec's tensor as flat bytes, or None when any cannot be sent as it is."""
+        device = self.device.type
+        out = []
+        for spec in job.specs:
+            t = sources.get(spec.name)
+            if (
+                t is None
+                or t.device.type != device
+                or t.dtype != spec.dtype
+                or tuple(t.shape) != tuple(spec.shape)
+                or not t.is_contiguous()
+            ):
+                return None
+            out.append(t.detach().reshape(-1).view(torch.uint8))
+        return out
+
+    def _bucket(
+        self,
+        job: Job,
+        segments_of: Callable[[Sequence[TensorSpec]], list[_Segment]],
+        formed: _Formed,
+        manifests: Mapping[str, ShardManifest],
+        subgroup: int | None,
+        base: int,
+        checksum: pb.Checksum | None,
+        release: Callable[[bool], None],
     ) -> PreparedBucket:
-        staged = prepared.staged
-        if staged is None:
-            raise WeightwireError(Reason.TRANSPORT_UNAVAILABLE, "a transfer-group bucket needs its staged buffer")
-        data = staged.tensor()
-        base = prepared.base_offset_bytes
         size = base + job.size_bytes
         self._sequence += 1
         seq = self._sequence
         group, plan = formed.group, formed.plan
         gid = plan.group_id
-        sends: list[tuple[str, list[tuple[int, int]]]] = []
+        sends: list[tuple[str, list[_Segment]]] = []
         payloads: dict[str, pb.Payload] = {}
+        segments: list[_Segment] = []
         if subgroup is not None:
-            ranges = merged_ranges(job.specs, base)
+            segments = segments_of(job.specs)
             handle = pb.TransferGroupHandle(
                 group_id=gid, mode=pb.TRANSFER_MODE_BROADCAST, source_rank=group.rank, subgroup_id=subgroup,
-                sequence=seq, ranges=_byte_ranges(ranges),
+                sequence=seq, ranges=_byte_ranges([(g.offset, g.size) for g in segments]),
             )
             for a in job.recipients:
                 payloads[a] = pb.Payload(device=manifests[a].device.to_proto(), size_bytes=size, transfer_group=handle)
         else:
+            # Only the tensors a worker owns travel to it (shard-aware, no padding); workers that
+            # own the same tensors share one list of messages.
+            by_owned: dict[tuple[str, ...], list[_Segment]] = {}
             for a in job.recipients:
                 owned = manifests[a].tensors
-                # Only the tensors this worker owns travel to it (shard-aware, no padding).
-                ranges = merged_ranges([s for s in job.specs if s.name in owned], base)
+                names = tuple(sp.name for sp in job.specs if sp.name in owned)
+                if names not in by_owned:
+                    by_owned[names] = segments_of([sp for sp in job.specs if sp.name in owned])
+                mine = by_owned[names]
                 handle = pb.TransferGroupHandle(
                     group_id=gid, mode=pb.TRANSFER_MODE_POINT_TO_POINT, source_rank=group.rank, sequence=seq,
-                    ranges=_byte_ranges(ranges),
+                    ranges=_byte_ranges([(g.offset, g.size) for g in mine]),
                 )
                 payloads[a] = pb.Payload(device=manifests[a].device.to_proto(), size_bytes=size, transfer_group=handle)
-                sends.append((a, ranges))
-        release = prepared.release
+                sends.append((a, mine))
         released = threading.Lock()
 
         def release_once(ok: bool) -> None:
@@ -442,14 +511,12 @@ class GroupLink:
             try:
                 if subgroup is not None:
                     what = f"broadcast of bucket {seq}"
-                    for offset, n in merged_ranges(job.specs, base):
-                        works.append(group.broadcast(data[offset : offset + n], subgroup))
+                    works = [group.broadcast(g.source, subgroup) for g in segments]
                 else:
                     what = f"sending bucket {seq}"
-                    for a, ranges in sends:
+                    for a, mine in sends:
                         dst = plan.ranks[a]
-                        for i, (offset, n) in enumerate(ranges):
-                            works.append(group.send(data[offset : offset + n], dst, message_tag(seq, i)))
+                        works += [group.send(g.source, dst, message_tag(seq, i)) for i, g in enumerate(mine)]
             except WeightwireError as err:
                 self._send_failed(err)
                 return
@@ -464,6 +531,67 @@ class GroupLink:
                 self.teardown("an update failed")
             release_once(ok)
 
-        return dataclasses.replace(
-            prepared, fixed=[], per_worker=None, per_recipient=payloads.__getitem__, on_sent=on_sent, release=release_routed
+        return PreparedBucket(
+            [], None, checksum, release_routed, base_offset_bytes=base, per_recipient=payloads.__getitem__, on_sent=on_sent
         )
+
+
+# A tensor at least this large is sent straight from its own memory; smaller adjacent ones are
+# packed into one message (a message costs more than copying a few hundred KiB).
+DIRECT_MIN_BYTES = 256 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+    """One message of a bucket: bytes [offset, offset + size) of the layout, the tensors they hold,
+    and where the sender reads them (exactly ``size`` bytes)."""
+
+    offset: int
+    size: int
+    names: tuple[str, ...]
+    source: torch.Tensor
+
+
+def _packed_segments(specs: Sequence[TensorSpec], data: torch.Tensor, base: int) -> list[_Segment]:
+    """Messages over a packed bucket: runs of exactly adjacent tensors (gaps are never sent)."""
+    out: list[_Segment] = []
+    for spec in sorted((s for s in specs if s.nbytes > 0), key=lambda s: s.offset_bytes):
+        offset = base + spec.offset_bytes
+        last = out[-1] if out else None
+        if last is not None and last.offset + last.size == offset:
+            size = last.size + spec.nbytes
+            out[-1] = _Segment(last.offset, size, (*last.names, spec.name), data[last.offset : last.offset + size])
+        else:
+            out.append(_Segment(offset, spec.nbytes, (spec.name,), data[offset : offset + spec.nbytes]))
+    return out
+
+
+def _direct_segments(specs: Sequence[TensorSpec], flats: Sequence[torch.Tensor]) -> list[_Segment]:
+    """Messages straight from the tensors: each large one alone, runs of exactly adjacent small ones
+    copied into one small buffer (a few per bucket; freed when their send completes)."""
+    order = sorted((i for i, s in enumerate(specs) if s.nbytes > 0), key=lambda i: specs[i].offset_bytes)
+    out: list[_Segment] = []
+    run: list[int] = []
+
+    def close_run() -> None:
+        if not run:
+            return
+        first, last = specs[run[0]], specs[run[-1]]
+        start, end = first.offset_bytes, last.offset_bytes + last.nbytes
+        buf = torch.empty(end - start, dtype=torch.uint8, device=flats[run[0]].device)
+        for i in run:
+            buf[specs[i].offset_bytes - start : specs[i].offset_bytes - start + specs[i].nbytes].copy_(flats[i])
+        out.append(_Segment(start, end - start, tuple(specs[i].name for i in run), buf))
+        run.clear()
+
+    for i in order:
+        spec = specs[i]
+        if spec.nbytes >= DIRECT_MIN_BYTES:
+            close_run()
+            out.append(_Segment(spec.offset_bytes, spec.nbytes, (spec.name,), flats[i]))
+            continue
+        if run and specs[run[-1]].offset_bytes + specs[run[-1]].nbytes != spec.offset_bytes:
+            close_run()
+        run.append(i)
+    close_run()
+    return out

@@ -75,6 +75,8 @@ class _Setup:
     rechecked: bool = False
     # The transfer group the update's bytes travel over (transport "transfer_group").
     group: GroupLink | None = None
+    # push()'s tensors by name: a transfer group sends them without packing where it can.
+    sources: Mapping[str, torch.Tensor] | None = None
 
 
 def _updating(statuses: Mapping[str, pb.GetStatusResponse] | None) -> set[str]:
@@ -286,6 +288,8 @@ class WeightPusher:
             )
         source = source_device(items)
         setup, exporter = self._setup_exporting(source, options)
+        if setup.group is not None:
+            setup.sources = dict(items)
         jobs = job_builders.tensor_jobs(items, setup.manifests, exporter, self._staging, options, self.align_bytes)
         return self._run(setup, jobs, options)
 
@@ -383,7 +387,8 @@ class WeightPusher:
                 statuses = self._recheck(setup.manifests, setup.recheck)
             if setup.group is not None:
                 setup.group.ensure(setup.manifests, statuses, max((j.size_bytes for j in jobs.jobs), default=0))
-                jobs = job_builders.Jobs(setup.group.route(jobs.jobs, setup.manifests), jobs.pools)
+                routed = setup.group.route(jobs.jobs, setup.manifests, setup.sources, verify_checksums=options.verify_checksums)
+                jobs = job_builders.Jobs(routed, jobs.pools)
             connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)
             session = UpdateSession(
                 jobs.jobs, setup.manifests, options, connections, self._fingerprints, self._templates, jobs.pools,

@@ -364,6 +364,7 @@ class TransferGroup:
         self._store = store
         self._lock = threading.Lock()
         self.closed = False
+        self._closer: threading.Thread | None = None
 
     @property
     def group_id(self) -> str:
@@ -505,20 +506,34 @@ class TransferGroup:
         except Exception as e:
             raise transfer_error(e, what, group_id=self.group_id) from None
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> None:
         """Destroy this side of the group: its sockets close, so operations of peers on it fail at
-        once. Idempotent and never blocking: a process group's destructor waits for the operations
-        still running on its threads (until they fail or reach the timeout), so it runs on a
-        thread of its own."""
+        once. Idempotent. A process group's destructor waits for the operations still running on
+        its threads (until they fail or reach the timeout), so it runs on a thread of its own; this
+        waits for it up to ``wait_s`` (a process about to exit should, so that the destructor is
+        not cut off halfway)."""
         with self._lock:
             if self.closed:
-                return
-            self.closed = True
-            doomed = [self._pg, *(p for p, _ in self._subgroups.values())]
-            self._pg = None
-            self._subgroups = {}
-            self._store = None
-        threading.Thread(target=_destroy, args=(doomed, self.spec.backend), name="ww-group-close", daemon=True).start()
+                closer = self._closer
+            else:
+                self.closed = True
+                doomed = [self._pg, *(p for p, _ in self._subgroups.values())]
+                self._pg = None
+                self._subgroups = {}
+                self._store = None
+                closer = self._closer = threading.Thread(
+                    target=_destroy, args=(doomed, self.spec.backend), name="ww-group-close", daemon=True
+                )
+                closer.start()
+                del doomed
+        if closer is not None and wait_s > 0:
+            closer.join(wait_s)
+
+    @property
+    def destroyed(self) -> bool:
+        """Closed, and its process groups' destructors have finished."""
+        closer = self._closer
+        return self.closed and closer is not None and not closer.is_alive()
 
 
 def _destroy(doomed: list[Any], backend: int) -> None:

@@ -243,7 +243,7 @@ class _Member:
             group_id=self.group.group_id,
         )
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> None:
         with self.cond:
             if self.closed:
                 return
@@ -253,7 +253,7 @@ class _Member:
                     recv.error = self.gone()
             self.staging.clear()
             self.cond.notify_all()
-        self.group.close()
+        self.group.close(wait_s)
 
     # --- the receive thread --------------------------------------------------------------------
 
@@ -389,6 +389,7 @@ class GroupImporter(PayloadImporter):
         self._member: _Member | None = None
         self._forming: pb.TransferGroupSpec | None = None
         self._last_teardown = ""
+        self._closing: list[TransferGroup] = []
 
     def configure(self, *, listen_host: str | None = None, max_staging_bytes: int | None = None) -> None:
         """Where this worker's group sockets listen (an address of this machine the trainer can
@@ -441,13 +442,15 @@ class GroupImporter(PayloadImporter):
         self._teardown("left on request")
         return True
 
-    def _teardown(self, why: str) -> None:
+    def _teardown(self, why: str, wait_s: float = 0.0) -> None:
         with self._lock:
             member, self._member = self._member, None
             if member is not None:
                 self._last_teardown = f"{member.group.group_id}: {why}"
+                # Groups whose destructors may still run (see ``shutdown``); finished ones are dropped.
+                self._closing = [g for g in self._closing if not g.destroyed] + [member.group]
         if member is not None:
-            member.close()
+            member.close(wait_s)
             log.info("left transfer group %s: %s", member.group.group_id, why)
 
     # --- PayloadImporter -----------------------------------------------------------------------
@@ -490,8 +493,18 @@ class GroupImporter(PayloadImporter):
         return 0
 
     def release(self) -> None:
-        """An update failed (or the worker stops): the group's streams may be out of step, so leave it."""
-        self._teardown("an update failed or the worker stopped")
+        """An update failed: the group's streams may be out of step, so leave it."""
+        self._teardown("an update failed")
+
+    def shutdown(self, wait_s: float = 10.0) -> None:
+        """The worker stops: leave the group, and give every process group torn down so far up to
+        ``wait_s`` to be destroyed (a process that exits during a destructor aborts)."""
+        self._teardown("the worker stopped")
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            closing, self._closing = self._closing, []
+        for group in closing:
+            group.close(max(0.0, deadline - time.monotonic()))
 
     # --- status --------------------------------------------------------------------------------
 

@@ -212,6 +212,10 @@ class WorkerService:
             active.fail(WeightwireError(Reason.CANCELLED, "the worker is shutting down"))
         for imp in self.importers.values():
             imp.release()
+        group = self.transfer_group
+        if group is not None:
+            # Its process groups are destroyed on a thread; let that finish before the process exits.
+            group.shutdown()
 
     # --- updates -------------------------------------------------------------------------------
 
