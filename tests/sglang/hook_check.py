@@ -103,16 +103,19 @@ def main() -> None:
         out["bad_settings"] = str(e)
     del os.environ["WEIGHTWIRE_SGLANG_BASE_PORT"]
 
-    # Ranks as a DP replica's scheduler sees them in SGLang's runtime context.
-    from sglang.srt.runtime_context import SpawnRanks, publish
+    # Ranks as a DP replica's scheduler sees them in SGLang's runtime context. Only 0.5.23 has
+    # publish()/SpawnRanks to set that context up outside a launched engine.
+    import sglang.srt.runtime_context as runtime_context
     from sglang.srt.server_args import ServerArgs
     from weightwire.adapters.sglang import worker_id
 
-    publish(ServerArgs(model_path="dummy", tp_size=2, dp_size=2, device="cpu"), role="scheduler",
-            ranks=SpawnRanks(world_rank=1, dp_rank=1))
-    rank = plugin.parallel_rank()
-    out["dp_replica_rank"] = [rank.tp_rank, rank.tp_size, rank.pp_rank, rank.pp_size, rank.dp_rank, rank.dp_size]
-    out["dp_replica_worker_id"] = worker_id(rank)
+    out["dp_replica_rank"] = out["dp_replica_worker_id"] = None
+    if hasattr(runtime_context, "SpawnRanks"):
+        runtime_context.publish(ServerArgs(model_path="dummy", tp_size=2, dp_size=2, device="cpu"), role="scheduler",
+                                ranks=runtime_context.SpawnRanks(world_rank=1, dp_rank=1))
+        rank = plugin.parallel_rank()
+        out["dp_replica_rank"] = [rank.tp_rank, rank.tp_size, rank.pp_rank, rank.pp_size, rank.dp_rank, rank.dp_size]
+        out["dp_replica_worker_id"] = worker_id(rank)
 
     print(json.dumps(out), flush=True)
 

@@ -52,5 +52,6 @@ def test_sglang_load_plugins_hooks_the_scheduler(sglang_env: SGLangEnv) -> None:
     assert "is not in place" in out["init_without_loop_hook"]
     assert "did not run" in out["loop_without_worker"]
     assert "not a port number" in out["bad_settings"]
-    assert out["dp_replica_rank"] == [1, 2, 0, 1, 1, 2]
-    assert out["dp_replica_worker_id"] == "tp1-pp0-dp1"
+    if sglang_env.version == "0.5.23":  # 0.5.17 cannot set up a DP replica's context outside an engine
+        assert out["dp_replica_rank"] == [1, 2, 0, 1, 1, 2]
+        assert out["dp_replica_worker_id"] == "tp1-pp0-dp1"
