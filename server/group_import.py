@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import socket
 import threading
 import time
 import zlib
@@ -395,6 +396,10 @@ class GroupImporter(PayloadImporter):
         """Where this worker's group sockets listen (an address of this machine the trainer can
         reach), and the largest bucket it stages."""
         if listen_host:
+            try:
+                socket.getaddrinfo(listen_host, None)
+            except OSError as e:
+                raise ValueError(f"transfer-group host {listen_host!r} does not resolve here: {e}") from None
             self.listen_host = listen_host
         if max_staging_bytes is not None:
             if max_staging_bytes <= 0:

@@ -112,6 +112,25 @@ def test_group_is_formed_once_and_reused_with_bounded_staging(fleet: Fleet) -> N
     assert staged[0] == staged[-1]  # nothing grows across updates
 
 
+def test_leaving_on_request_tears_the_group_down_everywhere(fleet: Fleet) -> None:
+    members = fleet.replica(0)
+    with pusher_for(fleet, members) as pusher:
+        version = fleet.next_version(members)
+        pusher.push(full_checkpoint(CONFIG, version), version=version)
+        first = pusher.transfer_group_id
+        pusher.leave_transfer_group()
+        assert pusher.transfer_group_id is None
+        for m in members:
+            st = m.status().transfer_group
+            assert st.state == pb.TRANSFER_GROUP_STATE_NONE and st.last_teardown == f"{first}: left on request"
+        # The next push forms a new group by itself.
+        full = full_checkpoint(CONFIG, version + 1)
+        pusher.push(full, version=version + 1)
+        assert pusher.transfer_group_id not in (None, first)
+    for m in members:
+        fleet.assert_holds(m, version + 1, full)
+
+
 def test_small_buckets_use_both_staging_buffers_and_no_more(fleet: Fleet) -> None:
     members = fleet.replica(1)
     version = fleet.next_version(members)

@@ -246,3 +246,17 @@ def test_nccl_needs_a_gpu(agents: list[Agent], store: StoreServer) -> None:
     agents[0].form(spec)
     answer = agents[0].answer()
     assert answer["reason"] == "TRANSPORT_UNAVAILABLE" and "NCCL" in answer["message"]
+
+
+def test_a_member_whose_address_does_not_answer_gives_a_reason(agents: list[Agent], store: StoreServer) -> None:
+    """A worker told to listen on an address that is not this machine's (192.0.2.1, TEST-NET-1)
+    cannot open its group sockets: it refuses, and so does everyone waiting for it."""
+    me = trainer()
+    spec = spec_of(new_id(), store.address, [me, agents[0].identity, agents[1].identity], timeout_ms=5000)
+    fut = form_trainer(spec, me, store)
+    agents[0].form(spec, listen_host="192.0.2.1")
+    agents[1].form(spec)
+    bad, good = agents[0].answer(), agents[1].answer()
+    assert bad["ok"] is False and bad["reason"] in ("TRANSFER_FAILED", "GROUP_TIMEOUT"), bad
+    assert good["ok"] is False and good["reason"] in ("TRANSFER_FAILED", "GROUP_TIMEOUT"), good
+    assert refusal(fut).reason in ("TRANSFER_FAILED", "GROUP_TIMEOUT")
