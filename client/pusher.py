@@ -95,6 +95,9 @@ class WeightPusher:
     update, to refuse a plan made against a worker that has since restarted; the worker checks the
     header's fingerprint too. ``metrics`` (a ``weightwire.client.trainer_metrics.TrainerMetrics``)
     records every push's durations (plan, transfer, commit; per worker) for Prometheus.
+    ``transfer_group`` (``weightwire.client.group_send.TransferGroupOptions``) moves the bytes over a
+    torch.distributed group between machines instead (docs/distributed.md); it is then the
+    transport ``"auto"`` picks.
     """
 
     def __init__(
