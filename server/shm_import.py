@@ -9,13 +9,15 @@ bug, or on purpose), and touching a mapped page past the new end raises SIGBUS, 
 worker; a private mapping faults the same way. ``pread`` of a file that shrank returns fewer bytes
 instead, so a shrinking segment costs the update (``INVALID_SIZE``) and never the worker. The owned
 byte ranges are read into one staging buffer per importer, at most ``COPY_CHUNK_BYTES`` at a time
-(``weightwire.server.views.copy_plan``); the engine then copies from there.
+or one larger tensor (``weightwire.server.views.copy_plan``); the engine then copies from there.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import stat
+import threading
 import zlib
 from collections.abc import Hashable
 
@@ -29,24 +31,24 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["COPY_CHUNK_BYTES", "HostShmImporter"]
 
-# Staging for one read batch; a single tensor larger than this is read alone into a buffer of its
-# own, which is dropped after use (the kept one stays this size).
+# Staging for one read batch: batches hold at most this many bytes, or one tensor larger than that.
 COPY_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 class _Staging:
     """The importer's staging buffer: allocated once, reused for every batch (one update runs at a
-    time, its buckets one after another, and the engine is done with a batch when load returns)."""
+    time, its buckets one after another, and the engine is done with a batch when load returns).
+    It grows to the largest batch read (``COPY_CHUNK_BYTES``, or the largest single tensor) and is
+    kept: a fresh buffer per batch would take a page fault on every page of it, every update."""
 
-    def __init__(self, keep_bytes: int) -> None:
-        self._keep_bytes = keep_bytes
+    def __init__(self, min_bytes: int) -> None:
+        self._min_bytes = min_bytes
         self._kept: torch.Tensor | None = None
 
     def get(self, nbytes: int) -> torch.Tensor:
-        if nbytes > self._keep_bytes:
-            return torch.empty(nbytes, dtype=torch.uint8)
-        if self._kept is None:
-            self._kept = torch.empty(self._keep_bytes, dtype=torch.uint8)
+        if self._kept is None or self._kept.numel() < nbytes:
+            self._kept = None  # let the smaller one go before the larger one is made
+            self._kept = torch.empty(max(nbytes, self._min_bytes), dtype=torch.uint8)
         return self._kept[:nbytes]
 
     def release(self) -> None:
@@ -62,6 +64,45 @@ def _pread_exact(fd: int, dst: memoryview, offset: int) -> int:
             break
         done += n
     return done
+
+
+# Batches at least this large are read by two threads at once.
+_SPLIT_READ_BYTES = 8 * 1024 * 1024
+_PAGE = 4096
+_READER_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_READER_POOL_LOCK = threading.Lock()
+_Piece = tuple[torch.Tensor, int]
+
+
+def _reader_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """One helper thread per process (a worker reads one batch at a time)."""
+    global _READER_POOL
+    with _READER_POOL_LOCK:
+        if _READER_POOL is None:
+            _READER_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ww-shm-read")
+        return _READER_POOL
+
+
+def _halves(pieces: list[_Piece], total: int) -> tuple[list[_Piece], list[_Piece]]:
+    """The (destination, offset) pieces split into two runs of about ``total / 2`` bytes, cutting
+    the piece the middle falls in at a page boundary."""
+    half = total // 2
+    first: list[_Piece] = []
+    second: list[_Piece] = []
+    used = 0
+    for dst, offset in pieces:
+        n = dst.numel()
+        if used >= half:
+            second.append((dst, offset))
+        elif used + n <= half:
+            first.append((dst, offset))
+        else:
+            cut = (half - used) // _PAGE * _PAGE
+            if cut:
+                first.append((dst[:cut], offset))
+            second.append((dst[cut:], offset + cut))
+        used += n
+    return first, second
 
 
 class _HostShmFile:
@@ -94,9 +135,23 @@ class _HostShmFile:
 
     def fetch(self, batch: ReadBatch) -> torch.Tensor:
         base = self._staging.get(batch.size_bytes)
-        for seg in batch.segments:
-            self._read(base[seg.staging_at : seg.staging_at + seg.end - seg.start], seg.start)
+        pieces = [(base[seg.staging_at : seg.staging_at + seg.end - seg.start], seg.start) for seg in batch.segments]
+        if batch.size_bytes < _SPLIT_READ_BYTES:
+            self._read_all(pieces)
+            return base
+        # A large batch is read in two halves at once (pread releases the interpreter lock, and
+        # one thread alone copies well below memory speed): a helper thread takes the second half.
+        first, second = _halves(pieces, batch.size_bytes)
+        helper = _reader_pool().submit(self._read_all, second)
+        try:
+            self._read_all(first)
+        finally:
+            helper.result()
         return base
+
+    def _read_all(self, pieces: list[tuple[torch.Tensor, int]]) -> None:
+        for dst, offset in pieces:
+            self._read(dst, offset)
 
     def crc32(self, size_bytes: int) -> int:
         crc = 0
