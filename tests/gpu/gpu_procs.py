@@ -61,6 +61,17 @@ def nvml_used_bytes(index: int) -> int:
         pynvml.nvmlShutdown()
 
 
+def nvml_used_by_process(index: int) -> list[tuple[int, int]]:
+    """(pid, bytes) of every compute process on GPU ``index``, as NVML counts them."""
+    pynvml = pytest.importorskip("pynvml")
+    pynvml.nvmlInit()
+    try:
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(index))
+        return sorted((int(p.pid), int(p.usedGpuMemory or 0)) for p in procs)
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def gpu_env(visible: str) -> dict[str, str]:
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = visible

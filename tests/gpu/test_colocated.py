@@ -16,6 +16,7 @@ from gpu_procs import (
     gpu_env,
     gpu_uuid,
     needs_gpus,
+    nvml_used_by_process,
     nvml_used_bytes,
     nvml_uuid,
     trainer,
@@ -126,13 +127,19 @@ def test_no_leak_over_20_updates(tmp_path: Path) -> None:
         ok(tr.call("push", 2, {}))
         base_mappings = tr.call("status")[a]["open_mappings"]
         base_used = nvml_used_bytes(0)
+        print(f"GPU 0 per process at the baseline (pid, B): {nvml_used_by_process(0)}")
         assert base_mappings == first["handles_opened"]
+        readings = []
         for version in range(3, 23):
             r = ok(tr.call("push", version, {}))[a]
             assert r["version"] == version and r["handles_opened"] == 0
+            readings.append(nvml_used_bytes(0) - base_used)
         st = tr.call("status")[a]
         used = nvml_used_bytes(0)
+        # The growth after each update shows whether memory creeps per update or settles once.
         print(f"GPU 0 used: baseline {base_used} B, after 20 more updates {used} B; mappings {st['open_mappings']}")
+        print(f"GPU 0 growth over the baseline after each update (B): {readings}")
+        print(f"GPU 0 per process (pid, B): {nvml_used_by_process(0)}")
         assert st["version"] == 22 and st["open_mappings"] == base_mappings
         assert used <= base_used + 2 * 1024 * 1024, (base_used, used)
 
