@@ -282,6 +282,13 @@ class WeightPusher:
         )
         items = named_items(named_tensors)
         if group is not None or has_dtensors(items):
+            if self._group is not None:
+                # Each rank would form its own group with a subset of the workers: not built yet.
+                raise PlanError(
+                    Reason.TRANSPORT_UNAVAILABLE,
+                    "a push of several trainer ranks (group=..., or DTensors) does not run over a transfer group; "
+                    "gather on one rank and push from it, or give each rank its own pusher and workers",
+                )
             from weightwire.client import collective_push
             from weightwire.client.dtensor_gather import default_group
 

@@ -25,7 +25,15 @@ import torch
 from group_fleet import CONFIG, Fleet, Member, Trainer
 from helpers import error_info, wait_until
 from weightwire.adapters.torch.demo import full_checkpoint
-from weightwire.client import FlatBucket, PushError, PushProgress, WeightPusher, layout_flat, pack_into
+from weightwire.client import (
+    FlatBucket,
+    PlanError,
+    PushError,
+    PushProgress,
+    WeightPusher,
+    layout_flat,
+    pack_into,
+)
 from weightwire.client.group_send import TransferGroupOptions
 from weightwire.core.group_plan import MemberIdentity, plan_group
 from weightwire.core.manifest import ShardManifest
@@ -306,3 +314,13 @@ def test_worker_killed_mid_update_is_named_and_the_group_reforms_after_its_resta
         assert pusher.transfer_group_id not in (None, first_group)
     for m in members:
         fleet.assert_holds(m, version + 1, full)
+
+
+def test_a_multi_rank_push_is_refused_before_anything_is_sent(fleet: Fleet) -> None:
+    members = fleet.replica(0)
+    before = [m.status().weights_version for m in members]
+    with pusher_for(fleet, members) as pusher:
+        with pytest.raises(PlanError) as refused:
+            pusher.push(full_checkpoint(CONFIG, 99), version=99, group=object())
+    assert refused.value.reason == "TRANSPORT_UNAVAILABLE" and "transfer group" in refused.value.message
+    assert [m.status().weights_version for m in members] == before
