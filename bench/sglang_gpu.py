@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -201,6 +202,7 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
     s = spec()
     work = Path(tempfile.mkdtemp(prefix="ww-sgl-gpu-"))
+    args.work_dir = str(work)
     # The trainer builds its copies while the engine starts (it waits for the worker's socket).
     trainer = Trainer(str(work / "sock"))
     ckpt = {seed: full_checkpoint(s, seed) for seed in (1, 2)}
@@ -297,6 +299,8 @@ def main() -> None:
     finally:
         save(args, out)
         log("outcome:", out.get("outcome"))
+        if getattr(args, "work_dir", None):
+            shutil.rmtree(args.work_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

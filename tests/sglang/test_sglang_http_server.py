@@ -7,6 +7,7 @@ own routes (/pause_generation, /continue_generation, /generate, /update_weight_v
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 import urllib.error
@@ -100,6 +101,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield srv
     finally:
         stop_process_group(proc, grace_s=60)
+        shutil.rmtree(srv.socket_dir, ignore_errors=True)
 
 
 def test_http_server_generate_push_generate(server: Server) -> None:

@@ -18,7 +18,7 @@ same checkpoint, since bfloat16 kernels round differently from transformers.
 from __future__ import annotations
 
 import dataclasses
-import os
+import shutil
 import uuid
 from collections.abc import Iterator
 
@@ -137,10 +137,7 @@ def running(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             yield Running(release, topo, host, pusher, weights)
     finally:
         host.stop()
-        for entry in os.listdir(socket_dir) if os.path.isdir(socket_dir) else []:
-            os.unlink(os.path.join(socket_dir, entry))
-        if os.path.isdir(socket_dir):
-            os.rmdir(socket_dir)
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 def test_engine_started_from_disk_generates_reference_tokens(running: Running) -> None:
@@ -286,6 +283,7 @@ def bf16_pp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineH
             yield host, pusher, spec
     finally:
         host.stop()
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 def test_bfloat16_pp2_tied_push_gives_the_tokens_of_a_fresh_engine(
