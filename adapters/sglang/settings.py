@@ -54,7 +54,7 @@ ENV_IDLE_WAIT = "WEIGHTWIRE_SGLANG_IDLE_WAIT_S"
 SOCKET_SUFFIX = ".sock"
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
-_WORKER_ID_RE = re.compile(r"^tp(\d+)-pp(\d+)(?:-dp(\d+))?(?:-sp(\d+))?$")
+_WORKER_ID_RE = re.compile(r"^tp(\d+)-pp(\d+)(?:-dp(\d+))?(?:-sp(\d+))?\Z")
 
 
 class SettingsError(ValueError):
