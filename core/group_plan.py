@@ -19,7 +19,7 @@ from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ParallelRank, ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-GROUP_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+GROUP_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
 MAX_WORLD_SIZE = 4096
 MAX_SUBGROUPS = 64
 # Messages per bucket (ByteRange count); the tag of a message packs the bucket's sequence and the

@@ -118,6 +118,7 @@ def _mutate(field: str, value: object) -> pb.TransferGroupSpec:
     [
         ("group_id", "bad id!", "INVALID_GROUP_SPEC", "group id"),
         ("group_id", "", "INVALID_GROUP_SPEC", "group id"),
+        ("group_id", "g-1\n", "INVALID_GROUP_SPEC", "group id"),
         ("backend", pb.TRANSFER_BACKEND_UNSPECIFIED, "INVALID_GROUP_SPEC", "backend"),
         ("store_address", "no-port", "INVALID_GROUP_SPEC", "store address"),
         ("store_address", "host:70000", "INVALID_GROUP_SPEC", "store address"),
