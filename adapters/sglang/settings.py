@@ -31,13 +31,19 @@ engines on one host (different ``--port``) never share a directory.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
-import re
 import tempfile
 from collections.abc import Mapping
 
+# The rank naming and socket layout every engine adapter shares; re-exported under the names SGLang
+# users and the plugin import from here.
+from weightwire.adapters.endpoints import MAX_SOCKET_PATH as MAX_SOCKET_PATH
+from weightwire.adapters.endpoints import SOCKET_SUFFIX as SOCKET_SUFFIX
+from weightwire.adapters.endpoints import parse_worker_id as parse_worker_id
+from weightwire.adapters.endpoints import worker_id as worker_id
+from weightwire.adapters.endpoints import worker_index as worker_index
 from weightwire.core.manifest import ParallelRank
+from weightwire.core.netutil import is_loopback
 
 ENV_SOCKET_DIR = "WEIGHTWIRE_SGLANG_SOCKET_DIR"
 ENV_BASE_PORT = "WEIGHTWIRE_SGLANG_BASE_PORT"
@@ -51,10 +57,6 @@ ENV_ENGINE_TIMEOUT = "WEIGHTWIRE_SGLANG_ENGINE_TIMEOUT_S"
 ENV_ALLOW_UNTESTED = "WEIGHTWIRE_SGLANG_ALLOW_UNTESTED"
 ENV_IDLE_WAIT = "WEIGHTWIRE_SGLANG_IDLE_WAIT_S"
 
-SOCKET_SUFFIX = ".sock"
-# sockaddr_un.sun_path is 108 bytes including the terminating NUL.
-MAX_SOCKET_PATH = 107
-_WORKER_ID_RE = re.compile(r"^tp(\d+)-pp(\d+)(?:-dp(\d+))?(?:-sp(\d+))?\Z")
 
 
 class SettingsError(ValueError):
@@ -100,7 +102,7 @@ class Settings:
             socket_dir = os.path.abspath(socket_dir)
         host = env.get(ENV_HOST) or "127.0.0.1"
         token = env.get(ENV_TOKEN) or None
-        if base_port is not None and not _is_loopback(host) and token is None:
+        if base_port is not None and not is_loopback(host) and token is None:
             raise SettingsError(
                 f"{ENV_HOST}={host} is not a loopback address: set {ENV_TOKEN} (and {ENV_TLS_CERT}/{ENV_TLS_KEY}) "
                 "so that nobody else on the network can push weights into this engine"
@@ -148,34 +150,6 @@ def default_socket_dir(engine_port: int | None) -> str:
     return os.path.join(tempfile.gettempdir(), f"weightwire-sglang-{suffix}")
 
 
-def worker_id(rank: ParallelRank) -> str:
-    """``tp1-pp0``, plus ``-dp2`` / ``-sp1`` when those sizes are > 1 (the torch adapter's naming)."""
-    text = f"tp{rank.tp_rank}-pp{rank.pp_rank}"
-    if rank.dp_size > 1:
-        text += f"-dp{rank.dp_rank}"
-    if rank.sp_size > 1:
-        text += f"-sp{rank.sp_rank}"
-    return text
-
-
-def parse_worker_id(text: str) -> tuple[int, int, int, int] | None:
-    """``(dp, pp, tp, sp)`` ranks of a worker id (the sort key of discovery), or None if not one."""
-    m = _WORKER_ID_RE.match(text)
-    if m is None:
-        return None
-    tp, pp, dp, sp = (int(g) if g is not None else 0 for g in m.groups())
-    return dp, pp, tp, sp
-
-
-def worker_index(rank: ParallelRank) -> int:
-    """Dense index of a scheduler process: ``(dp_rank * pp_size + pp_rank) * tp_size + tp_rank``.
-
-    SGLang's sequence/context-parallel ranks live inside its TP ranks, so tp, pp and dp identify a
-    scheduler process uniquely.
-    """
-    return (rank.dp_rank * rank.pp_size + rank.pp_rank) * rank.tp_size + rank.tp_rank
-
-
 def socket_path(socket_dir: str, rank: ParallelRank) -> str:
     path = os.path.join(socket_dir, worker_id(rank) + SOCKET_SUFFIX)
     if len(path.encode()) > MAX_SOCKET_PATH:
@@ -209,12 +183,3 @@ def _flag(env: Mapping[str, str], key: str, *, default: bool) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise SettingsError(f"{key}={raw!r}: use 1 or 0")
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
