@@ -63,13 +63,16 @@ def main(argv: list[str] | None = None) -> int:
             w.call({"cmd": "stats"})
             prof = cProfile.Profile() if args.profile else None
             totals, rechecks, plans = [], [], []
+            spans: dict[int, tuple[int, int]] = {}
             for v in range(6, 6 + args.reps):
                 reset_counters()
                 if prof is not None:
                     prof.enable()
                 t0 = now()
                 push(v)
-                totals.append(ms(now() - t0))
+                t1 = now()
+                spans[v] = (t0, t1)
+                totals.append(ms(t1 - t0))
                 if prof is not None:
                     prof.disable()
                 rechecks.append(ms(RECHECK_NS[0]))
@@ -85,6 +88,20 @@ def main(argv: list[str] | None = None) -> int:
           f"(best {min(totals):.2f}); trainer: re-check {med(rechecks):.2f}, plan {med(plans):.2f}; "
           f"worker: header {part['begin_ns']:.2f}, buckets {part['bucket_ns']:.2f} "
           f"(of which load {part['copy_ns']:.2f}, open {part['open_ns']:.2f}), commit {part['commit_ns']:.2f}")
+    # The same timeline as BENCHMARKS.md's "where the rest goes": both processes read CLOCK_MONOTONIC.
+    hops: dict[str, list[float]] = {"pre": [], "hop1": [], "hop2": [], "post": []}
+    for r in stats:
+        span = spans.get(int(r.get("version", -1)))
+        if span is None or "t_commit_start_ns" not in r:
+            continue
+        hops["pre"].append(ms(r["t_header_ns"] - span[0]))
+        hops["hop1"].append(ms(r.get("t_first_bucket_ns", r["t_header_ns"]) - r["t_header_ns"]))
+        hops["hop2"].append(ms(r["t_commit_start_ns"] - r.get("t_last_bucket_end_ns", r["t_commit_start_ns"])))
+        hops["post"].append(ms(span[1] - r["t_commit_end_ns"]))
+    if hops["pre"]:
+        print("timeline (medians, ms): push() -> header at the worker {:.2f}; header -> first bucket {:.2f}; "
+              "last bucket done -> commit at the worker {:.2f}; commit done -> push() returns {:.2f}".format(
+                  *(med(hops[k]) for k in ("pre", "hop1", "hop2", "post"))))
     return 0
 
 

@@ -92,8 +92,9 @@ class WeightPusher:
     limit instead). ``transport`` is ``"auto"`` or the name of a row of the transport table
     (``weightwire.core.transports``: ``cuda_ipc``, ``host_shm``, ``inline``). ``recheck_manifests``
     re-reads every worker's fingerprint and instance id (GetStatus, concurrently) before each
-    update, to refuse a plan made against a worker that has since restarted; the worker checks the
-    header's fingerprint too. ``metrics`` (a ``weightwire.client.trainer_metrics.TrainerMetrics``)
+    update of several workers, to refuse a plan made against a worker that has since restarted
+    before any other worker loads a byte; every worker checks the header's fingerprint (which
+    covers its instance id) too, which is all an update of one worker needs. ``metrics`` (a ``weightwire.client.trainer_metrics.TrainerMetrics``)
     records every push's durations (plan, transfer, commit; per worker) for Prometheus.
     ``transfer_group`` (``weightwire.client.group_send.TransferGroupOptions``) moves the bytes over a
     torch.distributed group between machines instead (docs/distributed.md); it is then the
@@ -360,7 +361,11 @@ class WeightPusher:
 
     def _setup(self) -> _Setup:
         manifests = self.manifests()
-        recheck = self._start_all("GetStatus", pb.GetStatusRequest()) if self.recheck_manifests else None
+        # Started now so that it overlaps planning. Not for one worker outside a transfer group:
+        # its own header check (fingerprint, which covers the instance id) refuses a restart
+        # before it loads anything, and no other worker exists that could have loaded a byte.
+        needed = self.recheck_manifests and (len(manifests) > 1 or self._group is not None)
+        recheck = self._start_all("GetStatus", pb.GetStatusRequest()) if needed else None
         return _Setup(manifests, recheck)
 
     def _setup_exporting(self, source: torch.device, options: PushOptions) -> tuple[_Setup, exp.Exporter]:
@@ -393,8 +398,12 @@ class WeightPusher:
             options = dataclasses.replace(options, metrics=self.metrics)
         try:
             statuses = None
-            if self.recheck_manifests and not setup.rechecked:
-                statuses = self._recheck(setup.manifests, setup.recheck)
+            if setup.recheck is not None and not setup.rechecked:
+                if len(setup.manifests) > 1 or setup.group is not None:
+                    statuses = self._recheck(setup.manifests, setup.recheck)
+                else:  # routing left one worker (only_own_device): its header check is enough
+                    for call in setup.recheck.values():
+                        call.cancel()
             if setup.group is not None:
                 setup.group.ensure(setup.manifests, statuses, max((j.size_bytes for j in jobs.jobs), default=0))
                 routed = setup.group.route(jobs.jobs, setup.manifests, setup.sources, verify_checksums=options.verify_checksums)

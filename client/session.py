@@ -104,6 +104,8 @@ class UpdateSession:
         # Set once every job was handed to its streams: from then on the last ack sends the commit
         # itself, without waking the pushing thread first.
         self._all_sent = False
+        # One worker and no commit gate: nothing to keep atomic across workers (see _commit_behind_the_buckets).
+        self._solo = len(manifests) == 1 and commit_gate is None
         self._buckets_total = len(self._jobs)
         self._bytes_total = sum(j.size_bytes for j in self._jobs)
         self._buckets_done = 0
@@ -131,7 +133,10 @@ class UpdateSession:
             with self._cond:
                 if not self.failed and not gated:
                     self._all_sent = True
-                    self._commit_if_complete()
+                    if self._solo and sent_all:
+                        self._commit_behind_the_buckets()
+                    else:
+                        self._commit_if_complete()
             if here:
                 for s in self.streams.values():
                     s.read_here()
@@ -299,6 +304,17 @@ class UpdateSession:
                 self._cond.notify_all()
         if report is not None and self._options.progress is not None:
             self._options.progress(report)
+
+    def _commit_behind_the_buckets(self) -> None:
+        """One worker, no commit gate: the commit follows its last bucket at once (the caller holds
+        ``_cond``). The worker handles its stream in order, so it commits only after it copied and
+        acked every bucket, and not at all when one fails; waiting for the acks here first would
+        add a round trip and change nothing. With several workers the commit waits for every ack
+        (``_commit_if_complete``), so that no worker commits while another can still fail."""
+        if not self.failed and not self.committed:
+            self.committed = True
+            for s in self.streams.values():
+                s.commit()
 
     def _commit_if_complete(self) -> None:
         """Commit every stream once every job is sent and acked by all its recipients and nothing

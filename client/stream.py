@@ -150,7 +150,10 @@ class WorkerStream:
                     self.last_ack_at = time.monotonic()
                     self._owner.on_ack(self, resp.ack)
                 elif kind == "result":
+                    # The worker committed before it sent this, and the result is its stream's last
+                    # message: the update is over here. The call's OK status follows on its own.
                     self.result = resp.result
+                    break
             if self.result is None:
                 self.error = WeightwireError(
                     Reason.RPC_FAILED, "the worker ended the stream without an UpdateResult", worker=self.address

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from engines import CONFIG, Engine, WorkerSpec, shard_mismatches, start_engine
@@ -196,13 +197,14 @@ def test_single_worker_single_bucket_push_hits_the_deadline(engine: Engine) -> N
     a1 = engine.addresses[1]
     victim = engine.workers[1]
 
-    class FreezeAfterRecheck(WeightPusher):
-        def _recheck(self, *a: object, **k: object) -> None:
-            super()._recheck(*a, **k)  # type: ignore[arg-type]
+    class FreezeAfterSetup(WeightPusher):
+        def _setup(self) -> Any:
+            setup = super()._setup()
             victim.proc.send_signal(signal.SIGSTOP)
+            return setup
 
     try:
-        with FreezeAfterRecheck([a1], timeout_s=2.0) as p:
+        with FreezeAfterSetup([a1], timeout_s=2.0) as p:
             v0 = _version(p)
             with pytest.raises(PushError) as e:
                 p.push(full_checkpoint(CONFIG, seed=v0 + 1), version=v0 + 1)
