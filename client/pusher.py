@@ -41,7 +41,6 @@ from weightwire.client.dtensor_gather import CastTo, check_cast_to, has_dtensors
 from weightwire.client.group_send import GroupExporter, GroupLink, TransferGroupOptions
 from weightwire.client.options import PushOptions, scope_value
 from weightwire.client.plan import PlanError
-from weightwire.client.readers import ReaderThreads
 from weightwire.client.routing import CheckedLayouts, flat_bytes, manifest_changes, route_own_device
 from weightwire.client.rpc import Worker, call_metadata, close_workers, collect_unary, start_unary
 from weightwire.client.session import CommitGate, SpecTemplates, UpdateSession
@@ -49,6 +48,7 @@ from weightwire.client.staging import Staging
 from weightwire.client.stream import Connections
 from weightwire.client.types import FlatBucket, GatheredBucket, ProgressFn, PushProgress, PushResult, Scope
 from weightwire.core.errors import PushError, Reason
+from weightwire.core.kept_threads import KeptThreads
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from weightwire.client.trainer_metrics import TrainerMetrics
 
 
-def _close_all(staging: Staging, workers: list[Worker], readers: ReaderThreads) -> None:
+def _close_all(staging: Staging, workers: list[Worker], readers: KeptThreads) -> None:
     # Not waiting for the readers: closing the channels below ends any call a thread is still blocked in.
     readers.shutdown()
     staging.close()
@@ -141,7 +141,7 @@ class WeightPusher:
         # The threads that read the update streams are kept across updates: a thread start per
         # worker per update is a large share of a small update's cost on a busy host. Room for a
         # reader still ending after a cancelled update next to the next update's readers.
-        self._readers = ReaderThreads(2 * len(self.endpoints) + 2, "ww-push")
+        self._readers = KeptThreads(2 * len(self.endpoints) + 2, "ww-push")
         # Bytes over a torch.distributed group between machines (weightwire.client.group_send):
         # formed at the first push, reused while every worker still holds it.
         self._group = (

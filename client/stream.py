@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 import grpc
-from weightwire.client.readers import ReaderThreads
 from weightwire.client.rpc import Worker, error_from_rpc
 from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.kept_threads import KeptThreads
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 
@@ -30,7 +30,7 @@ class Connections:
     workers: Mapping[str, Worker]
     metadata: tuple[tuple[str, str], ...]
     timeout_s: float
-    readers: ReaderThreads
+    readers: KeptThreads
 
 
 class StreamOwner(Protocol):

@@ -1,7 +1,8 @@
 """The requests of one PushWeights stream, read with a deadline for each.
 
-``WorkerService.push`` reads a stream through a ``StreamReader``: a thread of its own takes the
-requests from gRPC's iterator (whose ``next`` cannot time out) and hands them over one at a time, so
+``WorkerService.push`` reads a stream through a ``StreamReader``: a thread (one of the kept
+``READERS``, one per open stream) takes the requests from gRPC's iterator (whose ``next`` cannot
+time out) and hands them over one at a time, so
 the worker waits for each with a deadline. A client that opens a stream, or sends a header, and
 then goes quiet gets a status with a reason when the deadline passes, instead of holding the
 worker's one update (and a thread) for as long as its connection lives. At most one request waits
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from typing import cast
 
 from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.kept_threads import KeptThreads
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["DEFAULT_IDLE_TIMEOUT_S", "StreamReader"]
@@ -26,6 +28,9 @@ __all__ = ["DEFAULT_IDLE_TIMEOUT_S", "StreamReader"]
 DEFAULT_IDLE_TIMEOUT_S = 300.0
 _END = object()
 _PUT_POLL_S = 0.2
+# One thread per open stream, never fewer (a read must not wait for another stream's to end); kept
+# between streams because starting one is a hand-off on every update's path.
+READERS = KeptThreads(None, "ww-push-reader", idle_exit_s=60.0)
 
 
 class StreamReader:
@@ -41,8 +46,7 @@ class StreamReader:
         self._done = False
         self._handoff: queue.Queue[object] = queue.Queue(maxsize=1)
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="ww-push-reader", daemon=True)
-        self._thread.start()
+        READERS.submit(self._read)
 
     def _put(self, item: object) -> bool:
         # Never block for good: the worker may have stopped reading (the update ended).

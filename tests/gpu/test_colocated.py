@@ -127,6 +127,7 @@ def test_no_leak_over_20_updates(tmp_path: Path) -> None:
         ok(tr.call("push", 2, {}))
         base_mappings = tr.call("status")[a]["open_mappings"]
         base_used = nvml_used_bytes(0)
+        print(f"worker pid {ws[0].proc.pid}, trainer pid {tr.proc.pid}")
         print(f"GPU 0 per process at the baseline (pid, B): {nvml_used_by_process(0)}")
         assert base_mappings == first["handles_opened"]
         readings = []
