@@ -167,6 +167,16 @@ class UpdateSession:
                 self._options.metrics.record_session(
                     self.streams, self._manifests, version=self._options.version, started_at=self._options.started_at,
                 )
+            self._forget_jobs()
+
+    def _forget_jobs(self) -> None:
+        """Let go of the jobs, and with them the caller's tensors, once the update is over. The
+        streams and this session refer to each other, so without this the tensors of every push
+        would live until the garbage collector's next cycle pass: on a GPU, a model's worth of
+        memory per push for a trainer that pushes fresh tensors (a cast, a gather)."""
+        with self._cond:
+            self._jobs = []
+            self._pending.clear()  # an ack arriving after the end has nothing to find
 
     def _send_jobs(self, deadline: float) -> bool:
         """Stage and send every job in order; False when it stopped before the last one."""

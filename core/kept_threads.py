@@ -85,6 +85,8 @@ class KeptThreads:
                 fn()
             except Exception:  # a task reports its own errors; never let one kill the thread
                 log.exception("task on a kept thread failed")
+            # Not kept while idle: a task holds what it works on (a stream, its update, its tensors).
+            del fn
             with self._mu:
                 self._idle += 1
 
