@@ -241,7 +241,7 @@ class Bench:
     # --- weightwire ------------------------------------------------------------------------
 
     def ww_case(
-        self, rig: Rig, w: common.WorkerProc, kind: str, bucket_bytes: int | None, *, recheck: bool = True
+        self, rig: Rig, w: common.WorkerProc, kind: str, bucket_bytes: int | None, *, recheck: bool = True, depth: int = 2
     ) -> dict[str, Any]:
         addr = w.info["address"]
         rig.refill()
@@ -249,7 +249,7 @@ class Bench:
         w.call({"cmd": "release"})
         pusher = WeightPusher(
             [addr], transport=self.transport, timeout_s=self.args.rpc_timeout_s,
-            bucket_size_bytes=bucket_bytes or ww_plan.DEFAULT_BUCKET_BYTES, recheck_manifests=recheck,
+            bucket_size_bytes=bucket_bytes or ww_plan.DEFAULT_BUCKET_BYTES, recheck_manifests=recheck, pipeline_depth=depth,
         )
         updates: list[dict[str, Any]] = []
         mem: dict[str, Any] = {}
@@ -573,11 +573,13 @@ class Bench:
             cases.append(("ckpt_engine", label(main_b), lambda: self.ckpt_case(rig, ce, main_b), need))
         if self.peer:
             cases.append(("ww_peer", "whole", lambda: self.ww_case(rig, ww, "peer", None), need))
-        # WeightPusher(recheck_manifests=False): no GetStatus round trip before each update (the
-        # worker still refuses a header planned against another manifest).
-        cases.append(("ww_inplace", "whole, no re-check", lambda: self.ww_case(rig, ww, "inplace", None, recheck=False), need))
         cases += [
             ("ww_packed", label(b), lambda b=b: self.ww_case(rig, ww, "packed", b), need) for b in a.packed_buckets if b != main_b
+        ]
+        # WeightPusher(pipeline_depth=d): d staging buffers, so packing waits for an ack less often.
+        cases += [
+            ("ww_packed", f"{label(b)}, depth {d}", lambda b=b, d=d: self.ww_case(rig, ww, "packed", b, depth=d), need)
+            for d in a.packed_depths if d != 2 for b in a.packed_buckets
         ]
         cases += [("ww_inplace", label(b), lambda b=b: self.ww_case(rig, ww, "inplace", b), need) for b in a.inplace_buckets]
         cases.append(("per_tensor", "batch", lambda: self.per_tensor_case(rig, pt, "batch"), 2 * need))
@@ -647,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-reps", type=int, default=2, help="warm updates of the per-tensor baseline on large models")
     p.add_argument("--limit-reps", type=int, default=5)
     p.add_argument("--packed-buckets", default="64MiB,256MiB,1GiB")
+    p.add_argument("--packed-depths", default="2", help="staging buffers per packed case (pipeline_depth), comma-separated")
     p.add_argument("--inplace-buckets", default="256MiB", help="in-place runs cut into views of this size (besides whole)")
     p.add_argument("--ckpt-default-bucket", default="8GiB", help="checkpoint-engine's default bucket (PS_MAX_BUCKET_SIZE_GB)")
     p.add_argument("--log-dir", default="", help="where worker logs go (default: the results folder)")
@@ -660,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     args.cases = [c for c in args.cases.split(",") if c]
     args.packed_buckets = [parse_size(x) for x in args.packed_buckets.split(",") if x]
     args.inplace_buckets = [parse_size(x) for x in args.inplace_buckets.split(",") if x]
+    args.packed_depths = [int(x) for x in args.packed_depths.split(",") if x]
     args.ckpt_default_bucket = parse_size(args.ckpt_default_bucket)
     if args.device == "cpu":
         # Dry runs share CPU tensors through files (the per-tensor baseline pickles them).

@@ -57,7 +57,8 @@ def label(rec: dict[str, Any]) -> str:
     if rec["case"] == "ckpt_engine":
         return base + (", whole model in place" if v == "in-place" else f", {v} buckets")
     if rec["case"] in ("ww_packed",):
-        return f"{base}, {v} buckets"
+        size, _, depth = v.partition(", depth ")
+        return f"{base}, {size} buckets" + (f", {depth} staging buffers" if depth else "")
     if rec["case"] == "ww_inplace":
         return base + (", one bucket" if v == "whole" else ", one bucket, no GetStatus re-check" if "no re-check" in v else f", {v} views")
     return base
