@@ -6,7 +6,10 @@ tiny shapes), so what is timed is the per-update, per-tensor work: client re-che
 gRPC messages, the worker's checks, views and loads, the commit. Used to measure the effect of
 changes to that work (BENCHMARKS.md, "Fixed per-update cost")::
 
-    python bench/fixed_cost.py [--reps 200] [--mode inplace|packed] [--profile FILE]
+    python bench/fixed_cost.py [--reps 200] [--mode inplace|packed] [--profile FILE] [--device cuda]
+
+With ``--device cuda`` both processes use GPU 0 and the bytes go over CUDA IPC (in place: the
+trainer's buffer is exported once and the worker keeps its mapping), the path of the GPU targets.
 
 ``--profile`` writes a cProfile of the trainer's pushes (the worker's side shows in its split).
 """
@@ -34,20 +37,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["inplace", "packed"], default="inplace")
     p.add_argument("--reps", type=int, default=200, help="timed updates (after 5 untimed ones)")
     p.add_argument("--profile", default="", help="write a cProfile of the timed pushes here")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: trainer and worker on GPU 0, CUDA IPC (the colocated path the GPU bench times)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     instrument_trainer()
-    rig = make_rig(args.model, torch.device("cpu"), peer=False)
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    rig = make_rig(args.model, device, peer=False)
     log_dir = Path(tempfile.mkdtemp(prefix="ww-fixed-"))
-    proc = common.WorkerProc("w", ["--mode", "weightwire", "--model", args.model, "--device", "cpu", "--threads", "1"],
+    proc = common.WorkerProc("w", ["--mode", "weightwire", "--model", args.model, "--device", args.device, "--threads", "1"],
                              log_dir, common.child_env(threads=1))
     with common.worker_group([proc]) as (w,):
-        pusher = WeightPusher([w.info["address"]], transport="host_shm")
+        pusher = WeightPusher([w.info["address"]], transport="host_shm" if args.device == "cpu" else "cuda_ipc")
         try:
             pusher.manifests()
             if args.mode == "inplace":
-                src = pusher.host_buffer(rig.size)
-                src.copy_(rig.flat)
+                if args.device == "cpu":
+                    src = pusher.host_buffer(rig.size)
+                    src.copy_(rig.flat)
+                else:
+                    src = rig.flat  # exported in place, one kept mapping on the worker
                 buckets = flat_buckets(src, rig.specs, None)
 
                 def push(v: int) -> object:
