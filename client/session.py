@@ -121,22 +121,15 @@ class UpdateSession:
         one ``PushError``). Everything this session staged is released before it returns."""
         deadline = time.monotonic() + self._timeout_s + _GRACE_S
         # One worker, at most one bucket: nothing needs the pushing thread while the responses
-        # come in, so it reads them itself (the commit is already sent, behind the bucket).
+        # come in, so it reads them itself (the commit goes out from the last ack).
         # With a commit gate the commit waits for the gate, so no ack may send it.
         gated = self._commit_gate is not None
         here = len(self.streams) == 1 and len(self._jobs) <= 1 and not gated
         completed = False
         try:
-            # The first bucket is staged before the streams open, so that a stream's header and
-            # first bucket leave together: the worker finds the bucket waiting once it has accepted
-            # the header, instead of waiting for the trainer to stage it. Its bytes move (on_sent)
-            # only once the streams are open.
-            first = self._send_job(0, deadline) if self._jobs else None
             for s in self.streams.values():
                 s.start(reader=not here)
-            if first is not None and first.on_sent is not None:
-                first.on_sent()
-            sent_all = (not self._jobs or first is not None) and self._send_jobs(deadline, start=1)
+            sent_all = self._send_jobs(deadline)
             with self._cond:
                 if not self.failed and not gated:
                     self._all_sent = True
@@ -185,37 +178,28 @@ class UpdateSession:
             self._jobs = []
             self._pending.clear()  # an ack arriving after the end has nothing to find
 
-    def _send_jobs(self, deadline: float, start: int = 0) -> bool:
-        """Stage and send every job from ``start`` on, in order; False when it stopped before the last one."""
-        for job_id in range(start, len(self._jobs)):
-            prepared = self._send_job(job_id, deadline)
-            if prepared is None:
+    def _send_jobs(self, deadline: float) -> bool:
+        """Stage and send every job in order; False when it stopped before the last one."""
+        for job_id, job in enumerate(self._jobs):
+            if self.failed:
                 return False
+            try:
+                prepared = job.prepare(self.stopped, deadline)
+            except Stopped:
+                return False
+            with self._cond:
+                self._pending[job_id] = set(job.recipients)
+                self._prepared[job_id] = prepared
+            cache: dict[DeviceRef, pb.Payload] = {}
+            for a in job.recipients:
+                bucket = self._templates.bucket(job.specs, prepared.base_offset_bytes)
+                bucket.payloads.extend(prepared.payloads_for(self._manifests[a].device, cache, a))
+                if prepared.checksum is not None:
+                    bucket.checksum.CopyFrom(prepared.checksum)
+                self.streams[a].send_bucket(job_id, bucket)
             if prepared.on_sent is not None:
                 prepared.on_sent()
         return True
-
-    def _send_job(self, job_id: int, deadline: float) -> PreparedBucket | None:
-        """Stage job ``job_id`` and queue its bucket on its recipients' streams (the caller then
-        runs its ``on_sent``); None when the update stopped first."""
-        job = self._jobs[job_id]
-        if self.failed:
-            return None
-        try:
-            prepared = job.prepare(self.stopped, deadline)
-        except Stopped:
-            return None
-        with self._cond:
-            self._pending[job_id] = set(job.recipients)
-            self._prepared[job_id] = prepared
-        cache: dict[DeviceRef, pb.Payload] = {}
-        for a in job.recipients:
-            bucket = self._templates.bucket(job.specs, prepared.base_offset_bytes)
-            bucket.payloads.extend(prepared.payloads_for(self._manifests[a].device, cache, a))
-            if prepared.checksum is not None:
-                bucket.checksum.CopyFrom(prepared.checksum)
-            self.streams[a].send_bucket(job_id, bucket)
-        return prepared
 
     def _pass_gate(self, sent_all: bool) -> None:
         """Ask the commit gate; commit every stream if it agrees, otherwise fail the update with its reason."""

@@ -132,10 +132,6 @@ class WorkerStream:
                 return
             self.cancelled_by_us = True
             call = self.call
-            if call is None:  # never opened (the update failed before its streams started): nothing to end
-                self.error = WeightwireError(Reason.CANCELLED, "not started", worker=self.address)
-                self.done.set()
-                return
         # Cancel before ending the request stream: a worker that saw a clean end of stream first
         # would record a malformed update instead of a cancellation.
         if call is not None:
