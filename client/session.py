@@ -52,8 +52,9 @@ class SpecTemplates:
     def __init__(self) -> None:
         self._entries: dict[tuple[int, ...], tuple[list[TensorSpec], pb.Bucket]] = {}
 
-    def bucket(self, specs: list[TensorSpec], base_offset_bytes: int) -> pb.Bucket:
-        """A new Bucket whose ``tensors`` are ``specs`` shifted by ``base_offset_bytes``."""
+    def request(self, specs: list[TensorSpec], base_offset_bytes: int) -> pb.PushWeightsRequest:
+        """A new request whose bucket's ``tensors`` are ``specs`` shifted by ``base_offset_bytes``
+        (built in place: wrapping a finished Bucket in a request would copy every spec again)."""
         key = (base_offset_bytes, *map(id, specs))
         entry = self._entries.get(key)
         if entry is None:
@@ -61,8 +62,8 @@ class SpecTemplates:
                 self._entries.clear()
             entry = (list(specs), pb.Bucket(tensors=[s.to_proto(base_offset_bytes) for s in specs]))
             self._entries[key] = entry
-        out = pb.Bucket()
-        out.CopyFrom(entry[1])
+        out = pb.PushWeightsRequest()
+        out.bucket.CopyFrom(entry[1])
         return out
 
 
@@ -192,11 +193,11 @@ class UpdateSession:
                 self._prepared[job_id] = prepared
             cache: dict[DeviceRef, pb.Payload] = {}
             for a in job.recipients:
-                bucket = self._templates.bucket(job.specs, prepared.base_offset_bytes)
-                bucket.payloads.extend(prepared.payloads_for(self._manifests[a].device, cache, a))
+                request = self._templates.request(job.specs, prepared.base_offset_bytes)
+                request.bucket.payloads.extend(prepared.payloads_for(self._manifests[a].device, cache, a))
                 if prepared.checksum is not None:
-                    bucket.checksum.CopyFrom(prepared.checksum)
-                self.streams[a].send_bucket(job_id, bucket)
+                    request.bucket.checksum.CopyFrom(prepared.checksum)
+                self.streams[a].send_bucket(job_id, request)
             if prepared.on_sent is not None:
                 prepared.on_sent()
         return True

@@ -116,10 +116,11 @@ class WorkerStream:
             self._queue.append(msg)
             self._cv.notify()
 
-    def send_bucket(self, job_id: int, bucket: pb.Bucket) -> None:
-        bucket.index = len(self.sent_jobs)
+    def send_bucket(self, job_id: int, request: pb.PushWeightsRequest) -> None:
+        """Queue ``request`` (a bucket) as this stream's next bucket (its index is set here)."""
+        request.bucket.index = len(self.sent_jobs)
         self.sent_jobs.append(job_id)
-        self._put(pb.PushWeightsRequest(bucket=bucket))
+        self._put(request)
 
     def commit(self) -> None:
         self.commit_sent_at = time.monotonic()
