@@ -26,10 +26,11 @@ exporter) -> jobs (``weightwire.client.jobs``: planning checks, one job per buck
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -43,9 +44,9 @@ from weightwire.client.options import PushOptions, scope_value
 from weightwire.client.plan import PlanError
 from weightwire.client.routing import CheckedLayouts, flat_bytes, manifest_changes, route_own_device
 from weightwire.client.rpc import Worker, call_metadata, close_workers, collect_unary, start_unary
-from weightwire.client.session import CommitGate, SpecTemplates, UpdateSession
+from weightwire.client.session import CommitGate, SpecTemplates, UpdateSession, open_streams
 from weightwire.client.staging import Staging
-from weightwire.client.stream import Connections
+from weightwire.client.stream import Connections, WorkerStream
 from weightwire.client.types import FlatBucket, GatheredBucket, ProgressFn, PushProgress, PushResult, Scope
 from weightwire.core.errors import PushError, Reason
 from weightwire.core.kept_threads import KeptThreads
@@ -301,8 +302,9 @@ class WeightPusher:
         setup, exporter = self._setup_exporting(source, options)
         if setup.group is not None:
             setup.sources = dict(items)
-        jobs = job_builders.tensor_jobs(items, setup.manifests, exporter, self._staging, options, self.align_bytes)
-        return self._run(setup, jobs, options)
+        with self._opened_early(setup, options) as opened:
+            jobs = job_builders.tensor_jobs(items, setup.manifests, exporter, self._staging, options, self.align_bytes)
+            return self._run(setup, jobs, options, opened=opened)
 
     def push_flat(
         self,
@@ -324,8 +326,9 @@ class WeightPusher:
         )
         source = next((b.buffer.device for b in buckets if b.buffer.device.type != "cpu"), torch.device("cpu"))
         setup, exporter = self._setup_exporting(source, options)
-        jobs = job_builders.flat_jobs(buckets, setup.manifests, exporter, self._staging, options, self._checked)
-        return self._run(setup, jobs, options)
+        with self._opened_early(setup, options) as opened:
+            jobs = job_builders.flat_jobs(buckets, setup.manifests, exporter, self._staging, options, self._checked)
+            return self._run(setup, jobs, options, opened=opened)
 
     def push_gathered(
         self,
@@ -354,8 +357,9 @@ class WeightPusher:
             progress=progress, update_id=update_id,
         )
         setup = self._setup()
-        jobs = job_builders.gathered_jobs(buckets, setup.manifests, self._staging, options)
-        return self._run(setup, jobs, options)
+        with self._opened_early(setup, options) as opened:
+            jobs = job_builders.gathered_jobs(buckets, setup.manifests, self._staging, options)
+            return self._run(setup, jobs, options, opened=opened)
 
     # ---------------------------------------------------------------- shared setup and the update
 
@@ -387,8 +391,30 @@ class WeightPusher:
         setup.manifests = route_own_device(setup.manifests, exporter, options.only_own_device)
         return setup, exporter
 
+    @contextlib.contextmanager
+    def _opened_early(self, setup: _Setup, options: PushOptions) -> Iterator[dict[str, WorkerStream] | None]:
+        """Each worker's stream opened before the update is planned (``session.open_streams``), and
+        cancelled (nothing sent; the workers record nothing) if the push ends before a session took
+        them over. Not over a transfer group, whose route may still change the workers."""
+        if self._closed or setup.group is not None or self._push_lock.locked():
+            yield None
+            return
+        connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)
+        opened = open_streams(setup.manifests, options, connections, self._fingerprints)
+        try:
+            yield opened
+        finally:
+            for stream in opened.values():
+                if not stream.adopted:
+                    stream.cancel()
+
     def _run(
-        self, setup: _Setup, jobs: job_builders.Jobs, options: PushOptions, commit_gate: CommitGate | None = None
+        self,
+        setup: _Setup,
+        jobs: job_builders.Jobs,
+        options: PushOptions,
+        commit_gate: CommitGate | None = None,
+        opened: Mapping[str, WorkerStream] | None = None,
     ) -> dict[str, PushResult]:
         if self._closed:
             raise RuntimeError("this WeightPusher is closed")
@@ -411,7 +437,7 @@ class WeightPusher:
             connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)
             session = UpdateSession(
                 jobs.jobs, setup.manifests, options, connections, self._fingerprints, self._templates, jobs.pools,
-                commit_gate, updating_before=_updating(statuses),
+                commit_gate, updating_before=_updating(statuses), opened=opened,
             )
             # Staging buffers hand workers an event to wait for instead of waiting for their own
             # writes, when every recipient says it waits for it. Not in a push of several ranks

@@ -67,6 +67,25 @@ class SpecTemplates:
         return out
 
 
+def open_streams(
+    manifests: Mapping[str, ShardManifest], options: PushOptions, connections: Connections, fingerprints: Mapping[str, str]
+) -> dict[str, WorkerStream]:
+    """Open one stream per worker now, sending nothing yet, for an ``UpdateSession`` to take over
+    once the update is planned: gRPC's call set-up (a thread per call on this side, the call's
+    handler on the worker's) then overlaps the planning and staging instead of following them. If
+    the update is refused before its session runs, ``cancel`` each: a worker that got no header
+    records nothing."""
+    streams = {a: WorkerStream(None, connections, a, options.header(fingerprints.get(a, ""))) for a in manifests}
+    try:
+        for s in streams.values():
+            s.start(reader=False)
+    except BaseException:
+        for s in streams.values():
+            s.cancel()
+        raise
+    return streams
+
+
 class UpdateSession:
     """One update: its jobs, one stream per worker in ``manifests``, and the state they share."""
 
@@ -81,6 +100,7 @@ class UpdateSession:
         pools: Sequence[StagingPool],
         commit_gate: CommitGate | None = None,
         updating_before: Collection[str] = (),
+        opened: Mapping[str, WorkerStream] | None = None,
     ) -> None:
         self._jobs = list(jobs)
         # Workers already running another update when this one was planned: a cancelled stream to
@@ -111,9 +131,14 @@ class UpdateSession:
         self._bytes_total = sum(j.size_bytes for j in self._jobs)
         self._buckets_done = 0
         self._bytes_done = 0
-        self.streams: dict[str, WorkerStream] = {
-            a: WorkerStream(self, connections, a, options.header(fingerprints.get(a, ""))) for a in manifests
-        }
+        # Streams opened while the update was planned (``open_streams``) are taken over as they are.
+        self.streams: dict[str, WorkerStream] = {}
+        for a in manifests:
+            stream = (opened or {}).get(a)
+            if stream is None:
+                stream = WorkerStream(self, connections, a, options.header(fingerprints.get(a, "")))
+            stream.adopt(self)
+            self.streams[a] = stream
 
     # ---------------------------------------------------------------- the pushing thread
 
@@ -129,7 +154,11 @@ class UpdateSession:
         completed = False
         try:
             for s in self.streams.values():
-                s.start(reader=not here)
+                if not s.opened:
+                    s.start(reader=False)
+                s.send_header()
+                if not here:
+                    s.ensure_reader()
             sent_all = self._send_jobs(deadline)
             with self._cond:
                 if not self.failed and not gated:

@@ -43,14 +43,23 @@ class StreamOwner(Protocol):
 
 class WorkerStream:
     """One worker's PushWeights stream: requests from a queue, responses read on a pool thread
-    (or, for an update of one worker and one bucket, by the pushing thread itself: ``read_here``)."""
+    (or, for an update of one worker and one bucket, by the pushing thread itself: ``read_here``).
 
-    def __init__(self, owner: StreamOwner, connections: Connections, address: str, header: pb.UpdateHeader) -> None:
+    The call may be opened (``start``) before the update is planned, so that gRPC's call set-up
+    overlaps the planning; nothing goes out until ``send_header``. A stream cancelled before its
+    header leaves no trace on the worker (no update began). Its responses are read only once an
+    owner (the update's session) has ``adopt``-ed it.
+    """
+
+    def __init__(
+        self, owner: StreamOwner | None, connections: Connections, address: str, header: pb.UpdateHeader
+    ) -> None:
         self._owner = owner
         self._connections = connections
         self.worker = connections.workers[address]
         self.address = address
-        self._queue: list[pb.PushWeightsRequest | None] = [pb.PushWeightsRequest(header=header)]
+        self._header = header
+        self._queue: list[pb.PushWeightsRequest | None] = []
         self._cv = threading.Condition()
         self.sent_jobs: list[int] = []
         self.acks: list[pb.BucketAck] = []
@@ -65,6 +74,21 @@ class WorkerStream:
         self.commit_sent_at = 0.0
         self.call: grpc.Call | None = None
         self._reading = False
+
+    @property
+    def opened(self) -> bool:
+        return self.call is not None
+
+    @property
+    def adopted(self) -> bool:
+        return self._owner is not None
+
+    def adopt(self, owner: StreamOwner) -> None:
+        """Report acks and the end of the stream to ``owner`` (before any response is read)."""
+        self._owner = owner
+
+    def send_header(self) -> None:
+        self._put(pb.PushWeightsRequest(header=self._header))
 
     def start(self, *, reader: bool = True) -> None:
         with self._cv:
@@ -84,7 +108,7 @@ class WorkerStream:
         Kept threads: starting a thread per stream per update costs more than the rest of the
         client's work for a small update.
         """
-        if self._reading or self.call is None:
+        if self._reading or self.call is None or self._owner is None:
             return
         self._reading = True
         try:
@@ -96,7 +120,7 @@ class WorkerStream:
         """Read the responses on the calling thread until the stream ends (one hand-off fewer per
         response than a reader thread). Only when nothing else has to run meanwhile: every bucket
         is sent, and the commit is sent from ``on_ack``."""
-        if self._reading or self.call is None:
+        if self._reading or self.call is None or self._owner is None:
             return
         self._reading = True
         self._read(here=True)
@@ -140,6 +164,8 @@ class WorkerStream:
         self._put(None)
 
     def _read(self, here: bool = False) -> None:
+        owner = self._owner
+        assert owner is not None  # ensure_reader and read_here start reading only once adopted
         try:
             call = self.call
             if call is None:
@@ -149,7 +175,7 @@ class WorkerStream:
                 if kind == "ack":
                     self.acks.append(resp.ack)
                     self.last_ack_at = time.monotonic()
-                    self._owner.on_ack(self, resp.ack)
+                    owner.on_ack(self, resp.ack)
                 elif kind == "result":
                     # The worker committed before it sent this, and the result is its stream's last
                     # message: the update is over here. The call's OK status follows on its own.
@@ -169,4 +195,4 @@ class WorkerStream:
             self.finished = time.monotonic()
             self._put(None)
             self.done.set()
-            self._owner.on_stream_end(self)
+            owner.on_stream_end(self)

@@ -394,6 +394,10 @@ class WorkerService:
             reader.waiting_for = "the header"
             try:
                 first = next(requests, None)
+                if first is None and client_gone is not None and client_gone():
+                    # Cancelled before it sent anything (a trainer opens its streams while it plans
+                    # and cancels them when the plan is refused): no update began, nothing to record.
+                    return
                 if first is None or first.WhichOneof("message") != "header":
                     what = "nothing" if first is None else (first.WhichOneof("message") or "an empty message")
                     raise WeightwireError(Reason.MALFORMED_STREAM, f"an update must start with a header; received {what}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -248,6 +249,10 @@ def _refused(pusher: WeightPusher, named: object, **kw: object) -> PlanError:
     with pytest.raises(PlanError) as e:
         pusher.push(named, version=next_version(pusher), **kw)  # type: ignore[arg-type]
     assert counters(pusher) == before, "a refused plan must not reach any worker"
+    # The push opened its streams while it planned and cancelled them: give the workers longer than
+    # they wait to tell a cancel from a clean end (0.5 s), then check that none recorded anything.
+    time.sleep(0.8)
+    assert counters(pusher) == before, "a stream cancelled before its header must leave no trace"
     return e.value
 
 
