@@ -88,6 +88,8 @@ class WorkerStream:
         self._owner = owner
 
     def send_header(self) -> None:
+        # The update begins here for the trainer's metrics, however early the call was opened.
+        self.started = time.monotonic()
         self._put(pb.PushWeightsRequest(header=self._header))
 
     def start(self, *, reader: bool = True) -> None:

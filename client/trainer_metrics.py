@@ -136,16 +136,17 @@ class TrainerMetrics:
 def push_timing(
     streams: Mapping[str, WorkerStream], manifests: Mapping[str, ShardManifest], *, version: int, started_at: float
 ) -> PushTiming:
-    """The phases of one push from its streams' clocks (``time.monotonic``): streams open at
+    """The phases of one push from its streams' clocks (``time.monotonic``): the header sent at
     ``started``, the last ack at ``last_ack_at``, the commit sent at ``commit_sent_at`` and the end at
-    ``finished`` (0.0: never happened)."""
+    ``finished`` (0.0: never happened). A one-worker push sends its commit behind its last bucket,
+    before the ack; its transfer then ends at the last ack, and its commit phase runs from there."""
     all_streams = list(streams.values())
     opened = min((s.started for s in all_streams), default=started_at)
     ended = max((s.finished for s in all_streams), default=opened)
     commits = [s.commit_sent_at for s in all_streams if s.commit_sent_at]
     acks = [s.last_ack_at for s in all_streams if s.last_ack_at]
     committed = bool(all_streams) and all(s.result is not None and s.error is None for s in all_streams)
-    transfer_end = min(commits) if commits else (max(acks) if acks else None)
+    transfer_end = max(min(commits) if commits else 0.0, max(acks) if acks else 0.0) or None
     workers = []
     for address, s in streams.items():
         manifest = manifests.get(address)
@@ -154,7 +155,7 @@ def push_timing(
             WorkerTiming(
                 worker=(manifest.worker_id if manifest is not None else "") or address,
                 transfer_s=s.last_ack_at - s.started if s.last_ack_at else None,
-                commit_s=s.finished - s.commit_sent_at if ok and s.commit_sent_at else None,
+                commit_s=s.finished - max(s.commit_sent_at, s.last_ack_at) if ok and s.commit_sent_at else None,
                 bytes_loaded=s.result.bytes_loaded if ok and s.result is not None else 0,
                 reason="" if ok else (s.error.reason if s.error is not None else "RPC_FAILED"),
             )
@@ -164,7 +165,7 @@ def push_timing(
         committed=committed,
         plan_s=max(0.0, opened - started_at),
         transfer_s=transfer_end - opened if transfer_end is not None else None,
-        commit_s=ended - min(commits) if committed and commits else None,
+        commit_s=ended - transfer_end if committed and commits and transfer_end is not None else None,
         total_s=max(0.0, ended - started_at),
         workers=tuple(workers),
     )
