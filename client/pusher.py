@@ -80,6 +80,14 @@ class _Setup:
     sources: Mapping[str, torch.Tensor] | None = None
 
 
+def _recheck_needed(manifests: Mapping[str, ShardManifest], group: GroupLink | None) -> bool:
+    """Whether an update re-checks its workers before sending: with several workers (so that a
+    restarted one fails the push before any other loads a byte) or over a transfer group. One
+    worker's own header check (its fingerprint covers the instance id) refuses a restart before it
+    loads anything, and there is no other worker that could have loaded a byte."""
+    return len(manifests) > 1 or group is not None
+
+
 def _updating(statuses: Mapping[str, pb.GetStatusResponse] | None) -> set[str]:
     """The workers the re-check found running an update (someone else's: this pusher runs one at a time)."""
     return {a for a, st in (statuses or {}).items() if st.state == pb.WORKER_STATE_UPDATING}
@@ -95,8 +103,9 @@ class WeightPusher:
     re-reads every worker's fingerprint and instance id (GetStatus, concurrently) before each
     update of several workers, to refuse a plan made against a worker that has since restarted
     before any other worker loads a byte; every worker checks the header's fingerprint (which
-    covers its instance id) too, which is all an update of one worker needs. ``metrics`` (a ``weightwire.client.trainer_metrics.TrainerMetrics``)
-    records every push's durations (plan, transfer, commit; per worker) for Prometheus.
+    covers its instance id) too, which is all an update of one worker needs. ``metrics`` (a
+    ``weightwire.client.trainer_metrics.TrainerMetrics``) records every push's durations (plan,
+    transfer, commit; per worker) for Prometheus.
     ``transfer_group`` (``weightwire.client.group_send.TransferGroupOptions``) moves the bytes over a
     torch.distributed group between machines instead (docs/distributed.md); it is then the
     transport ``"auto"`` picks.
@@ -365,10 +374,8 @@ class WeightPusher:
 
     def _setup(self) -> _Setup:
         manifests = self.manifests()
-        # Started now so that it overlaps planning. Not for one worker outside a transfer group:
-        # its own header check (fingerprint, which covers the instance id) refuses a restart
-        # before it loads anything, and no other worker exists that could have loaded a byte.
-        needed = self.recheck_manifests and (len(manifests) > 1 or self._group is not None)
+        # Started now so that it overlaps planning.
+        needed = self.recheck_manifests and _recheck_needed(manifests, self._group)
         recheck = self._start_all("GetStatus", pb.GetStatusRequest()) if needed else None
         return _Setup(manifests, recheck)
 
@@ -425,7 +432,7 @@ class WeightPusher:
         try:
             statuses = None
             if setup.recheck is not None and not setup.rechecked:
-                if len(setup.manifests) > 1 or setup.group is not None:
+                if _recheck_needed(setup.manifests, setup.group):
                     statuses = self._recheck(setup.manifests, setup.recheck)
                 else:  # routing left one worker (only_own_device): its header check is enough
                     for call in setup.recheck.values():

@@ -78,7 +78,7 @@ def open_streams(
     streams = {a: WorkerStream(None, connections, a, options.header(fingerprints.get(a, ""))) for a in manifests}
     try:
         for s in streams.values():
-            s.start(reader=False)
+            s.start()
     except BaseException:
         for s in streams.values():
             s.cancel()
@@ -155,7 +155,7 @@ class UpdateSession:
         try:
             for s in self.streams.values():
                 if not s.opened:
-                    s.start(reader=False)
+                    s.start()
                 s.send_header()
                 if not here:
                     s.ensure_reader()

@@ -92,7 +92,9 @@ class WorkerStream:
         self.started = time.monotonic()
         self._put(pb.PushWeightsRequest(header=self._header))
 
-    def start(self, *, reader: bool = True) -> None:
+    def start(self) -> None:
+        """Open the call; nothing is sent until ``send_header``, nothing read until ``ensure_reader``
+        or ``read_here``."""
         with self._cv:
             if self.cancelled_by_us:  # another worker failed before this stream was opened
                 self.error = WeightwireError(Reason.CANCELLED, "not started", worker=self.address)
@@ -101,8 +103,6 @@ class WorkerStream:
             self.call = self.worker.stub.PushWeights(
                 self._requests(), timeout=self._connections.timeout_s, metadata=self._connections.metadata
             )
-        if reader:
-            self.ensure_reader()
 
     def ensure_reader(self) -> None:
         """Read the responses on one of the pusher's kept threads (unless something reads them already).
@@ -121,7 +121,7 @@ class WorkerStream:
     def read_here(self) -> None:
         """Read the responses on the calling thread until the stream ends (one hand-off fewer per
         response than a reader thread). Only when nothing else has to run meanwhile: every bucket
-        is sent, and the commit is sent from ``on_ack``."""
+        and the commit are already sent (an update of one worker and at most one bucket)."""
         if self._reading or self.call is None or self._owner is None:
             return
         self._reading = True

@@ -2,11 +2,11 @@
 
 ``WorkerService.push`` reads a stream through a ``StreamReader``: a thread (one of the kept
 ``READERS``, one per open stream) takes the requests from gRPC's iterator (whose ``next`` cannot
-time out) and hands them over one at a time, so
-the worker waits for each with a deadline. A client that opens a stream, or sends a header, and
-then goes quiet gets a status with a reason when the deadline passes, instead of holding the
-worker's one update (and a thread) for as long as its connection lives. At most one request waits
-between the two threads, so gRPC's flow control still holds a fast sender back. No gRPC in here.
+time out) and hands them over one at a time, so the worker waits for each with a deadline. A
+client that opens a stream, or sends a header, and then goes quiet gets a status with a reason when
+the deadline passes, instead of holding the worker's one update (and a thread) for as long as its
+connection lives. At most one request waits between the two threads, so gRPC's flow control still
+holds a fast sender back. No gRPC in here.
 """
 
 from __future__ import annotations
