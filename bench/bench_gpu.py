@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from weightwire.adapters.torch import DEFAULT_COPY_STREAMS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common
@@ -187,7 +188,8 @@ class Bench:
         for mode in modes:
             name = f"{preset}-{mode}"
             procs[mode] = common.WorkerProc(
-                name, ["--mode", mode, "--model", preset, "--device", dev], self.log_dir, common.child_env(visible)
+                name, ["--mode", mode, "--model", preset, "--device", dev, "--copy-streams", str(self.args.copy_streams)],
+                self.log_dir, common.child_env(visible)
             )
         return procs
 
@@ -656,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rpc-timeout-s", type=float, default=120.0)
     p.add_argument("--start-timeout-s", type=float, default=240.0)
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--copy-streams", type=int, default=DEFAULT_COPY_STREAMS, help="the workers' TorchAdapter copy_streams")
     p.add_argument("--cases", default="", help="only these cases, comma-separated: CASE or CASE:VARIANT "
                    "(e.g. limit,ww_inplace:whole,ww_packed:1GiB); default all")
     args = p.parse_args(argv)

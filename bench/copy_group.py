@@ -45,7 +45,7 @@ def bound_label(n: int) -> str:
     return f"{n // 1024}KiB" if n < MiB else f"{n // MiB}MiB"
 
 
-def measure(preset: str, device: torch.device, bounds: list[int], reps: int) -> dict[str, Any]:
+def measure(preset: str, device: torch.device, bounds: list[int], reps: int, streams: list[int]) -> dict[str, Any]:
     shapes = models.tensor_shapes(preset)
     module = models.build_module(shapes, device)
     src = models.random_tensors(shapes, device, seed=1)
@@ -86,6 +86,18 @@ def measure(preset: str, device: torch.device, bounds: list[int], reps: int) -> 
         sync()
         exact = exact and all(torch.equal(params[name], v) for name, v in views)
     out["load_ms"] = by_bound
+    # The default bound, its large copies spread over this many CUDA streams.
+    by_streams: dict[str, float] = {}
+    for n in streams:
+        adapter = TorchAdapter(module, rank=ParallelRank(), device=device, own_device=own, copy_streams=n)
+        by_streams[str(n)] = common.median(common.time_reps(lambda a=adapter: a.load(views), sync, reps))
+        with torch.no_grad():
+            for p in params.values():
+                p.zero_()
+        adapter.load(views)
+        sync()
+        exact = exact and all(torch.equal(params[name], v) for name, v in views)
+    out["load_ms_by_streams"] = by_streams
     out["exact"] = exact
     return out
 
@@ -96,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--bounds", default="0,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB,all",
                    help="group_copy_max_bytes values to measure (0: no grouping, all: everything grouped)")
+    p.add_argument("--streams", default="1,2,3,4",
+                   help="copy_streams values to measure at the default bound (the large copies over that many CUDA streams)")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", default="", help="write the numbers here as JSON")
     args = p.parse_args(argv)
@@ -106,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     bounds = [_ALL if b == "all" else parse_size(b) for b in args.bounds.split(",") if b]
     rows = []
     for preset in [m for m in args.models.split(",") if m]:
-        row = measure(preset, device, bounds, args.reps)
+        row = measure(preset, device, bounds, args.reps, [int(n) for n in args.streams.split(",") if n])
         rows.append(row)
         loads = " ".join(f"{k}={v:.2f}" for k, v in row["load_ms"].items())
+        loads += "; by copy streams: " + " ".join(f"{k}={v:.2f}" for k, v in row["load_ms_by_streams"].items())
         print(f"{preset}: {row['tensors']} tensors, {row['bytes'] / MiB:.0f} MiB; flat copy {row['flat_copy_ms']:.2f} ms, "
               f"copy_ loop {row['copy_loop_ms']:.2f} ms; TorchAdapter.load by bound: {loads}; exact {row['exact']}", flush=True)
         if device.type == "cuda":

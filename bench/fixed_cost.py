@@ -28,6 +28,7 @@ import common
 import torch
 from common import ms, now
 from rig import PLAN_NS, RECHECK_NS, flat_buckets, instrument_trainer, make_rig, reset_counters
+from weightwire.adapters.torch import DEFAULT_COPY_STREAMS
 from weightwire.client.pusher import WeightPusher
 
 
@@ -39,16 +40,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default="", help="write a cProfile of the timed pushes here")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: trainer and worker on GPU 0, CUDA IPC (the colocated path the GPU bench times)")
+    p.add_argument("--rpc", choices=["auto", "stream"], default="auto",
+                   help="stream: send even a one-bucket update on a PushWeights stream (as to a worker older than PushUpdate)")
+    p.add_argument("--copy-streams", type=int, default=DEFAULT_COPY_STREAMS, help="the worker's TorchAdapter copy_streams")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     instrument_trainer()
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     rig = make_rig(args.model, device, peer=False)
     log_dir = Path(tempfile.mkdtemp(prefix="ww-fixed-"))
-    proc = common.WorkerProc("w", ["--mode", "weightwire", "--model", args.model, "--device", args.device, "--threads", "1"],
+    proc = common.WorkerProc("w", ["--mode", "weightwire", "--model", args.model, "--device", args.device, "--threads", "1",
+                                   "--copy-streams", str(args.copy_streams)],
                              log_dir, common.child_env(threads=1))
     with common.worker_group([proc]) as (w,):
         pusher = WeightPusher([w.info["address"]], transport="host_shm" if args.device == "cpu" else "cuda_ipc")
+        if args.rpc == "stream":
+            # What a worker older than PushUpdate gets: the same update on a PushWeights stream.
+            for worker in pusher._workers.values():
+                worker.accepts_push_update = False
         try:
             pusher.manifests()
             if args.mode == "inplace":

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from weightwire.adapters.torch import DEFAULT_COPY_STREAMS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models
@@ -131,7 +132,7 @@ class WeightwireReceiver(Receiver):
         rank = ParallelRank(tp_rank=args.tp_rank, tp_size=args.tp_size, dp_rank=args.dp_rank, dp_size=args.dp_size)
         self.adapter = TorchAdapter(
             self.module, rank=rank, device=self.device, own_device=own, tp_rules=models.TP_RULES,
-            engine="bench", worker_id=args.worker_id or None,
+            engine="bench", worker_id=args.worker_id or None, copy_streams=args.copy_streams,
         )
         self.server = serve(self.adapter, own_device=own)
         self.service = self.server.service
@@ -407,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dp-rank", type=int, default=0)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--worker-id", default="")
+    p.add_argument("--copy-streams", type=int, default=DEFAULT_COPY_STREAMS, help="TorchAdapter copy_streams (the weightwire mode)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -311,7 +311,8 @@ class WeightPusher:
         setup, exporter = self._setup_exporting(source, options)
         if setup.group is not None:
             setup.sources = dict(items)
-        with self._opened_early(setup, options) as opened:
+        one_bucket = sum(t.nbytes for _, t in items) <= self.bucket_size_bytes
+        with self._opened_early(setup, options, one_bucket=one_bucket) as opened:
             jobs = job_builders.tensor_jobs(items, setup.manifests, exporter, self._staging, options, self.align_bytes)
             return self._run(setup, jobs, options, opened=opened)
 
@@ -335,7 +336,7 @@ class WeightPusher:
         )
         source = next((b.buffer.device for b in buckets if b.buffer.device.type != "cpu"), torch.device("cpu"))
         setup, exporter = self._setup_exporting(source, options)
-        with self._opened_early(setup, options) as opened:
+        with self._opened_early(setup, options, one_bucket=len(buckets) == 1) as opened:
             jobs = job_builders.flat_jobs(buckets, setup.manifests, exporter, self._staging, options, self._checked)
             return self._run(setup, jobs, options, opened=opened)
 
@@ -366,7 +367,7 @@ class WeightPusher:
             progress=progress, update_id=update_id,
         )
         setup = self._setup()
-        with self._opened_early(setup, options) as opened:
+        with self._opened_early(setup, options, one_bucket=len(buckets) == 1) as opened:
             jobs = job_builders.gathered_jobs(buckets, setup.manifests, self._staging, options)
             return self._run(setup, jobs, options, opened=opened)
 
@@ -399,11 +400,15 @@ class WeightPusher:
         return setup, exporter
 
     @contextlib.contextmanager
-    def _opened_early(self, setup: _Setup, options: PushOptions) -> Iterator[dict[str, WorkerStream] | None]:
+    def _opened_early(
+        self, setup: _Setup, options: PushOptions, *, one_bucket: bool
+    ) -> Iterator[dict[str, WorkerStream] | None]:
         """Each worker's stream opened before the update is planned (``session.open_streams``), and
         cancelled (nothing sent; the workers record nothing) if the push ends before a session took
-        them over. Not over a transfer group, whose route may still change the workers."""
-        if self._closed or setup.group is not None or self._push_lock.locked():
+        them over. Not over a transfer group, whose route may still change the workers, and not for
+        one bucket to one worker (``one_bucket``: likely one), which goes out as one PushUpdate call
+        once it is ready (``UpdateSession.run``): cheaper than any stream."""
+        if self._closed or setup.group is not None or self._push_lock.locked() or (one_bucket and len(setup.manifests) == 1):
             yield None
             return
         connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)
@@ -444,7 +449,7 @@ class WeightPusher:
             connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)
             session = UpdateSession(
                 jobs.jobs, setup.manifests, options, connections, self._fingerprints, self._templates, jobs.pools,
-                commit_gate, updating_before=_updating(statuses), opened=opened,
+                commit_gate, updating_before=_updating(statuses), opened=opened, whole_update=setup.group is None,
             )
             # Staging buffers hand workers an event to wait for instead of waiting for their own
             # writes, when every recipient says it waits for it. Not in a push of several ranks

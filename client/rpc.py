@@ -47,6 +47,8 @@ class Worker:
         self.address = address
         self.channel = open_channel(address, tls_ca=tls_ca)
         self.stub = pb_grpc.WeightTransferServiceStub(self.channel)
+        # False once the worker answered UNIMPLEMENTED to PushUpdate (older than that call).
+        self.accepts_push_update = True
 
     def close(self) -> None:
         self.channel.close()
@@ -102,6 +104,16 @@ _FALLBACK_HINTS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "the worker did not answer within the deadline (hung, stopped or overloaded)",
     grpc.StatusCode.CANCELLED: "the call was cancelled",
 }
+
+
+def is_unimplemented(err: grpc.RpcError) -> bool:
+    """gRPC's own UNIMPLEMENTED (the server has no such method), not a worker's refusal."""
+    if not isinstance(err, grpc.Call) or err.code() != grpc.StatusCode.UNIMPLEMENTED:
+        return False
+    try:
+        return rpc_status.from_call(err) is None
+    except ValueError:
+        return True
 
 
 def error_from_rpc(err: grpc.RpcError, *, worker: str | None = None, context: str = "") -> WeightwireError:

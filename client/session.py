@@ -101,6 +101,7 @@ class UpdateSession:
         commit_gate: CommitGate | None = None,
         updating_before: Collection[str] = (),
         opened: Mapping[str, WorkerStream] | None = None,
+        whole_update: bool = True,
     ) -> None:
         self._jobs = list(jobs)
         # Workers already running another update when this one was planned: a cancelled stream to
@@ -127,6 +128,9 @@ class UpdateSession:
         self._all_sent = False
         # One worker and no commit gate: nothing to keep atomic across workers (see _commit_behind_the_buckets).
         self._solo = len(manifests) == 1 and commit_gate is None
+        # May an update of one worker and one bucket go out as one PushUpdate call (not when the
+        # bucket's bytes follow its message on another channel: a transfer group)?
+        self._whole_update = whole_update
         self._buckets_total = len(self._jobs)
         self._bytes_total = sum(j.size_bytes for j in self._jobs)
         self._buckets_done = 0
@@ -151,9 +155,14 @@ class UpdateSession:
         # With a commit gate the commit waits for the gate, so no ack may send it.
         gated = self._commit_gate is not None
         here = len(self.streams) == 1 and len(self._jobs) <= 1 and not gated
+        # Not opened while planning: then every message is queued before the call goes out, the
+        # commit behind the bucket, so the whole update can be one call (``WorkerStream.use_whole_update``).
+        whole = here and self._whole_update and not any(s.opened for s in self.streams.values())
         completed = False
         try:
             for s in self.streams.values():
+                if whole:
+                    s.use_whole_update()
                 if not s.opened:
                     s.start()
                 s.send_header()
@@ -169,7 +178,10 @@ class UpdateSession:
                         self._commit_if_complete()
             if here:
                 for s in self.streams.values():
-                    s.read_here()
+                    if whole and not self.committed:
+                        s.cancel()  # it stopped before its commit: nothing goes out
+                    else:
+                        s.read_here()
             self._wait_for_acks(deadline)
             if gated:
                 self._pass_gate(sent_all)

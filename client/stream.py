@@ -3,8 +3,9 @@
 A ``WorkerStream`` queues the requests (header, buckets, commit) that gRPC sends from its request
 iterator, reads the responses (acks, the result) on one of the pusher's kept reader threads or on
 the pushing thread, and tells its owner (``weightwire.client.session.UpdateSession``, through the
-``StreamOwner`` protocol) about each ack and about its end. It writes only its own state; the
-session reads it.
+``StreamOwner`` protocol) about each ack and about its end. An update whose every message is
+queued before it needs an answer goes out instead as one PushUpdate call (``use_whole_update``),
+read the same way. It writes only its own state; the session reads it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 import grpc
-from weightwire.client.rpc import Worker, error_from_rpc
+from weightwire.client.rpc import Worker, error_from_rpc, is_unimplemented
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.kept_threads import KeptThreads
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -74,6 +75,8 @@ class WorkerStream:
         self.commit_sent_at = 0.0
         self.call: grpc.Call | None = None
         self._reading = False
+        # Sent as one PushUpdate call once everything is queued (``use_whole_update``).
+        self._whole = False
 
     @property
     def opened(self) -> bool:
@@ -87,6 +90,14 @@ class WorkerStream:
         """Report acks and the end of the stream to ``owner`` (before any response is read)."""
         self._owner = owner
 
+    def use_whole_update(self) -> None:
+        """Send the queued messages as one PushUpdate call from ``read_here`` instead of opening a
+        stream: for an update whose every message is queued before any response is needed (one
+        worker, its buckets ready, the commit right behind them). A worker older than that call
+        gets the same messages on a stream."""
+        assert self.call is None, "the stream is open already"
+        self._whole = True
+
     def send_header(self) -> None:
         # The update begins here for the trainer's metrics, however early the call was opened.
         self.started = time.monotonic()
@@ -95,6 +106,8 @@ class WorkerStream:
     def start(self) -> None:
         """Open the call; nothing is sent until ``send_header``, nothing read until ``ensure_reader``
         or ``read_here``."""
+        if self._whole:
+            return  # opened with everything in it, by read_here
         with self._cv:
             if self.cancelled_by_us:  # another worker failed before this stream was opened
                 self.error = WeightwireError(Reason.CANCELLED, "not started", worker=self.address)
@@ -122,7 +135,7 @@ class WorkerStream:
         """Read the responses on the calling thread until the stream ends (one hand-off fewer per
         response than a reader thread). Only when nothing else has to run meanwhile: every bucket
         and the commit are already sent (an update of one worker and at most one bucket)."""
-        if self._reading or self.call is None or self._owner is None:
+        if self._reading or self._owner is None or (self.call is None and not self._whole):
             return
         self._reading = True
         self._read(here=True)
@@ -159,20 +172,47 @@ class WorkerStream:
                 return
             self.cancelled_by_us = True
             call = self.call
+            if self._whole and call is None and not self._reading:
+                # A whole update not sent yet: the worker never heard of it.
+                self.error = WeightwireError(Reason.CANCELLED, "not sent", worker=self.address)
+                self.done.set()
+                return
         # Cancel before ending the request stream: a worker that saw a clean end of stream first
         # would record a malformed update instead of a cancellation.
         if call is not None:
             call.cancel()
         self._put(None)
 
+    def _responses(self) -> Iterable[pb.PushWeightsResponse]:
+        if not self._whole:
+            if self.call is None:
+                raise RuntimeError(f"stream to {self.address} read before it was started")
+            return self.call
+        with self._cv:
+            messages = [m for m in self._queue if m is not None]
+            self._queue.clear()
+        if self.worker.accepts_push_update:
+            try:
+                response = self.worker.stub.PushUpdate(
+                    pb.PushUpdateRequest(messages=messages), timeout=self._connections.timeout_s,
+                    metadata=self._connections.metadata,
+                )
+                return response.messages
+            except grpc.RpcError as e:
+                if not is_unimplemented(e):
+                    raise
+                # A worker older than PushUpdate refused it before it looked at the update.
+                self.worker.accepts_push_update = False
+        self.call = self.worker.stub.PushWeights(
+            iter(messages), timeout=self._connections.timeout_s, metadata=self._connections.metadata
+        )
+        return self.call
+
     def _read(self, here: bool = False) -> None:
         owner = self._owner
         assert owner is not None  # ensure_reader and read_here start reading only once adopted
         try:
-            call = self.call
-            if call is None:
-                raise RuntimeError(f"stream to {self.address} read before it was started")
-            for resp in call:
+            for resp in self._responses():
                 kind = resp.WhichOneof("message")
                 if kind == "ack":
                     self.acks.append(resp.ack)

@@ -112,7 +112,7 @@ def serve(
     None means a Unix socket in a fresh private directory. A non-loopback TCP address requires
     ``token``. ``tls_cert``/``tls_key``: PEM files to serve TLS on TCP. ``own_device`` defaults to the
     adapter manifest's device. ``max_workers`` threads answer the unary calls (status, manifest,
-    health), ``max_streams`` others the PushWeights streams (and transfer-group joins), two the
+    health), ``max_streams`` others the updates (PushWeights streams, PushUpdate calls) and transfer-group joins, two the
     reflection streams: an open or stuck stream never delays a status or a health check. A stream
     that sends nothing for ``idle_timeout_s`` ends with DEADLINE_EXCEEDED. ``group_host``: the address of this machine that transfer groups'
     sockets listen on (default: the TCP listen host, or 127.0.0.1 for a unix socket or a wildcard).
@@ -150,6 +150,8 @@ def serve(
     service_prefix = f"/{SERVICE_NAME}/"
     router = PoolRouter({
         service_prefix + "PushWeights": stream_pool,
+        # An update (and the wait for an abandoned one) holds its thread for as long as its loads take.
+        service_prefix + "PushUpdate": stream_pool,
         service_prefix + "JoinTransferGroup": stream_pool,
         service_prefix + "LeaveTransferGroup": stream_pool,
         f"/{reflection.SERVICE_NAME}/ServerReflectionInfo": reflection_pool,

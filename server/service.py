@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from weightwire.core import transports
@@ -26,7 +26,7 @@ from weightwire.server.group_import import GroupImporter
 from weightwire.server.layout import LayoutCache
 from weightwire.server.messages import MAX_MESSAGE_BYTES, clip_utf8
 from weightwire.server.read_ahead import read_ahead
-from weightwire.server.streams import DEFAULT_IDLE_TIMEOUT_S, StreamReader
+from weightwire.server.streams import DEFAULT_IDLE_TIMEOUT_S, ListedRequests, StreamReader
 from weightwire.server.transports import PayloadImporter, make_importers
 from weightwire.server.update import Update, UpdateContext, now_timestamp
 from weightwire.server.update_events import UpdateEvents, UpdateObserver
@@ -386,9 +386,28 @@ class WorkerService:
         one the client closed without a commit; ``rpc_ended`` is set by the transport once the RPC
         is over (cancelled, timed out or finished), so a new update knows this one is unwinding.
         """
+        yield from self._run(StreamReader(requests, self.idle_timeout_s), client_gone, rpc_ended)
+
+    def push_update(
+        self,
+        requests: Iterable[pb.PushWeightsRequest],
+        *,
+        client_gone: Callable[[], bool] | None = None,
+        rpc_ended: threading.Event | None = None,
+    ) -> list[pb.PushWeightsResponse]:
+        """The PushUpdate call: ``requests`` are a whole PushWeights stream, already received; the
+        same rules in the same order, and the responses the stream would have sent. Raises
+        WeightwireError on any failure (nothing committed)."""
+        return list(self._run(ListedRequests(requests), client_gone, rpc_ended))
+
+    def _run(
+        self,
+        reader: StreamReader | ListedRequests,
+        client_gone: Callable[[], bool] | None,
+        rpc_ended: threading.Event | None,
+    ) -> Iterator[pb.PushWeightsResponse]:
         update: Update | None = None
-        reader = StreamReader(requests, self.idle_timeout_s)
-        requests = reader
+        requests: Iterator[pb.PushWeightsRequest] = reader
         commit: pb.UpdateCommit | None = None
         try:
             reader.waiting_for = "the header"

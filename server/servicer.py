@@ -129,6 +129,27 @@ class WeightTransferServicer(pb_grpc.WeightTransferServiceServicer):
             context.abort_with_status(to_rpc_status(WeightwireError(Reason.INTERNAL, f"internal error in the worker: {e!r}")))
 
 
+    def PushUpdate(self, request: pb.PushUpdateRequest, context: grpc.ServicerContext) -> pb.PushUpdateResponse:
+        # Every message is here already, so nothing waits for the client: whether it went away is
+        # simply whether the call is still active.
+        ended = threading.Event()
+        context.add_callback(ended.set)
+        try:
+            responses = self.service.push_update(
+                request.messages, client_gone=lambda: not context.is_active(), rpc_ended=ended
+            )
+        except WeightwireError as err:
+            context.abort_with_status(to_rpc_status(err))
+            raise  # unreachable: abort_with_status raises
+        except Exception as e:
+            if not context.is_active():
+                return pb.PushUpdateResponse()
+            log.exception("push failed unexpectedly")
+            context.abort_with_status(to_rpc_status(WeightwireError(Reason.INTERNAL, f"internal error in the worker: {e!r}")))
+            raise  # unreachable
+        return pb.PushUpdateResponse(messages=responses)
+
+
 def _bearer(metadata: Any) -> str | None:
     for key, value in metadata or ():
         if key == "authorization":

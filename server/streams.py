@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import cast
 
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.kept_threads import KeptThreads
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-__all__ = ["DEFAULT_IDLE_TIMEOUT_S", "StreamReader"]
+__all__ = ["DEFAULT_IDLE_TIMEOUT_S", "ListedRequests", "StreamReader"]
 
 # How long a stream may go without a message before the worker ends it. Generous: between two
 # messages a trainer may stage a large bucket, wait for a slow worker's ack (it commits only after
@@ -92,3 +92,23 @@ class StreamReader:
 
     def close(self) -> None:
         self._closed.set()
+
+
+class ListedRequests:
+    """The requests of one PushUpdate call, all there already: iterated like a ``StreamReader``
+    (the same attributes, which ``WorkerService.push`` sets), with nothing to wait for."""
+
+    def __init__(self, requests: Iterable[pb.PushWeightsRequest]) -> None:
+        self._requests = iter(requests)
+        self.timeout_s = 0.0
+        self.waiting_for = "a message"
+        self.hint = ""
+
+    def __iter__(self) -> ListedRequests:
+        return self
+
+    def __next__(self) -> pb.PushWeightsRequest:
+        return next(self._requests)
+
+    def close(self) -> None:
+        pass

@@ -309,12 +309,17 @@ def push(
     *,
     metadata: Sequence[tuple[str, str]] | None = None,
     timeout: float = 60.0,
+    whole: bool = False,
 ) -> PushOutcome:
-    """Run one PushWeights stream to its end and collect responses and the final status."""
+    """Run one PushWeights stream to its end and collect responses and the final status. With
+    ``whole``, send the same messages as one PushUpdate call instead (a failed call has no responses)."""
     responses: list[pb.PushWeightsResponse] = []
     try:
-        for resp in stub.PushWeights(iter(list(requests)), metadata=metadata, timeout=timeout):
-            responses.append(resp)
+        if whole:
+            responses.extend(stub.PushUpdate(pb.PushUpdateRequest(messages=list(requests)), metadata=metadata, timeout=timeout).messages)
+        else:
+            for resp in stub.PushWeights(iter(list(requests)), metadata=metadata, timeout=timeout):
+                responses.append(resp)
     except grpc.RpcError as err:
         reason, domain, md = error_info(err)
         return PushOutcome(responses, err.code(), err.details() or "", reason, domain, md)  # type: ignore[attr-defined]

@@ -17,7 +17,7 @@ def test_package_and_service() -> None:
     service = FILE.services_by_name["WeightTransferService"]
     assert service.full_name == "weightwire.v1.WeightTransferService"
     assert sorted(m.name for m in service.methods) == [
-        "GetManifest", "GetStatus", "JoinTransferGroup", "LeaveTransferGroup", "PushWeights",
+        "GetManifest", "GetStatus", "JoinTransferGroup", "LeaveTransferGroup", "PushUpdate", "PushWeights",
     ]
 
 
@@ -26,6 +26,7 @@ def test_package_and_service() -> None:
     [
         ("GetManifest", False, False, "GetManifestRequest", "GetManifestResponse"),
         ("PushWeights", True, True, "PushWeightsRequest", "PushWeightsResponse"),
+        ("PushUpdate", False, False, "PushUpdateRequest", "PushUpdateResponse"),
         ("GetStatus", False, False, "GetStatusRequest", "GetStatusResponse"),
         ("JoinTransferGroup", False, False, "JoinTransferGroupRequest", "JoinTransferGroupResponse"),
         ("LeaveTransferGroup", False, False, "LeaveTransferGroupRequest", "LeaveTransferGroupResponse"),

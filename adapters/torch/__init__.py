@@ -20,6 +20,7 @@ from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest, t
 from weightwire.core.topology import pp_layer_span, stage_owns, tp_slice_bounds
 
 __all__ = [
+    "DEFAULT_COPY_STREAMS",
     "DEFAULT_GROUP_COPY_MAX_BYTES",
     "TPRule",
     "TorchAdapter",
@@ -37,6 +38,28 @@ __all__ = [
 DEFAULT_GROUP_COPY_MAX_BYTES = 16 << 20
 
 GroupCopy = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
+
+
+# How many CUDA streams the large copies of one load are spread over. A copy leaves the device
+# partly idle as it ends, and the next on the same stream starts only after it; copies on two
+# streams overlap those ends: Qwen3-8B's load 9.00 -> 8.62 ms on an H200 in one process, and
+# 8.51 -> 8.02-8.09 ms inside a worker (bench/copy_group.py, bench_gpu.py --copy-streams;
+# BENCHMARKS.md). More streams gained nothing further.
+DEFAULT_COPY_STREAMS = 2
+
+
+def _spread(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], start_bytes: list[int]
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``pairs`` (destination, source) dealt in order over one list per lane, each to the lane
+    with the fewest bytes so far (lane i starts with ``start_bytes[i]``)."""
+    out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in start_bytes]
+    loads = list(start_bytes)
+    for pair in pairs:
+        i = loads.index(min(loads))
+        out[i].append(pair)
+        loads[i] += pair[0].numel() * pair[0].element_size()
+    return out
 
 
 def _copy_each(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -111,9 +134,12 @@ class TorchAdapter:
         engine: str = "torch",
         worker_id: str | None = None,
         group_copy_max_bytes: int = DEFAULT_GROUP_COPY_MAX_BYTES,
+        copy_streams: int = DEFAULT_COPY_STREAMS,
     ) -> None:
         if group_copy_max_bytes < 0:
             raise ValueError(f"group_copy_max_bytes must be >= 0 (0: no grouped copies), got {group_copy_max_bytes}")
+        if copy_streams < 1:
+            raise ValueError(f"copy_streams must be >= 1, got {copy_streams}")
         self.module = module
         self.rank = rank
         self.device = torch.device(device)
@@ -125,6 +151,10 @@ class TorchAdapter:
         self.instance_id = uuid.uuid4().hex
         self.span = pp_layer_span(num_layers, rank.pp_rank, rank.pp_size) if num_layers > 0 else None
         self.group_copy_max_bytes = group_copy_max_bytes
+        # Side streams for the large copies (CUDA only), made once: see DEFAULT_COPY_STREAMS.
+        self._side_streams = (
+            [torch.cuda.Stream(self.device) for _ in range(copy_streams - 1)] if self.device.type == "cuda" else []
+        )
         self._params: dict[str, torch.nn.Parameter] = {}
         # Each parameter's load plan, worked out once, so loading does no name matching per tensor.
         self._plans: dict[str, _LoadPlan] = {}
@@ -203,18 +233,36 @@ class TorchAdapter:
             else:
                 each.append((param, part))
         on_cuda = self.device.type == "cuda"
+        # The large copies within this device spread over the side streams and the current one
+        # (which also runs the grouped copy), by bytes; one from another GPU (a peer import) stays
+        # on the current stream.
+        local = [(d, p) for d, p in each if p.device == d.device]
+        grouped_bytes = sum(d.numel() * d.element_size() for d in grouped_dst)
+        lanes = _spread(local, [grouped_bytes] + [0] * len(self._side_streams))
+        sides = [(st, lane) for st, lane in zip(self._side_streams, lanes[1:], strict=True) if lane]
+        here = lanes[0] + [(d, p) for d, p in each if p.device != d.device]
 
         def copy() -> None:
+            current = torch.cuda.current_stream(self.device) if on_cuda else None
             with torch.no_grad():
-                for dst, part in each:
+                for stream, lane in sides:
+                    assert current is not None  # side streams exist on CUDA only
+                    # What the current stream waited for (the sender's event) comes first there too.
+                    stream.wait_stream(current)
+                    with torch.cuda.stream(stream):
+                        for dst, part in lane:
+                            dst.copy_(part)
+                for dst, part in here:
                     dst.copy_(part)
                 if grouped_dst:
                     _GROUP_COPY(grouped_dst, grouped_src)
-            if on_cuda:
+            if current is not None:
+                for stream, _ in sides:
+                    current.wait_stream(stream)
                 # The service acks right after this returns; the sender may then reuse its buffer.
                 # Every copy above ran on (or, across GPUs, was joined back into) the calling
                 # thread's current stream of this device.
-                torch.cuda.current_stream(self.device).synchronize()
+                current.synchronize()
 
         return copy
 

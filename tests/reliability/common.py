@@ -91,9 +91,17 @@ def push_raw(
     *,
     timeout: float = RPC_TIMEOUT_S,
     metadata: Sequence[tuple[str, str]] | None = None,
+    whole: bool = False,
 ) -> Outcome:
-    """Send a request stream and collect every response and the final status (never raises RpcError)."""
+    """Send a request stream and collect every response and the final status (never raises RpcError).
+    With ``whole``, the same messages go as one PushUpdate call (a failed call has no responses)."""
     responses: list[pb.PushWeightsResponse] = []
+    if whole:
+        try:
+            reply = stub.PushUpdate(pb.PushUpdateRequest(messages=list(requests)), timeout=timeout, metadata=metadata)
+        except grpc.RpcError as err:
+            return failed_outcome(err)
+        return Outcome(list(reply.messages), grpc.StatusCode.OK, "", None, 0)
     call = stub.PushWeights(iter(list(requests)), timeout=timeout, metadata=metadata)
     try:
         for resp in call:

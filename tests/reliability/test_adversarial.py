@@ -120,8 +120,12 @@ def harness() -> Iterator[Harness]:
         h.close()
 
 
-def test_hostile_streams_get_the_documented_reason(harness: Harness) -> None:
+@pytest.mark.parametrize("rpc", ["stream", "whole"])
+def test_hostile_streams_get_the_documented_reason(harness: Harness, rpc: str) -> None:
+    """On PushWeights streams, and as the same messages in one PushUpdate call (whose failure
+    carries no acks: the worker answers only once the whole update is through)."""
     seen = {"state": pb.WORKER_STATE_CONSISTENT}
+    whole = rpc == "whole"
 
     @settings(max_examples=STRUCTURED_EXAMPLES, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -129,10 +133,10 @@ def test_hostile_streams_get_the_documented_reason(harness: Harness) -> None:
     def run(case: hostile.Case) -> None:
         CASES_RUN["structured:" + case.label] += 1
         loaded_before = len(harness.adapter.loaded)
-        outcome = push_raw(harness.stub, case.requests)
+        outcome = push_raw(harness.stub, case.requests, whole=whole)
         assert outcome.code != grpc.StatusCode.OK, f"accepted: {case!r}"
         assert_weightwire_error(outcome, case.reasons)
-        assert len(outcome.acks) == case.acks, outcome.describe()
+        assert len(outcome.acks) == (0 if whole else case.acks), outcome.describe()
         assert outcome.result is None
         # nothing of the hostile part was read; what loaded is exactly the valid prefix, bit for bit
         assert harness.adapter.loaded[loaded_before:] == list(case.loaded), case.label
@@ -150,15 +154,17 @@ def test_hostile_streams_get_the_documented_reason(harness: Harness) -> None:
     harness.finish_with_valid_update(hostile.VERSION + 1)
 
 
-def test_random_streams_never_crash_the_worker(harness: Harness) -> None:
+@pytest.mark.parametrize("rpc", ["stream", "whole"])
+def test_random_streams_never_crash_the_worker(harness: Harness, rpc: str) -> None:
     current = {"version": 0}
+    whole = rpc == "whole"
 
     @settings(max_examples=RANDOM_EXAMPLES, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     @given(requests=hostile.random_streams(harness.target))
     def run(requests: list[pb.PushWeightsRequest]) -> None:
         CASES_RUN["random"] += 1
-        outcome = push_raw(harness.stub, requests)
+        outcome = push_raw(harness.stub, requests, whole=whole)
         if outcome.result is not None:
             # an accidental valid update (e.g. an empty PARTIAL one) must be a proper one
             assert outcome.result.previous_version == current["version"]

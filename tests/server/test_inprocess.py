@@ -53,12 +53,15 @@ def assert_holds(worker, full: dict[str, torch.Tensor]) -> None:
         assert torch.equal(state[name], t), name
 
 
+@pytest.mark.parametrize("rpc", ["stream", "whole"])
 @pytest.mark.parametrize("transport", ["shm", "inline"])
 @pytest.mark.parametrize("buckets", [1, 3])
-def test_full_update_lands(inproc_worker, segments: ShmSegments, transport: str, buckets: int) -> None:
+def test_full_update_lands(inproc_worker, segments: ShmSegments, transport: str, buckets: int, rpc: str) -> None:
+    """On a PushWeights stream, and as the same messages in one PushUpdate call: the same answers."""
     worker = inproc_worker(seed=0)
     full = full_checkpoint(worker.config, 1)
-    out = push(worker.stub(), full_update_requests(1, full, segments if transport == "shm" else None, buckets=buckets, update_id="step-1"))
+    requests = full_update_requests(1, full, segments if transport == "shm" else None, buckets=buckets, update_id="step-1")
+    out = push(worker.stub(), requests, whole=rpc == "whole")
     assert out.code == grpc.StatusCode.OK, out.message
     assert [a.index for a in out.acks] == list(range(buckets))
     kind = pb.TRANSPORT_KIND_HOST_SHM if transport == "shm" else pb.TRANSPORT_KIND_INLINE

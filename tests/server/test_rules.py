@@ -212,8 +212,10 @@ REFUSALS: dict[str, tuple[Case, grpc.StatusCode, str, bool]] = {
 }
 
 
+@pytest.mark.parametrize("rpc", ["stream", "whole"])
 @pytest.mark.parametrize("case", list(REFUSALS))
-def test_refused_update(case: str, inproc_worker, segments: ShmSegments) -> None:
+def test_refused_update(case: str, rpc: str, inproc_worker, segments: ShmSegments) -> None:
+    """Each refusal, on a PushWeights stream and as the same messages in one PushUpdate call."""
     make, code, reason, loaded = REFUSALS[case]
     worker = inproc_worker(seed=0)
     before = worker.state()
@@ -221,7 +223,7 @@ def test_refused_update(case: str, inproc_worker, segments: ShmSegments) -> None
     fingerprint = stub.GetManifest(pb.GetManifestRequest()).manifest.fingerprint
     ctx = Ctx(full_checkpoint(worker.config, 1), segments, fingerprint)
 
-    out = push(stub, make(ctx))
+    out = push(stub, make(ctx), whole=rpc == "whole")
 
     assert (out.code, out.reason, out.domain) == (code, reason, "weightwire"), out.message
     assert out.message  # a person can act on it

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from weightwire.adapters.torch import TorchAdapter, TPRule, default_worker_id, shard_tensor, tp_split_dim
+from weightwire.adapters.torch import (
+    TorchAdapter,
+    TPRule,
+    _spread,
+    default_worker_id,
+    shard_tensor,
+    tp_split_dim,
+)
 from weightwire.adapters.torch.demo import (
     DEMO_TP_RULES,
     DemoConfig,
@@ -196,3 +203,18 @@ def test_a_misfit_tensor_writes_nothing() -> None:
 def test_negative_group_copy_bound_is_refused() -> None:
     with pytest.raises(ValueError, match="group_copy_max_bytes"):
         TorchAdapter(torch.nn.Linear(2, 2), rank=ParallelRank(), device=torch.device("cpu"), own_device=HOST, group_copy_max_bytes=-1)
+
+
+def test_copy_streams_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="copy_streams"):
+        TorchAdapter(torch.nn.Linear(2, 2), rank=ParallelRank(), device=torch.device("cpu"), own_device=HOST, copy_streams=0)
+
+
+def test_large_copies_are_dealt_to_the_lane_with_the_fewest_bytes() -> None:
+    # Lane 0 (the current stream) starts with the grouped copy's bytes; each large copy, in order,
+    # goes to the lane that has the fewest bytes so far.
+    pairs = [(torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)) for n in (100, 60, 50, 30, 20)]
+    lanes = _spread(pairs, [70, 0])
+    sizes = [[d.numel() for d, _ in lane] for lane in lanes]
+    assert sizes == [[60, 30], [100, 50, 20]]
+    assert _spread(pairs, [0]) == [pairs]

@@ -409,6 +409,18 @@ class PushWeightsResponse(_message.Message):
     result: UpdateResult
     def __init__(self, ack: _Optional[_Union[BucketAck, _Mapping]] = ..., result: _Optional[_Union[UpdateResult, _Mapping]] = ...) -> None: ...
 
+class PushUpdateRequest(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[PushWeightsRequest]
+    def __init__(self, messages: _Optional[_Iterable[_Union[PushWeightsRequest, _Mapping]]] = ...) -> None: ...
+
+class PushUpdateResponse(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[PushWeightsResponse]
+    def __init__(self, messages: _Optional[_Iterable[_Union[PushWeightsResponse, _Mapping]]] = ...) -> None: ...
+
 class ParallelRank(_message.Message):
     __slots__ = ("tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size", "sp_rank", "sp_size")
     TP_RANK_FIELD_NUMBER: _ClassVar[int]

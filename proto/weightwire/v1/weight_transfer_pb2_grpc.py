@@ -53,6 +53,11 @@ class WeightTransferServiceStub(object):
                 request_serializer=weightwire_dot_v1_dot_weight__transfer__pb2.PushWeightsRequest.SerializeToString,
                 response_deserializer=weightwire_dot_v1_dot_weight__transfer__pb2.PushWeightsResponse.FromString,
                 _registered_method=True)
+        self.PushUpdate = channel.unary_unary(
+                '/weightwire.v1.WeightTransferService/PushUpdate',
+                request_serializer=weightwire_dot_v1_dot_weight__transfer__pb2.PushUpdateRequest.SerializeToString,
+                response_deserializer=weightwire_dot_v1_dot_weight__transfer__pb2.PushUpdateResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/weightwire.v1.WeightTransferService/GetStatus',
                 request_serializer=weightwire_dot_v1_dot_weight__transfer__pb2.GetStatusRequest.SerializeToString,
@@ -140,6 +145,22 @@ class WeightTransferServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushUpdate(self, request, context):
+        """One whole update in one call: `messages` are exactly what a PushWeights stream would carry
+        (header, buckets, commit), in order, and the end of the request is the end of that stream. The
+        worker applies every rule of PushWeights to them, in the same order and with the same codes
+        and reasons; the response holds what the stream would have answered (one BucketAck per bucket,
+        each after its device copy, then the UpdateResult), and any error is the call's status with
+        nothing committed. For an update whose every bucket is ready when it starts (one worker, buckets
+        exported in place): it saves the stream's set-up and one hand-off per message on both sides.
+        The idle deadline does not apply (nothing is awaited). Refused by gRPC before the worker sees
+        it: RESOURCE_EXHAUSTED for a request over 64 MiB; UNIMPLEMENTED from a worker older than this
+        call (the client then sends the same messages on PushWeights).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Weights version, state (CONSISTENT / UPDATING / INCONSISTENT), last result and last error.
 
@@ -199,6 +220,11 @@ def add_WeightTransferServiceServicer_to_server(servicer, server):
                     servicer.PushWeights,
                     request_deserializer=weightwire_dot_v1_dot_weight__transfer__pb2.PushWeightsRequest.FromString,
                     response_serializer=weightwire_dot_v1_dot_weight__transfer__pb2.PushWeightsResponse.SerializeToString,
+            ),
+            'PushUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushUpdate,
+                    request_deserializer=weightwire_dot_v1_dot_weight__transfer__pb2.PushUpdateRequest.FromString,
+                    response_serializer=weightwire_dot_v1_dot_weight__transfer__pb2.PushUpdateResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -279,6 +305,33 @@ class WeightTransferService(object):
             '/weightwire.v1.WeightTransferService/PushWeights',
             weightwire_dot_v1_dot_weight__transfer__pb2.PushWeightsRequest.SerializeToString,
             weightwire_dot_v1_dot_weight__transfer__pb2.PushWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightwire.v1.WeightTransferService/PushUpdate',
+            weightwire_dot_v1_dot_weight__transfer__pb2.PushUpdateRequest.SerializeToString,
+            weightwire_dot_v1_dot_weight__transfer__pb2.PushUpdateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -107,6 +107,18 @@ class WeightTransferServiceStub:
         worker cannot tell this from a client that went away), INTERNAL for bytes that do not
         decode as a PushWeightsRequest, UNIMPLEMENTED for an unknown method.
     """
+    PushUpdate: _grpc.UnaryUnaryMultiCallable[_weight_transfer_pb2.PushUpdateRequest, _weight_transfer_pb2.PushUpdateResponse]
+    """One whole update in one call: `messages` are exactly what a PushWeights stream would carry
+    (header, buckets, commit), in order, and the end of the request is the end of that stream. The
+    worker applies every rule of PushWeights to them, in the same order and with the same codes
+    and reasons; the response holds what the stream would have answered (one BucketAck per bucket,
+    each after its device copy, then the UpdateResult), and any error is the call's status with
+    nothing committed. For an update whose every bucket is ready when it starts (one worker, buckets
+    exported in place): it saves the stream's set-up and one hand-off per message on both sides.
+    The idle deadline does not apply (nothing is awaited). Refused by gRPC before the worker sees
+    it: RESOURCE_EXHAUSTED for a request over 64 MiB; UNIMPLEMENTED from a worker older than this
+    call (the client then sends the same messages on PushWeights).
+    """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_weight_transfer_pb2.GetStatusRequest, _weight_transfer_pb2.GetStatusResponse]
     """Weights version, state (CONSISTENT / UPDATING / INCONSISTENT), last result and last error.
 
@@ -206,6 +218,18 @@ class WeightTransferServiceAsyncStub(WeightTransferServiceStub):
         RESOURCE_EXHAUSTED for a message over 64 MiB (GetStatus.last_error records CANCELLED: the
         worker cannot tell this from a client that went away), INTERNAL for bytes that do not
         decode as a PushWeightsRequest, UNIMPLEMENTED for an unknown method.
+    """
+    PushUpdate: _aio.UnaryUnaryMultiCallable[_weight_transfer_pb2.PushUpdateRequest, _weight_transfer_pb2.PushUpdateResponse]  # type: ignore[assignment]
+    """One whole update in one call: `messages` are exactly what a PushWeights stream would carry
+    (header, buckets, commit), in order, and the end of the request is the end of that stream. The
+    worker applies every rule of PushWeights to them, in the same order and with the same codes
+    and reasons; the response holds what the stream would have answered (one BucketAck per bucket,
+    each after its device copy, then the UpdateResult), and any error is the call's status with
+    nothing committed. For an update whose every bucket is ready when it starts (one worker, buckets
+    exported in place): it saves the stream's set-up and one hand-off per message on both sides.
+    The idle deadline does not apply (nothing is awaited). Refused by gRPC before the worker sees
+    it: RESOURCE_EXHAUSTED for a request over 64 MiB; UNIMPLEMENTED from a worker older than this
+    call (the client then sends the same messages on PushWeights).
     """
     GetStatus: _aio.UnaryUnaryMultiCallable[_weight_transfer_pb2.GetStatusRequest, _weight_transfer_pb2.GetStatusResponse]  # type: ignore[assignment]
     """Weights version, state (CONSISTENT / UPDATING / INCONSISTENT), last result and last error.
@@ -315,6 +339,24 @@ class WeightTransferServiceServicer(metaclass=_abc_1.ABCMeta):
             RESOURCE_EXHAUSTED for a message over 64 MiB (GetStatus.last_error records CANCELLED: the
             worker cannot tell this from a client that went away), INTERNAL for bytes that do not
             decode as a PushWeightsRequest, UNIMPLEMENTED for an unknown method.
+        """
+
+    @_abc_1.abstractmethod
+    def PushUpdate(
+        self,
+        request: _weight_transfer_pb2.PushUpdateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weight_transfer_pb2.PushUpdateResponse, _abc.Awaitable[_weight_transfer_pb2.PushUpdateResponse]]:
+        """One whole update in one call: `messages` are exactly what a PushWeights stream would carry
+        (header, buckets, commit), in order, and the end of the request is the end of that stream. The
+        worker applies every rule of PushWeights to them, in the same order and with the same codes
+        and reasons; the response holds what the stream would have answered (one BucketAck per bucket,
+        each after its device copy, then the UpdateResult), and any error is the call's status with
+        nothing committed. For an update whose every bucket is ready when it starts (one worker, buckets
+        exported in place): it saves the stream's set-up and one hand-off per message on both sides.
+        The idle deadline does not apply (nothing is awaited). Refused by gRPC before the worker sees
+        it: RESOURCE_EXHAUSTED for a request over 64 MiB; UNIMPLEMENTED from a worker older than this
+        call (the client then sends the same messages on PushWeights).
         """
 
     @_abc_1.abstractmethod
