@@ -52,9 +52,10 @@ class SpecTemplates:
     def __init__(self) -> None:
         self._entries: dict[tuple[int, ...], tuple[list[TensorSpec], pb.Bucket]] = {}
 
-    def request(self, specs: list[TensorSpec], base_offset_bytes: int) -> pb.PushWeightsRequest:
-        """A new request whose bucket's ``tensors`` are ``specs`` shifted by ``base_offset_bytes``
-        (built in place: wrapping a finished Bucket in a request would copy every spec again)."""
+    def request(self, specs: list[TensorSpec], base_offset_bytes: int, into: pb.PushWeightsRequest) -> pb.PushWeightsRequest:
+        """``into`` (an empty request), its bucket's ``tensors`` now ``specs`` shifted by
+        ``base_offset_bytes`` (built in place: wrapping a finished Bucket in a request would copy
+        every spec again)."""
         key = (base_offset_bytes, *map(id, specs))
         entry = self._entries.get(key)
         if entry is None:
@@ -62,9 +63,8 @@ class SpecTemplates:
                 self._entries.clear()
             entry = (list(specs), pb.Bucket(tensors=[s.to_proto(base_offset_bytes) for s in specs]))
             self._entries[key] = entry
-        out = pb.PushWeightsRequest()
-        out.bucket.CopyFrom(entry[1])
-        return out
+        into.bucket.CopyFrom(entry[1])
+        return into
 
 
 def open_streams(
@@ -234,7 +234,7 @@ class UpdateSession:
                 self._prepared[job_id] = prepared
             cache: dict[DeviceRef, pb.Payload] = {}
             for a in job.recipients:
-                request = self._templates.request(job.specs, prepared.base_offset_bytes)
+                request = self._templates.request(job.specs, prepared.base_offset_bytes, self.streams[a].new_request())
                 request.bucket.payloads.extend(prepared.payloads_for(self._manifests[a].device, cache, a))
                 if prepared.checksum is not None:
                     request.bucket.checksum.CopyFrom(prepared.checksum)

@@ -75,8 +75,8 @@ class WorkerStream:
         self.commit_sent_at = 0.0
         self.call: grpc.Call | None = None
         self._reading = False
-        # Sent as one PushUpdate call once everything is queued (``use_whole_update``).
-        self._whole = False
+        # The whole update, built in place and sent as one PushUpdate call (``use_whole_update``).
+        self._whole: pb.PushUpdateRequest | None = None
 
     @property
     def opened(self) -> bool:
@@ -96,17 +96,20 @@ class WorkerStream:
         worker, its buckets ready, the commit right behind them). A worker older than that call
         gets the same messages on a stream."""
         assert self.call is None, "the stream is open already"
-        self._whole = True
+        self._whole = pb.PushUpdateRequest()
 
     def send_header(self) -> None:
         # The update begins here for the trainer's metrics, however early the call was opened.
         self.started = time.monotonic()
+        if self._whole is not None:
+            self._whole.messages.add().header.CopyFrom(self._header)
+            return
         self._put(pb.PushWeightsRequest(header=self._header))
 
     def start(self) -> None:
         """Open the call; nothing is sent until ``send_header``, nothing read until ``ensure_reader``
         or ``read_here``."""
-        if self._whole:
+        if self._whole is not None:
             return  # opened with everything in it, by read_here
         with self._cv:
             if self.cancelled_by_us:  # another worker failed before this stream was opened
@@ -135,7 +138,7 @@ class WorkerStream:
         """Read the responses on the calling thread until the stream ends (one hand-off fewer per
         response than a reader thread). Only when nothing else has to run meanwhile: every bucket
         and the commit are already sent (an update of one worker and at most one bucket)."""
-        if self._reading or self._owner is None or (self.call is None and not self._whole):
+        if self._reading or self._owner is None or (self.call is None and self._whole is None):
             return
         self._reading = True
         self._read(here=True)
@@ -155,14 +158,24 @@ class WorkerStream:
             self._queue.append(msg)
             self._cv.notify()
 
+    def new_request(self) -> pb.PushWeightsRequest:
+        """An empty request for ``send_bucket`` (inside the whole update already, when there is
+        one: a bucket of 399 specs is then not copied once more)."""
+        return self._whole.messages.add() if self._whole is not None else pb.PushWeightsRequest()
+
     def send_bucket(self, job_id: int, request: pb.PushWeightsRequest) -> None:
-        """Queue ``request`` (a bucket) as this stream's next bucket (its index is set here)."""
+        """Queue ``request`` (a bucket from ``new_request``) as this stream's next bucket (its
+        index is set here)."""
         request.bucket.index = len(self.sent_jobs)
         self.sent_jobs.append(job_id)
-        self._put(request)
+        if self._whole is None:
+            self._put(request)
 
     def commit(self) -> None:
         self.commit_sent_at = time.monotonic()
+        if self._whole is not None:
+            self._whole.messages.add().commit.bucket_count = len(self.sent_jobs)
+            return
         self._put(pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=len(self.sent_jobs))))
         self._put(None)
 
@@ -172,7 +185,7 @@ class WorkerStream:
                 return
             self.cancelled_by_us = True
             call = self.call
-            if self._whole and call is None and not self._reading:
+            if self._whole is not None and call is None and not self._reading:
                 # A whole update not sent yet: the worker never heard of it.
                 self.error = WeightwireError(Reason.CANCELLED, "not sent", worker=self.address)
                 self.done.set()
@@ -184,18 +197,15 @@ class WorkerStream:
         self._put(None)
 
     def _responses(self) -> Iterable[pb.PushWeightsResponse]:
-        if not self._whole:
+        whole = self._whole
+        if whole is None:
             if self.call is None:
                 raise RuntimeError(f"stream to {self.address} read before it was started")
             return self.call
-        with self._cv:
-            messages = [m for m in self._queue if m is not None]
-            self._queue.clear()
         if self.worker.accepts_push_update:
             try:
                 response = self.worker.stub.PushUpdate(
-                    pb.PushUpdateRequest(messages=messages), timeout=self._connections.timeout_s,
-                    metadata=self._connections.metadata,
+                    whole, timeout=self._connections.timeout_s, metadata=self._connections.metadata
                 )
                 return response.messages
             except grpc.RpcError as e:
@@ -204,7 +214,7 @@ class WorkerStream:
                 # A worker older than PushUpdate refused it before it looked at the update.
                 self.worker.accepts_push_update = False
         self.call = self.worker.stub.PushWeights(
-            iter(messages), timeout=self._connections.timeout_s, metadata=self._connections.metadata
+            iter(whole.messages), timeout=self._connections.timeout_s, metadata=self._connections.metadata
         )
         return self.call
 

@@ -106,6 +106,7 @@ class WorkerService:
         self._succeeded = 0
         self._failed = 0
         self._listeners: list[Callable[[bool], None]] = []
+        self._told_serving: bool | None = None
         # Metrics and the structured log line per update (weightwire.server.update_events).
         self._events = UpdateEvents()
         self._events.add(UpdateLog())
@@ -130,7 +131,7 @@ class WorkerService:
         return self._state != pb.WORKER_STATE_INCONSISTENT
 
     def add_state_listener(self, listener: Callable[[bool], None]) -> None:
-        """``listener(serving)`` is called after every state change (the health service uses it)."""
+        """``listener(serving)`` is called now and whenever ``serving`` changes (the health service uses it)."""
         self._listeners.append(listener)
         listener(self.serving)
 
@@ -139,7 +140,11 @@ class WorkerService:
         self._events.add(observer)
 
     def _notify(self) -> None:
+        # Only a change is news (UPDATING and back serve as before); every update passes here twice.
         serving = self.serving
+        if serving == self._told_serving:
+            return
+        self._told_serving = serving
         for listener in self._listeners:
             listener(serving)
 

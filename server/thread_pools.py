@@ -44,6 +44,9 @@ class PoolRouter(grpc.ServerInterceptor):
 
     def __init__(self, pools: Mapping[str, futures.ThreadPoolExecutor]) -> None:
         self._pools = dict(pools)
+        # The wrapped handler per method, for as long as the method's handler is the same object
+        # (it is, call after call): wrapping is then not repeated on every update's path.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     def intercept_service(
         self,
@@ -51,7 +54,13 @@ class PoolRouter(grpc.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(handler_call_details)
-        pool = self._pools.get(handler_call_details.method or "")
+        method = handler_call_details.method or ""
+        pool = self._pools.get(method)
         if handler is None or pool is None:
             return handler
-        return _on_pool(handler, pool)
+        known = self._wrapped.get(method)
+        if known is not None and known[0] is handler:
+            return known[1]
+        wrapped = _on_pool(handler, pool)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped

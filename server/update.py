@@ -120,7 +120,10 @@ class Update:
         self._t0 = time.perf_counter_ns()
         self._bucket_indices: set[int] = set()
         self._names_seen: set[str] = set()
-        self._loaded: set[str] = set()
+        # The layouts whose owned tensors were loaded, and how many those are (no name twice: the
+        # duplicate rule holds across buckets), so a commit checks a count, not 399 names.
+        self._loaded_layouts: list[BucketLayout] = []
+        self._tensors_loaded = 0
         self._loaded_any = False
         self._bytes_loaded = 0
         self._bytes_received = 0
@@ -191,7 +194,8 @@ class Update:
             return ack
         sel, importer = self._select(payloads)
         loaded = self._import(msg.index, layout, sel, importer, checksum)
-        self._loaded.update(layout.owned_names)
+        self._loaded_layouts.append(layout)
+        self._tensors_loaded += len(layout.owned_names)
         self._bytes_loaded += layout.owned_bytes
         if loaded.opened:
             self._handles_opened += 1
@@ -380,8 +384,9 @@ class Update:
                 received=str(received),
             )
         manifest = self._ctx.manifest
-        if self.header.scope == pb.UPDATE_SCOPE_FULL:
-            missing = sorted(set(manifest.tensors) - self._loaded)
+        if self.header.scope == pb.UPDATE_SCOPE_FULL and self._tensors_loaded < len(manifest.tensors):
+            loaded = {name for layout in self._loaded_layouts for name in layout.owned_names}
+            missing = sorted(set(manifest.tensors) - loaded)
             if missing:
                 raise WeightwireError(
                     Reason.INCOMPLETE_UPDATE,
@@ -407,7 +412,7 @@ class Update:
             previous_version=self.previous_version,
             scope=self.header.scope,
             bucket_count=len(self._bucket_indices),
-            tensors_loaded=len(self._loaded),
+            tensors_loaded=self._tensors_loaded,
             bytes_loaded=self._bytes_loaded,
             handles_opened=self._handles_opened,
             bytes_received=self._bytes_received,
