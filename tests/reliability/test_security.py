@@ -112,10 +112,11 @@ def test_tokens(inproc_worker: Callable[..., object]) -> None:
     full = full_checkpoint(config, seed=3)
     update = inline_update({n: full[n] for n in owned}, 1)
     before = worker.state()  # type: ignore[attr-defined]
-    outcome = push_raw(stub, update, metadata=(("authorization", "Bearer nope"),))
-    assert_weightwire_error(outcome, "INVALID_TOKEN")
-    assert not outcome.responses
-    assert_weightwire_error(push_raw(stub, update), "MISSING_TOKEN")
+    for whole in (False, True):  # on a PushWeights stream, and as one PushUpdate call
+        outcome = push_raw(stub, update, metadata=(("authorization", "Bearer nope"),), whole=whole)
+        assert_weightwire_error(outcome, "INVALID_TOKEN")
+        assert not outcome.responses
+        assert_weightwire_error(push_raw(stub, update, whole=whole), "MISSING_TOKEN")
     assert stub.GetStatus(pb.GetStatusRequest(), timeout=30, metadata=good).weights_version == 0
     after = worker.state()  # type: ignore[attr-defined]
     assert all(torch.equal(before[n], after[n]) for n in owned)

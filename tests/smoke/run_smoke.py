@@ -177,11 +177,12 @@ def run_checks(g: Grpcurl, dump_dir: str) -> tuple[int, int]:
             "rpc GetManifest ( .weightwire.v1.GetManifestRequest ) returns ( .weightwire.v1.GetManifestResponse )",
             "rpc PushWeights ( stream .weightwire.v1.PushWeightsRequest ) returns ( stream .weightwire.v1.PushWeightsResponse )",
             "rpc GetStatus ( .weightwire.v1.GetStatusRequest ) returns ( .weightwire.v1.GetStatusResponse )",
+            "rpc PushUpdate ( .weightwire.v1.PushUpdateRequest ) returns ( .weightwire.v1.PushUpdateResponse )",
         ]
         missing = [w for w in wants if w not in text]
         if proc.returncode != 0 or missing:
             raise SmokeFailure(f"describe lacks {missing}: {text}{proc.stderr}")
-        return "3 RPCs"
+        return "4 RPCs"
 
     def describe_message() -> str:
         proc = g.run("describe", "weightwire.v1.Bucket")
@@ -250,11 +251,20 @@ def run_checks(g: Grpcurl, dump_dir: str) -> tuple[int, int]:
             raise SmokeFailure(f"model.norm.weight after the update is {held.tolist()[:8]}..., want 0..63")
         return f"ack + result version {r['version']}; the worker's dump holds the pushed values"
 
+    def push_update_empty() -> str:
+        reply = ok_json(g.call("PushUpdate", json.dumps(
+            {"messages": [{"header": {"version": "2", "scope": "UPDATE_SCOPE_PARTIAL"}}, {"commit": {"bucket_count": "0"}}]}
+        )))
+        r = reply[0]["messages"][-1]["result"]
+        if int(r["version"]) != 2 or int(r["previous_version"]) != 1:
+            raise SmokeFailure(f"result {r}")
+        return f"result version {r['version']} from {r['previous_version']}"
+
     def malformed(stream: str, code: str, number: int, reason: str) -> Callable[[], str]:
         return lambda: expect_error(g.call("PushWeights", stream), code, number, reason)
 
     check("list shows the service, health and reflection", list_services)
-    check("describe shows the three RPCs", describe)
+    check("describe shows the update RPCs", describe)
     check("describe shows message types", describe_message)
     check("health Check is SERVING", health)
     check("GetManifest returns the demo manifest", get_manifest)
@@ -285,6 +295,11 @@ def run_checks(g: Grpcurl, dump_dir: str) -> tuple[int, int]:
     check("stale version: STALE_VERSION",
           malformed(messages({"header": {"version": "1", "scope": "UPDATE_SCOPE_FULL"}}), "FAILED_PRECONDITION", 9, "STALE_VERSION"))
     check("GetStatus still at version 1", get_status(1))
+    check("PushUpdate of a stale version: STALE_VERSION", lambda: expect_error(g.call("PushUpdate", json.dumps(
+        {"messages": [{"header": {"version": "1", "scope": "UPDATE_SCOPE_PARTIAL"}}, {"commit": {"bucket_count": "0"}}]}
+    )), "FAILED_PRECONDITION", 9, "STALE_VERSION"))
+    check("PushUpdate of an empty PARTIAL update commits version 2", push_update_empty)
+    check("GetStatus at version 2", get_status(2))
     return passed, failed
 
 
