@@ -74,31 +74,25 @@ def measure(preset: str, device: torch.device, bounds: list[int], reps: int, str
                 d.copy_(v)
 
     out["copy_loop_ms"] = common.median(common.time_reps(loop, sync, reps))
-    by_bound: dict[str, float] = {}
-    exact = True
-    for bound in bounds:
-        adapter = TorchAdapter(module, rank=ParallelRank(), device=device, own_device=own, group_copy_max_bytes=bound)
-        by_bound[bound_label(bound)] = common.median(common.time_reps(lambda a=adapter: a.load(views), sync, reps))
+    exact = [True]
+
+    def timed_load(**adapter_kw: Any) -> float:
+        """Median time of ``TorchAdapter.load`` with these settings; then one load checked bit for bit."""
+        adapter = TorchAdapter(module, rank=ParallelRank(), device=device, own_device=own, **adapter_kw)
+        ms = common.median(common.time_reps(lambda: adapter.load(views), sync, reps))
         with torch.no_grad():
             for p in params.values():
                 p.zero_()
         adapter.load(views)
         sync()
-        exact = exact and all(torch.equal(params[name], v) for name, v in views)
-    out["load_ms"] = by_bound
+        exact[0] = exact[0] and all(torch.equal(params[name], v) for name, v in views)
+        return ms
+
+    out["load_ms"] = {bound_label(b): timed_load(group_copy_max_bytes=b) for b in bounds}
     # The default bound, its large copies spread over this many CUDA streams.
-    by_streams: dict[str, float] = {}
-    for n in streams:
-        adapter = TorchAdapter(module, rank=ParallelRank(), device=device, own_device=own, copy_streams=n)
-        by_streams[str(n)] = common.median(common.time_reps(lambda a=adapter: a.load(views), sync, reps))
-        with torch.no_grad():
-            for p in params.values():
-                p.zero_()
-        adapter.load(views)
-        sync()
-        exact = exact and all(torch.equal(params[name], v) for name, v in views)
+    by_streams = {str(n): timed_load(copy_streams=n) for n in streams}
     out["load_ms_by_streams"] = by_streams
-    out["exact"] = exact
+    out["exact"] = exact[0]
     return out
 
 
