@@ -91,10 +91,10 @@ class WorkerStream:
         self._owner = owner
 
     def use_whole_update(self) -> None:
-        """Send the queued messages as one PushUpdate call from ``read_here`` instead of opening a
-        stream: for an update whose every message is queued before any response is needed (one
-        worker, its buckets ready, the commit right behind them). A worker older than that call
-        gets the same messages on a stream."""
+        """Build this update's messages (header, buckets, commit) into one PushUpdate request,
+        sent by ``read_here``, instead of opening a stream: for an update whose every message is
+        ready before any answer is needed (one worker, its bucket ready, the commit right behind
+        it). A worker older than that call gets the same messages on a stream."""
         assert self.call is None, "the stream is open already"
         self._whole = pb.PushUpdateRequest()
 
