@@ -67,7 +67,7 @@ def spec() -> Any:
 # --------------------------------------------------------------------------------------- trainer
 
 
-def trainer(socket_dir: str) -> None:
+def trainer(socket_dir: str, bucket_bytes: int) -> None:
     """The trainer process: checkpoints A and B on this GPU, pushed over CUDA IPC on command."""
     import torch
     from checkpoints import full_checkpoint
@@ -79,7 +79,9 @@ def trainer(socket_dir: str) -> None:
     if not CPU:
         torch.cuda.synchronize()
     transport = "host_shm" if CPU else "cuda_ipc"
-    pusher = WeightPusher(discover(socket_dir, count=1, timeout_s=600), transport=transport, timeout_s=300)
+    pusher = WeightPusher(
+        discover(socket_dir, count=1, timeout_s=600), transport=transport, timeout_s=300, bucket_size_bytes=bucket_bytes
+    )
     print(json.dumps({"ready": True, "device": "cpu" if CPU else torch.cuda.get_device_name(0)}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -93,8 +95,8 @@ def trainer(socket_dir: str) -> None:
 
 
 class Trainer:
-    def __init__(self, socket_dir: str) -> None:
-        cmd = [sys.executable, __file__, "--trainer", socket_dir] + (["--cpu"] if CPU else [])
+    def __init__(self, socket_dir: str, bucket_bytes: int) -> None:
+        cmd = [sys.executable, __file__, "--trainer", socket_dir, str(bucket_bytes)] + (["--cpu"] if CPU else [])
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def wait_ready(self) -> None:
@@ -204,7 +206,7 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
     work = Path(tempfile.mkdtemp(prefix="ww-sgl-gpu-"))
     args.work_dir = str(work)
     # The trainer builds its copies while the engine starts (it waits for the worker's socket).
-    trainer = Trainer(str(work / "sock"))
+    trainer = Trainer(str(work / "sock"), args.bucket_mib << 20)
     ckpt = {seed: full_checkpoint(s, seed) for seed in (1, 2)}
     model = write_model_dir(s, str(work / "model-a"), ckpt[1])
     nbytes = sum(t.numel() * t.element_size() for t in ckpt[1].values())
@@ -259,7 +261,7 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         save(args, out)
         graph: dict[str, Any] = {}
         out["cuda_graph_check"] = graph
-        trainer = Trainer(str(work / "sock-graph"))
+        trainer = Trainer(str(work / "sock-graph"), args.bucket_mib << 20)
         driver = Driver(model, str(work / "sock-graph"), cuda_graph=True)
         graph["engine_start_s"] = driver.start_s
         trainer.wait_ready()
@@ -281,12 +283,14 @@ def save(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
 def main() -> None:
     if len(sys.argv) >= 3 and sys.argv[1] == "--trainer":
-        trainer(sys.argv[2])
+        trainer(sys.argv[2], int(sys.argv[3]))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="sglang-gpu-results")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cuda-graph-check", action="store_true")
+    ap.add_argument("--bucket-mib", type=int, default=64,
+                    help="the trainer's bucket size (1024: the whole checkpoint in one bucket, sent as one PushUpdate call)")
     ap.add_argument("--cpu", action="store_true", help="check this script on a CPU machine")
     args = ap.parse_args()
     out: dict[str, Any] = {}
