@@ -128,7 +128,6 @@ class WeightTransferServicer(pb_grpc.WeightTransferServiceServicer):
             log.exception("push failed unexpectedly")
             context.abort_with_status(to_rpc_status(WeightwireError(Reason.INTERNAL, f"internal error in the worker: {e!r}")))
 
-
     def PushUpdate(self, request: pb.PushUpdateRequest, context: grpc.ServicerContext) -> pb.PushUpdateResponse:
         # Every message is here already, so nothing waits for the client: whether it went away is
         # simply whether the call is still active.
