@@ -44,14 +44,20 @@ class _Staging:
     def __init__(self, min_bytes: int) -> None:
         self._min_bytes = min_bytes
         self._kept: torch.Tensor | None = None
+        # Every batch is read to the same place of the kept buffer each time, so its views (and the
+        # adapter's prepared load of them: ``views.batch_views``) hold for as long as the buffer
+        # does; emptied whenever the buffer is replaced or let go.
+        self.view_memo: dict[int, object] = {}
 
     def get(self, nbytes: int) -> torch.Tensor:
         if self._kept is None or self._kept.numel() < nbytes:
+            self.view_memo.clear()
             self._kept = None  # let the smaller one go before the larger one is made
             self._kept = torch.empty(max(nbytes, self._min_bytes), dtype=torch.uint8)
         return self._kept[:nbytes]
 
     def release(self) -> None:
+        self.view_memo.clear()
         self._kept = None
 
 
@@ -115,6 +121,11 @@ class _HostShmFile:
         self._fd: int | None = fd
         self.size_bytes = size_bytes
         self._staging = staging
+
+    @property
+    def view_memo(self) -> dict[int, object]:
+        """The staging buffer's remembered views: a batch's bytes land at the same place every time."""
+        return self._staging.view_memo
 
     def _open_fd(self) -> int:
         if self._fd is None:

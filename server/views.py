@@ -167,7 +167,8 @@ def batch_views(mapping: _Fetches, batch: ReadBatch) -> list[torch.Tensor]:
     """``views_over`` the bytes ``mapping.fetch(batch)`` gives, for every tensor of ``batch``.
 
     ``fetch`` runs every time (it is where a mapping reads, or waits for its producer). A mapping
-    whose bytes stay where they are for as long as it is kept (a CUDA IPC storage) has a
+    whose bytes stay where they are for as long as it is kept (a CUDA IPC storage; the host
+    shared-memory importer's staging buffer, which each batch is read to the same place of) has a
     ``view_memo`` dict: the views of a batch are built once and reused for the same batch (the
     layout's read plan, which the layout cache keeps) while the mapping lives, instead of one
     ``as_strided`` per tensor per bucket.

@@ -7,6 +7,7 @@ import logging
 import os
 import stat
 import threading
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -291,6 +292,15 @@ def test_cancel_before_anything_loaded_keeps_worker_consistent(inproc_worker) ->
     assert status_of(worker).state == pb.WORKER_STATE_CONSISTENT
 
 
+def engine_load(monkeypatch: pytest.MonkeyPatch, adapter: object, load: Callable[[object], None]) -> Callable[[object], None]:
+    """Make ``load`` the engine's load, also where the worker uses a prepared load (views it keeps,
+    ``views.batch_load``); returns the adapter's own load, for ``load`` to call."""
+    prepare = adapter.prepare_load  # type: ignore[attr-defined]
+    monkeypatch.setattr(adapter, "load", load)
+    monkeypatch.setattr(adapter, "prepare_load", lambda named: (lambda: load(named)))
+    return lambda named: prepare(named)()
+
+
 def test_load_failure_is_internal_and_inconsistent(inproc_worker, segments: ShmSegments, monkeypatch: pytest.MonkeyPatch) -> None:
     worker = inproc_worker()
     calls: list[int] = []
@@ -299,7 +309,7 @@ def test_load_failure_is_internal_and_inconsistent(inproc_worker, segments: ShmS
         calls.append(1)
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(worker.adapter, "load", failing_load)
+    engine_load(monkeypatch, worker.adapter, failing_load)
     ends: list[bool] = []
     monkeypatch.setattr(worker.adapter, "end_update", ends.append)
     out = push(worker.stub(), full_update_requests(1, full_checkpoint(worker.config, 1), segments))
@@ -312,9 +322,8 @@ def test_load_failure_is_internal_and_inconsistent(inproc_worker, segments: ShmS
 def test_adapter_hooks_called_in_order(inproc_worker, segments: ShmSegments, monkeypatch: pytest.MonkeyPatch) -> None:
     worker = inproc_worker()
     events: list[str] = []
-    real_load = worker.adapter.load
     monkeypatch.setattr(worker.adapter, "begin_update", lambda v: events.append(f"begin {v}"))
-    monkeypatch.setattr(worker.adapter, "load", lambda named: (events.append(f"load {len(named)}"), real_load(named)))
+    real_load = engine_load(monkeypatch, worker.adapter, lambda named: (events.append(f"load {len(named)}"), real_load(named)))
     monkeypatch.setattr(worker.adapter, "end_update", lambda ok: events.append(f"end {ok}"))
     full = full_checkpoint(worker.config, 3)
     assert push(worker.stub(), full_update_requests(3, full, segments, buckets=2)).code == grpc.StatusCode.OK
@@ -424,14 +433,12 @@ def test_a_new_update_waits_for_a_cancelled_one_to_end(
     full = full_checkpoint(worker.config, 1)
     reqs = full_update_requests(1, full, segments, buckets=2)
     in_load, let_go = threading.Event(), threading.Event()
-    real_load = worker.adapter.load
-
     def slow_load(views):  # an engine whose load takes a while
         in_load.set()
         assert let_go.wait(60)
         real_load(views)
 
-    monkeypatch.setattr(worker.adapter, "load", slow_load)
+    real_load = engine_load(monkeypatch, worker.adapter, slow_load)
     feed = RequestFeed()
     call = stub.PushWeights(iter(feed), timeout=60)
     feed.send(reqs[0])

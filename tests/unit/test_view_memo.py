@@ -1,11 +1,14 @@
 """Views a kept mapping remembers (``views.batch_views``), the adapter's prepared load kept with them
-(``views.batch_load``), and the CUDA IPC mapping's wait for its producer event, on CPU: a remembered
-view and a kept load still copy the bytes of each new bucket, a copied (misaligned) tensor is never
-remembered, and every bucket fetches (waits) again."""
+(``views.batch_load``), the host shared-memory staging that keeps them, and the CUDA IPC mapping's
+wait for its producer event, on CPU: a remembered view and a kept load still copy the bytes of each
+new bucket, a copied (misaligned) tensor is never remembered, and every bucket fetches (waits)
+again."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +17,8 @@ from weightwire.core.cuda_ipc import OpenedStorage
 from weightwire.core.devices import DeviceRef
 from weightwire.core.manifest import ParallelRank
 from weightwire.server.cuda_import import CudaIpcMapping
-from weightwire.server.views import ViewItem, batch_load, batch_views, in_place_plan
+from weightwire.server.shm_import import _HostShmFile, _Staging
+from weightwire.server.views import ViewItem, batch_load, batch_views, copy_plan, in_place_plan
 
 
 class KeptBytes:
@@ -154,3 +158,37 @@ def test_prepare_load_checks_shapes_up_front() -> None:
     adapter = _tiny_adapter()
     with pytest.raises(ValueError, match="does not fit"):
         adapter.prepare_load([("w", torch.zeros(3))])
+
+
+def test_host_shm_staging_keeps_views_until_it_is_replaced(tmp_path: Path) -> None:
+    """Host shared memory is read into the importer's kept staging buffer, each batch to the same
+    place every time: its views are remembered, show each new update's bytes, and are forgotten
+    when the buffer grows or is let go."""
+    staging = _Staging(64)
+    items = [ViewItem.of(0, torch.float32, (4,)), ViewItem.of(16, torch.int32, (2,))]
+    (batch,) = copy_plan(["a", "b"], items, 1 << 20)
+    path = tmp_path / "segment"
+
+    def write(values: tuple[float, int]) -> _HostShmFile:
+        floats = torch.full((4,), values[0]).view(torch.uint8)
+        ints = torch.full((2,), values[1], dtype=torch.int32).view(torch.uint8)
+        data = torch.cat([floats, ints])
+        path.write_bytes(bytes(data.numpy()))
+        return _HostShmFile("segment", os.open(path, os.O_RDONLY), data.numel(), staging)
+
+    first_views = None
+    for value in ((1.5, 7), (2.5, 8)):  # two updates, a new file each (as a new segment would be)
+        mapping = write(value)
+        views = batch_views(mapping, batch)
+        first_views = first_views or views
+        assert views is first_views
+        assert views[0].tolist() == [value[0]] * 4 and views[1].tolist() == [value[1]] * 2
+        mapping.close()
+    staging.get(1024)  # a larger batch replaces the buffer: what was remembered over it goes
+    assert staging.view_memo == {}
+    mapping = write((3.5, 9))
+    views = batch_views(mapping, batch)
+    assert views is not first_views and views[0].tolist() == [3.5] * 4 and views[1].tolist() == [9] * 2
+    staging.release()
+    assert staging.view_memo == {}
+    mapping.close()
