@@ -184,9 +184,11 @@ def test_random_streams_never_crash_the_worker(harness: Harness, rpc: str) -> No
     harness.finish_with_valid_update(current["version"] + 1)
 
 
-def test_message_over_64_mib_is_refused_and_the_worker_goes_on(harness: Harness) -> None:
-    """A single message over the 64 MiB limit is cut off by gRPC itself (RESOURCE_EXHAUSTED, no
-    ErrorInfo: our code never sees it); the worker keeps its version and serves the next update."""
+@pytest.mark.parametrize("rpc", ["stream", "whole"])
+def test_message_over_64_mib_is_refused_and_the_worker_goes_on(harness: Harness, rpc: str) -> None:
+    """A single message over the 64 MiB limit (a stream's bucket, or a whole PushUpdate request) is
+    cut off by gRPC itself (RESOURCE_EXHAUSTED, no ErrorInfo: our code never sees it); the worker
+    keeps its version and serves the next update."""
     CASES_RUN["oversized"] += 1
     name = "model.norm.weight"
     blob = b"\0" * (MAX_MESSAGE_BYTES + 4096)
@@ -199,7 +201,7 @@ def test_message_over_64_mib_is_refused_and_the_worker_goes_on(harness: Harness)
         )),
         pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=1)),
     ]
-    outcome = push_raw(harness.stub, requests)
+    outcome = push_raw(harness.stub, requests, whole=rpc == "whole")
     assert outcome.code == grpc.StatusCode.RESOURCE_EXHAUSTED, outcome.describe()
     assert outcome.result is None and not outcome.acks
     status = harness.status()

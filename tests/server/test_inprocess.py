@@ -189,7 +189,10 @@ def test_inconsistent_until_a_good_full_update(inproc_worker, segments: ShmSegme
     assert (status.updates_succeeded, status.updates_failed) == (2, 2)
 
 
-def test_second_concurrent_push_is_aborted(inproc_worker, segments: ShmSegments) -> None:
+@pytest.mark.parametrize("rpc", ["stream", "whole"])
+def test_second_concurrent_push_is_aborted(inproc_worker, segments: ShmSegments, rpc: str) -> None:
+    """A second update, on a stream or as one PushUpdate call, while one runs: refused, the running
+    one goes on and lands."""
     worker = inproc_worker()
     stub = worker.stub()
     full = full_checkpoint(worker.config, 1)
@@ -201,7 +204,7 @@ def test_second_concurrent_push_is_aborted(inproc_worker, segments: ShmSegments)
     first_ack = next(call)
     assert first_ack.ack.index == 0
     assert status_of(worker).state == pb.WORKER_STATE_UPDATING
-    other = push(stub, full_update_requests(7, full, segments))
+    other = push(stub, full_update_requests(7, full, segments), whole=rpc == "whole")
     assert (other.code, other.reason) == (grpc.StatusCode.ABORTED, "UPDATE_IN_PROGRESS")
     for req in reqs[2:]:
         feed.send(req)
