@@ -120,13 +120,7 @@ class WeightTransferServicer(pb_grpc.WeightTransferServiceServicer):
         except WeightwireError as err:
             context.abort_with_status(to_rpc_status(err))
         except Exception as e:
-            # A bug, or the request stream broke: the service has already ended the update (and
-            # recorded it for GetStatus); the client gets the same INTERNAL with an ErrorInfo
-            # instead of gRPC's bare UNKNOWN. A client that went away needs no answer.
-            if not context.is_active():
-                return
-            log.exception("push failed unexpectedly")
-            context.abort_with_status(to_rpc_status(WeightwireError(Reason.INTERNAL, f"internal error in the worker: {e!r}")))
+            _abort_unexpected(context, e)
 
     def PushUpdate(self, request: pb.PushUpdateRequest, context: grpc.ServicerContext) -> pb.PushUpdateResponse:
         # Every message is here already, so nothing waits for the client: whether it went away is
@@ -141,12 +135,19 @@ class WeightTransferServicer(pb_grpc.WeightTransferServiceServicer):
             context.abort_with_status(to_rpc_status(err))
             raise  # unreachable: abort_with_status raises
         except Exception as e:
-            if not context.is_active():
-                return pb.PushUpdateResponse()
-            log.exception("push failed unexpectedly")
-            context.abort_with_status(to_rpc_status(WeightwireError(Reason.INTERNAL, f"internal error in the worker: {e!r}")))
-            raise  # unreachable
+            _abort_unexpected(context, e)
+            return pb.PushUpdateResponse()  # the client went away: nobody reads this
         return pb.PushUpdateResponse(messages=responses)
+
+
+def _abort_unexpected(context: grpc.ServicerContext, e: Exception) -> None:
+    """A bug, or the request stream broke, during an update: the service has already ended the
+    update (and recorded it for GetStatus); the client gets INTERNAL with an ErrorInfo instead of
+    gRPC's bare UNKNOWN. A client that went away needs no answer (this then returns)."""
+    if not context.is_active():
+        return
+    log.exception("push failed unexpectedly")
+    context.abort_with_status(to_rpc_status(WeightwireError(Reason.INTERNAL, f"internal error in the worker: {e!r}")))
 
 
 def _bearer(metadata: Any) -> str | None:
