@@ -484,10 +484,12 @@ class TransferGroup:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         """Post a send (keep the returned work until ``wait``: dropping it cancels the send)."""
-        return self._group().send([tensor], dst, tag)
+        group = self._group()
+        return self._posted(lambda: group.send([tensor], dst, tag), f"posting a send to group rank {dst}")
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
-        return self._group().recv([tensor], src, tag)
+        group = self._group()
+        return self._posted(lambda: group.recv([tensor], src, tag), f"posting a receive from group rank {src}")
 
     def broadcast(self, tensor: torch.Tensor, subgroup_id: int) -> Any:
         """Post this member's part of a broadcast in ``subgroup_id`` from the subgroup's root."""
@@ -497,7 +499,15 @@ class TransferGroup:
         opts.rootRank = local[sg.root_rank]  # type: ignore[union-attr]
         opts.rootTensor = 0
         opts.timeout = self.timeout
-        return pg.broadcast([tensor], opts)
+        return self._posted(lambda: pg.broadcast([tensor], opts), f"posting a broadcast in subgroup {subgroup_id}")
+
+    def _posted(self, post: Callable[[], Any], what: str) -> Any:
+        """``post()``'s work; TRANSFER_FAILED when posting itself fails (a peer that is already gone
+        can make the backend refuse the operation before any wait), as ``wait`` does later."""
+        try:
+            return post()
+        except Exception as e:
+            raise transfer_error(e, what, group_id=self.group_id) from None
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for ``work`` up to the group's timeout; TRANSFER_FAILED when it fails or times out."""

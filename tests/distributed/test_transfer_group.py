@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -232,6 +233,29 @@ def test_receive_fails_when_the_sender_process_dies(store: StoreServer) -> None:
         receiver.send("recv", src=1, sequence=1, nbytes=1 << 20)
         sender.kill()
         answer = receiver.answer(timeout=30)
+        assert answer["reason"] == "TRANSFER_FAILED", answer
+        group.close()
+    finally:
+        sender.stop()
+        receiver.stop()
+
+
+def test_a_receive_posted_after_the_sender_died_fails_with_transfer_failed(store: StoreServer) -> None:
+    """The other order of the test above: the sender is gone before the receive is posted, and the
+    backend may refuse the post itself; that is TRANSFER_FAILED too, not a crash of the member."""
+    sender = Agent("tp0-pp0", _rank(0, 0))
+    receiver = Agent("tp1-pp0", _rank(1, 0))
+    me = trainer()
+    try:
+        spec = spec_of(new_id(), store.address, [me, sender.identity, receiver.identity], timeout_ms=60_000)
+        fut = form_trainer(spec, me, store)
+        sender.form(spec)
+        receiver.form(spec)
+        group = fut.result(timeout=60)
+        assert sender.answer()["ok"] and receiver.answer()["ok"]
+        sender.kill()
+        time.sleep(1.0)  # the receiver's connection to it has closed by now
+        answer = receiver.call("recv", timeout=30, src=1, sequence=1, nbytes=1 << 20)
         assert answer["reason"] == "TRANSFER_FAILED", answer
         group.close()
     finally:
