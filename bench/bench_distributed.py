@@ -137,7 +137,7 @@ class BareGroup:
     """The limit: a plain ProcessGroupGloo of this process (rank 0) and the workers."""
 
     def __init__(self, workers: list[WorkerProc], tag: str) -> None:
-        from weightwire.core.transfer_group import StoreServer
+        from weightwire.core.transports.transfer_group import StoreServer
 
         self.workers = workers
         self.server = StoreServer(HOST, 0, timeout_s=60)
@@ -177,7 +177,7 @@ class BareGroup:
 
 def bucket_buffers(tensors: list[torch.Tensor], names: list[str], bucket_bytes: int) -> list[torch.Tensor]:
     """The same buckets the pusher plans (same sizes), packed once, for the limits."""
-    from weightwire.client import plan as planning
+    from weightwire.client.push import plan as planning
 
     specs = [planning.TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in zip(names, tensors, strict=True)]
     owners = {n: ("w",) for n in names}
@@ -192,7 +192,7 @@ def bucket_buffers(tensors: list[torch.Tensor], names: list[str], bucket_bytes: 
 
 def run_trainer(args: argparse.Namespace) -> int:
     from weightwire.client import WeightPusher
-    from weightwire.client.group_send import TransferGroupOptions
+    from weightwire.client.transports.transfer_group import TransferGroupOptions
 
     shapes = models.tensor_shapes(args.model)
     names = [t.name for t in shapes]

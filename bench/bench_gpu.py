@@ -62,9 +62,9 @@ from rig import (
     parse_size,
     reset_counters,
 )
-from weightwire.client import plan as ww_plan
-from weightwire.client.plan import TensorSpec, pack_into, plan_buckets
-from weightwire.client.pusher import GatheredBucket, WeightPusher
+from weightwire.client.push import plan as ww_plan
+from weightwire.client.push.plan import TensorSpec, pack_into, plan_buckets
+from weightwire.client.push.pusher import GatheredBucket, WeightPusher
 
 # ---------------------------------------------------------------------------------------------
 # Memory readings of this process

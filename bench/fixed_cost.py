@@ -29,7 +29,7 @@ import torch
 from common import ms, now
 from rig import PLAN_NS, RECHECK_NS, flat_buckets, instrument_trainer, make_rig, reset_counters
 from weightwire.adapters.torch import DEFAULT_COPY_STREAMS
-from weightwire.client.pusher import WeightPusher
+from weightwire.client.push.pusher import WeightPusher
 
 
 def main(argv: list[str] | None = None) -> int:

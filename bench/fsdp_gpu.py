@@ -73,7 +73,7 @@ def sync(device: str) -> None:
 
 
 def start_serve(device: str, dump_dir: str) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "weightwire.client.cli", "serve", "--model", "demo", "--device", device,
+    cmd = [sys.executable, "-m", "weightwire.client.cli.main", "serve", "--model", "demo", "--device", device,
            "--dump-dir", dump_dir, "--log-level", "WARNING"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None

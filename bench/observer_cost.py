@@ -27,10 +27,10 @@ from weightwire.adapters.torch.demo import DEMO_TP_RULES, DemoConfig, build_demo
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef
 from weightwire.core.manifest import ParallelRank
-from weightwire.server.metrics import WorkerMetrics
-from weightwire.server.service import WorkerService
-from weightwire.server.update_events import UpdateEvents
-from weightwire.server.update_log import LOGGER_NAME
+from weightwire.server.observe.metrics import WorkerMetrics
+from weightwire.server.observe.update_events import UpdateEvents
+from weightwire.server.observe.update_log import LOGGER_NAME
+from weightwire.server.worker.service import WorkerService
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 

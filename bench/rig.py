@@ -18,10 +18,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models
 from common import GiB, MiB, now
-from weightwire.client import exporters as ww_exporters
-from weightwire.client import plan as ww_plan
-from weightwire.client.plan import TensorSpec, layout_flat, pack_into
-from weightwire.client.pusher import FlatBucket
+from weightwire.client.push import plan as ww_plan
+from weightwire.client.push.plan import TensorSpec, layout_flat, pack_into
+from weightwire.client.push.pusher import FlatBucket
+from weightwire.client.transports import exporter as ww_exporters
 
 # ---------------------------------------------------------------------------------------------
 # Trainer-side instrumentation: time spent staging (packing copies and the wait for them)
@@ -62,12 +62,12 @@ def instrument_trainer() -> None:
     ww_plan.pack_into = timed_pack
     for name in ("check_update", "plan_buckets", "owners_by_name", "check_flat_specs"):
         setattr(ww_plan, name, _timed(getattr(ww_plan, name), PLAN_NS))
-    from weightwire.client.pusher import WeightPusher
+    from weightwire.client.push.pusher import WeightPusher
 
     WeightPusher._recheck = _timed(WeightPusher._recheck, RECHECK_NS)  # type: ignore[method-assign]
     classes: list[type] = [ww_exporters.StagingBuffer]
     with contextlib.suppress(Exception):
-        from weightwire.client.cuda_export import CudaStagingBuffer
+        from weightwire.client.transports.cuda_ipc import CudaStagingBuffer
 
         classes.append(CudaStagingBuffer)
     for cls in classes:

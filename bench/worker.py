@@ -126,7 +126,7 @@ class WeightwireReceiver(Receiver):
         from weightwire.core.devices import DeviceRef, cuda_device_uuid
         from weightwire.core.manifest import ParallelRank
         from weightwire.server import serve
-        from weightwire.server import service as service_mod
+        from weightwire.server.worker import service as service_mod
 
         own = DeviceRef.cuda(cuda_device_uuid(self.device.index)) if self.device.type == "cuda" else DeviceRef.host()
         rank = ParallelRank(tp_rank=args.tp_rank, tp_size=args.tp_size, dp_rank=args.dp_rank, dp_size=args.dp_size)

@@ -6,9 +6,9 @@ raised before anything is sent; ``RankLostError`` when a trainer rank of a multi
 died or did not take part. The ``weightwire`` command line lives in ``cli`` and ``commands``.
 """
 
-from weightwire.client.dtensor_gather import RankLostError
-from weightwire.client.plan import PlanError, TensorSpec, layout_flat, pack_into, strip_wrapper_prefixes
-from weightwire.client.pusher import FlatBucket, GatheredBucket, PushProgress, PushResult, WeightPusher
+from weightwire.client.push.plan import PlanError, TensorSpec, layout_flat, pack_into, strip_wrapper_prefixes
+from weightwire.client.push.pusher import FlatBucket, GatheredBucket, PushProgress, PushResult, WeightPusher
+from weightwire.client.ranks.dtensor_gather import RankLostError
 from weightwire.core.errors import PushError, WeightwireError
 
 __all__ = [

@@ -2,8 +2,8 @@
 
 Starting a thread costs a hand-off to the new thread (``Thread.start`` waits until it runs), which
 on a busy host is a large share of a small update's cost. The trainer reads its workers' responses
-on them (``weightwire.client.session``, a bounded set per pusher); a worker reads each PushWeights
-stream's requests on them (``weightwire.server.streams``, as many as streams are open, each let go
+on them (``weightwire.client.push.session``, a bounded set per pusher); a worker reads each PushWeights
+stream's requests on them (``weightwire.server.worker.streams``, as many as streams are open, each let go
 after a minute idle).
 """
 

@@ -12,8 +12,8 @@ import hashlib
 from collections.abc import Iterable, Mapping
 
 from weightwire.core import dtypes
-from weightwire.core import transports as transport_table
 from weightwire.core.devices import DeviceRef
+from weightwire.core.transports import table as transport_table
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 

@@ -1,6 +1,6 @@
 """``weightwire serve``: run one engine worker (the built-in demo model) as a gRPC server.
 
-Registered into the ``weightwire`` command line by ``weightwire.client.cli``. Prints
+Registered into the ``weightwire`` command line by ``weightwire.client.cli.main``. Prints
 ``weightwire-serve listening <ADDR>`` as its first stdout line once it accepts requests, runs until
 SIGTERM/SIGINT, then stops the server and releases every mapping.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 from weightwire.core.manifest import ParallelRank
 from weightwire.core.netutil import read_token_file
-from weightwire.server.streams import DEFAULT_IDLE_TIMEOUT_S
+from weightwire.server.worker.streams import DEFAULT_IDLE_TIMEOUT_S
 
 log = logging.getLogger("weightwire.serve")
 
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     metrics_server = None
     if args.metrics_port is not None:
         from prometheus_client import CollectorRegistry
-        from weightwire.server.metrics import WorkerMetrics, serve_metrics
+        from weightwire.server.observe.metrics import WorkerMetrics, serve_metrics
 
         registry = CollectorRegistry()
         WorkerMetrics(adapter.worker_id, registry=registry).attach(server.service)

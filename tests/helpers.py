@@ -25,7 +25,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef
-from weightwire.core.shm import new_shm_name
+from weightwire.core.transports.shm import new_shm_name
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 
@@ -68,7 +68,7 @@ class WorkerProcess:
 
 
 def serve_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "weightwire.client.cli", "serve", *args]
+    return [sys.executable, "-m", "weightwire.client.cli.main", "serve", *args]
 
 
 def spawn_worker(

@@ -10,7 +10,9 @@ import zlib
 
 import pytest
 import torch
-from weightwire.core.cuda_ipc import (
+from weightwire.core.devices import DeviceRef
+from weightwire.core.errors import WeightwireError
+from weightwire.core.transports.cuda_ipc import (
     REF_COUNTER_SLOTS,
     CudaIpcCache,
     CudaIpcFields,
@@ -18,8 +20,6 @@ from weightwire.core.cuda_ipc import (
     check_ref_counter,
     share_cuda_tensor,
 )
-from weightwire.core.devices import DeviceRef
-from weightwire.core.errors import WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 HANDLE = b"\x00" + bytes(range(64))
@@ -235,7 +235,7 @@ def test_cache_capacity_must_be_positive() -> None:
 
 
 def importer_module():  # type: ignore[no-untyped-def]
-    return pytest.importorskip("weightwire.server.cuda_import")
+    return pytest.importorskip("weightwire.server.transports.cuda_ipc")
 
 
 def test_mapping_views_by_offset_dtype_and_shape() -> None:
@@ -295,7 +295,7 @@ def test_importer_refuses_labels_it_cannot_map(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_exporter_auto_rule_and_no_gpu() -> None:
-    mod = pytest.importorskip("weightwire.client.cuda_export")
+    mod = pytest.importorskip("weightwire.client.transports.cuda_ipc")
     cuda, host = DeviceRef.cuda("abc"), DeviceRef.host("boot")
     assert mod.cuda_auto_rule([cuda, DeviceRef.cuda("def")], torch.device("cuda", 0))
     assert not mod.cuda_auto_rule([cuda, host], torch.device("cuda", 0))

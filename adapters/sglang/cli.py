@@ -1,7 +1,7 @@
 """``weightwire discover``: list the worker endpoints of one SGLang engine, one per line.
 
 For shell use (``weightwire push --to $(weightwire discover DIR) ...``) and for checking that an
-engine's workers are up. Registered in ``weightwire.client.cli``'s subcommand list; needs neither
+engine's workers are up. Registered in ``weightwire.client.cli.main``'s subcommand list; needs neither
 sglang nor a running trainer.
 """
 

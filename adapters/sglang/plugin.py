@@ -257,7 +257,7 @@ def start_worker(scheduler: Any, settings: Settings | None = None) -> SchedulerW
     atexit.register(worker.stop)
     # Metrics into SGLang's own /metrics (its prometheus multiprocess directory, --enable-metrics).
     # Imported only here, in the scheduler, after SGLang set PROMETHEUS_MULTIPROC_DIR for it.
-    from weightwire.server.metrics import engine_metrics
+    from weightwire.server.observe.metrics import engine_metrics
 
     engine_metrics(server.service, engine="sglang", port_offset=worker_index(rank))
     return worker

@@ -96,7 +96,7 @@ class WeightwireWeightTransferEngine(WeightTransferEngine[WeightwireInitInfo, We
         atexit.register(self.shutdown)
         # Metrics into vLLM's /metrics when its prometheus runs in multiprocess mode (several API
         # servers, or PROMETHEUS_MULTIPROC_DIR set), or on WEIGHTWIRE_METRICS_PORT + worker index.
-        from weightwire.server.metrics import engine_metrics
+        from weightwire.server.observe.metrics import engine_metrics
 
         engine_metrics(self.server.service, engine="vllm", port_offset=worker_index(rank))
         manifest = self.adapter.manifest()

@@ -16,7 +16,7 @@ from engines import CONFIG, Engine, layout, shard_mismatches, start_engine
 from safetensors.torch import save_file
 from weightwire.adapters.torch.demo import full_checkpoint
 from weightwire.client import WeightPusher
-from weightwire.client.cli import main
+from weightwire.client.cli.main import main
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -95,7 +95,7 @@ def _processes_mentioning(text: str) -> list[int]:
 
 def _demo(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "weightwire.client.cli", "demo", *args],
+        [sys.executable, "-m", "weightwire.client.cli.main", "demo", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
 

@@ -10,8 +10,7 @@ import time
 
 import pytest
 import torch
-from weightwire.client import exporters as exp
-from weightwire.client.plan import (
+from weightwire.client.push.plan import (
     PlanError,
     TensorSpec,
     check_update,
@@ -21,7 +20,8 @@ from weightwire.client.plan import (
     plan_buckets,
     strip_wrapper_prefixes,
 )
-from weightwire.client.staging import StagingPool
+from weightwire.client.push.staging import StagingPool
+from weightwire.client.transports import exporter as exp
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef
 from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest

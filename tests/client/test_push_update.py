@@ -18,8 +18,8 @@ import torch
 from weightwire.adapters.torch.demo import expected_shard, full_checkpoint
 from weightwire.client import FlatBucket, PushError, WeightPusher, layout_flat, pack_into
 from weightwire.core.errors import Reason
-from weightwire.server.service import WorkerService
-from weightwire.server.servicer import WeightTransferServicer
+from weightwire.server.rpc.servicer import WeightTransferServicer
+from weightwire.server.worker.service import WorkerService
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,6 +1,6 @@
 """A transfer-group member in its own process, driven by JSON lines on stdin (one answer line each).
 
-The tests of ``weightwire.core.transfer_group`` start a few of these once per module and play the
+The tests of ``weightwire.core.transports.transfer_group`` start a few of these once per module and play the
 other members themselves, so each scenario costs no process start. Every operation goes through
 the real library on real gloo sockets; answers carry sha256 digests of received bytes, or the
 reason and message of the refusal, and how long the operation took.
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 from weightwire.core.errors import WeightwireError
-from weightwire.core.group_plan import MemberIdentity, message_tag
 from weightwire.core.manifest import ParallelRank
-from weightwire.core.transfer_group import TransferGroup
+from weightwire.core.transports.transfer_group import TransferGroup
+from weightwire.core.transports.transfer_group_plan import MemberIdentity, message_tag
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 

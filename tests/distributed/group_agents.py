@@ -13,8 +13,8 @@ import threading
 import uuid
 from typing import Any
 
-from weightwire.core.group_plan import MemberIdentity
 from weightwire.core.manifest import ParallelRank
+from weightwire.core.transports.transfer_group_plan import MemberIdentity
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "group_agent.py")

@@ -20,7 +20,7 @@ import sys
 
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.client import PushError, PushProgress, WeightPusher
-from weightwire.client.group_send import TransferGroupOptions
+from weightwire.client.transports.transfer_group import TransferGroupOptions
 
 
 def main() -> None:

@@ -34,10 +34,10 @@ from weightwire.client import (
     layout_flat,
     pack_into,
 )
-from weightwire.client.group_send import TransferGroupOptions
-from weightwire.core.group_plan import MemberIdentity, plan_group
+from weightwire.client.transports.transfer_group import TransferGroupOptions
 from weightwire.core.manifest import ShardManifest
-from weightwire.core.transfer_group import StoreServer, TransferGroup
+from weightwire.core.transports.transfer_group import StoreServer, TransferGroup
+from weightwire.core.transports.transfer_group_plan import MemberIdentity, plan_group
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 HOST = "127.0.0.1"

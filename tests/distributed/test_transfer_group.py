@@ -22,9 +22,9 @@ import torch
 from group_agent import listening_addresses, pattern
 from group_agents import Agent, spec_of
 from weightwire.core.errors import WeightwireError
-from weightwire.core.group_plan import MemberIdentity, message_tag
 from weightwire.core.manifest import ParallelRank
-from weightwire.core.transfer_group import StoreServer, TransferGroup
+from weightwire.core.transports.transfer_group import StoreServer, TransferGroup
+from weightwire.core.transports.transfer_group_plan import MemberIdentity, message_tag
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 HOST = "127.0.0.1"

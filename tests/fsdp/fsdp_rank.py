@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from weightwire.adapters.torch.demo import DemoConfig, build_demo_model
 from weightwire.client import PushError, PushProgress, WeightPusher, WeightwireError
-from weightwire.client.exporters import HostShmExporter
+from weightwire.client.transports.exporter import HostShmExporter
 from weightwire.core.devices import DeviceRef
 from weightwire.core.manifest import ParallelRank
 
@@ -199,7 +199,7 @@ def run_gather_checks(rank: int, world: int) -> dict[str, Any]:
     to DTensor's own redistribution (Partial)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-    from weightwire.client.dtensor_gather import FullTensorWriter
+    from weightwire.client.ranks.dtensor_gather import FullTensorWriter
 
     mesh = init_device_mesh("cpu", (world,))
     writer = FullTensorWriter(timeout_s=30)

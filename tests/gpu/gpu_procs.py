@@ -188,7 +188,7 @@ def workers(specs: list[WorkerSpec], workdir: Path, *, dump_dir: Path | None = N
         for spec in specs:
             log = workdir / f"{spec.worker_id}.log"
             cmd = [
-                sys.executable, "-m", "weightwire.client.cli", "serve", "--model", "demo", "--device", "cuda",
+                sys.executable, "-m", "weightwire.client.cli.main", "serve", "--model", "demo", "--device", "cuda",
                 "--listen", "127.0.0.1:0", "--worker-id", spec.worker_id, "--seed", str(spec.seed),
                 "--tp-rank", str(spec.tp_rank), "--tp-size", str(spec.tp_size),
                 "--pp-rank", str(spec.pp_rank), "--pp-size", str(spec.pp_size),

@@ -1,6 +1,6 @@
 """A producer process for the CUDA IPC primitive tests (tests/gpu/test_ipc_primitives.py).
 
-Allocates one uint8 buffer on its GPU, exports it with ``weightwire.core.cuda_ipc`` and then obeys
+Allocates one uint8 buffer on its GPU, exports it with ``weightwire.core.transports.cuda_ipc`` and then obeys
 line commands on stdin, answering one line on stdout each. Handles travel as the hex of a
 serialised ``weightwire.v1.Payload`` (never pickle):
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from weightwire.core.cuda_ipc import (
+from weightwire.core.transports.cuda_ipc import (
     ProducerEvent,
     SharedCudaBuffer,
     ipc_collect,

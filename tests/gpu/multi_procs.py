@@ -133,7 +133,7 @@ def start_workers(placed: list[Placed], workdir: Path, dump_dir: Path) -> Iterat
             if w.gpu.sim:
                 cmd = [sys.executable, str(HERE / "multi_sim_worker.py"), "--label", w.gpu.uuid]
             else:
-                cmd = [sys.executable, "-m", "weightwire.client.cli", "serve", "--model", "demo", "--device", "cuda",
+                cmd = [sys.executable, "-m", "weightwire.client.cli.main", "serve", "--model", "demo", "--device", "cuda",
                        "--listen", "127.0.0.1:0"]
             cmd += ["--worker-id", w.worker_id, "--dump-dir", str(dump_dir), *ranks]
             log = workdir / f"{w.worker_id}.log"

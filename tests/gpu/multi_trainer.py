@@ -33,10 +33,10 @@ from typing import Any
 import grpc
 import torch
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
-from weightwire.client.exporters import Exporter, HostShmExporter, StagingBuffer
-from weightwire.client.plan import TensorSpec, layout_flat, pack_into
-from weightwire.client.pusher import GatheredBucket, WeightPusher
-from weightwire.client.rpc import Worker, error_from_rpc
+from weightwire.client.push.plan import TensorSpec, layout_flat, pack_into
+from weightwire.client.push.pusher import GatheredBucket, WeightPusher
+from weightwire.client.push.rpc import Worker, error_from_rpc
+from weightwire.client.transports.exporter import Exporter, HostShmExporter, StagingBuffer
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import PushError, WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -63,7 +63,7 @@ class Rank:
             self.exporter = HostShmExporter()
             self.label = DeviceRef.host(sim_label)
         else:
-            from weightwire.client.cuda_export import CudaIpcExporter
+            from weightwire.client.transports.cuda_ipc import CudaIpcExporter
 
             self.device = torch.device("cuda", 0)
             self.exporter = CudaIpcExporter(self.device)

@@ -171,7 +171,7 @@ def test_restarted_trainer_gets_fresh_mappings(tmp_path: Path) -> None:
 @needs_gpus(1)
 def test_demo_runs_on_cuda(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "weightwire.client.cli", "demo", "--device", "cuda"],
+        [sys.executable, "-m", "weightwire.client.cli.main", "demo", "--device", "cuda"],
         cwd=tmp_path,
         env=gpu_env(os.environ.get("CUDA_VISIBLE_DEVICES", "0")),
         capture_output=True,

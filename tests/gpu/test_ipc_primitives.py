@@ -1,14 +1,14 @@
 """CUDA IPC primitives between real processes: a producer (tests/gpu/ipc_producer.py) exports a
-GPU buffer through ``weightwire.core.cuda_ipc``; this test process imports it by GPU UUID."""
+GPU buffer through ``weightwire.core.transports.cuda_ipc``; this test process imports it by GPU UUID."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from gpu_procs import gpu_uuid, needs_gpus, producer
-from weightwire.core.cuda_ipc import CudaIpcCache, CudaIpcFields, ipc_collect, open_cuda_storage
 from weightwire.core.devices import DeviceRef, local_cuda_index
 from weightwire.core.errors import WeightwireError
+from weightwire.core.transports.cuda_ipc import CudaIpcCache, CudaIpcFields, ipc_collect, open_cuda_storage
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 SIZE = 3 * 1024 * 1024 + 17
@@ -70,7 +70,7 @@ def test_export_import_by_uuid_reuses_one_mapping() -> None:
 def test_kept_mapping_waits_for_the_producer_event() -> None:
     """The producer sends an event handle right after queueing slow writes, without waiting for
     them; a consumer reading through its kept mapping waits for that event and sees every byte."""
-    from weightwire.server.cuda_import import CudaIpcMapping
+    from weightwire.server.transports.cuda_ipc import CudaIpcMapping
 
     cache = CudaIpcCache()
     with producer("0", SIZE) as prod:

@@ -25,7 +25,7 @@ def test_push_over_nccl_into_a_worker_on_another_gpu(tmp_path: Path) -> None:
     from helpers import demo_args, load_dump, spawn_worker
     from weightwire.adapters.torch.demo import DemoConfig, expected_shard, full_checkpoint
     from weightwire.client import WeightPusher
-    from weightwire.client.group_send import TransferGroupOptions
+    from weightwire.client.transports.transfer_group import TransferGroupOptions
     from weightwire.core.manifest import ParallelRank
 
     dumps = tmp_path / "dumps"

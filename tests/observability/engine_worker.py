@@ -17,7 +17,7 @@ from weightwire.adapters.torch import TorchAdapter
 from weightwire.adapters.torch.demo import DEMO_TP_RULES, DemoConfig, build_demo_model
 from weightwire.core.manifest import ParallelRank
 from weightwire.server import serve
-from weightwire.server.metrics import engine_metrics
+from weightwire.server.observe.metrics import engine_metrics
 
 
 def main() -> int:

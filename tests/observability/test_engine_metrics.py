@@ -28,7 +28,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.client import PushError, WeightPusher
-from weightwire.server.metrics import engine_metrics
+from weightwire.server.observe.metrics import engine_metrics
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_worker.py")
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

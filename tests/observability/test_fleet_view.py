@@ -17,7 +17,7 @@ from terminal import Terminal
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.client import PushError, WeightPusher
 
-CLI = [sys.executable, "-m", "weightwire.client.cli", "status"]
+CLI = [sys.executable, "-m", "weightwire.client.cli.main", "status"]
 
 
 @pytest.fixture(scope="module")

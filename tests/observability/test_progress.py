@@ -15,8 +15,8 @@ from helpers import spawn_worker
 from safetensors.torch import save_file
 from terminal import Terminal
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
-from weightwire.client.progress import PushProgressBar
-from weightwire.client.types import PushProgress
+from weightwire.client.cli.progress import PushProgressBar
+from weightwire.client.push.types import PushProgress
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[()][A-Z0-9]|\r")
 _MIB = 1024 * 1024
@@ -79,7 +79,7 @@ def test_weightwire_push_draws_the_bar_on_a_terminal(tmp_path: pathlib.Path) -> 
     try:
         ckpt = tmp_path / "model.safetensors"
         save_file(full_checkpoint(DemoConfig(), seed=5), str(ckpt))
-        term = Terminal([sys.executable, "-m", "weightwire.client.cli", "push", "--from", str(ckpt),
+        term = Terminal([sys.executable, "-m", "weightwire.client.cli.main", "push", "--from", str(ckpt),
                          "--to", worker.address, "--version", "5", "--bucket-mb", "0.25"])
         try:
             text = term.read_until(lambda t: "GB/s" in t and "tp0-pp0" in t)  # the results table came

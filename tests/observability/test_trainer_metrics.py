@@ -13,7 +13,7 @@ from helpers import WorkerProcess, demo_args, spawn_workers
 from prometheus_client import CollectorRegistry
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.client import PushError, WeightPusher
-from weightwire.client.trainer_metrics import TrainerMetrics
+from weightwire.client.observe.trainer_metrics import TrainerMetrics
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +74,8 @@ def test_engine_side_imports_leave_prometheus_client_alone() -> None:
     # prometheus_client fixes its storage at import: importing it early would break their metrics.
     code = (
         "import sys\n"
-        "import weightwire.client, weightwire.client.pusher, weightwire.server, weightwire.server.service\n"
-        "import weightwire.server.grpc_server, weightwire.adapters.sglang.plugin\n"
+        "import weightwire.client, weightwire.client.push.pusher, weightwire.server, weightwire.server.worker.service\n"
+        "import weightwire.server.rpc.grpc_server, weightwire.adapters.sglang.plugin\n"
         "assert 'prometheus_client' not in sys.modules, [m for m in sys.modules if 'weightwire' in m]\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

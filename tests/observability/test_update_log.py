@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from weightwire.server.update_events import UpdateOutcome
-from weightwire.server.update_log import (
+from weightwire.server.observe.update_events import UpdateOutcome
+from weightwire.server.observe.update_log import (
     FIELDS,
     LOGGER_NAME,
     UpdateLog,

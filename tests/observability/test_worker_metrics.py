@@ -27,9 +27,9 @@ from helpers import bucket, commit, header, inline_payload, push, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.client import PushError, WeightPusher
-from weightwire.client.types import PushResult
+from weightwire.client.push.types import PushResult
 from weightwire.core import dtypes
-from weightwire.server.update_log import parse_update_line
+from weightwire.server.observe.update_log import parse_update_line
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 
@@ -58,7 +58,7 @@ class MetricsWorker:
 
 def spawn_metrics_worker(*extra: str, timeout: float = 90.0) -> MetricsWorker:
     """``weightwire serve --metrics-port 0``: wait for its listening and metrics lines."""
-    cmd = [sys.executable, "-m", "weightwire.client.cli", "serve", "--model", "demo", "--seed", "0",
+    cmd = [sys.executable, "-m", "weightwire.client.cli.main", "serve", "--model", "demo", "--seed", "0",
            "--metrics-port", "0", "--log-level", "INFO", *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)

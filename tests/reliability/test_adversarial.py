@@ -20,7 +20,7 @@ from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason
 from weightwire.core.manifest import ShardManifest
-from weightwire.core.shm import new_shm_name
+from weightwire.core.transports.shm import new_shm_name
 from weightwire.server import serve
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc

@@ -27,10 +27,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from weightwire.adapters.torch.demo import DemoConfig, expected_shard, full_checkpoint
 from weightwire.client import WeightPusher
-from weightwire.client.pusher import PushProgress
+from weightwire.client.push.pusher import PushProgress
 from weightwire.core.errors import PushError
 from weightwire.core.manifest import ParallelRank
-from weightwire.core.shm import sweep_orphans
+from weightwire.core.transports.shm import sweep_orphans
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 

@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
-from weightwire.core.shm import new_shm_name
+from weightwire.core.transports.shm import new_shm_name
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 

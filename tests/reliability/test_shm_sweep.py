@@ -1,4 +1,4 @@
-"""``weightwire.core.shm.sweep_orphans``: segments of dead creators go, everything else stays."""
+"""``weightwire.core.transports.shm.sweep_orphans``: segments of dead creators go, everything else stays."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pathlib
 import subprocess
 import sys
 
-from weightwire.core.shm import sweep_orphans
+from weightwire.core.transports.shm import sweep_orphans
 
 
 def _dead_pid() -> int:

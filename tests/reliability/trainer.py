@@ -17,7 +17,7 @@ import time
 
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.client import WeightPusher
-from weightwire.client.pusher import PushProgress
+from weightwire.client.push.pusher import PushProgress
 from weightwire.core.errors import PushError
 
 

@@ -430,7 +430,7 @@ def test_a_new_update_waits_for_a_cancelled_one_to_end(
     # A trainer retries right after its update failed elsewhere and it cancelled this worker's
     # stream; the engine is still inside a load of the cancelled update. The retry must wait for
     # that update to end, then land, instead of getting UPDATE_IN_PROGRESS for it.
-    caplog.set_level(logging.INFO, logger="weightwire.server.service")
+    caplog.set_level(logging.INFO, logger="weightwire.server.worker.service")
     worker = inproc_worker()
     stub = worker.stub()
     full = full_checkpoint(worker.config, 1)

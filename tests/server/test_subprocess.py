@@ -1,4 +1,4 @@
-"""Real workers in separate processes (``python -m weightwire.client.cli serve``), driven by raw
+"""Real workers in separate processes (``python -m weightwire.client.cli.main serve``), driven by raw
 requests: a TP=2 x PP=2 engine receives full updates over shared memory and inline bytes, each
 worker's parameters are read back from its --dump-dir, refused updates leave everything as it was,
 and the process lifecycle (listening line, signals, listeners, tokens) behaves."""
@@ -165,7 +165,7 @@ def test_refuses_non_loopback_without_token() -> None:
 
 
 def test_cli_help_lists_the_agreed_flags() -> None:
-    proc = subprocess.run([sys.executable, "-m", "weightwire.client.cli", "serve", "--help"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "weightwire.client.cli.main", "serve", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
     for flag in ("--model", "--tp-rank", "--tp-size", "--pp-rank", "--pp-size", "--dp-rank", "--dp-size", "--sp-rank", "--sp-size",
                  "--listen", "--seed", "--device", "--token", "--tls-cert", "--tls-key", "--dump-dir"):

@@ -20,7 +20,7 @@ from checkpoints import QWEN2, ModelSpec, full_checkpoint
 from cpu_engine import CpuEngine, expected_params
 from weightwire.adapters.sglang import discover
 from weightwire.client import WeightPusher
-from weightwire.client.group_send import TransferGroupOptions
+from weightwire.client.transports.transfer_group import TransferGroupOptions
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 

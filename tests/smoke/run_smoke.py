@@ -48,7 +48,7 @@ def find_grpcurl() -> str:
 def start_worker(dump_dir: str, extra_args: Sequence[str] = ()) -> tuple[subprocess.Popen[str], str]:
     """Start `weightwire serve` (demo model, one rank) on 127.0.0.1:0; return it and its address."""
     cmd = [
-        sys.executable, "-m", "weightwire.client.cli", "serve",
+        sys.executable, "-m", "weightwire.client.cli.main", "serve",
         "--model", "demo", "--tp-rank", "0", "--tp-size", "1", "--pp-rank", "0", "--pp-size", "1",
         "--seed", "0", "--listen", "127.0.0.1:0", "--dump-dir", dump_dir, *extra_args,
     ]

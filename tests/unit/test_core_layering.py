@@ -9,9 +9,9 @@ import sys
 def test_worker_core_does_not_import_grpc() -> None:
     code = (
         "import sys\n"
-        "import weightwire.server.service, weightwire.server.selection, weightwire.server.validation\n"
+        "import weightwire.server.worker.service, weightwire.server.rules.selection, weightwire.server.rules.validation\n"
         "import weightwire.adapters.torch.demo\n"
-        "from weightwire.server.transports import make_importers\n"
+        "from weightwire.server.transports.importer import make_importers\n"
         "make_importers()\n"
         "print(sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.') or m.startswith('grpc_')))\n"
     )

@@ -17,13 +17,13 @@ import grpc
 import pytest
 import torch
 from weightwire.adapters.torch import TorchAdapter
-from weightwire.client import exporters
-from weightwire.client.pusher import WeightPusher
+from weightwire.client.push.pusher import WeightPusher
+from weightwire.client.transports import exporter as exporters
 from weightwire.core.devices import DeviceRef
 from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
-from weightwire.server.service import WorkerService
-from weightwire.server.servicer import WeightTransferServicer
-from weightwire.server.transports import PayloadImporter, make_importers
+from weightwire.server.rpc.servicer import WeightTransferServicer
+from weightwire.server.transports.importer import PayloadImporter, make_importers
+from weightwire.server.worker.service import WorkerService
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import WeightwireError
-from weightwire.core.group_plan import (
+from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
+from weightwire.core.transports.transfer_group_plan import (
     MAX_RANGES,
     MemberIdentity,
     check_ranges,
@@ -18,7 +19,6 @@ from weightwire.core.group_plan import (
     plan_group,
     split_address,
 )
-from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 F32 = pb.DTYPE_FLOAT32

@@ -17,7 +17,7 @@ from weightwire.adapters.torch.demo import (
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import WeightwireError
 from weightwire.core.manifest import ParallelRank
-from weightwire.server.service import WorkerService
+from weightwire.server.worker.service import WorkerService
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 CONFIG = DemoConfig()

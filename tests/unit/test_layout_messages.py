@@ -11,9 +11,9 @@ from weightwire.adapters.torch import TorchAdapter
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import WeightwireError
 from weightwire.core.manifest import ParallelRank
-from weightwire.server.layout import BucketLayout, LayoutCache
-from weightwire.server.service import WorkerService
-from weightwire.server.validation import check_spec
+from weightwire.server.rules.layout import BucketLayout, LayoutCache
+from weightwire.server.rules.validation import check_spec
+from weightwire.server.worker.service import WorkerService
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 
@@ -77,7 +77,7 @@ def _shm_bucket(segments: ShmSegments, index: int, named: dict[str, torch.Tensor
 
 
 def test_repeated_messages_load_new_contents_and_keep_every_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    from weightwire.server import update as update_module
+    from weightwire.server.worker import update as update_module
 
     keyed: list[int] = []
     full_key = update_module.layout_key

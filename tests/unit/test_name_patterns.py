@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from weightwire.core.cuda_ipc import check_ref_counter
 from weightwire.core.errors import WeightwireError
-from weightwire.core.shm import check_shm_name
+from weightwire.core.transports.cuda_ipc import check_ref_counter
+from weightwire.core.transports.shm import check_shm_name
 
 
 @pytest.mark.parametrize("name", ["ww-abc\n", "/ww-abc\n", "ww-abc\r\n", "ww-abc\n\n", "\nww-abc"])

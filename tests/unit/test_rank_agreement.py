@@ -1,4 +1,4 @@
-"""The pure parts of a multi-rank push's agreement (``weightwire.client.rank_agreement``): which part
+"""The pure parts of a multi-rank push's agreement (``weightwire.client.ranks.rank_agreement``): which part
 of an update differs between ranks and how it is said, which rank sends to which worker, what a
 rank's failure looks like to the others, and the round trip of results through JSON."""
 
@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 from weightwire.client import PushResult
-from weightwire.client.plan import PlanError, TensorSpec
-from weightwire.client.rank_agreement import (
+from weightwire.client.push.plan import PlanError, TensorSpec
+from weightwire.client.ranks.rank_agreement import (
     UpdateDigest,
     disagreement,
     error_record,

@@ -10,12 +10,17 @@ import torch
 from helpers import commit, full_update_requests, header
 from weightwire.adapters.torch import TorchAdapter
 from weightwire.adapters.torch.demo import DEMO_TP_RULES, DemoConfig, build_demo_model, full_checkpoint
-from weightwire.core import transports
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import WeightwireError
 from weightwire.core.manifest import ParallelRank
-from weightwire.server.service import WorkerService
-from weightwire.server.transports import ImportContext, ImportedPayload, PayloadImporter, make_importers
+from weightwire.core.transports import table as transports
+from weightwire.server.transports.importer import (
+    ImportContext,
+    ImportedPayload,
+    PayloadImporter,
+    make_importers,
+)
+from weightwire.server.worker.service import WorkerService
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 

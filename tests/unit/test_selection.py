@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import WeightwireError
-from weightwire.server.selection import select_own_payload
+from weightwire.server.rules.selection import select_own_payload
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 GPU0 = "00000000-aaaa-bbbb-cccc-000000000000"

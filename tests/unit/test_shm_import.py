@@ -11,10 +11,10 @@ import pytest
 import torch
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import WeightwireError
-from weightwire.core.shm import SHM_DIR, new_shm_name
-from weightwire.server.shm_import import COPY_CHUNK_BYTES, HostShmImporter
-from weightwire.server.transports import ImportContext
-from weightwire.server.views import ViewItem, copy_plan, views_over
+from weightwire.core.transports.shm import SHM_DIR, new_shm_name
+from weightwire.server.rules.views import ViewItem, copy_plan, views_over
+from weightwire.server.transports.importer import ImportContext
+from weightwire.server.transports.shm import COPY_CHUNK_BYTES, HostShmImporter
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 SIZE = 40 * 1024 * 1024  # several batches of the split (two-thread) read

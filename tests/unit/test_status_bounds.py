@@ -7,8 +7,8 @@ from google.rpc import error_details_pb2, status_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from weightwire.core.errors import Reason, WeightwireError
-from weightwire.server.messages import clip_utf8
-from weightwire.server.servicer import TRAILER_BUDGET_BYTES, _percent_encoded_len, to_rpc_status
+from weightwire.core.text import clip_utf8
+from weightwire.server.rpc.servicer import TRAILER_BUDGET_BYTES, _percent_encoded_len, to_rpc_status
 
 TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=6000)
 

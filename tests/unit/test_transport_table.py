@@ -4,10 +4,10 @@ the project find every transport through it."""
 from __future__ import annotations
 
 import torch
-from weightwire.client import exporters as exp
-from weightwire.core import transports
+from weightwire.client.transports import exporter as exp
 from weightwire.core.devices import DeviceRef
-from weightwire.server.transports import PayloadImporter, make_importers
+from weightwire.core.transports import table as transports
+from weightwire.server.transports.importer import PayloadImporter, make_importers
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from weightwire.core.errors import WeightwireError
 from weightwire.core.manifest import OwnedTensor
-from weightwire.server.validation import (
+from weightwire.server.rules.validation import (
     MAX_BYTES,
     check_against_manifest,
     check_in_bounds,

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from weightwire.adapters.torch import TorchAdapter
-from weightwire.core.cuda_ipc import OpenedStorage
 from weightwire.core.devices import DeviceRef
 from weightwire.core.manifest import ParallelRank
-from weightwire.server.cuda_import import CudaIpcMapping
-from weightwire.server.shm_import import _HostShmFile, _Staging
-from weightwire.server.views import ViewItem, batch_load, batch_views, copy_plan, in_place_plan
+from weightwire.core.transports.cuda_ipc import OpenedStorage
+from weightwire.server.rules.views import ViewItem, batch_load, batch_views, copy_plan, in_place_plan
+from weightwire.server.transports.cuda_ipc import CudaIpcMapping
+from weightwire.server.transports.shm import _HostShmFile, _Staging
 
 
 class KeptBytes:

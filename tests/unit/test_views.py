@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from weightwire.core.errors import WeightwireError
-from weightwire.server.views import (
+from weightwire.server.rules.views import (
     ALIGN_BYTES,
     MAX_GAP_BYTES,
     ReadBatch,

@@ -1,0 +1,340 @@
+"""The client's subcommands of the ``weightwire`` command line: ``manifest``, ``status``, ``push`` and
+``demo``. ``weightwire.client.cli.main`` calls ``add_parser`` to register them.
+
+``manifest`` and ``status`` print readable tables (``--json`` for programs; ``status --watch`` is the
+live fleet view of ``weightwire.client.cli.fleet_view``); ``push`` sends a safetensors checkpoint to
+running workers with a progress bar on stderr (``weightwire.client.cli.progress``); ``demo`` runs the
+whole system on this machine (``weightwire.client.cli.demo``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from weightwire.core.errors import PushError, Reason, WeightwireError
+from weightwire.core.transports.table import names as transport_names
+
+_MB = 1024 * 1024
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "manifest",
+        help="show what one worker owns (its shard manifest)",
+        description="Print a worker's device, parallel ranks, layer range and every checkpoint tensor it consumes.",
+    )
+    p.add_argument("address", metavar="ADDR", help="worker address: unix:/path.sock or HOST:PORT")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    _connection_args(p)
+    p.set_defaults(func=cmd_manifest)
+
+    p = subparsers.add_parser(
+        "status",
+        help="show weights version and state of workers",
+        description="One row per worker: device, ranks, weights version, state, last update and last error.",
+    )
+    p.add_argument("addresses", nargs="+", metavar="ADDR", help="worker addresses")
+    p.add_argument("--json", action="store_true", help="print the statuses as JSON (with --watch: one JSON object per refresh)")
+    p.add_argument("--watch", action="store_true", help="keep polling: a live table redrawn in place until Ctrl-C")
+    p.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between refreshes with --watch (default 2)")
+    p.add_argument("--count", type=int, default=None, metavar="N", help="with --watch: stop after N refreshes")
+    _connection_args(p)
+    p.set_defaults(func=cmd_status)
+
+    p = subparsers.add_parser(
+        "push",
+        help="push a safetensors checkpoint to running workers",
+        description="Load a .safetensors file (or every .safetensors file of a directory) and push it to the "
+        "workers as weights version N. Names must be checkpoint names; every check runs before anything is sent.",
+    )
+    p.add_argument("--from", dest="checkpoint", required=True, metavar="CHECKPOINT", help=".safetensors file or directory")
+    p.add_argument("--to", dest="addresses", required=True, nargs="+", metavar="ADDR", help="worker addresses")
+    p.add_argument("--version", type=int, required=True, metavar="N", help="weights version to install (> current)")
+    p.add_argument("--partial", action="store_true", help="a PARTIAL update (default FULL: every owned tensor)")
+    p.add_argument("--bucket-mb", type=float, default=64.0, help="staging bucket size in MiB (default 64)")
+    p.add_argument("--transport", default="auto", help=f"auto (default) or one of: {', '.join(transport_names())}")
+    p.add_argument("--allow-unowned", action="store_true", help="skip checkpoint tensors no worker owns")
+    p.add_argument("--verify-checksums", action="store_true", help="send CRC-32 per bucket; workers verify")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (there is none when stderr is not a terminal)")
+    _connection_args(p)
+    p.set_defaults(func=cmd_push)
+
+    from weightwire.client.cli.main import demo
+
+    demo.add_parser(subparsers)
+
+
+def _connection_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("connection")
+    g.add_argument("--token", default=None, help="bearer token the workers require")
+    g.add_argument("--token-file", default=None, help="read the token from this file")
+    g.add_argument("--tls-ca", default=None, metavar="PEM", help="CA certificate(s) to verify the workers' TLS")
+    g.add_argument("--timeout", type=float, default=60.0, metavar="S", help="deadline of every call in seconds (default 60)")
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    if getattr(args, "token_file", None):
+        from weightwire.core.netutil import read_token_file
+
+        return read_token_file(args.token_file)
+    return args.token
+
+
+def _pusher(args: argparse.Namespace, addresses: Sequence[str], **kw: Any) -> Any:
+    from weightwire.client.push.pusher import WeightPusher
+
+    return WeightPusher(addresses, token=_token(args), tls_ca=args.tls_ca, timeout_s=args.timeout, **kw)
+
+
+def _fail(err: BaseException) -> int:
+    print(f"weightwire: {err}", file=sys.stderr)
+    return 1
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, right: Sequence[int] = ()) -> str:
+    """A plain-text table with a header rule; columns in ``right`` are right-aligned."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths, strict=True))).rstrip()
+
+    return "\n".join([line(list(headers)), line(["-" * w for w in widths]), *(line(r) for r in cells)])
+
+
+def short_device(kind: int, uuid: str) -> str:
+    from weightwire.v1 import weight_transfer_pb2 as pb
+
+    name = {pb.DEVICE_KIND_CUDA: "cuda", pb.DEVICE_KIND_HOST: "host"}.get(kind, "?")
+    return f"{name}:{uuid[:8]}"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _ranks(rank: Any) -> str:
+    from weightwire.core.manifest import ParallelRank
+
+    try:
+        return ParallelRank.from_proto(rank).short()
+    except ValueError as e:  # a worker reporting ranks out of range: show what it said
+        return f"({e})"
+
+
+# --------------------------------------------------------------------------------------------
+# manifest
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_manifest(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import json_format
+    from weightwire.client.push.rpc import Worker, call_metadata, error_from_rpc
+    from weightwire.core import dtypes
+    from weightwire.core.transports import table as transport_table
+    from weightwire.v1 import weight_transfer_pb2 as pb
+
+    worker = Worker(args.address, tls_ca=_read(args.tls_ca))
+    try:
+        resp = worker.stub.GetManifest(pb.GetManifestRequest(), timeout=args.timeout, metadata=call_metadata(_token(args)))
+    except grpc.RpcError as e:
+        return _fail(error_from_rpc(e, worker=args.address, context="GetManifest"))
+    finally:
+        worker.close()
+    m = resp.manifest
+    if args.json:
+        print(json_format.MessageToJson(m, preserving_proto_field_name=True))
+        return 0
+    total = 0
+    rows = []
+    for t in m.tensors:
+        n = 1
+        for d in t.shape:
+            n *= d
+        nbytes = n * dtypes.itemsize(t.dtype) if t.dtype else 0
+        total += nbytes
+        rows.append((t.name, dtypes.name(t.dtype), "x".join(map(str, t.shape)) or "scalar", human_bytes(nbytes)))
+    lr = m.layer_range
+    transports = ", ".join(transport_table.kind_name(k) for k in m.transports)
+    print(f"worker       {m.worker_id or '?'}  ({args.address})")
+    print(f"device       {short_device(m.device.kind, m.device.uuid)}  (uuid {m.device.uuid})")
+    print(f"ranks        {_ranks(m.rank)}")
+    print(f"layers       [{lr.start_layer}, {lr.end_layer}) of {lr.num_layers}")
+    print(f"engine       {m.engine}   transports: {transports or '-'}")
+    print(f"fingerprint  {m.fingerprint}   instance {m.instance_id}")
+    print(f"tensors      {len(m.tensors)} ({human_bytes(total)}; full checkpoint shapes)")
+    print()
+    print(format_table(("name", "dtype", "shape", "bytes"), rows, right=(3,)))
+    return 0
+
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+# --------------------------------------------------------------------------------------------
+# status
+# --------------------------------------------------------------------------------------------
+
+
+def _when(ts: Any) -> str:
+    if not ts.seconds and not ts.nanos:
+        return "-"
+    return datetime.datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9).strftime("%H:%M:%S")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from concurrent import futures
+
+    import grpc
+    from google.protobuf import json_format
+    from weightwire.client.push.rpc import Worker, call_metadata, error_from_rpc
+    from weightwire.v1 import weight_transfer_pb2 as pb
+
+    metadata = call_metadata(_token(args))
+    workers = [Worker(a, tls_ca=_read(args.tls_ca)) for a in args.addresses]
+    if args.watch:
+        from weightwire.client.cli.main import fleet_view
+
+        if args.interval <= 0 or (args.count is not None and args.count < 1):
+            print("weightwire status: --interval must be > 0 and --count >= 1", file=sys.stderr)
+            return 2
+        try:
+            return fleet_view.watch(
+                workers, interval_s=args.interval, timeout_s=args.timeout, metadata=metadata, as_json=args.json, count=args.count
+            )
+        finally:
+            for w in workers:
+                w.close()
+    try:
+        pending = {w.address: w.stub.GetStatus.future(pb.GetStatusRequest(), timeout=args.timeout, metadata=metadata) for w in workers}
+        statuses: dict[str, Any] = {}
+        for addr, fut in pending.items():
+            try:
+                statuses[addr] = fut.result()
+            except grpc.RpcError as e:
+                statuses[addr] = error_from_rpc(e, worker=addr, context="GetStatus")
+            except futures.CancelledError:
+                statuses[addr] = WeightwireError(Reason.CANCELLED, "cancelled", worker=addr)
+    finally:
+        for w in workers:
+            w.close()
+    if args.json:
+        out = {
+            a: (json_format.MessageToDict(s, preserving_proto_field_name=True) if not isinstance(s, WeightwireError)
+                else {"error": {"code": s.code, "reason": s.reason, "message": s.message}})
+            for a, s in statuses.items()
+        }
+        print(json.dumps(out, indent=2))
+        return 0 if not any(isinstance(s, WeightwireError) for s in statuses.values()) else 1
+    rows = []
+    bad = False
+    for addr, s in statuses.items():
+        if isinstance(s, WeightwireError):
+            bad = True
+            rows.append((addr, "-", "-", "-", "UNREACHABLE", "-", f"{s.reason}: {s.message}"[:90]))
+            continue
+        state = pb.WorkerState.Name(s.state).removeprefix("WORKER_STATE_")
+        bad |= s.state != pb.WORKER_STATE_CONSISTENT
+        last = "-"
+        if s.HasField("last_result"):
+            r = s.last_result
+            last = f"v{r.version} {_when(r.finish_time)} {r.tensors_loaded}t {r.duration_ns / 1e6:.1f}ms"
+        err = "-"
+        if s.HasField("last_error"):
+            le = s.last_error
+            err = f"v{le.version} {_when(le.time)} {le.reason}: {le.message}"[:90]
+        rows.append((f"{s.worker_id or '?'} {addr}", short_device(s.device.kind, s.device.uuid), _ranks(s.rank),
+                     s.weights_version, state, last, err))
+    print(format_table(("worker", "device", "ranks", "version", "state", "last update", "last error"), rows, right=(3,)))
+    return 1 if bad else 0
+
+
+# --------------------------------------------------------------------------------------------
+# push
+# --------------------------------------------------------------------------------------------
+
+
+def load_checkpoint(path: str) -> dict[str, Any]:
+    """Every tensor of a .safetensors file, or of all .safetensors files in a directory (sorted)."""
+    from safetensors.torch import load_file
+
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors files in {path}")
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    tensors: dict[str, Any] = {}
+    for f in files:
+        for name, t in load_file(f).items():
+            if name in tensors:
+                raise ValueError(f"tensor {name} appears in more than one file of {path}")
+            tensors[name] = t
+    return tensors
+
+
+def results_table(results: Mapping[str, Any], manifests: Mapping[str, Any] | None = None) -> str:
+    rows = []
+    for addr, r in results.items():
+        owned = len(manifests[addr].tensors) if manifests else "-"
+        rows.append((r.worker_id or addr, r.version, owned, r.tensors_loaded, r.buckets, r.handles_opened,
+                     human_bytes(r.bytes_loaded), f"{r.duration_s * 1e3:.1f}", f"{r.gbps:.2f}", r.transport))
+    return format_table(
+        ("worker", "version", "owned", "loaded", "buckets", "handles", "bytes", "ms", "GB/s", "transport"),
+        rows, right=(1, 2, 3, 4, 5, 6, 7, 8),
+    )
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from weightwire.client.push.plan import PlanError
+
+    try:
+        tensors = load_checkpoint(args.checkpoint)
+    except (OSError, ValueError) as e:
+        return _fail(e)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"weightwire push: {len(tensors)} tensors ({human_bytes(total)}) from {args.checkpoint} -> "
+          f"{len(args.addresses)} worker(s) as version {args.version}", file=sys.stderr)
+    from weightwire.client.cli.progress import PushProgressBar
+
+    try:
+        with (
+            _pusher(args, args.addresses, bucket_size_bytes=max(1, int(args.bucket_mb * _MB)), transport=args.transport) as pusher,
+            PushProgressBar(f"v{args.version}") as bar,
+        ):
+            manifests = pusher.manifests()
+            results = pusher.push(
+                tensors, version=args.version, scope="partial" if args.partial else "full",
+                allow_unowned=args.allow_unowned, verify_checksums=args.verify_checksums,
+                progress=None if args.no_progress else bar,
+            )
+    except PlanError as e:
+        return _fail(e)
+    except PushError as e:
+        return _fail(e)
+    except WeightwireError as e:
+        return _fail(e)
+    print(results_table(results, manifests))
+    return 0

@@ -1,0 +1,51 @@
+"""The ``weightwire`` command line. Each subcommand lives with the code it drives and registers
+itself here: ``serve`` (weightwire.server.cli), ``manifest``/``status``/``push``/``demo``
+(weightwire.client)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from weightwire import __version__
+from weightwire.core.optional import load_optional
+
+# module providing add_parser(subparsers) for each subcommand; modules arrive with their issues.
+_SUBCOMMAND_MODULES = (
+    "weightwire.server.cli",
+    "weightwire.client.cli.commands",
+    "weightwire.adapters.sglang.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weightwire", description="Move fresh weights from a trainer into engine workers.")
+    parser.add_argument("--version", action="version", version=f"weightwire {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for mod_name in _SUBCOMMAND_MODULES:
+        add_parser = load_optional(f"{mod_name}:add_parser")
+        if callable(add_parser):
+            add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:
+        # Output piped into a reader that left early (`weightwire manifest ADDR | head`): not an
+        # error of ours; point stdout at /dev/null so the interpreter's final flush stays quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
+if __name__ == "__main__":
+    sys.exit(main())

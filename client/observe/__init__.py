@@ -1,0 +1,1 @@
+"""What a trainer can observe about its pushes: optional Prometheus metrics."""

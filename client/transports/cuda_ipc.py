@@ -1,0 +1,248 @@
+"""The trainer's CUDA IPC exporter: GPU staging buffers and in-place export of GPU buffers.
+
+The transport table (``weightwire.core.transports.table.CUDA_IPC``) names ``CudaIpcExporter``;
+``WeightPusher`` gets one for its source GPU (``transport="cuda_ipc"``, or ``"auto"`` when the
+tensors are on a GPU and every receiving worker is a CUDA worker). Each staging buffer is a flat
+uint8 allocation on that GPU, allocated once, exported once (``share_cuda_tensor``) and reused for
+every bucket and update, so workers open each handle once. ``wrap`` exports a caller's flat GPU
+buffer (say an all-gather output) in place, with no packing copy. Every payload is labelled with
+the GPU's UUID, never an index.
+
+Before a handle goes out, ``ready`` makes the packing copies visible: when every recipient waits
+for a payload's event before reading (``exporters.consumers_wait_for_events``), it records the
+buffer's interprocess event (``core.cuda_ipc.ProducerEvent``, one per exported buffer) and the
+payload carries it, so packing the next bucket overlaps the workers' copies of this one; otherwise
+it waits for the copies on the host, as a worker that does not wait reads a kept mapping at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+from weightwire.client.transports.exporter import Exporter, StagingBuffer, consumers_wait, crc32_of
+from weightwire.core.devices import DeviceRef, cuda_device_uuid
+from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.transports import table as transports
+from weightwire.core.transports.cuda_ipc import (
+    CudaIpcFields,
+    ProducerEvent,
+    SharedCudaBuffer,
+    ipc_collect,
+    share_cuda_tensor,
+)
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+__all__ = ["CudaIpcExporter", "CudaStagingBuffer", "cuda_auto_rule", "resolve_cuda_device"]
+
+# Staging allocations are rounded up to this, so every tensor offset the packer aligns stays
+# inside and the caching allocator gets sizes it can reuse.
+_ALLOC_GRANULE = 2 * 1024 * 1024
+# In-place exports remembered (by storage, weakly) so re-wrapping a persistent buffer reuses its handle.
+_WRAP_CACHE_SIZE = 16
+# Interprocess events one exporter creates at most (one per exported buffer). They are kept until
+# the exporter closes: a worker names an event by its share and may still hold it open. Buffers
+# exported beyond this (a trainer wrapping a new storage every step) make ``ready`` wait on the
+# host instead.
+_MAX_EVENTS = 64
+
+
+def resolve_cuda_device(source: torch.device | str | int | None) -> torch.device:
+    """The CUDA device an exporter stages on: ``source`` when it is a GPU, else the current GPU."""
+    if not torch.cuda.is_available():
+        raise WeightwireError(
+            Reason.TRANSPORT_UNAVAILABLE,
+            "transport cuda_ipc needs a CUDA GPU in the trainer process; use host_shm or inline",
+        )
+    dev = torch.device("cuda", source) if isinstance(source, int) else torch.device(source or "cuda")
+    if dev.type != "cuda":
+        dev = torch.device("cuda")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+class CudaStagingBuffer(StagingBuffer):
+    """A flat uint8 region of a CUDA storage, exported once and reused.
+
+    ``owner`` is the storage's tensor as the caller gave it (kept alive while this buffer is);
+    ``flat`` the usable bytes, starting ``base_offset_bytes`` into the storage.
+    """
+
+    def __init__(
+        self, flat: torch.Tensor, shared: SharedCudaBuffer, *, owned: bool, event: ProducerEvent | None = None
+    ) -> None:
+        self._flat: torch.Tensor | None = flat
+        self._shared: SharedCudaBuffer | None = shared
+        self._event = event
+        # What the next payload of this buffer carries; ``ready`` sets it.
+        self.fields: CudaIpcFields = shared.fields
+        self.capacity_bytes = int(flat.numel())
+        self.base_offset_bytes = shared.base_offset_bytes
+        self.device = flat.device
+        self.label = shared.device
+        self.owned = owned
+
+    @property
+    def shared(self) -> SharedCudaBuffer:
+        if self._shared is None:
+            raise RuntimeError("CUDA staging buffer is closed")
+        return self._shared
+
+    def tensor(self) -> torch.Tensor:
+        if self._flat is None:
+            raise RuntimeError("CUDA staging buffer is closed")
+        return self._flat
+
+    def ready(self) -> None:
+        # Packing copies ran on the current stream of this GPU.
+        stream = torch.cuda.current_stream(self.device)
+        if self._event is not None and consumers_wait():
+            self.fields = self.shared.fields.with_event(self._event.record(stream))
+            return
+        self.fields = self.shared.fields
+        event = torch.cuda.Event()
+        event.record(stream)
+        event.synchronize()
+
+    def crc32(self, size_bytes: int) -> int:
+        # Offsets on the wire count from the storage's first byte, so checksum the storage.
+        storage = self.shared.owner.untyped_storage()
+        whole = torch.empty((0,), dtype=torch.uint8, device=self.device)
+        whole.set_(storage, 0, (storage.nbytes(),), (1,))
+        return crc32_of(whole[:size_bytes])
+
+    def close(self) -> None:
+        self._flat = None
+        self._shared = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _WrapShare:
+    """A caller's buffer shared once: the handle fields, a weak reference to its storage so a
+    freed buffer whose address comes back is shared anew rather than confused with the old one,
+    and the event paired with this share (None: beyond the exporter's event bound)."""
+
+    storage: weakref.ref[torch.UntypedStorage]
+    fields: CudaIpcFields
+    device: DeviceRef
+    device_index: int
+    event: ProducerEvent | None
+
+
+class CudaIpcExporter(Exporter):
+    """CUDA IPC from one GPU of the trainer; payloads are labelled with that GPU's UUID."""
+
+    TRANSPORT = transports.CUDA_IPC
+
+    @classmethod
+    def for_source(cls, source: torch.device) -> CudaIpcExporter:
+        return cls(source)
+
+    @classmethod
+    def fits(cls, devices: Sequence[DeviceRef], source: torch.device) -> bool:
+        return cuda_auto_rule(devices, source)
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        self.device = resolve_cuda_device(device)
+        self.label = DeviceRef.cuda(cuda_device_uuid(self.device.index or 0))
+        self._lock = threading.Lock()
+        self._buffers: list[CudaStagingBuffer] = []
+        self._wrapped: collections.OrderedDict[tuple[int, int], _WrapShare] = collections.OrderedDict()
+        self._events: list[ProducerEvent] = []
+        self.allocations = 0
+
+    def _new_event(self) -> ProducerEvent | None:
+        """The event for a newly exported buffer, or None beyond ``_MAX_EVENTS`` (caller holds no lock)."""
+        with self._lock:
+            if len(self._events) >= _MAX_EVENTS:
+                return None
+            event = ProducerEvent(self.device.index or 0)
+            self._events.append(event)
+            return event
+
+    def allocate(self, capacity_bytes: int) -> CudaStagingBuffer:
+        """A new GPU staging buffer, exported once (the pusher pools and reuses it)."""
+        size = max(int(capacity_bytes), 1)
+        rounded = -(-size // _ALLOC_GRANULE) * _ALLOC_GRANULE
+        flat = torch.empty(rounded, dtype=torch.uint8, device=self.device)
+        shared = share_cuda_tensor(flat)
+        buf = CudaStagingBuffer(flat, shared, owned=True, event=self._new_event())
+        with self._lock:
+            self._buffers = [b for b in self._buffers if b._flat is not None]
+            self._buffers.append(buf)
+            self.allocations += 1
+        return buf
+
+    def wrap(self, flat: torch.Tensor) -> CudaStagingBuffer | None:
+        """Export a caller's contiguous buffer on this GPU in place, or None (then it is packed)."""
+        if flat.device.type != "cuda" or flat.device.index != self.device.index or not flat.is_contiguous():
+            return None
+        raw = flat.reshape(-1).view(torch.uint8)
+        if raw.numel() == 0:
+            return None
+        storage = raw.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        whole = torch.empty((0,), dtype=torch.uint8, device=self.device)
+        whole.set_(storage, 0, (storage.nbytes(),), (1,))
+        with self._lock:
+            known = self._wrapped.get(key)
+            if known is not None and known.storage() is storage:
+                self._wrapped.move_to_end(key)
+            else:
+                known = None
+        if known is None:
+            # Share the whole storage once; every later view into it reuses the same handle (and a
+            # worker its cached mapping). Only a weak reference is kept: the caller owns the buffer.
+            shared = share_cuda_tensor(whole)
+            known = _WrapShare(weakref.ref(storage), shared.fields, shared.device, shared.device_index, self._new_event())
+            with self._lock:
+                self._wrapped[key] = known
+                while len(self._wrapped) > _WRAP_CACHE_SIZE:
+                    self._wrapped.popitem(last=False)
+        base = int(raw.storage_offset())
+        view = SharedCudaBuffer(
+            fields=known.fields,
+            device=known.device,
+            device_index=known.device_index,
+            base_offset_bytes=base,
+            size_bytes=base + int(raw.numel()),
+            owner=whole,
+        )
+        return CudaStagingBuffer(raw, view, owned=False, event=known.event)
+
+    def export(self, buffer: StagingBuffer, size_bytes: int, label: DeviceRef) -> pb.Payload:
+        if not isinstance(buffer, CudaStagingBuffer):
+            raise TypeError(f"{self.name} cannot export a {type(buffer).__name__}")
+        shared = buffer.shared
+        if label != shared.device:
+            raise WeightwireError(
+                Reason.TRANSPORT_UNAVAILABLE,
+                f"a CUDA buffer on {shared.device} cannot be labelled {label}: a label names the GPU that "
+                "holds the bytes",
+            )
+        if size_bytes > shared.fields.storage_size_bytes:
+            raise ValueError(f"payload of {size_bytes} bytes exceeds the CUDA storage of {shared.fields.storage_size_bytes}")
+        return pb.Payload(device=label.to_proto(), size_bytes=size_bytes, cuda_ipc=buffer.fields.to_proto())
+
+    def close(self) -> None:
+        """Drop every staging buffer and in-place share. Blocks still mapped by a worker stay in
+        torch's limbo until that worker releases them; ``ipc_collect`` frees the rest."""
+        with self._lock:
+            buffers, self._buffers = self._buffers, []
+            self._wrapped.clear()
+            self._events.clear()
+        for buf in buffers:
+            buf.close()
+        del buffers
+        ipc_collect()
+
+
+def cuda_auto_rule(devices: Sequence[DeviceRef], source: torch.device) -> bool:
+    """``transport="auto"`` picks CUDA IPC for tensors on a GPU sent to CUDA workers only."""
+    return source.type == "cuda" and bool(devices) and all(d.is_cuda for d in devices)
+

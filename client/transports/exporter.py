@@ -1,0 +1,351 @@
+"""Payload exporters: the trainer-side half of a transport.
+
+An exporter owns staging buffers (bounded, reused across buckets and updates) and turns the first
+``size_bytes`` of one into a labelled ``weightwire.v1.Payload``. ``WeightPusher`` packs buckets into
+buffers from ``allocate``, or exports a caller's already-flat buffer in place through ``wrap`` (no
+packing copy), and asks ``export`` for the payload it puts into each worker's ``Bucket``.
+
+Which exporters exist is the transport table's business (``weightwire.core.transports.table``): here live
+``host_shm`` (POSIX shared memory under the ``ww-`` prefix; the client creates, writes, reuses and
+finally unlinks segments; workers map them read-only) and ``inline`` (the bytes go inside the
+message; bounded by the gRPC message limit); CUDA IPC lives in ``weightwire.client.transports.cuda_ipc``.
+``make_exporter`` builds the exporter of a table row, and ``choose_transport`` picks one for
+``transport="auto"`` from the workers' devices.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import mmap
+import os
+import threading
+import zlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from weightwire.core.devices import DeviceRef
+from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.transports import table as transports
+from weightwire.core.transports.shm import SHM_DIR, new_shm_name
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+# Per pushing thread: whether every worker of the push it runs waits for a payload's producer event
+# before reading (``consumers_wait_for_events``).
+_push_scope = threading.local()
+
+
+@contextlib.contextmanager
+def consumers_wait_for_events(wait: bool) -> Iterator[None]:
+    """Within this block, on this thread, ``StagingBuffer.ready`` may record a producer event that
+    goes with the payload and return at once, instead of waiting until its writes finished:
+    ``wait`` says every worker that gets this thread's payloads waits for that event before it
+    reads (their manifests' ``waits_for_cuda_ipc_events``). Off everywhere else."""
+    before = getattr(_push_scope, "wait", False)
+    _push_scope.wait = wait
+    try:
+        yield
+    finally:
+        _push_scope.wait = before
+
+
+def consumers_wait() -> bool:
+    """Whether payloads exported on this thread now go only to workers that wait for their events."""
+    return bool(getattr(_push_scope, "wait", False))
+
+
+def crc32_of(data: torch.Tensor) -> int:
+    """zlib CRC-32 of a flat uint8 tensor's bytes (the contract's CHECKSUM_ALGORITHM_CRC32)."""
+    return zlib.crc32(data.detach().cpu().contiguous().numpy().data) & 0xFFFFFFFF
+
+
+class StagingBuffer(abc.ABC):
+    """A flat byte buffer an exporter can hand to workers.
+
+    ``base_offset_bytes`` is where the caller's data starts inside the exported storage (non-zero
+    when ``wrap`` exported a view into a larger buffer); tensor offsets sent on the wire are relative
+    to the storage, so the pusher adds it to every spec.
+    """
+
+    capacity_bytes: int
+    base_offset_bytes: int = 0
+
+    @abc.abstractmethod
+    def tensor(self) -> torch.Tensor:
+        """1-D uint8 tensor over the usable bytes (starting at ``base_offset_bytes``)."""
+
+    def ready(self) -> None:  # noqa: B027 - optional hook
+        """Called after packing and before export: make the writes visible to other processes
+        (a CUDA buffer synchronises here, or, within ``consumers_wait_for_events(True)``, records
+        the event its next payload carries)."""
+
+    def crc32(self, size_bytes: int) -> int:
+        """zlib CRC-32 of the storage's first ``size_bytes`` bytes (for verify_checksums)."""
+        if self.base_offset_bytes:
+            raise WeightwireError(
+                Reason.INVALID_CHECKSUM,
+                "cannot checksum a wrapped buffer that does not start at its storage's first byte",
+            )
+        return crc32_of(self.tensor()[:size_bytes])
+
+    def close(self) -> None:  # noqa: B027 - buffers that own nothing need no cleanup
+        """Release the buffer (unlink a segment, free device memory). Idempotent."""
+
+
+class Exporter(abc.ABC):
+    """One transport on the trainer side.
+
+    ``label`` is the device every payload of this exporter is labelled with, or None when the bytes
+    are valid anywhere (inline), in which case the pusher labels each worker's payload with that
+    worker's own device.
+    """
+
+    # The row of the transport table this exporter implements.
+    TRANSPORT: transports.Transport
+    label: DeviceRef | None = None
+    # Largest bucket (bytes) this transport can carry; None = unbounded.
+    max_bucket_bytes: int | None = None
+    # Largest bucket ``push`` packs for this transport (a tensor larger goes alone, up to
+    # ``max_bucket_bytes``); None = the pusher's bucket size.
+    bucket_bytes_limit: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.TRANSPORT.name
+
+    @property
+    def transport(self) -> pb.TransportKind.ValueType:
+        return self.TRANSPORT.kind
+
+    @classmethod
+    def for_source(cls, source: torch.device) -> Exporter:
+        """The exporter for tensors on ``source`` (host-memory transports ignore it)."""
+        return cls()
+
+    @classmethod
+    def fits(cls, devices: Sequence[DeviceRef], source: torch.device) -> bool:
+        """Whether ``transport="auto"`` should pick this transport for workers on ``devices`` and
+        tensors on ``source`` (asked in the transport table's order)."""
+        return False
+
+    @abc.abstractmethod
+    def allocate(self, capacity_bytes: int) -> StagingBuffer:
+        """A new staging buffer of at least ``capacity_bytes`` (the pusher pools and reuses it)."""
+
+    def wrap(self, flat: torch.Tensor) -> StagingBuffer | None:
+        """Export an existing flat buffer in place, or None if this transport cannot (the pusher
+        then copies it into a staging buffer)."""
+        return None
+
+    @abc.abstractmethod
+    def export(self, buffer: StagingBuffer, size_bytes: int, label: DeviceRef) -> pb.Payload:
+        """The payload for the storage's first ``size_bytes`` bytes, labelled ``label``."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release everything this exporter still holds."""
+
+
+# --------------------------------------------------------------------------------------------
+# Host shared memory
+# --------------------------------------------------------------------------------------------
+
+
+class ShmSegment(StagingBuffer):
+    """A POSIX shared-memory segment ``/dev/shm/<name>`` created by this process, mapped read-write."""
+
+    def __init__(self, capacity_bytes: int, tag: str = "") -> None:
+        self.capacity_bytes = max(int(capacity_bytes), 1)
+        self.name = new_shm_name(tag)
+        path = os.path.join(SHM_DIR, self.name)
+        # O_EXCL: a name collision must never make two pushers share a segment.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self.capacity_bytes)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, self.capacity_bytes)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        os.close(fd)
+        self._tensor: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._closed = False
+
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise RuntimeError(f"shared-memory segment {self.name} is closed")
+        return self._tensor
+
+    def contains(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s bytes lie inside this segment."""
+        if self._tensor is None or t.device.type != "cpu":
+            return False
+        start = self._tensor.data_ptr()
+        ptr = t.data_ptr()
+        return start <= ptr and ptr + t.numel() * t.element_size() <= start + self.capacity_bytes
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, self.name))
+        self._tensor = None
+        mm, self._mmap = self._mmap, None
+        if mm is not None:
+            # Views a caller still holds keep the buffer exported; the mapping then goes with them.
+            with contextlib.suppress(BufferError):
+                mm.close()
+
+
+class _ShmView(StagingBuffer):
+    """A caller's flat tensor that lies inside one of our segments (exported with no copy)."""
+
+    def __init__(self, segment: ShmSegment, flat: torch.Tensor, base_offset_bytes: int) -> None:
+        self.segment = segment
+        self.flat = flat
+        self.base_offset_bytes = base_offset_bytes
+        self.capacity_bytes = flat.numel()
+
+    def tensor(self) -> torch.Tensor:
+        return self.flat
+
+    def crc32(self, size_bytes: int) -> int:
+        return crc32_of(self.segment.tensor()[:size_bytes])
+
+
+class HostShmExporter(Exporter):
+    """Host shared memory on this machine, labelled with ``DeviceRef.host()`` (the boot id)."""
+
+    TRANSPORT = transports.HOST_SHM
+
+    @classmethod
+    def fits(cls, devices: Sequence[DeviceRef], source: torch.device) -> bool:
+        # Staging copies from any device, so the tensors' device does not matter here.
+        own = DeviceRef.host()
+        return bool(devices) and all(d == own for d in devices)
+
+    def __init__(self) -> None:
+        self.label = DeviceRef.host()
+        self._segments: list[ShmSegment] = []
+        self._lock = threading.Lock()
+
+    def allocate(self, capacity_bytes: int) -> ShmSegment:
+        seg = ShmSegment(capacity_bytes, tag=str(len(self._segments)))
+        with self._lock:
+            self._segments = [s for s in self._segments if not s._closed]
+            self._segments.append(seg)
+        return seg
+
+    def wrap(self, flat: torch.Tensor) -> StagingBuffer | None:
+        if flat.device.type != "cpu" or not flat.is_contiguous():
+            return None
+        if flat.dtype != torch.uint8:
+            flat = flat.reshape(-1).view(torch.uint8)
+        with self._lock:
+            segments = list(self._segments)
+        for seg in segments:
+            if seg.contains(flat):
+                base = flat.data_ptr() - seg.tensor().data_ptr()
+                return _ShmView(seg, flat.reshape(-1), base)
+        return None
+
+    def export(self, buffer: StagingBuffer, size_bytes: int, label: DeviceRef) -> pb.Payload:
+        seg = buffer.segment if isinstance(buffer, _ShmView) else buffer
+        if not isinstance(seg, ShmSegment):
+            raise TypeError(f"{self.name} cannot export a {type(buffer).__name__}")
+        return pb.Payload(device=label.to_proto(), size_bytes=size_bytes, host_shm=pb.HostShmHandle(name=seg.name))
+
+    def close(self) -> None:
+        with self._lock:
+            segments, self._segments = self._segments, []
+        for seg in segments:
+            seg.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Inline bytes
+# --------------------------------------------------------------------------------------------
+
+# The workers accept 64 MiB messages; an ordinary inline bucket stays well under gRPC's default
+# 4 MiB so that it also passes proxies left at defaults. A tensor larger than that travels in a
+# bucket of its own, up to INLINE_MAX_BYTES.
+INLINE_BUCKET_BYTES = 4 * 1024 * 1024 - 64 * 1024
+INLINE_MAX_BYTES = 60 * 1024 * 1024
+
+
+class _HostBytes(StagingBuffer):
+    """Ordinary CPU memory (inline transport: the bytes are copied into the message anyway)."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+        self.capacity_bytes = flat.numel()
+
+    def tensor(self) -> torch.Tensor:
+        return self.flat
+
+
+class InlineExporter(Exporter):
+    """The bytes themselves inside the Bucket message; valid on any device (label per worker)."""
+
+    TRANSPORT = transports.INLINE
+    label = None
+    max_bucket_bytes = INLINE_MAX_BYTES
+    bucket_bytes_limit = INLINE_BUCKET_BYTES
+
+    @classmethod
+    def fits(cls, devices: Sequence[DeviceRef], source: torch.device) -> bool:
+        return True  # valid on any device: the fallback
+
+    def allocate(self, capacity_bytes: int) -> StagingBuffer:
+        return _HostBytes(torch.empty(max(int(capacity_bytes), 1), dtype=torch.uint8))
+
+    def wrap(self, flat: torch.Tensor) -> StagingBuffer | None:
+        if flat.device.type != "cpu" or not flat.is_contiguous():
+            return None
+        raw = flat.reshape(-1).view(torch.uint8)
+        return _HostBytes(raw)
+
+    def export(self, buffer: StagingBuffer, size_bytes: int, label: DeviceRef) -> pb.Payload:
+        data = buffer.tensor()[:size_bytes].numpy().tobytes()
+        return pb.Payload(device=label.to_proto(), size_bytes=size_bytes, inline_data=data)
+
+
+# --------------------------------------------------------------------------------------------
+# The table's exporters and the "auto" choice
+# --------------------------------------------------------------------------------------------
+
+
+def _exporter_class(row: transports.Transport) -> type[Exporter] | None:
+    cls = row.load_exporter()
+    if cls is not None and not (isinstance(cls, type) and issubclass(cls, Exporter)):
+        raise TypeError(f"{row.exporter} (transport {row.name}) is not an Exporter")
+    return cls
+
+
+def available_transports() -> list[str]:
+    """The transports this process can export (every table row whose exporter module imports)."""
+    return [row.name for row in transports.TRANSPORTS if _exporter_class(row) is not None]
+
+
+def choose_transport(devices: Sequence[DeviceRef], source: torch.device) -> str:
+    """What ``transport="auto"`` means for workers on ``devices`` and tensors on ``source``: the
+    first transport of the table whose exporter fits (CUDA IPC for tensors on a GPU sent to CUDA
+    workers only; host shared memory when every worker is a host worker of this machine), else the
+    table's last row (inline bytes), which fits everywhere."""
+    for row in transports.TRANSPORTS:
+        cls = _exporter_class(row)
+        if cls is not None and cls.fits(devices, source):
+            return row.name
+    return transports.TRANSPORTS[-1].name
+
+
+def make_exporter(name: str, source: torch.device) -> Exporter:
+    row = transports.by_name(name)
+    cls = _exporter_class(row) if row is not None else None
+    if cls is None:
+        raise WeightwireError(
+            Reason.TRANSPORT_UNAVAILABLE,
+            f"transport {name!r} is not available in this process; available: {', '.join(available_transports())}",
+        )
+    return cls.for_source(source)

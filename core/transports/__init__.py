@@ -1,0 +1,1 @@
+"""Every transport's shared half, one file per transport under the same name on every side: the table (``table``), CUDA IPC (``cuda_ipc``), host shared memory (``shm``) and transfer groups (``transfer_group``, with its plan in ``transfer_group_plan``)."""

@@ -1,0 +1,577 @@
+"""Transfer groups on the network: the rendezvous store, the process-group backends, forming a
+group with its checks, and the send/receive/broadcast calls with deadlines. No gRPC in here.
+
+Who calls what: the trainer (``weightwire.client``) serves the store with ``StoreServer`` and forms
+its side with ``TransferGroup.form`` while every worker does the same on its side
+(``weightwire.server``), all from one plan (``weightwire.core.transports.transfer_group_plan``).
+
+Forming never touches the process's default process group: every group is a ``ProcessGroupGloo``
+(or ``ProcessGroupNCCL``) object built on a ``TCPStore`` + ``PrefixStore``. Before any weight byte
+moves, every member checks the group through the store (each rank claimed once, by the member the
+plan names, with the same world size and the same plan), then over the group itself (an all-gather
+of member identities), and refuses with a reason otherwise. Every send, receive and wait has a
+deadline; a peer that dies makes the operations on it fail at once (its sockets close), one that
+hangs makes them fail at the deadline.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import ipaddress
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.transports.transfer_group_plan import (
+    MemberIdentity,
+    check_spec,
+    clip,
+    own_rank,
+    spec_digest,
+    split_address,
+)
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+# How often members look at the store while they wait for each other during formation.
+_POLL_S = 0.02
+# What one member's identity record in the store may weigh (a few hundred bytes in practice).
+_MAX_RECORD_BYTES = 4096
+
+
+# ---------------------------------------------------------------------------------------------
+# The rendezvous store
+# ---------------------------------------------------------------------------------------------
+
+
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, 0.001))
+
+
+class StoreServer:
+    """The rendezvous store of the groups a trainer forms: a torch ``TCPStore`` served on a socket
+    bound to exactly ``host:port`` (port 0 picks one), so it listens only where the operator says.
+
+    The store has no authentication of its own: anyone who reaches the port can read and write
+    keys. Bind it to the interface the workers use, and let only them reach it; group ids are
+    random, new per formation, and every key lives under one.
+    """
+
+    def __init__(self, host: str, port: int = 0, *, timeout_s: float = 60.0) -> None:
+        family = socket.AF_INET6 if _is_ipv6(host) else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(256)
+        except OSError as e:
+            sock.close()
+            raise WeightwireError(
+                Reason.GROUP_STORE_UNREACHABLE, f"cannot listen for the rendezvous store on {host}:{port}: {e.strerror or e}"
+            ) from None
+        self.host = host
+        self.port: int = sock.getsockname()[1]
+        try:
+            self.store = torch.distributed.TCPStore(
+                host, self.port, None, True, _timedelta(timeout_s), wait_for_workers=False, master_listen_fd=sock.fileno()
+            )
+        except BaseException:
+            sock.close()
+            raise
+        # The store owns the listening socket now and closes it when it is destroyed.
+        sock.detach()
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def close(self) -> None:
+        """Drop this reference to the store; it stops listening once the groups formed on it are
+        closed too (they hold it). Formed groups keep working: they no longer use it."""
+        self.store = None  # type: ignore[assignment]
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
+    except ValueError:
+        return False
+
+
+def connect_store(address: str, timeout_s: float) -> torch.distributed.Store:
+    """A client of the store at ``address``; GROUP_STORE_UNREACHABLE if it does not answer in time."""
+    host, port = split_address(address)
+    try:
+        return torch.distributed.TCPStore(host, port, None, False, _timedelta(timeout_s))
+    except (RuntimeError, OSError) as e:
+        raise WeightwireError(
+            Reason.GROUP_STORE_UNREACHABLE,
+            f"the transfer group's store at {address} did not answer within {timeout_s:.1f} s "
+            f"({clip(str(e).splitlines()[0] if str(e) else type(e).__name__, 160)}); check the address, that the trainer "
+            "is up and that this machine can reach that port",
+            store_address=address,
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends
+# ---------------------------------------------------------------------------------------------
+
+
+def _gloo(store: Any, rank: int, size: int, timeout: datetime.timedelta, listen_host: str, device: torch.device) -> Any:
+    opts = torch.distributed.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._timeout = timeout
+    # The device decides the address gloo's own sockets bind to (ephemeral ports on that address).
+    opts._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=listen_host, lazy_init=False)]
+    return torch.distributed.ProcessGroupGloo(store, rank, size, opts)
+
+
+def nccl_available() -> bool:
+    return torch.cuda.is_available() and hasattr(torch.distributed, "ProcessGroupNCCL")
+
+
+def check_backend(backend: int, device: torch.device) -> None:
+    """TRANSPORT_UNAVAILABLE when this process cannot be a member on ``backend`` with ``device``."""
+    if backend == pb.TRANSFER_BACKEND_NCCL:
+        if not nccl_available():
+            raise WeightwireError(
+                Reason.TRANSPORT_UNAVAILABLE,
+                "the NCCL backend needs a CUDA build of torch and a visible GPU in this process; use TRANSFER_BACKEND_GLOO",
+                backend="nccl",
+            )
+        if torch.device(device).type != "cuda":
+            raise WeightwireError(
+                Reason.TRANSPORT_UNAVAILABLE,
+                f"the NCCL backend stages on a GPU, but this member's device is {device}; use TRANSFER_BACKEND_GLOO",
+                backend="nccl",
+            )
+    elif not torch.distributed.is_gloo_available():
+        raise WeightwireError(Reason.TRANSPORT_UNAVAILABLE, "this build of torch has no gloo backend", backend="gloo")
+
+
+def _nccl(store: Any, rank: int, size: int, timeout: datetime.timedelta, listen_host: str, device: torch.device) -> Any:
+    # NCCL picks its own interfaces (NCCL_SOCKET_IFNAME); listen_host does not apply.
+    check_backend(pb.TRANSFER_BACKEND_NCCL, device)
+    opts = torch.distributed.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    pg = torch.distributed.ProcessGroupNCCL(store, rank, size, opts)
+    # Connect now, so that an unreachable peer fails the formation and not the first bucket.
+    pg.eager_connect_single_device(_indexed(device))
+    return pg
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:<current device>`` (NCCL needs the index)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+BackendFactory = Callable[[Any, int, int, datetime.timedelta, str, torch.device], Any]
+BACKENDS: dict[int, tuple[str, BackendFactory]] = {
+    pb.TRANSFER_BACKEND_GLOO: ("gloo", _gloo),
+    pb.TRANSFER_BACKEND_NCCL: ("nccl", _nccl),
+}
+
+
+def backend_name(backend: int) -> str:
+    entry = BACKENDS.get(backend)
+    return entry[0] if entry else f"backend {backend}"
+
+
+def staging_device(backend: int, device: torch.device) -> torch.device:
+    """Where a member's transfer buffers live: host memory for gloo, the member's GPU for NCCL."""
+    return _indexed(device) if backend == pb.TRANSFER_BACKEND_NCCL else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Formation
+# ---------------------------------------------------------------------------------------------
+
+
+def _record(identity: MemberIdentity, rank: int) -> bytes:
+    return identity.to_proto(rank).SerializeToString(deterministic=True)
+
+
+class _Rendezvous:
+    """The store side of forming one group: claims, checks and the shared abort flag."""
+
+    def __init__(self, store: Any, spec: pb.TransferGroupSpec, rank: int, me: MemberIdentity, deadline: float) -> None:
+        self.store = store
+        self.spec = spec
+        self.rank = rank
+        self.me = me
+        self.deadline = deadline
+        self.world = spec.world_size
+
+    def refuse(self, err: WeightwireError) -> WeightwireError:
+        """Tell every member (first refusal wins) and return the error to raise here."""
+        record = {"reason": err.reason, "message": clip(err.message, 1000), "metadata": err.metadata}
+        try:
+            self.store.compare_set("abort", "", json.dumps(record))
+        except Exception:  # the store itself is gone: the others find out at their deadline
+            pass
+        return err
+
+    def _aborted(self) -> WeightwireError | None:
+        if not self.store.check(["abort"]):
+            return None
+        try:
+            record = json.loads(self.store.get("abort")[:_MAX_RECORD_BYTES])
+            reason, message = str(record["reason"]), clip(str(record["message"]), 1000)
+            metadata = {str(k)[:64]: clip(str(v), 1000) for k, v in dict(record.get("metadata", {})).items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            reason, message, metadata = "GROUP_TIMEOUT", "(unreadable refusal)", {}
+        if reason not in Reason.__members__:
+            reason = "GROUP_TIMEOUT"
+        return WeightwireError(reason, f"another member refused the group: {message}", **metadata)
+
+    def wait_for(self, keys: Sequence[str], what: str) -> None:
+        """Until every key exists. Keys first, then the abort flag: a member that can run its own
+        checks reports its own diagnosis rather than another member's."""
+        while True:
+            if self.store.check(list(keys)):
+                return
+            err = self._aborted()
+            if err is not None:
+                raise err
+            if time.monotonic() >= self.deadline:
+                missing = [k for k in keys if not self.store.check([k])]
+                ranks = [k.rpartition("/")[2] for k in missing]
+                described = ", ".join(
+                    f"{r} ({MemberIdentity.from_proto(self.spec.members[int(r)]).describe()})"
+                    for r in ranks[:8] if r.isdigit() and int(r) < len(self.spec.members)
+                )
+                raise self.refuse(
+                    WeightwireError(
+                        Reason.GROUP_TIMEOUT,
+                        f"group {self.spec.group_id}: {len(missing)} member(s) did not {what} within "
+                        f"{self.spec.timeout_ms / 1000:g} s: group rank {described or ', '.join(ranks[:8])}"
+                        f"{' ...' if len(ranks) > 8 else ''}",
+                        missing_ranks=",".join(ranks[:64]),
+                        group_id=self.spec.group_id,
+                    )
+                )
+            time.sleep(_POLL_S)
+
+    def run(self) -> None:
+        """Claim our rank, then check that every rank is held by the member the plan names, with the
+        same world size and the same plan. Raises (after telling the others) on the first problem."""
+        mine = _record(self.me, self.rank)
+        held = self.store.compare_set(f"member/{self.rank}", "", mine)
+        if held != mine:
+            other = _parse_record(held)
+            raise self.refuse(
+                WeightwireError(
+                    Reason.GROUP_DUPLICATE_RANK,
+                    f"group {self.spec.group_id}: group rank {self.rank} is claimed by {other} and by "
+                    f"{self.me.describe()}; group ranks must come from each member's full identity (replica, stage, "
+                    "tensor rank, instance), never from a stage-local rank",
+                    group_rank=str(self.rank),
+                    group_id=self.spec.group_id,
+                )
+            )
+        self.store.set(f"world/{self.rank}", str(self.world))
+        self.store.set(f"plan/{self.rank}", spec_digest(self.spec))
+        self.store.set(f"ready/{self.rank}", "1")
+        self.wait_for([f"ready/{r}" for r in range(self.world)], "join")
+        # Identities first, then world sizes, then plans: the most specific finding is reported.
+        for r in range(self.world):
+            planned = MemberIdentity.from_proto(self.spec.members[r])
+            actual_raw = self.store.get(f"member/{r}")
+            if actual_raw != _record(planned, r):
+                raise self.refuse(
+                    WeightwireError(
+                        Reason.GROUP_UNKNOWN_MEMBER,
+                        f"group {self.spec.group_id}: group rank {r} is held by {_parse_record(actual_raw)}, but the plan "
+                        f"says {planned.describe()}",
+                        group_rank=str(r),
+                        group_id=self.spec.group_id,
+                    )
+                )
+        for r in range(self.world):
+            world = self.store.get(f"world/{r}").decode("ascii", "replace")
+            if world != str(self.world):
+                raise self.refuse(
+                    WeightwireError(
+                        Reason.GROUP_WRONG_WORLD_SIZE,
+                        f"group {self.spec.group_id}: group rank {r} "
+                        f"({MemberIdentity.from_proto(self.spec.members[r]).describe()}) was told world size "
+                        f"{clip(world, 12)}, {self.me.describe()} was told {self.world}; every member must get the same plan",
+                        group_rank=str(r),
+                        group_id=self.spec.group_id,
+                    )
+                )
+        digest = spec_digest(self.spec)
+        for r in range(self.world):
+            if self.store.get(f"plan/{r}").decode("ascii", "replace") != digest:
+                raise self.refuse(
+                    WeightwireError(
+                        Reason.GROUP_PLAN_MISMATCH,
+                        f"group {self.spec.group_id}: group rank {r} "
+                        f"({MemberIdentity.from_proto(self.spec.members[r]).describe()}) was given a different plan "
+                        "than this member; every member must get the same TransferGroupSpec",
+                        group_rank=str(r),
+                        group_id=self.spec.group_id,
+                    )
+                )
+        self.store.set(f"checked/{self.rank}", "1")
+        self.wait_for([f"checked/{r}" for r in range(self.world)], "finish its checks")
+
+
+def _parse_record(raw: bytes) -> str:
+    try:
+        if len(raw) > _MAX_RECORD_BYTES:
+            raise ValueError
+        return MemberIdentity.from_proto(pb.TransferGroupMember.FromString(raw)).describe()
+    except Exception:
+        return "an unreadable member record"
+
+
+def _identity_digest(identity: MemberIdentity, rank: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(hashlib.sha256(_record(identity, rank)).digest()), dtype=torch.uint8)
+
+
+def backend_message(e: BaseException) -> str:
+    """The first line of a torch.distributed error, without gloo's leading source path."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)
+    # gloo appends generic advice ("This is typically caused by ...") that names no cause.
+    return first.split(" This is typically caused by")[0]
+
+
+def transfer_error(e: BaseException, what: str, **metadata: str) -> WeightwireError:
+    """A failed torch.distributed operation as TRANSFER_FAILED, with the backend's first line."""
+    if isinstance(e, WeightwireError):
+        return e
+    return WeightwireError(Reason.TRANSFER_FAILED, f"{what}: {clip(backend_message(e), 300)}", **metadata)
+
+
+class TransferGroup:
+    """This process's side of a formed group: the full process group (point-to-point) and the
+    broadcast subgroups it is a member of. Build with ``form``; ``close`` destroys it."""
+
+    def __init__(
+        self, spec: pb.TransferGroupSpec, rank: int, pg: Any, subgroups: dict[int, tuple[Any, dict[int, int]]], store: Any
+    ) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.world_size = spec.world_size
+        self.timeout = _timedelta(spec.timeout_ms / 1000)
+        self._pg = pg
+        # subgroup id -> (process group, group rank -> rank inside the subgroup)
+        self._subgroups = subgroups
+        self._store = store
+        self._lock = threading.Lock()
+        self.closed = False
+        self._closer: threading.Thread | None = None
+
+    @property
+    def group_id(self) -> str:
+        return self.spec.group_id
+
+    @property
+    def backend(self) -> int:
+        return self.spec.backend
+
+    @classmethod
+    def form(
+        cls,
+        spec: pb.TransferGroupSpec,
+        me: MemberIdentity,
+        *,
+        listen_host: str,
+        device: torch.device | str = "cpu",
+        store: Any | None = None,
+    ) -> TransferGroup:
+        """Join ``spec`` as ``me``: rendezvous on the store (``store`` for the member that serves
+        it, else a client of ``spec.store_address``), check the group, build the process groups,
+        check identities over them and meet at a barrier. Within ``spec.timeout_ms`` or raises."""
+        check_spec(spec)
+        rank = own_rank(spec, me)
+        device = torch.device(device)
+        name, factory = BACKENDS[spec.backend]
+        timeout_s = spec.timeout_ms / 1000
+        deadline = time.monotonic() + timeout_s
+        check_backend(spec.backend, device)
+        base = store if store is not None else connect_store(spec.store_address, timeout_s)
+        group_store = torch.distributed.PrefixStore(f"weightwire/{spec.group_id}", base)
+        rendezvous = _Rendezvous(group_store, spec, rank, me, deadline)
+        try:
+            rendezvous.run()
+        except WeightwireError:
+            raise
+        except Exception as e:
+            raise WeightwireError(
+                Reason.GROUP_STORE_UNREACHABLE,
+                f"group {spec.group_id}: the store at {spec.store_address} failed during the rendezvous: {clip(str(e), 200)}",
+            ) from None
+
+        def remaining() -> datetime.timedelta:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WeightwireError(
+                    Reason.GROUP_TIMEOUT, f"group {spec.group_id}: forming took longer than {timeout_s:g} s", group_id=spec.group_id
+                )
+            return _timedelta(left)
+
+        stage = "connecting the process group"
+        try:
+            pg = factory(torch.distributed.PrefixStore("pg", group_store), rank, spec.world_size, remaining(), listen_host, device)
+            stage = "checking member identities over the group"
+            buf_device = staging_device(spec.backend, device)
+            mine = _identity_digest(me, rank).to(buf_device)
+            gathered = [torch.empty(32, dtype=torch.uint8, device=buf_device) for _ in range(spec.world_size)]
+            pg.allgather([gathered], [mine]).wait(remaining())
+            for r, got in enumerate(gathered):
+                want = _identity_digest(MemberIdentity.from_proto(spec.members[r]), r)
+                if not torch.equal(got.cpu(), want):
+                    raise WeightwireError(
+                        Reason.GROUP_UNKNOWN_MEMBER,
+                        f"group {spec.group_id}: the process at group rank {r} of the {name} group is not "
+                        f"{MemberIdentity.from_proto(spec.members[r]).describe()} (identity check over the group)",
+                        group_rank=str(r),
+                    )
+            subgroups: dict[int, tuple[Any, dict[int, int]]] = {}
+            for sg in sorted(spec.subgroups, key=lambda s: s.subgroup_id):
+                if rank not in sg.member_ranks:
+                    continue
+                stage = f"connecting broadcast subgroup {sg.subgroup_id}"
+                local = {r: i for i, r in enumerate(sg.member_ranks)}
+                sub_store = torch.distributed.PrefixStore(f"sub/{sg.subgroup_id}", group_store)
+                subgroups[sg.subgroup_id] = (
+                    factory(sub_store, local[rank], len(sg.member_ranks), remaining(), listen_host, device),
+                    local,
+                )
+            stage = "meeting at the group's barrier"
+            opts = torch.distributed.BarrierOptions()
+            opts.timeout = remaining()
+            pg.barrier(opts).wait(remaining())
+        except WeightwireError as err:
+            raise rendezvous.refuse(err) from None
+        except Exception as e:
+            text = backend_message(e)
+            timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+            raise rendezvous.refuse(
+                WeightwireError(
+                    Reason.GROUP_TIMEOUT if timed_out else Reason.TRANSFER_FAILED,
+                    f"group {spec.group_id}: {stage} ({name}) failed: {clip(text, 240)}",
+                    group_id=spec.group_id,
+                )
+            ) from None
+        return cls(spec, rank, pg, subgroups, base)
+
+    # --- data plane ----------------------------------------------------------------------------
+
+    def _group(self) -> Any:
+        pg = self._pg
+        if pg is None:
+            raise WeightwireError(Reason.GROUP_NOT_JOINED, f"transfer group {self.group_id} was torn down", group_id=self.group_id)
+        return pg
+
+    def subgroup_of(self, subgroup_id: int) -> tuple[Any, dict[int, int]]:
+        entry = self._subgroups.get(subgroup_id)
+        if entry is None:
+            raise WeightwireError(
+                Reason.GROUP_NOT_JOINED,
+                f"this member is not in broadcast subgroup {subgroup_id} of transfer group {self.group_id}",
+                group_id=self.group_id,
+            )
+        return entry
+
+    def subgroup_spec(self, subgroup_id: int) -> pb.TransferSubgroup | None:
+        return next((s for s in self.spec.subgroups if s.subgroup_id == subgroup_id), None)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        """Post a send (keep the returned work until ``wait``: dropping it cancels the send)."""
+        group = self._group()
+        return self._posted(lambda: group.send([tensor], dst, tag), f"posting a send to group rank {dst}")
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+        group = self._group()
+        return self._posted(lambda: group.recv([tensor], src, tag), f"posting a receive from group rank {src}")
+
+    def broadcast(self, tensor: torch.Tensor, subgroup_id: int) -> Any:
+        """Post this member's part of a broadcast in ``subgroup_id`` from the subgroup's root."""
+        pg, local = self.subgroup_of(subgroup_id)
+        sg = self.subgroup_spec(subgroup_id)
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = local[sg.root_rank]  # type: ignore[union-attr]
+        opts.rootTensor = 0
+        opts.timeout = self.timeout
+        return self._posted(lambda: pg.broadcast([tensor], opts), f"posting a broadcast in subgroup {subgroup_id}")
+
+    def _posted(self, post: Callable[[], Any], what: str) -> Any:
+        """``post()``'s work; TRANSFER_FAILED when posting itself fails (a peer that is already gone
+        can make the backend refuse the operation before any wait), as ``wait`` does later."""
+        try:
+            return post()
+        except Exception as e:
+            raise transfer_error(e, what, group_id=self.group_id) from None
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for ``work`` up to the group's timeout; TRANSFER_FAILED when it fails or times out."""
+        try:
+            work.wait(self.timeout)
+        except Exception as e:
+            raise transfer_error(e, what, group_id=self.group_id) from None
+
+    def close(self, wait_s: float = 0.0) -> None:
+        """Destroy this side of the group: its sockets close, so operations of peers on it fail at
+        once. Idempotent. A process group's destructor waits for the operations still running on
+        its threads (until they fail or reach the timeout), so it runs on a thread of its own; this
+        waits for it up to ``wait_s`` (a process about to exit should, so that the destructor is
+        not cut off halfway)."""
+        with self._lock:
+            if self.closed:
+                closer = self._closer
+            else:
+                self.closed = True
+                doomed = [self._pg, *(p for p, _ in self._subgroups.values())]
+                self._pg = None
+                self._subgroups = {}
+                self._store = None
+                closer = self._closer = threading.Thread(
+                    target=_destroy, args=(doomed, self.spec.backend), name="ww-group-close", daemon=True
+                )
+                closer.start()
+                del doomed
+        if closer is not None and wait_s > 0:
+            closer.join(wait_s)
+
+    @property
+    def destroyed(self) -> bool:
+        """Closed, and its process groups' destructors have finished."""
+        closer = self._closer
+        return self.closed and closer is not None and not closer.is_alive()
+
+
+def _destroy(doomed: list[Any], backend: int) -> None:
+    if backend == pb.TRANSFER_BACKEND_NCCL:
+        for pg in doomed:
+            try:
+                pg.abort()  # NCCL communicators must be aborted, not only dropped
+            except Exception:
+                pass
+    doomed.clear()  # the last references: the destructors run here
+
+
+__all__ = [
+    "BACKENDS",
+    "StoreServer",
+    "TransferGroup",
+    "backend_message",
+    "backend_name",
+    "check_backend",
+    "connect_store",
+    "nccl_available",
+    "staging_device",
+    "transfer_error",
+]

@@ -1,0 +1,195 @@
+"""What a worker tells its observers about each update: it began, a bucket was acked, it ended.
+
+``WorkerService`` owns one ``UpdateEvents`` and calls it at those three points; observers are added
+with ``WorkerService.add_observer``. Two ship with weightwire: ``weightwire.server.observe.metrics.WorkerMetrics``
+(Prometheus) and ``weightwire.server.observe.update_log.UpdateLog`` (one structured log line per update, on
+by default). An observer that raises is logged and skipped: observing never fails an update.
+
+Observers run on the thread that handles the update, before the trainer gets the bucket's ack or
+the update's result, so what a trainer has been told is already counted; they must be quick (no
+I/O beyond a log line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Literal, Protocol
+
+from weightwire.core.errors import WeightwireError
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["committed", "refused", "failed", "cancelled"]
+OUTCOMES: tuple[Outcome, ...] = ("committed", "refused", "failed", "cancelled")
+
+# Values that come from the trainer are cut to these lengths before anyone stores or prints them.
+MAX_UPDATE_ID_CHARS = 64
+MAX_MESSAGE_CHARS = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateOutcome:
+    """How one update ended on one worker.
+
+    ``outcome``: ``committed``; ``refused`` (failed before anything was loaded: version and state
+    unchanged); ``failed`` (failed after tensors were loaded: the worker is INCONSISTENT);
+    ``cancelled`` (the trainer went away, or the worker shut down).
+    """
+
+    worker_id: str
+    version: int  # the version the update carried (0: the stream had no header)
+    outcome: Outcome
+    reason: str  # the ErrorInfo reason, else the status code (CANCELLED, INTERNAL); "" when committed
+    code: str  # the gRPC status code name; "OK" when committed
+    scope: str  # "full", "partial" or "unspecified"
+    update_id: str  # as the trainer sent it, cut to MAX_UPDATE_ID_CHARS
+    duration_s: float | None  # None: refused at its header, before the update began
+    buckets: int
+    tensors_loaded: int
+    bytes_loaded: int
+    handles_opened: int
+    weights_version: int  # after the update
+    state: str  # after the update: CONSISTENT or INCONSISTENT
+    message: str  # the error message cut to MAX_MESSAGE_CHARS; "" when committed
+
+
+class UpdateObserver(Protocol):
+    """Something that watches a worker's updates (metrics, logs)."""
+
+    def update_started(self, version: int) -> None: ...
+
+    def bucket_acked(self, ack: pb.BucketAck) -> None: ...
+
+    def update_finished(self, outcome: UpdateOutcome) -> None: ...
+
+
+def clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def scope_name(scope: int) -> str:
+    if scope == pb.UPDATE_SCOPE_FULL:
+        return "full"
+    if scope == pb.UPDATE_SCOPE_PARTIAL:
+        return "partial"
+    return "unspecified"
+
+
+def state_name(state: int) -> str:
+    try:
+        return pb.WorkerState.Name(state).removeprefix("WORKER_STATE_")  # type: ignore[arg-type]
+    except ValueError:
+        return "UNSPECIFIED"
+
+
+class UpdateEvents:
+    """The observers of one worker, called in the order they were added, and the tally of the update
+    in progress (one at a time per worker) that a failed update's outcome is built from."""
+
+    def __init__(self) -> None:
+        self._observers: tuple[UpdateObserver, ...] = ()
+        self._lock = threading.Lock()
+        self._started_ns = 0
+        self._buckets = 0
+        self._tensors = 0
+        self._bytes = 0
+        self._handles = 0
+
+    def add(self, observer: UpdateObserver) -> None:
+        with self._lock:
+            self._observers = (*self._observers, observer)
+
+    def remove(self, observer: UpdateObserver) -> None:
+        with self._lock:
+            self._observers = tuple(o for o in self._observers if o is not observer)
+
+    # --- what the service reports ------------------------------------------------------------------
+
+    def started(self, version: int) -> None:
+        """An update's header was accepted."""
+        self._started_ns = time.perf_counter_ns()
+        self._buckets = self._tensors = self._bytes = self._handles = 0
+        self._each("update_started", version)
+
+    def bucket_acked(self, ack: pb.BucketAck) -> None:
+        """A bucket was loaded (or skipped) and its ack is about to go out."""
+        self._buckets += 1
+        self._tensors += ack.tensors_loaded
+        self._bytes += ack.bytes_loaded
+        self._handles += int(ack.handle_opened)
+        self._each("bucket_acked", ack)
+
+    def committed(self, worker_id: str, result: pb.UpdateResult, *, weights_version: int) -> None:
+        """An update committed; ``result`` is the ``UpdateResult`` the trainer gets."""
+        self._each(
+            "update_finished",
+            UpdateOutcome(
+                worker_id=worker_id,
+                version=result.version,
+                outcome="committed",
+                reason="",
+                code="OK",
+                scope=scope_name(result.scope),
+                update_id=clip(result.update_id, MAX_UPDATE_ID_CHARS),
+                duration_s=result.duration_ns / 1e9,
+                buckets=result.bucket_count,
+                tensors_loaded=result.tensors_loaded,
+                bytes_loaded=result.bytes_loaded,
+                handles_opened=result.handles_opened,
+                weights_version=weights_version,
+                state=state_name(result.state),
+                message="",
+            ),
+        )
+
+    def failed(
+        self,
+        worker_id: str,
+        header: pb.UpdateHeader | None,
+        err: WeightwireError,
+        *,
+        began: bool,
+        prior_state: int,
+        new_state: int,
+        weights_version: int,
+    ) -> None:
+        """An update failed: refused at its header (``began`` False, ``header`` None when the stream had
+        none) or after it began (then the tally of its acked buckets goes into the outcome)."""
+        # Loaded: an acked bucket carried tensors, or the failure made a consistent worker INCONSISTENT
+        # (a bucket that failed while loading).
+        loaded = began and (self._tensors > 0 or (new_state == pb.WORKER_STATE_INCONSISTENT != prior_state))
+        if err.code == "CANCELLED":
+            outcome: Outcome = "cancelled"
+        else:
+            outcome = "failed" if loaded else "refused"
+        self._each(
+            "update_finished",
+            UpdateOutcome(
+                worker_id=worker_id,
+                version=header.version if header is not None else 0,
+                outcome=outcome,
+                reason=err.reason or err.code,
+                code=err.code,
+                scope=scope_name(header.scope) if header is not None else "unspecified",
+                update_id=clip(header.update_id, MAX_UPDATE_ID_CHARS) if header is not None else "",
+                duration_s=(time.perf_counter_ns() - self._started_ns) / 1e9 if began else None,
+                buckets=self._buckets if began else 0,
+                tensors_loaded=self._tensors if began else 0,
+                bytes_loaded=self._bytes if began else 0,
+                handles_opened=self._handles if began else 0,
+                weights_version=weights_version,
+                state=state_name(new_state),
+                message=clip(err.message, MAX_MESSAGE_CHARS),
+            ),
+        )
+
+    def _each(self, method: str, arg: object) -> None:
+        for observer in self._observers:
+            try:
+                getattr(observer, method)(arg)
+            except Exception:
+                log.exception("update observer %r failed in %s", observer, method)

@@ -1,0 +1,128 @@
+"""Payload import: the interface a transport's importer implements, and one importer per transport.
+
+The worker service calls ``make_importers()`` once (one importer per row of the transport table,
+``weightwire.core.transports.table``, whose module imports here) and then, per bucket, the importer of the
+payload's handle field: ``check`` (before any memory is touched), ``open`` and then
+``ImportedPayload.fetch`` for each batch of owned tensors (``weightwire.server.rules.views``). The
+importers: host shared memory in ``weightwire.server.transports.shm``, inline bytes in
+``weightwire.server.transports.inline``, CUDA IPC in ``weightwire.server.transports.cuda_ipc``.
+
+Mappings of ordinary importers belong to one update: the service opens each distinct handle once per
+update (``cache_key``) and closes them all when the update ends. An importer with ``reusable = True``
+keeps its own cache across updates (CUDA IPC handles are costly to open and senders reuse them); the
+service then never closes its mappings and counts them through ``held_mappings``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Hashable
+from typing import ClassVar, Protocol
+
+import torch
+from weightwire.core.devices import DeviceRef
+from weightwire.core.transports import table as transports
+from weightwire.server.rules.views import ReadBatch
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+
+class ImportedPayload(Protocol):
+    """An opened payload. ``size_bytes`` is the real size of the underlying storage.
+
+    ``copy_chunk_bytes`` None: the bytes are in this process's memory and ``fetch`` returns them
+    in place (a batch's positions are the tensors' offsets); a number: ``fetch`` copies the batch's
+    segments into a staging buffer of at most that size per batch (``views.copy_plan``).
+    """
+
+    size_bytes: int
+    copy_chunk_bytes: int | None
+
+    def fetch(self, batch: ReadBatch) -> torch.Tensor:
+        """The bytes of ``batch`` as a uint8 tensor, valid until the next fetch; read them only."""
+        ...
+
+    def crc32(self, size_bytes: int) -> int:
+        """zlib CRC-32 of the first ``size_bytes`` bytes (only for verify_checksums)."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportContext:
+    """What an importer may need to know about where the bytes must end up.
+
+    ``source`` is the payload's label, ``own_device`` the worker's device, ``peer`` True when the
+    header allowed a peer-GPU import and this payload is one, ``target`` the torch device the engine
+    loads into (a CUDA importer opens handles on it).
+    """
+
+    own_device: DeviceRef
+    source: DeviceRef
+    peer: bool
+    target: torch.device
+
+
+class PayloadImporter(abc.ABC):
+    """One transport's importer. Subclasses set ``TRANSPORT``, their row of the transport table."""
+
+    TRANSPORT: ClassVar[transports.Transport | None] = None
+    # True: the importer caches mappings across updates itself; the service never closes them.
+    reusable: bool = False
+    # True: its mappings wait for a payload's producer event before their bytes are read (CUDA IPC);
+    # the worker's manifest then says so, and trainers skip their own wait.
+    waits_for_producer_events: bool = False
+
+    @property
+    def field_name(self) -> str:
+        """The ``Payload.handle`` field this importer reads."""
+        row = self.TRANSPORT
+        return row.handle_field if row is not None else ""
+
+    @property
+    def transport(self) -> pb.TransportKind.ValueType:
+        """The ``TransportKind`` its acks report."""
+        row = self.TRANSPORT
+        return row.kind if row is not None else pb.TRANSPORT_KIND_UNSPECIFIED
+
+    def check(self, payload: pb.Payload) -> None:  # noqa: B027 - optional hook
+        """Validate handle fields before any memory is touched; raise WeightwireError."""
+
+    def cache_key(self, payload: pb.Payload) -> Hashable | None:
+        """Payloads with equal keys in one update share one mapping; None: never share."""
+        return None
+
+    @abc.abstractmethod
+    def open(self, payload: pb.Payload, ctx: ImportContext) -> tuple[ImportedPayload, bool]:
+        """Open the payload; returns the mapping and whether a new handle was opened (False: cached).
+
+        Raise WeightwireError(HANDLE_OPEN_FAILED, ...) when the handle cannot be opened.
+        """
+
+    def held_mappings(self) -> int:
+        """Mappings a reusable importer keeps open between updates."""
+        return 0
+
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """Drop every cached mapping (worker shutdown, or the sender said it is done with them)."""
+
+
+def make_importers() -> dict[str, PayloadImporter]:
+    """Fresh importer instances (one per worker service), keyed by handle field name: one per row
+    of the transport table whose importer module can be imported in this process."""
+    out: dict[str, PayloadImporter] = {}
+    for entry in transports.TRANSPORTS:
+        cls = entry.load_importer()
+        if cls is None:
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, PayloadImporter)) or cls.TRANSPORT != entry:
+            raise TypeError(f"{entry.importer} is not the PayloadImporter of transport {entry.name}")
+        out[entry.handle_field] = cls()
+    return out
+
+
+def transport_name(field_name: str) -> str:
+    """A payload handle field for people (``"host shared memory"``)."""
+    return transports.field_description(field_name)

@@ -1,0 +1,425 @@
+"""One update in progress on a worker: the bucket rules in the order they apply, commit and failure.
+
+``WorkerService.begin_update`` (server/worker/service.py) creates an ``Update`` once it accepted a header;
+the service's stream loop then hands it each bucket and the commit. An update sees its worker only
+through ``UpdateContext`` (what it reads: adapter, manifest, devices, importers, layout cache) and
+``UpdateOwner`` (the two calls that end it: committed, failed), so the service's own state is
+written by the service alone.
+
+Per bucket (``Update.bucket``): accept (index, layout from the cache or the checks of
+``server/rules/layout.py``, names across buckets, checksum fields, ownership), select the worker's own
+payload (``selection.select_own_payload``) and its importer, then open, verify and load it, and ack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Protocol
+
+import torch
+from google.protobuf import timestamp_pb2
+from weightwire.core.devices import DeviceRef
+from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.manifest import ShardManifest
+from weightwire.core.text import MAX_MESSAGE_BYTES, bounded_join, clip_utf8, name_list
+from weightwire.core.transports import table as transports
+from weightwire.server.rules.layout import (
+    BucketLayout,
+    LayoutCache,
+    check_ownership,
+    check_structure,
+    duplicate_tensor,
+    layout_key,
+)
+from weightwire.server.rules.selection import Selection, payload_labels, select_own_payload
+from weightwire.server.rules.views import batch_load, batch_views
+from weightwire.server.transports.importer import (
+    ImportContext,
+    ImportedPayload,
+    PayloadImporter,
+    transport_name,
+)
+from weightwire.server.worker.adapter import EngineAdapter
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# What one update may accumulate (names are kept to refuse duplicates); far above any model's.
+MAX_BUCKETS_PER_UPDATE = 1 << 20
+MAX_TENSORS_PER_UPDATE = 1 << 20
+
+def now_timestamp() -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.GetCurrentTime()
+    return ts
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateContext:
+    """What an update uses of the worker that runs it; fixed while the worker runs."""
+
+    adapter: EngineAdapter
+    manifest: ShardManifest
+    own_device: DeviceRef
+    host_device: DeviceRef
+    target_device: torch.device
+    importers: Mapping[str, PayloadImporter]
+    is_local_cuda: Callable[[DeviceRef], bool] | None
+    layouts: LayoutCache
+
+
+class UpdateOwner(Protocol):
+    """The worker an update reports its end to, exactly once (from the update's own thread)."""
+
+    def update_committed(self, update: Update, result: pb.UpdateResult) -> None:
+        """The update committed: advance the version, then let the update go."""
+        ...
+
+    def update_failed(self, update: Update, err: WeightwireError, new_state: pb.WorkerState) -> None:
+        """The update failed with ``err``; the worker's state becomes ``new_state``."""
+        ...
+
+
+@dataclasses.dataclass
+class _Loaded:
+    """What importing one bucket's payload took and did."""
+
+    opened: bool
+    open_ns: int
+    load_ns: int
+    # Bytes that arrived over the network for it (a transfer group's mapping says; else 0).
+    received: int = 0
+
+
+class Update:
+    """One update in progress. Created by ``WorkerService.begin_update``; finished by commit or fail."""
+
+    def __init__(
+        self,
+        ctx: UpdateContext,
+        owner: UpdateOwner,
+        header: pb.UpdateHeader,
+        *,
+        prior_state: pb.WorkerState,
+        previous_version: int,
+        rpc_ended: threading.Event | None = None,
+    ) -> None:
+        self._ctx = ctx
+        self._owner = owner
+        self.header = header
+        self.version = header.version
+        self.prior_state = prior_state
+        self.previous_version = previous_version
+        self.begun = False
+        self.finished = False
+        self._rpc_ended = rpc_ended
+        self._t0 = time.perf_counter_ns()
+        self._bucket_indices: set[int] = set()
+        self._names_seen: set[str] = set()
+        # The layouts whose owned tensors were loaded, and how many those are (no name twice: the
+        # duplicate rule holds across buckets), so a commit checks a count, not 399 names.
+        self._loaded_layouts: list[BucketLayout] = []
+        self._tensors_loaded = 0
+        self._loaded_any = False
+        self._bytes_loaded = 0
+        self._bytes_received = 0
+        self._handles_opened = 0
+        self._mappings: dict[Hashable, ImportedPayload] = {}
+        self._finish_lock = threading.Lock()
+
+    @property
+    def abandoned(self) -> bool:
+        """It is ending but still holds the worker: failed or committed and not yet let go, or its
+        stream is over (the client cancelled or timed out) and its thread is still unwinding
+        (typically inside the engine's load). A new update waits for such a one."""
+        return self.finished or (self._rpc_ended is not None and self._rpc_ended.is_set())
+
+    def open_mapping_count(self) -> int:
+        return len(self._mappings)
+
+    # --- failure -------------------------------------------------------------------------------
+
+    def fail(self, err: WeightwireError) -> WeightwireError:
+        """End the update with ``err`` (idempotent). Returns ``err`` so callers can ``raise`` it."""
+        with self._finish_lock:
+            if self.finished:
+                return err
+            self.finished = True
+        self._close_mappings()
+        if self.begun:
+            try:
+                self._ctx.adapter.end_update(False)
+            except Exception:
+                log.exception("engine adapter failed in end_update(False)")
+        new_state = pb.WORKER_STATE_INCONSISTENT if self._loaded_any else self.prior_state
+        shown = clip_utf8(str(err), MAX_MESSAGE_BYTES)  # it may quote what the client sent
+        if self._loaded_any:
+            log.error("update %d failed after loading tensors; worker is INCONSISTENT: %s", self.version, shown)
+        else:
+            log.warning("update %d failed: %s", self.version, shown)
+        self._owner.update_failed(self, err, new_state)
+        return err
+
+    def _close_mappings(self) -> None:
+        mappings, self._mappings = self._mappings, {}
+        for mapping in mappings.values():
+            try:
+                mapping.close()
+            except Exception:
+                log.exception("closing a payload mapping failed")
+
+    # --- buckets -------------------------------------------------------------------------------
+
+    def bucket(self, msg: pb.Bucket) -> pb.BucketAck:
+        """Apply the bucket rules, load owned tensors, return the ack (after the device copy)."""
+        if self.finished:
+            raise WeightwireError(Reason.MALFORMED_STREAM, "a bucket arrived after the update ended")
+        try:
+            return self._bucket(msg)
+        except WeightwireError as err:
+            raise self.fail(err) from None
+
+    def _bucket(self, msg: pb.Bucket) -> pb.BucketAck:
+        payloads = list(msg.payloads)
+        layout, checksum = self._accept(msg, payloads)
+        ack = pb.BucketAck(index=msg.index, tensors_skipped=len(layout.specs) - len(layout.owned))
+        # Every payload's label and handle are checked, also those this worker does not select and
+        # in a bucket it owns nothing of: a malformed bucket is malformed for everyone.
+        self._check_payloads(payloads)
+        if not layout.owned:
+            return ack
+        sel, importer = self._select(payloads)
+        loaded = self._import(msg.index, layout, sel, importer, checksum)
+        self._loaded_layouts.append(layout)
+        self._tensors_loaded += len(layout.owned_names)
+        self._bytes_loaded += layout.owned_bytes
+        if loaded.opened:
+            self._handles_opened += 1
+        ack.tensors_loaded = len(layout.owned)
+        ack.bytes_loaded = layout.owned_bytes
+        ack.source_device.CopyFrom(sel.device.to_proto())
+        ack.transport = importer.transport
+        ack.peer_device_import = sel.peer
+        ack.handle_opened = loaded.opened
+        ack.open_duration_ns = loaded.open_ns
+        ack.load_duration_ns = loaded.load_ns
+        ack.bytes_received = loaded.received
+        self._bytes_received += loaded.received
+        return ack
+
+    def _accept(self, msg: pb.Bucket, payloads: list[pb.Payload]) -> tuple[BucketLayout, int | None]:
+        """Structure and ownership: bucket index, the layout (remembered or checked now), names
+        across buckets, checksum fields. Nothing is opened yet. Returns the layout and the
+        checksum to verify (None: none asked for)."""
+        if msg.index < 0:
+            raise WeightwireError(Reason.MALFORMED_STREAM, f"bucket index {msg.index} is negative")
+        if msg.index in self._bucket_indices:
+            raise WeightwireError(Reason.DUPLICATE_BUCKET, f"bucket {msg.index} arrived twice in this update", bucket=str(msg.index))
+        if len(self._bucket_indices) >= MAX_BUCKETS_PER_UPDATE:
+            raise WeightwireError(Reason.MALFORMED_STREAM, f"more than {MAX_BUCKETS_PER_UPDATE} buckets in one update")
+        self._bucket_indices.add(msg.index)
+        fingerprint = self._ctx.manifest.fingerprint
+        # A trainer sends byte-identical bucket messages every update (same specs, same reused
+        # handles): their serialization finds the layout faster than ``layout_key`` builds its key.
+        # Not with a checksum (new every update) or inline bytes (too large to serialize again).
+        message = b""
+        if not msg.HasField("checksum") and not any(p.HasField("inline_data") for p in payloads):
+            message = msg.SerializeToString()
+        layout = self._ctx.layouts.get_message(message, fingerprint) if message else None
+        if layout is None:
+            key = (layout_key(msg, payloads), fingerprint)
+            layout = self._ctx.layouts.get(key)
+            if layout is None:
+                specs = check_structure(msg, payloads, self._names_seen)
+                # The checksum's own checks come next in the rule order; they depend on the header,
+                # so they run per update too, but a bad checksum field must still win over ownership.
+                self._checked_checksum(msg)
+                layout = BucketLayout.of(specs, check_ownership(specs, self._ctx.manifest))
+                self._ctx.layouts.put(key, layout)
+            if message:
+                self._ctx.layouts.put_message(message, fingerprint, key)
+        repeated = layout.first_seen(self._names_seen)
+        if repeated is not None:
+            raise duplicate_tensor(repeated)
+        checksum = self._checked_checksum(msg)
+        if len(self._names_seen) + len(layout.names) > MAX_TENSORS_PER_UPDATE:
+            raise WeightwireError(Reason.MALFORMED_STREAM, f"more than {MAX_TENSORS_PER_UPDATE} tensor specs in one update")
+        self._names_seen |= layout.names
+        return layout, checksum
+
+    def _checked_checksum(self, msg: pb.Bucket) -> int | None:
+        if not self.header.verify_checksums or not msg.HasField("checksum"):
+            return None
+        if msg.checksum.algorithm != pb.CHECKSUM_ALGORITHM_CRC32:
+            raise WeightwireError(
+                Reason.INVALID_CHECKSUM,
+                f"bucket {msg.index}: checksum algorithm {msg.checksum.algorithm} is unspecified or unknown; use CHECKSUM_ALGORITHM_CRC32",
+            )
+        if not 0 <= msg.checksum.value < 2**32:
+            raise WeightwireError(Reason.INVALID_CHECKSUM, f"bucket {msg.index}: CRC-32 value {msg.checksum.value} is out of range")
+        return msg.checksum.value
+
+    def _select(self, payloads: Sequence[pb.Payload]) -> tuple[Selection, PayloadImporter]:
+        """The payload of this worker's own device, and the importer for its handle."""
+        ctx = self._ctx
+        sel = select_own_payload(
+            payloads,
+            ctx.own_device,
+            allow_peer=self.header.allow_peer_device_import,
+            host_device=ctx.host_device,
+            **({"is_local_cuda": ctx.is_local_cuda} if ctx.is_local_cuda else {}),
+        )
+        field = sel.payload.WhichOneof("handle") or ""
+        row = transports.by_field(field)
+        importer = ctx.importers.get(field)
+        if importer is None:
+            unfit = row is not None and ctx.own_device.kind not in row.worker_kinds
+            raise WeightwireError(
+                Reason.TRANSPORT_UNAVAILABLE,
+                f"this worker cannot import {transport_name(field)} payloads (no importer for {field!r}"
+                f"{f'; a worker on {ctx.own_device} cannot' if unfit else ''})",
+                transport=field,
+            )
+        return sel, importer
+
+    def _check_payloads(self, payloads: Sequence[pb.Payload]) -> None:
+        """Each payload's label, whether its handle can live on the labelled device, and its handle
+        fields (by the importer of its transport; a transport this worker has no importer for is
+        refused only when it is the one selected)."""
+        for payload, label in zip(payloads, payload_labels(payloads), strict=True):
+            field = payload.WhichOneof("handle") or ""
+            row = transports.by_field(field)
+            if row is not None and row.label_kind is not None and label.kind != row.label_kind:
+                raise WeightwireError(
+                    Reason.TRANSPORT_UNAVAILABLE,
+                    f"a {transport_name(field)} handle cannot live on device {label}; label it with the device that holds it",
+                    transport=field,
+                )
+            importer = self._ctx.importers.get(field)
+            if importer is not None:
+                importer.check(payload)
+
+    def _import(
+        self, index: int, layout: BucketLayout, sel: Selection, importer: PayloadImporter, checksum: int | None
+    ) -> _Loaded:
+        """Open the payload (once per handle per update), check its real size, verify, load."""
+        t_open = time.perf_counter_ns()
+        mapping, opened = self._open(importer, sel)
+        open_ns = time.perf_counter_ns() - t_open
+        try:
+            if mapping.size_bytes < sel.payload.size_bytes:
+                raise WeightwireError(
+                    Reason.INVALID_SIZE,
+                    f"payload says size_bytes {sel.payload.size_bytes} but its storage holds only {mapping.size_bytes} bytes",
+                )
+            if checksum is not None:
+                actual = mapping.crc32(sel.payload.size_bytes)
+                if actual != checksum:
+                    raise WeightwireError(
+                        Reason.CHECKSUM_MISMATCH,
+                        f"bucket {index}: CRC-32 of the payload is {actual:#010x}, the sender said {checksum:#010x}",
+                        bucket=str(index),
+                    )
+            t_load = time.perf_counter_ns()
+            self._load(index, layout, mapping)
+            load_ns = time.perf_counter_ns() - t_load
+        finally:
+            if mapping not in self._mappings.values():
+                # Not shared within this update: done with it (a reusable importer keeps its cache).
+                mapping.close()
+        return _Loaded(opened=opened, open_ns=open_ns, load_ns=load_ns, received=getattr(mapping, "bytes_received", 0))
+
+    def _load(self, index: int, layout: BucketLayout, mapping: ImportedPayload) -> None:
+        for batch in layout.read_plan(mapping.copy_chunk_bytes):
+            views = batch_views(mapping, batch)
+            self._loaded_any = True
+            try:
+                batch_load(mapping, batch, views, self._ctx.adapter)()
+            except WeightwireError:
+                raise
+            except Exception as e:
+                raise WeightwireError(
+                    Reason.LOAD_FAILED, f"the engine failed to load bucket {index}: {e!r}", bucket=str(index)
+                ) from e
+            finally:
+                del views
+
+    def _open(self, importer: PayloadImporter, sel: Selection) -> tuple[ImportedPayload, bool]:
+        ctx = ImportContext(own_device=self._ctx.own_device, source=sel.device, peer=sel.peer, target=self._ctx.target_device)
+        key = None if importer.reusable else importer.cache_key(sel.payload)
+        if key is not None and key in self._mappings:
+            return self._mappings[key], False
+        try:
+            mapping, opened = importer.open(sel.payload, ctx)
+        except WeightwireError:
+            raise
+        except Exception as e:
+            raise WeightwireError(Reason.HANDLE_OPEN_FAILED, f"opening the {transport_name(importer.field_name)} payload failed: {e!r}") from e
+        if key is not None:
+            self._mappings[key] = mapping
+        return mapping, opened
+
+    # --- commit --------------------------------------------------------------------------------
+
+    def commit(self, msg: pb.UpdateCommit) -> pb.UpdateResult:
+        """Verify the update is complete, then advance the version. Raises on any gap."""
+        if self.finished:
+            raise WeightwireError(Reason.MALFORMED_STREAM, "a commit arrived after the update ended")
+        try:
+            return self._commit(msg)
+        except WeightwireError as err:
+            raise self.fail(err) from None
+
+    def _commit(self, msg: pb.UpdateCommit) -> pb.UpdateResult:
+        received = len(self._bucket_indices)
+        if msg.bucket_count != received:
+            raise WeightwireError(
+                Reason.BUCKET_COUNT_MISMATCH,
+                f"commit says {msg.bucket_count} buckets were sent but this worker received {received}",
+                expected=str(msg.bucket_count),
+                received=str(received),
+            )
+        manifest = self._ctx.manifest
+        if self.header.scope == pb.UPDATE_SCOPE_FULL and self._tensors_loaded < len(manifest.tensors):
+            loaded = {name for layout in self._loaded_layouts for name in layout.owned_names}
+            missing = sorted(set(manifest.tensors) - loaded)
+            if missing:
+                raise WeightwireError(
+                    Reason.INCOMPLETE_UPDATE,
+                    f"a FULL update must deliver every tensor this worker owns; {len(missing)} of "
+                    f"{len(manifest.tensors)} missing: {name_list(missing)}",
+                    missing=bounded_join(missing),
+                    missing_count=str(len(missing)),
+                )
+        self._close_mappings()
+        try:
+            self._ctx.adapter.end_update(True)
+        except Exception as e:
+            self._loaded_any = True  # the engine may have half-finished post-processing
+            raise WeightwireError(Reason.LOAD_FAILED, f"the engine failed to finish update {self.version}: {e!r}") from e
+        with self._finish_lock:
+            self.finished = True
+        if self.header.scope == pb.UPDATE_SCOPE_FULL or self.prior_state == pb.WORKER_STATE_CONSISTENT:
+            new_state = pb.WORKER_STATE_CONSISTENT
+        else:
+            new_state = pb.WORKER_STATE_INCONSISTENT
+        result = pb.UpdateResult(
+            version=self.version,
+            previous_version=self.previous_version,
+            scope=self.header.scope,
+            bucket_count=len(self._bucket_indices),
+            tensors_loaded=self._tensors_loaded,
+            bytes_loaded=self._bytes_loaded,
+            handles_opened=self._handles_opened,
+            bytes_received=self._bytes_received,
+            duration_ns=time.perf_counter_ns() - self._t0,
+            state=new_state,
+            update_id=self.header.update_id,
+            finish_time=now_timestamp(),
+        )
+        self._owner.update_committed(self, result)
+        return result
