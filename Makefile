@@ -86,6 +86,18 @@ checkproto: install ## Regenerate the stubs in a temp dir and fail if the checke
 lint: install ## ruff over the sources (generated code excluded)
 	$(VENV)/bin/ruff check .
 
+format: install ## Rewrite the sources in the project's format (ruff format) and apply safe lint fixes
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+format-check: install ## Fail if any source is not in ruff format's shape (what CI enforces)
+	$(VENV)/bin/ruff format --check .
+
+test-fast: install ## The fast inner loop: unit and contract tests, no engines, no worker fleets
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit tests/test_contract.py
+
+check: lint format-check typecheck test-fast ## Before every commit: lint, format check, typecheck, the fast tests (no engines)
+
 typecheck: install ## mypy over the packages
 	$(VENV)/bin/mypy core server client adapters
 
@@ -121,4 +133,4 @@ bench-report: install ## Tables of the committed benchmark results, and the plot
 clean: ## Remove build outputs (keeps .venv)
 	rm -rf build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache $(SGLANG_SHIMS)/build $(SGLANG_SHIMS)/*.egg-info
 
-.PHONY: help install install-sglang install-sglang-0517 install-vllm test-vllm test-sglang proto checkproto lint typecheck test test-gpu smoke demo bench-cpu bench-gpu bench-report clean
+.PHONY: help check format format-check test-fast install install-sglang install-sglang-0517 install-vllm test-vllm test-sglang proto checkproto lint typecheck test test-gpu smoke demo bench-cpu bench-gpu bench-report clean

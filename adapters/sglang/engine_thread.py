@@ -100,6 +100,3 @@ class EngineTaskQueue:
                 self.drained_tasks += 1
         finally:
             self._drain_thread = None
-
-    def pending(self) -> bool:
-        return not self._tasks.empty()
