@@ -256,7 +256,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
-    __slots__ = ("memory_handle", "storage_offset_bytes", "storage_size_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    __slots__ = ("memory_handle", "storage_offset_bytes", "storage_size_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "storages", "storages_complete")
     MEMORY_HANDLE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,8 @@ class CudaIpcHandle(_message.Message):
     REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    STORAGES_FIELD_NUMBER: _ClassVar[int]
+    STORAGES_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     memory_handle: bytes
     storage_offset_bytes: int
     storage_size_bytes: int
@@ -271,7 +273,25 @@ class CudaIpcHandle(_message.Message):
     ref_counter_offset: int
     event_handle: bytes
     event_sync_required: bool
-    def __init__(self, memory_handle: _Optional[bytes] = ..., storage_offset_bytes: _Optional[int] = ..., storage_size_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: bool = ...) -> None: ...
+    storages: _containers.RepeatedCompositeFieldContainer[CudaIpcStorage]
+    storages_complete: bool
+    def __init__(self, memory_handle: _Optional[bytes] = ..., storage_offset_bytes: _Optional[int] = ..., storage_size_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: bool = ..., storages: _Optional[_Iterable[_Union[CudaIpcStorage, _Mapping]]] = ..., storages_complete: bool = ...) -> None: ...
+
+class CudaIpcStorage(_message.Message):
+    __slots__ = ("memory_handle", "storage_offset_bytes", "storage_size_bytes", "ref_counter_handle", "ref_counter_offset", "payload_offset_bytes")
+    MEMORY_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    memory_handle: bytes
+    storage_offset_bytes: int
+    storage_size_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    payload_offset_bytes: int
+    def __init__(self, memory_handle: _Optional[bytes] = ..., storage_offset_bytes: _Optional[int] = ..., storage_size_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., payload_offset_bytes: _Optional[int] = ...) -> None: ...
 
 class HostShmHandle(_message.Message):
     __slots__ = ("name",)
@@ -462,7 +482,7 @@ class LayerRange(_message.Message):
     def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class ShardManifest(_message.Message):
-    __slots__ = ("device", "rank", "tensors", "layer_range", "fingerprint", "engine", "worker_id", "transports", "instance_id", "waits_for_cuda_ipc_events")
+    __slots__ = ("device", "rank", "tensors", "layer_range", "fingerprint", "engine", "worker_id", "transports", "instance_id", "waits_for_cuda_ipc_events", "imports_cuda_ipc_storages")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -473,6 +493,7 @@ class ShardManifest(_message.Message):
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     WAITS_FOR_CUDA_IPC_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    IMPORTS_CUDA_IPC_STORAGES_FIELD_NUMBER: _ClassVar[int]
     device: DeviceId
     rank: ParallelRank
     tensors: _containers.RepeatedCompositeFieldContainer[OwnedTensor]
@@ -483,7 +504,8 @@ class ShardManifest(_message.Message):
     transports: _containers.RepeatedScalarFieldContainer[TransportKind]
     instance_id: str
     waits_for_cuda_ipc_events: bool
-    def __init__(self, device: _Optional[_Union[DeviceId, _Mapping]] = ..., rank: _Optional[_Union[ParallelRank, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[OwnedTensor, _Mapping]]] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., worker_id: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[TransportKind, str]]] = ..., instance_id: _Optional[str] = ..., waits_for_cuda_ipc_events: bool = ...) -> None: ...
+    imports_cuda_ipc_storages: bool
+    def __init__(self, device: _Optional[_Union[DeviceId, _Mapping]] = ..., rank: _Optional[_Union[ParallelRank, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[OwnedTensor, _Mapping]]] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., worker_id: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[TransportKind, str]]] = ..., instance_id: _Optional[str] = ..., waits_for_cuda_ipc_events: bool = ..., imports_cuda_ipc_storages: bool = ...) -> None: ...
 
 class GetManifestRequest(_message.Message):
     __slots__ = ()
