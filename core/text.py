@@ -1,4 +1,4 @@
-"""Error-message text: lists of names, and bounds on text a client can make the worker store or echo.
+"""Bounded text for both sides: clipping, lists of names, and bounds on text a client can make the worker store or echo.
 
 Used by the update rules (``server/worker/update.py``) when a message names many tensors, by the service
 for what GetStatus keeps, and by the servicer for what a status carries. Text that comes from a
@@ -28,6 +28,14 @@ def clip_utf8(text: str, max_bytes: int) -> str:
     if max_bytes <= len(_ELLIPSIS):
         return raw[: max(0, max_bytes)].decode("utf-8", "ignore")
     return raw[: max_bytes - len(_ELLIPSIS)].decode("utf-8", "ignore") + _ELLIPSIS
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters, ending with ``...`` when cut (for text a log line
+    or a message shows; what must fit a byte limit on the wire goes through ``clip_utf8``)."""
+    if len(text) <= limit:
+        return text
+    return text[: max(0, limit - len(_ELLIPSIS))] + _ELLIPSIS if limit > len(_ELLIPSIS) else text[: max(0, limit)]
 
 
 def name_list(names: Iterable[str], limit: int = MAX_NAMES_IN_MESSAGE) -> str:

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ParallelRank, ShardManifest
+from weightwire.core.text import clip as text_clip
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 GROUP_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
@@ -33,7 +34,7 @@ _MAX_TEXT = 300
 
 
 def clip(text: str, limit: int = _MAX_TEXT) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return text_clip(text, limit)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ import time
 from typing import Literal, Protocol
 
 from weightwire.core.errors import WeightwireError
+from weightwire.core.text import clip
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,6 @@ class UpdateObserver(Protocol):
     def bucket_acked(self, ack: pb.BucketAck) -> None: ...
 
     def update_finished(self, outcome: UpdateOutcome) -> None: ...
-
-
-def clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def scope_name(scope: int) -> str:
