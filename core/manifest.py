@@ -63,13 +63,57 @@ class ParallelRank:
         return " ".join(parts)
 
 
+# Pieces one owned tensor may list (a fused tensor has one per component: 3 for q/k/v); more is a
+# malformed manifest, refused before the pairwise overlap check below runs over it.
+MAX_PIECES_PER_TENSOR = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPiece:
+    """Indices ``[offset, offset + length)`` along dimension ``dim`` of a checkpoint tensor, every
+    other dimension whole: the part of it one worker keeps (its tensor-parallel slice)."""
+
+    dim: int
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def to_proto(self) -> pb.TensorPiece:
+        return pb.TensorPiece(dim=self.dim, offset=self.offset, length=self.length)
+
+
 @dataclasses.dataclass(frozen=True)
 class OwnedTensor:
-    """A checkpoint tensor a worker consumes: the full checkpoint dtype and shape to be sent."""
+    """A checkpoint tensor a worker consumes: the full checkpoint dtype and shape to be sent, and
+    which part of it the worker keeps (``pieces``; empty: the whole tensor)."""
 
     name: str
     dtype: pb.DType.ValueType
     shape: tuple[int, ...]
+    pieces: tuple[TensorPiece, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Pieces are checked here, where a manifest is built or read back: a worker's slice that
+        # leaves its tensor, or two pieces that overlap, would make every plan from it wrong.
+        if len(self.pieces) > MAX_PIECES_PER_TENSOR:
+            raise ValueError(f"{self.name}: {len(self.pieces)} pieces, at most {MAX_PIECES_PER_TENSOR}")
+        seen: list[TensorPiece] = []
+        for p in self.pieces:
+            if not 0 <= p.dim < len(self.shape):
+                raise ValueError(f"{self.name}: piece on dimension {p.dim} of a tensor of shape {self.shape}")
+            if p.offset < 0 or p.length < 1 or p.end > self.shape[p.dim]:
+                raise ValueError(
+                    f"{self.name}: piece [{p.offset}, {p.end}) of dimension {p.dim} outside size {self.shape[p.dim]}"
+                )
+            for q in seen:
+                if q.dim != p.dim:
+                    raise ValueError(f"{self.name}: pieces on dimensions {q.dim} and {p.dim}; one dimension per tensor")
+                if p.offset < q.end and q.offset < p.end:
+                    raise ValueError(f"{self.name}: pieces [{q.offset}, {q.end}) and [{p.offset}, {p.end}) overlap")
+            seen.append(p)
 
     @property
     def nbytes(self) -> int:
@@ -78,8 +122,31 @@ class OwnedTensor:
             n *= d
         return n * dtypes.itemsize(self.dtype)
 
+    @property
+    def whole(self) -> bool:
+        """Whether the worker keeps the whole tensor."""
+        return not self.pieces or (
+            sum(p.length for p in self.pieces) == self.shape[self.pieces[0].dim]
+        )
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the checkpoint tensor this worker keeps (``nbytes`` for a whole tensor)."""
+        if not self.pieces:
+            return self.nbytes
+        dim = self.pieces[0].dim
+        return self.nbytes // self.shape[dim] * sum(p.length for p in self.pieces) if self.shape[dim] else 0
+
     def to_proto(self) -> pb.OwnedTensor:
-        return pb.OwnedTensor(name=self.name, dtype=self.dtype, shape=list(self.shape))
+        return pb.OwnedTensor(
+            name=self.name, dtype=self.dtype, shape=list(self.shape), pieces=[p.to_proto() for p in self.pieces]
+        )
+
+    @classmethod
+    def from_proto(cls, msg: pb.OwnedTensor) -> OwnedTensor:
+        return cls(
+            msg.name, msg.dtype, tuple(msg.shape), tuple(TensorPiece(p.dim, p.offset, p.length) for p in msg.pieces)
+        )
 
 
 def transports_for(device: DeviceRef) -> tuple[pb.TransportKind.ValueType, ...]:
@@ -102,6 +169,8 @@ class ShardManifest:
     # Set by the worker service that publishes the manifest (it knows its importers), not by adapters;
     # not part of the fingerprint.
     waits_for_cuda_ipc_events: bool = False
+    # Set the same way: this worker reads CUDA IPC payloads of several storages (exported parameters).
+    imports_cuda_ipc_storages: bool = False
 
     @classmethod
     def build(cls, device: DeviceRef, rank: ParallelRank, tensors: Iterable[OwnedTensor], **kw: object) -> ShardManifest:
@@ -114,7 +183,8 @@ class ShardManifest:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """sha256 over device, ranks, layer range and every owned tensor (sorted), plus instance id.
+        """sha256 over device, ranks, layer range and every owned tensor (sorted, with the pieces it
+        keeps), plus instance id.
 
         Computed once per manifest (the fields are frozen and the tensor map is never changed
         after ``build``): a worker reads it for every GetStatus and every update header, and
@@ -125,11 +195,18 @@ class ShardManifest:
         for name in sorted(self.tensors):
             t = self.tensors[name]
             h.update(f"\n{name}|{t.dtype}|{','.join(map(str, t.shape))}".encode())
+            if t.pieces:  # only then, so a manifest without slice geometry keeps its fingerprint
+                h.update(("|" + ";".join(f"{p.dim}:{p.offset}:{p.length}" for p in t.pieces)).encode())
         return h.hexdigest()[:32]
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the checkpoint this worker keeps (its slices), what an M-to-N plan sends it."""
+        return sum(t.kept_bytes for t in self.tensors.values())
 
     def to_proto(self) -> pb.ShardManifest:
         return pb.ShardManifest(
@@ -143,6 +220,7 @@ class ShardManifest:
             transports=list(self.transports),
             instance_id=self.instance_id,
             waits_for_cuda_ipc_events=self.waits_for_cuda_ipc_events,
+            imports_cuda_ipc_storages=self.imports_cuda_ipc_storages,
         )
 
     @classmethod
@@ -150,7 +228,7 @@ class ShardManifest:
         return cls.build(
             DeviceRef(msg.device.kind, msg.device.uuid),
             ParallelRank.from_proto(msg.rank),
-            (OwnedTensor(t.name, t.dtype, tuple(t.shape)) for t in msg.tensors),
+            (OwnedTensor.from_proto(t) for t in msg.tensors),
             layer_start=msg.layer_range.start_layer,
             layer_end=msg.layer_range.end_layer,
             num_layers=msg.layer_range.num_layers,
@@ -159,4 +237,5 @@ class ShardManifest:
             transports=tuple(msg.transports),
             instance_id=msg.instance_id,
             waits_for_cuda_ipc_events=msg.waits_for_cuda_ipc_events,
+            imports_cuda_ipc_storages=msg.imports_cuda_ipc_storages,
         )

@@ -124,7 +124,7 @@ class SGLangAdapter:
             self.own_device,
             rank,
             (
-                OwnedTensor(name, dtypes.from_torch(found[0].dtype), found[0].shape)
+                OwnedTensor(name, dtypes.from_torch(found[0].dtype), found[0].shape, self.layout.kept_pieces(name))
                 for name, found in self.layout.targets.items()
             ),
             layer_start=self.layout.layer_start,

@@ -20,11 +20,14 @@ that built an SGLang model under SGLang's parallel state).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from weightwire.adapters import layer_geometry
+from weightwire.adapters.layer_geometry import GeometryError, union_of_pieces
 from weightwire.core import dtypes
+from weightwire.core.manifest import TensorPiece
 
 # Fused parameter -> checkpoint names, for models that declare neither packed_modules_mapping nor
 # bitsandbytes_stacked_params_mapping. Same order as SGLang's loaders' stacked_params_mapping.
@@ -52,6 +55,8 @@ class LoadTarget:
     dtype: torch.dtype
     shape: tuple[int, ...]
     """Full checkpoint shape (not this rank's slice)."""
+    pieces: tuple[TensorPiece, ...] = ()
+    """What this parameter keeps of the checkpoint tensor (``layer_geometry``; empty: all of it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +74,11 @@ class ModelLayout:
 
     def checkpoint_shape(self, name: str) -> tuple[int, ...]:
         return self.targets[name][0].shape
+
+    def kept_pieces(self, name: str) -> tuple[TensorPiece, ...]:
+        """What this rank keeps of checkpoint tensor ``name``: the union over the parameters it
+        fills (a tied embedding and lm_head keep the same rows); empty when one keeps it whole."""
+        return union_of_pieces(t.pieces for t in self.targets[name])
 
 
 def packed_modules_mapping(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
@@ -112,12 +122,20 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
 
     targets: dict[str, list[LoadTarget]] = {}
 
-    def add(name: str, param_name: str, shard_id: str | int | None, param: torch.Tensor, shape: tuple[int, ...]) -> None:
+    def add(
+        name: str, param_name: str, shard_id: str | int | None, param: torch.Tensor, shape: tuple[int, ...],
+        pieces: tuple[TensorPiece, ...] = (),
+    ) -> None:
         try:
             dtypes.from_torch(param.dtype)
         except ValueError as e:
             raise ManifestError(f"{param_name}: {e}") from None
-        targets.setdefault(name, []).append(LoadTarget(name, param_name, shard_id, param.dtype, shape))
+        targets.setdefault(name, []).append(LoadTarget(name, param_name, shard_id, param.dtype, shape, pieces))
+
+    def add_feeds(param_name: str, param: torch.Tensor, names: tuple[str, ...], feeds: layer_geometry.LayerFeeds) -> None:
+        _check_local(param_name, local, feeds.local)
+        for feed in feeds.feeds:
+            add(names[feed.component], param_name, feed.shard_id, param, feed.shape, feed.pieces)
 
     for param_name, param in model.named_parameters():
         module_name, _, leaf = param_name.rpartition(".")
@@ -142,35 +160,23 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
 
         if isinstance(module, QKVParallelLinear):
             names = _fused_names(packed, attr, param_name, expected=3)
-            q = module.total_num_heads * module.head_size
-            k = module.total_num_kv_heads * module.head_size
-            v = module.total_num_kv_heads * module.v_head_size
-            local_rows = (module.num_heads * module.head_size + module.num_kv_heads * module.head_size
-                          + module.num_kv_heads * module.v_head_size)
-            _check_local(param_name, local, (local_rows, module.input_size) if leaf == "weight" else (local_rows,))
-            for full_rows, ckpt, shard in zip((q, k, v), names, _QKV_SHARD_IDS, strict=True):
-                shape = (full_rows, module.input_size) if leaf == "weight" else (full_rows,)
-                add(_join(parent, ckpt, leaf), param_name, shard, param, shape)
+            tp_rank, kv_tp_rank = _tp_ranks(module)
+            add_feeds(param_name, param, tuple(_join(parent, n, leaf) for n in names),
+                      _geometry(param_name, layer_geometry.qkv, module, leaf, tp_rank, kv_tp_rank))
         elif isinstance(module, MergedColumnParallelLinear):
             names = _fused_names(packed, attr, param_name, expected=len(module.output_sizes))
-            local_rows = sum(module.output_partition_sizes)
-            _check_local(param_name, local, (local_rows, module.input_size) if leaf == "weight" else (local_rows,))
-            for index, (full_rows, ckpt) in enumerate(zip(module.output_sizes, names, strict=True)):
-                shape = (full_rows, module.input_size) if leaf == "weight" else (full_rows,)
-                add(_join(parent, ckpt, leaf), param_name, index, param, shape)
+            add_feeds(param_name, param, tuple(_join(parent, n, leaf) for n in names),
+                      _geometry(param_name, layer_geometry.merged_column, module, leaf, _tp_ranks(module)[0]))
         elif isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
             if attr in packed:
                 raise ManifestError(f"{param_name}: {attr} is listed as fused but is a {type(module).__name__}")
-            full = (module.output_size, module.input_size) if leaf == "weight" else (module.output_size,)
             if isinstance(module, ColumnParallelLinear):
-                rows = module.output_size_per_partition
-                expected = (rows, module.input_size) if leaf == "weight" else (rows,)
+                feeds = _geometry(param_name, layer_geometry.column, module, leaf, _tp_ranks(module)[0])
             elif isinstance(module, RowParallelLinear):
-                expected = (module.output_size, module.input_size_per_partition) if leaf == "weight" else full
+                feeds = _geometry(param_name, layer_geometry.row, module, leaf, _tp_ranks(module)[0])
             else:
-                expected = full
-            _check_local(param_name, local, expected)
-            add(param_name, param_name, None, param, full)
+                feeds = _geometry(param_name, layer_geometry.replicated, module, leaf)
+            add_feeds(param_name, param, (param_name,), feeds)
         elif isinstance(module, LinearBase):
             raise ManifestError(f"{param_name}: unsupported parallel layer {type(module).__name__}")
         elif isinstance(module, VocabParallelEmbedding):
@@ -181,13 +187,13 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
                     f"{param_name}: holds {local}, expected ({module.num_embeddings_per_partition}, "
                     f"{module.embedding_dim}) for vocabulary {module.org_vocab_size}"
                 )
-            full = (module.org_vocab_size, module.embedding_dim) if leaf == "weight" else (module.org_vocab_size,)
+            feed = _geometry(param_name, layer_geometry.vocab, module, leaf).feeds[0]
             name = param_name
             if tied and param_name.startswith("lm_head."):
                 # A tied model with its own lm_head parameter (the last pipeline stage of a tied
                 # Qwen2): SGLang fills it from the embedding; lm_head.weight is not a checkpoint name.
                 name = "model.embed_tokens." + leaf
-            add(name, param_name, None, param, full)
+            add(name, param_name, None, param, feed.shape, feed.pieces)
         else:
             if hasattr(param, "output_dim") or hasattr(param, "input_dim"):
                 raise ManifestError(
@@ -218,6 +224,26 @@ def _fused_names(packed: Mapping[str, tuple[str, ...]], attr: str, param_name: s
 
 def _join(parent: str, module: str, leaf: str) -> str:
     return f"{parent}.{module}.{leaf}" if parent else f"{module}.{leaf}"
+
+
+def _geometry(param_name: str, rule: Callable[..., layer_geometry.LayerFeeds], *args: Any) -> layer_geometry.LayerFeeds:
+    try:
+        return rule(*args)
+    except GeometryError as e:
+        raise ManifestError(f"{param_name}: {e}") from None
+
+
+def _tp_ranks(layer: Any) -> tuple[int, int]:
+    """(tensor-parallel rank, k/v rank) a linear layer's weight loader slices by: SGLang 0.5.23 keeps
+    the layer's groups (``tp_group``, ``kv_tp_group``; None: unsharded), 0.5.17 its ``tp_rank``."""
+    if hasattr(layer, "tp_group"):
+        def rank(group: Any) -> int:
+            return 0 if group is None else int(group.rank_in_group)
+        tp = rank(layer.tp_group)
+        return tp, rank(layer.kv_tp_group) if hasattr(layer, "kv_tp_group") else tp
+    if hasattr(layer, "tp_rank"):
+        return int(layer.tp_rank), int(layer.tp_rank)
+    raise ManifestError(f"{type(layer).__name__} records no tensor-parallel rank; cannot state its slice")
 
 
 def _check_local(param_name: str, local: tuple[int, ...], expected: tuple[int, ...]) -> None:

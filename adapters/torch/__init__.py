@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef, device_ref_of
-from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest, transports_for
+from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest, TensorPiece, transports_for
 from weightwire.core.topology import pp_layer_span, stage_owns, tp_slice_bounds
 
 __all__ = [
@@ -164,14 +164,17 @@ class TorchAdapter:
                 continue
             self._params[name] = param
             full_shape = self._full_shape(name, param)
-            owned.append(OwnedTensor(name, dtypes.from_torch(param.dtype), full_shape))
             dim = tp_split_dim(name, self.tp_rules) if rank.tp_size > 1 else None
             grouped = param.numel() * param.element_size() <= group_copy_max_bytes
             if dim is None:
                 self._plans[name] = _LoadPlan(param, None, 0, 0, 0, grouped)
+                pieces: tuple[TensorPiece, ...] = ()
             else:
                 start, end = tp_slice_bounds(full_shape[dim], rank.tp_rank, rank.tp_size)
                 self._plans[name] = _LoadPlan(param, dim, full_shape[dim], start, end - start, grouped)
+                # The manifest states the slice the load below keeps, from the same plan.
+                pieces = (TensorPiece(dim, start, end - start),)
+            owned.append(OwnedTensor(name, dtypes.from_torch(param.dtype), full_shape, pieces))
         self._manifest = ShardManifest.build(
             self.own_device,
             rank,

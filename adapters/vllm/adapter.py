@@ -93,7 +93,7 @@ class VLLMAdapter:
         self._manifest = ShardManifest.build(
             self.own_device,
             rank,
-            (OwnedTensor(t.name, dtypes.from_torch(t.dtype), t.shape) for t in self.layout.targets.values()),
+            (OwnedTensor(t.name, dtypes.from_torch(t.dtype), t.shape, t.pieces) for t in self.layout.targets.values()),
             layer_start=self.layout.layer_start,
             layer_end=self.layout.layer_end,
             num_layers=self.layout.num_layers,

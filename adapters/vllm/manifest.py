@@ -27,13 +27,14 @@ Called by ``weightwire.adapters.vllm.adapter`` inside each vLLM worker process.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from weightwire.adapters import layer_geometry
+from weightwire.adapters.layer_geometry import GeometryError
 from weightwire.core import dtypes
-
-_QKV_SHARD_IDS = ("q", "k", "v")
+from weightwire.core.manifest import TensorPiece
 
 
 class ManifestError(ValueError):
@@ -55,6 +56,8 @@ class LoadTarget:
     dtype: torch.dtype
     shape: tuple[int, ...]
     """Full checkpoint shape (not this rank's slice)."""
+    pieces: tuple[TensorPiece, ...] = ()
+    """What this worker keeps of the checkpoint tensor (``layer_geometry``; empty: all of it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +107,29 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
     owner_of_param: dict[int, str] = {}
     tied_layers: dict[str, list[str]] = {}
 
-    def add(name: str, layer_name: str, leaf: str, shard_id: str | int | None, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    def add(
+        name: str, layer_name: str, leaf: str, shard_id: str | int | None, dtype: torch.dtype, shape: tuple[int, ...],
+        pieces: tuple[TensorPiece, ...] = (),
+    ) -> None:
         try:
             dtypes.from_torch(dtype)
         except ValueError as e:
             raise ManifestError(f"{layer_name}.{leaf}: {e}") from None
         if name in targets:
             raise ManifestError(f"checkpoint name {name} would feed both {targets[name].param_name} and {layer_name}.{leaf}")
-        targets[name] = LoadTarget(name, layer_name, _join(layer_name, leaf), shard_id, dtype, shape)
+        targets[name] = LoadTarget(name, layer_name, _join(layer_name, leaf), shard_id, dtype, shape, pieces)
+
+    def add_feeds(
+        layer_name: str, leaf: str, where: str, local: tuple[int, ...], dtype: torch.dtype, names: tuple[str, ...],
+        rule: Callable[..., layer_geometry.LayerFeeds], *args: Any,
+    ) -> None:
+        try:
+            feeds = rule(*args)
+        except GeometryError as e:
+            raise ManifestError(f"{where}: {e}") from None
+        _check_local(where, local, feeds.local)
+        for feed in feeds.feeds:
+            add(names[feed.component], layer_name, leaf, feed.shard_id, dtype, feed.shape, feed.pieces)
 
     for layer_name, module in model.named_modules():
         own = [(leaf, p) for leaf, p in module._parameters.items() if p is not None]
@@ -142,35 +160,25 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
             dtype = param.dtype
 
             if isinstance(module, QKVParallelLinear):
-                names = _fused_names(packed, attr, where, expected=3)
-                q = module.total_num_heads * module.head_size
-                k = module.total_num_kv_heads * module.head_size
-                v = module.total_num_kv_heads * module.v_head_size
-                rows = module.num_heads * module.head_size + module.num_kv_heads * (module.head_size + module.v_head_size)
-                _check_local(where, local, (rows, module.input_size) if leaf == "weight" else (rows,))
-                for full_rows, ckpt, shard in zip((q, k, v), names, _QKV_SHARD_IDS, strict=True):
-                    shape = (full_rows, module.input_size) if leaf == "weight" else (full_rows,)
-                    add(_join(_join(parent, ckpt), leaf), layer_name, leaf, shard, dtype, shape)
+                names = tuple(_join(_join(parent, n), leaf) for n in _fused_names(packed, attr, where, expected=3))
+                tp = _tp_rank(module, where)
+                add_feeds(layer_name, leaf, where, local, dtype, names, layer_geometry.qkv, module, leaf, tp, tp)
             elif isinstance(module, MergedColumnParallelLinear):
-                names = _fused_names(packed, attr, where, expected=len(module.output_sizes))
-                rows = sum(module.output_partition_sizes)
-                _check_local(where, local, (rows, module.input_size) if leaf == "weight" else (rows,))
-                for index, (full_rows, ckpt) in enumerate(zip(module.output_sizes, names, strict=True)):
-                    shape = (full_rows, module.input_size) if leaf == "weight" else (full_rows,)
-                    add(_join(_join(parent, ckpt), leaf), layer_name, leaf, index, dtype, shape)
+                fused = _fused_names(packed, attr, where, expected=len(module.output_sizes))
+                names = tuple(_join(_join(parent, n), leaf) for n in fused)
+                add_feeds(layer_name, leaf, where, local, dtype, names, layer_geometry.merged_column, module, leaf,
+                          _tp_rank(module, where))
             elif isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
                 if attr in packed:
                     raise ManifestError(f"{where}: {attr} is listed as fused but is a {type(module).__name__}")
-                full = (module.output_size, module.input_size) if leaf == "weight" else (module.output_size,)
+                args: tuple[Any, ...]
                 if isinstance(module, ColumnParallelLinear):
-                    rows = module.output_size_per_partition
-                    expected = (rows, module.input_size) if leaf == "weight" else (rows,)
+                    rule, args = layer_geometry.column, (module, leaf, _tp_rank(module, where))
                 elif isinstance(module, RowParallelLinear):
-                    expected = (module.output_size, module.input_size_per_partition) if leaf == "weight" else full
+                    rule, args = layer_geometry.row, (module, leaf, _tp_rank(module, where))
                 else:
-                    expected = full
-                _check_local(where, local, expected)
-                add(where, layer_name, leaf, None, dtype, full)
+                    rule, args = layer_geometry.replicated, (module, leaf)
+                add_feeds(layer_name, leaf, where, local, dtype, (where,), rule, *args)
             elif isinstance(module, LinearBase):
                 raise ManifestError(f"{where}: unsupported parallel layer {type(module).__name__}")
             elif isinstance(module, VocabParallelEmbedding):
@@ -185,7 +193,7 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
                     raise ManifestError(
                         f"{where}: the config ties word embeddings but lm_head has a weight of its own"
                     )
-                add(where, layer_name, leaf, None, dtype, (module.org_vocab_size, module.embedding_dim))
+                add_feeds(layer_name, leaf, where, local, dtype, (where,), layer_geometry.vocab, module, leaf)
             else:
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 if hasattr(param, "output_dim") or hasattr(param, "input_dim") or loader is not default_weight_loader:
@@ -248,6 +256,15 @@ def _fused_names(packed: Mapping[str, Sequence[str]], attr: str, where: str, *, 
 
 def _join(parent: str, name: str) -> str:
     return f"{parent}.{name}" if parent else name
+
+
+def _tp_rank(layer: Any, where: str) -> int:
+    """The tensor-parallel rank a vLLM linear layer's weight loader slices by (0 when the layer
+    was built with ``disable_tp``)."""
+    rank = getattr(layer, "tp_rank", None)
+    if rank is None:
+        raise ManifestError(f"{where}: {type(layer).__name__} records no tensor-parallel rank; cannot state its slice")
+    return int(rank)
 
 
 def _check_local(where: str, local: tuple[int, ...], expected: tuple[int, ...]) -> None:

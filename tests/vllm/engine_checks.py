@@ -20,6 +20,7 @@ from weightwire.adapters.vllm import update_window
 from weightwire.client import GatheredBucket, PushError, PushResult, WeightPusher, layout_flat, pack_into
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef
+from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 
@@ -74,6 +75,29 @@ def check_manifests(engine: CpuEngine, pusher: WeightPusher, checkpoint: Mapping
                 assert m.layer_start <= layer < m.layer_end, f"{m.worker_id} owns {name}"
         owned |= set(m.tensors)
     assert owned == set(checkpoint)
+    check_slices_tile(manifests, engine.tp)
+
+
+def check_slices_tile(manifests: list[ShardManifest], tp: int) -> None:
+    """The slice geometry vLLM's layers state: within a stage, each tensor is kept whole by every
+    TP rank or its ranks' pieces tile it (each index of the sliced dimension exactly once), and under
+    TP > 1 the attention projections are sliced."""
+    by_stage: dict[int, list[ShardManifest]] = {}
+    for m in manifests:
+        by_stage.setdefault(m.rank.pp_rank, []).append(m)
+    for stage in by_stage.values():
+        for name, t in stage[0].tensors.items():
+            kept = [r.tensors[name] for r in stage]
+            if all(k.whole for k in kept):
+                assert tp == 1 or not name.endswith(("q_proj.weight", "o_proj.weight")), name
+                continue
+            pieces = sorted((p.dim, p.offset, p.end) for k in kept for p in k.pieces)
+            assert len({d for d, _, _ in pieces}) == 1, name
+            edge = 0
+            for _, start, end in pieces:
+                assert start == edge, f"{name}: pieces {pieces} leave a gap or overlap"
+                edge = end
+            assert edge == t.shape[pieces[0][0]], name
 
 
 def push_in_window(

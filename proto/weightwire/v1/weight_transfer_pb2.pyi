@@ -462,14 +462,26 @@ class ParallelRank(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., sp_rank: _Optional[int] = ..., sp_size: _Optional[int] = ...) -> None: ...
 
 class OwnedTensor(_message.Message):
-    __slots__ = ("name", "dtype", "shape")
+    __slots__ = ("name", "dtype", "shape", "pieces")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    pieces: _containers.RepeatedCompositeFieldContainer[TensorPiece]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[_Union[TensorPiece, _Mapping]]] = ...) -> None: ...
+
+class TensorPiece(_message.Message):
+    __slots__ = ("dim", "offset", "length")
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    offset: int
+    length: int
+    def __init__(self, dim: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class LayerRange(_message.Message):
     __slots__ = ("start_layer", "end_layer", "num_layers")
