@@ -1,6 +1,6 @@
 """Where the weightwire worker inside one engine rank listens, the same way for every engine.
 
-An engine adapter (vLLM; SGLang has its own copy in ``weightwire.adapters.sglang.settings``) runs one
+An engine adapter (SGLang, vLLM) runs one
 worker service per rank process and derives its address from the rank alone, so every rank of an
 engine, and ``weightwire.adapters.discovery`` on the trainer side, agree on the addresses without
 talking to each other:
@@ -11,8 +11,9 @@ talking to each other:
   + tp_rank`` (the global rank order of both SGLang and vLLM).
 
 ``EndpointSettings.from_env`` reads ``<PREFIX>_SOCKET_DIR``, ``<PREFIX>_BASE_PORT`` and
-``<PREFIX>_HOST`` for one engine's prefix (``WEIGHTWIRE_VLLM``), plus the engine-independent
-``WEIGHTWIRE_TOKEN``, ``WEIGHTWIRE_TLS_CERT`` and ``WEIGHTWIRE_TLS_KEY``. Pure except for
+``<PREFIX>_HOST`` for one engine's prefix (``WEIGHTWIRE_SGLANG``, ``WEIGHTWIRE_VLLM``), plus the engine-independent
+``WEIGHTWIRE_TOKEN``, ``WEIGHTWIRE_TLS_CERT`` and ``WEIGHTWIRE_TLS_KEY``; ``env_seconds`` and
+``env_flag`` parse an adapter's own knobs the same way everywhere. Pure except for
 ``prepare_socket``: no engine, no gRPC.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
+import math
 import os
 import re
 import socket
@@ -39,6 +41,33 @@ SOCKET_SUFFIX = ".sock"
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
 _WORKER_ID_RE = re.compile(r"^tp(\d+)-pp(\d+)(?:-dp(\d+))?(?:-sp(\d+))?\Z")
+
+
+def env_seconds(env: Mapping[str, str], key: str, *, default: float, allow_zero: bool = False) -> float:
+    """A duration in seconds from ``env[key]``: finite, > 0 (or >= 0 with ``allow_zero``)."""
+    raw = env.get(key)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{key}={raw!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise SettingsError(f"{key} must be {'>= 0' if allow_zero else '> 0'} and finite, got {raw!r}")
+    return value
+
+
+def env_flag(env: Mapping[str, str], key: str, *, default: bool) -> bool:
+    """A boolean from ``env[key]``: 1/true/yes/on or 0/false/no/off; unset or empty is ``default``."""
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{key}={raw!r}: use 1 or 0")
 
 
 class SettingsError(ValueError):

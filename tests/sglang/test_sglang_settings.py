@@ -266,3 +266,16 @@ def test_wake_datagram_ends_an_idle_poll_and_is_drained() -> None:
     finally:
         receiver.close()
         sender.close()
+
+
+def test_settings_use_the_shared_endpoint_rules() -> None:
+    # one algorithm for every engine adapter: the same environment gives the same addresses as
+    # EndpointSettings with SGLang's prefix, and TLS needs both halves
+    from weightwire.adapters.endpoints import EndpointSettings
+
+    env = {"WEIGHTWIRE_SGLANG_BASE_PORT": "41000"}
+    rank = ParallelRank(tp_rank=1, tp_size=2)
+    shared = EndpointSettings.from_env("WEIGHTWIRE_SGLANG", default_socket_dir="/unused", env=env)
+    assert Settings.from_env(env).address(rank) == shared.address(rank) == "127.0.0.1:41001"
+    with pytest.raises(SettingsError, match="needs both"):
+        Settings.from_env({"WEIGHTWIRE_TLS_CERT": "/c.pem"})
