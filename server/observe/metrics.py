@@ -31,6 +31,7 @@ from wsgiref.simple_server import WSGIServer
 from google.rpc import code_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from weightwire.core.errors import Reason
+from weightwire.core.transports import table as transports
 from weightwire.server.observe.update_events import UpdateOutcome, state_name
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -51,11 +52,14 @@ UPDATE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 BUCKET_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 _GRPC_CODES = frozenset(code_pb2.Code.keys())
-_TRANSPORTS = {
-    pb.TRANSPORT_KIND_HOST_SHM: "host_shm",
-    pb.TRANSPORT_KIND_CUDA_IPC: "cuda_ipc",
-    pb.TRANSPORT_KIND_INLINE: "inline",
-}
+
+
+def transport_label(kind: pb.TransportKind.ValueType) -> str:
+    """The ``transport`` label of a bucket: its row's name in the one transport table
+    (``weightwire.core.transports.table``), so every transport there has its own series; a kind the
+    table does not know (none the worker's own importers report) is ``unspecified``."""
+    row = transports.by_kind(kind)
+    return row.name if row is not None else "unspecified"
 
 
 def reason_label(reason: str) -> str:
@@ -160,9 +164,9 @@ class WorkerMetrics:
         if not ack.HasField("source_device"):
             self._buckets.labels(self.worker_id, "none").inc()
             return
-        series = self._by_transport.get(_TRANSPORTS.get(ack.transport, "unspecified"))
+        transport = transport_label(ack.transport)
+        series = self._by_transport.get(transport)
         if series is None:
-            transport = _TRANSPORTS.get(ack.transport, "unspecified")
             series = self._by_transport[transport] = (
                 self._buckets.labels(self.worker_id, transport),
                 self._open_seconds.labels(self.worker_id, transport),
