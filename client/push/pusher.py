@@ -57,6 +57,7 @@ from weightwire.client.ranks.dtensor_gather import (
     check_cast_to,
     has_dtensors,
     named_items,
+    single_rank_items,
     source_device,
 )
 from weightwire.client.transports import exporter as exp
@@ -305,6 +306,11 @@ class WeightPusher:
             only_own_device=only_own_device, progress=progress, update_id=update_id, cast_to=cast_to,
         )
         items = named_items(named_tensors)
+        if group is not None or has_dtensors(items):
+            # One trainer rank: nothing to agree on or gather, so the plain push (and its fast paths).
+            single = single_rank_items(items, group)
+            if single is not None:
+                items, group = single, None
         if group is not None or has_dtensors(items):
             if self._group is not None:
                 # Each rank would form its own group with a subset of the workers: not built yet.

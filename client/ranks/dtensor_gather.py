@@ -147,6 +147,38 @@ def default_group(items: Iterable[tuple[str, torch.Tensor]]) -> Any:
     )
 
 
+def single_rank_items(items: list[tuple[str, torch.Tensor]], group: Any) -> list[tuple[str, torch.Tensor]] | None:
+    """The tensors as plain local tensors when the update has one trainer rank (``group`` of one
+    member, or DTensors whose meshes all have one device), else None.
+
+    With one rank there is nothing to agree on and nothing to gather: a DTensor on a one-device mesh
+    holds its full value locally (FSDP2's shard of a one-rank mesh is the whole parameter), so the
+    update takes the single-process push and its fast paths instead of the per-bucket lockstep of
+    ``collective_push``. Anything that is not whole locally (padding, a Partial placement) is
+    resolved with ``full_tensor()``, which on one rank moves no bytes between processes.
+    """
+    import torch.distributed as dist
+
+    if group is not None:
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) != 1:
+            return None
+    elif any(is_dtensor(t) and t.device_mesh.size() != 1 for _, t in items):  # type: ignore[attr-defined]
+        return None
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, t in items:
+        if is_dtensor(t):
+            local = t.to_local()  # type: ignore[attr-defined]
+            full = local if tuple(local.shape) == tuple(t.shape) and not _partial(t) else t.full_tensor()  # type: ignore[attr-defined]
+            out.append((name, full.detach()))
+        else:
+            out.append((name, t))
+    return out
+
+
+def _partial(t: Any) -> bool:
+    return any(type(p).__name__ == "Partial" for p in t.placements)
+
+
 class FullTensorWriter:
     """Writes tensors' full values, one at a time, into the caller's staging views.
 
