@@ -65,7 +65,7 @@ def add_parser(subparsers: Any) -> None:
     _connection_args(p)
     p.set_defaults(func=cmd_push)
 
-    from weightwire.client.cli.main import demo
+    from weightwire.client.cli import demo
 
     demo.add_parser(subparsers)
 
@@ -213,7 +213,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     metadata = call_metadata(_token(args))
     workers = [Worker(a, tls_ca=_read(args.tls_ca)) for a in args.addresses]
     if args.watch:
-        from weightwire.client.cli.main import fleet_view
+        from weightwire.client.cli import fleet_view
 
         if args.interval <= 0 or (args.count is not None and args.count < 1):
             print("weightwire status: --interval must be > 0 and --count >= 1", file=sys.stderr)

@@ -67,6 +67,12 @@ class WorkerStream:
         self.result: pb.UpdateResult | None = None
         self.error: WeightwireError | None = None
         self.cancelled_by_us = False
+        # The worker's GetStatus once a stream this client cancelled has ended there (set by the
+        # session after a failed update): what the worker itself recorded for the update.
+        self.settled_status: pb.GetStatusResponse | None = None
+        # Wall-clock time the header was queued: a worker's record (ErrorDetail.time) from before
+        # it belongs to an earlier update.
+        self.header_sent_wall = 0.0
         self.done = threading.Event()
         self.started = time.monotonic()
         self.finished = 0.0
@@ -101,6 +107,7 @@ class WorkerStream:
     def send_header(self) -> None:
         # The update begins here for the trainer's metrics, however early the call was opened.
         self.started = time.monotonic()
+        self.header_sent_wall = time.time()
         if self._whole is not None:
             self._whole.messages.add().header.CopyFrom(self._header)
             return
