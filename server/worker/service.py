@@ -30,7 +30,7 @@ from weightwire.server.transports.read_ahead import read_ahead
 from weightwire.server.transports.transfer_group import GroupImporter
 from weightwire.server.worker.adapter import EngineAdapter
 from weightwire.server.worker.streams import DEFAULT_IDLE_TIMEOUT_S, ListedRequests, StreamReader
-from weightwire.server.worker.update import Update, UpdateContext, now_timestamp
+from weightwire.server.worker.update import Update, UpdateContext, cancelled_error, now_timestamp
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["CommitHook", "Update", "WorkerService"]
@@ -44,16 +44,6 @@ MAX_UPDATE_ID_BYTES = 256
 ABANDONED_WAIT_S = 30.0
 # How long after the commit the stream may take to end (the client closes its side right after it).
 END_AFTER_COMMIT_S = 30.0
-
-
-def _cancelled() -> WeightwireError:
-    # gRPC itself reports CANCELLED to the (gone) client; this is what GetStatus and the log keep.
-    # gRPC refusing one of the client's messages (over 64 MiB) ends the stream the same way.
-    return WeightwireError(
-        Reason.CANCELLED,
-        "the stream was cancelled before commit: the client went away, or gRPC refused one of its messages "
-        "(one over 64 MiB: the client got RESOURCE_EXHAUSTED)",
-    )
 
 
 class WorkerService:
@@ -84,6 +74,7 @@ class WorkerService:
         self._manifest: ShardManifest = adapter.manifest()
         cuda_importer = self.importers.get(transports.CUDA_IPC.handle_field)
         self._waits_for_cuda_ipc_events = cuda_importer is not None and cuda_importer.waits_for_producer_events
+        self._imports_cuda_ipc_storages = bool(getattr(cuda_importer, "imports_storages", False))
         self.layouts = LayoutCache()
         self._update_context = UpdateContext(
             adapter=adapter,
@@ -157,6 +148,7 @@ class WorkerService:
         manifest = self._manifest.to_proto()
         # How this worker imports is its importers' business, not the engine adapter's.
         manifest.waits_for_cuda_ipc_events = self._waits_for_cuda_ipc_events
+        manifest.imports_cuda_ipc_storages = self._imports_cuda_ipc_storages
         return pb.GetManifestResponse(manifest=manifest)
 
     def get_status(self) -> pb.GetStatusResponse:
@@ -254,6 +246,9 @@ class WorkerService:
                         f"ended after {ABANDONED_WAIT_S:g} s (the engine is still in a load); retry when it has",
                         active_version=str(active.version),
                     )
+                if rpc_ended is not None and rpc_ended.is_set():
+                    # It waited for an abandoned update and its own call ended meanwhile.
+                    raise cancelled_error()
                 self._check_header(header)
             except WeightwireError as err:
                 self._record_failure(err, header.version)
@@ -463,7 +458,7 @@ class WorkerService:
                 yield pb.PushWeightsResponse(result=update.commit(commit))
                 return
             if client_gone is not None and client_gone():
-                raise update.fail(_cancelled())
+                raise update.fail(cancelled_error())
             raise update.fail(
                 WeightwireError(Reason.MALFORMED_STREAM, "the stream ended before a commit; the update was not applied")
             )
@@ -476,10 +471,10 @@ class WorkerService:
             # The request stream broke (client gone) or a bug: never leave the update half-open.
             if update is not None and not update.finished:
                 gone = client_gone is not None and client_gone()
-                failure = _cancelled() if gone else WeightwireError(Reason.INTERNAL, f"internal error in the worker: {e!r}")
+                failure = cancelled_error() if gone else WeightwireError(Reason.INTERNAL, f"internal error in the worker: {e!r}")
                 update.fail(failure)
             raise
         finally:
             reader.close()
             if update is not None and not update.finished:
-                update.fail(_cancelled())
+                update.fail(cancelled_error())

@@ -52,6 +52,19 @@ log = logging.getLogger(__name__)
 MAX_BUCKETS_PER_UPDATE = 1 << 20
 MAX_TENSORS_PER_UPDATE = 1 << 20
 
+
+def cancelled_error() -> WeightwireError:
+    """What a worker records for an update whose call ended under it: the client cancelled it, its
+    deadline passed, or gRPC refused one of its messages (over 64 MiB ends the call the same way).
+    gRPC itself reports CANCELLED or DEADLINE_EXCEEDED to the (gone) client; GetStatus and the log
+    keep this."""
+    return WeightwireError(
+        Reason.CANCELLED,
+        "the call ended before commit (the client cancelled it or its deadline passed), or gRPC refused one of "
+        "its messages (one over 64 MiB: the client got RESOURCE_EXHAUSTED); nothing was committed",
+    )
+
+
 def now_timestamp() -> timestamp_pb2.Timestamp:
     ts = timestamp_pb2.Timestamp()
     ts.GetCurrentTime()
@@ -130,13 +143,21 @@ class Update:
         self._handles_opened = 0
         self._mappings: dict[Hashable, ImportedPayload] = {}
         self._finish_lock = threading.Lock()
+        # The engine was told the update ended (end_update(True)): a later failure must not tell it again.
+        self._engine_ended = False
+
+    @property
+    def call_ended(self) -> bool:
+        """The call carrying this update is over (cancelled, or its deadline passed): nobody is
+        waiting for its result, so it must not go on, and above all not commit."""
+        return self._rpc_ended is not None and self._rpc_ended.is_set()
 
     @property
     def abandoned(self) -> bool:
         """It is ending but still holds the worker: failed or committed and not yet let go, or its
         stream is over (the client cancelled or timed out) and its thread is still unwinding
         (typically inside the engine's load). A new update waits for such a one."""
-        return self.finished or (self._rpc_ended is not None and self._rpc_ended.is_set())
+        return self.finished or self.call_ended
 
     def open_mapping_count(self) -> int:
         return len(self._mappings)
@@ -150,19 +171,27 @@ class Update:
                 return err
             self.finished = True
         self._close_mappings()
-        if self.begun:
+        if self.begun and not self._engine_ended:
             try:
                 self._ctx.adapter.end_update(False)
             except Exception:
                 log.exception("engine adapter failed in end_update(False)")
-        new_state = pb.WORKER_STATE_INCONSISTENT if self._loaded_any else self.prior_state
+        wrote = self._loaded_any and self._engine_wrote()
+        new_state = pb.WORKER_STATE_INCONSISTENT if wrote else self.prior_state
         shown = clip_utf8(str(err), MAX_MESSAGE_BYTES)  # it may quote what the client sent
-        if self._loaded_any:
+        if wrote:
             log.error("update %d failed after loading tensors; worker is INCONSISTENT: %s", self.version, shown)
         else:
             log.warning("update %d failed: %s", self.version, shown)
         self._owner.update_failed(self, err, new_state)
         return err
+
+    def _engine_wrote(self) -> bool:
+        """Whether the engine changed the model in this update. An adapter that holds tensors back
+        until it can apply them (vLLM reloads a fused layer only whole) says so with
+        ``touched_model()``; without it, every load counts as a write."""
+        touched = getattr(self._ctx.adapter, "touched_model", None)
+        return True if touched is None else bool(touched())
 
     def _close_mappings(self) -> None:
         mappings, self._mappings = self._mappings, {}
@@ -178,6 +207,10 @@ class Update:
         """Apply the bucket rules, load owned tensors, return the ack (after the device copy)."""
         if self.finished:
             raise WeightwireError(Reason.MALFORMED_STREAM, "a bucket arrived after the update ended")
+        if self.call_ended:
+            # A PushUpdate call holds every bucket already: without this it would load them all
+            # (and commit) after its client gave up.
+            raise self.fail(cancelled_error())
         try:
             return self._bucket(msg)
         except WeightwireError as err:
@@ -395,12 +428,28 @@ class Update:
                     missing=bounded_join(missing),
                     missing_count=str(len(missing)),
                 )
+        if self.call_ended:
+            # The client gave up (its deadline passed while the last loads ran, or it cancelled):
+            # it was told the update failed, so it must not be applied.
+            raise cancelled_error()
         self._close_mappings()
         try:
+            self._engine_ended = True
             self._ctx.adapter.end_update(True)
+        except WeightwireError:
+            # The engine's own typed refusal of the commit (vLLM: a fused layer left incomplete),
+            # as it is; whether the model changed is the adapter's touched_model() to say.
+            self._loaded_any = True
+            raise
         except Exception as e:
             self._loaded_any = True  # the engine may have half-finished post-processing
             raise WeightwireError(Reason.LOAD_FAILED, f"the engine failed to finish update {self.version}: {e!r}") from e
+        if self.call_ended:
+            # The deadline passed inside the engine's own finishing step: the new weights are in the
+            # model, but the client was told the update failed, so the version stays and the worker
+            # says it mixes versions until a FULL update lands.
+            self._loaded_any = True
+            raise cancelled_error()
         with self._finish_lock:
             self.finished = True
         if self.header.scope == pb.UPDATE_SCOPE_FULL or self.prior_state == pb.WORKER_STATE_CONSISTENT:

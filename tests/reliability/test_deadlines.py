@@ -1,0 +1,169 @@
+"""Calls that end while the worker is still working on them: a client's deadline (or cancel) must
+never be followed by a commit, and a call that cannot get a thread is answered at once.
+
+One real gRPC worker server in the test process (so that the engine's load and finishing step can
+be held at a point the test chooses, with events instead of sleeps), shared by the module; raw
+stubs, as any client would call it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import grpc
+import pytest
+import torch
+from helpers import RequestFeed, error_info, full_update_requests, header, push, wait_until
+from weightwire.adapters.torch import TorchAdapter
+from weightwire.adapters.torch.demo import DEMO_TP_RULES, DemoConfig, build_demo_model, full_checkpoint
+from weightwire.core.devices import DeviceRef
+from weightwire.core.manifest import ParallelRank
+from weightwire.server import serve
+from weightwire.v1 import weight_transfer_pb2 as pb
+from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
+
+IDLE_TIMEOUT_S = 60.0
+NORM = "model.norm.weight"
+
+
+@dataclasses.dataclass
+class Hold:
+    """Where the engine stops until the test lets it go: ``at`` is "load", "end" (its finishing
+    step after a successful update) or None (it runs through)."""
+
+    at: str | None = None
+    entered: threading.Event = dataclasses.field(default_factory=threading.Event)
+    release: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def point(self, where: str) -> None:
+        if self.at == where:
+            self.entered.set()
+            assert self.release.wait(60), "the test never let the engine go"
+
+    def arm(self, where: str) -> None:
+        self.at = where
+        self.entered.clear()
+        self.release.clear()
+
+    def disarm(self) -> None:
+        self.at = None
+        self.release.set()
+
+
+class HeldAdapter(TorchAdapter):
+    """The demo model's real adapter, with a point in the load and in the finishing step where it
+    waits for the test (``Hold``)."""
+
+    hold: Hold
+
+    def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.hold.point("load")
+        super().load(named_tensors)
+
+    def prepare_load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Callable[[], None]:
+        run = super().prepare_load(named_tensors)
+
+        def held() -> None:
+            self.hold.point("load")
+            run()
+
+        return held
+
+    def end_update(self, success: bool) -> None:
+        if success:
+            self.hold.point("end")
+        super().end_update(success)
+
+
+@dataclasses.dataclass
+class Worker:
+    server: object
+    adapter: HeldAdapter
+    stub: pb_grpc.WeightTransferServiceStub
+    channel: grpc.Channel
+
+    @property
+    def service(self) -> object:
+        return self.server.service  # type: ignore[attr-defined]
+
+    def status(self) -> pb.GetStatusResponse:
+        return self.stub.GetStatus(pb.GetStatusRequest(), timeout=30)
+
+    def next_version(self) -> int:
+        return self.status().weights_version + 1
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[Worker]:
+    config = DemoConfig()
+    rank = ParallelRank()
+    adapter = HeldAdapter(
+        build_demo_model(config, rank, "cpu", 0), rank=rank, device=torch.device("cpu"),
+        own_device=DeviceRef.host(), tp_rules=DEMO_TP_RULES, num_layers=config.num_layers,
+    )
+    adapter.hold = Hold()
+    server = serve(adapter, idle_timeout_s=IDLE_TIMEOUT_S)
+    channel = grpc.insecure_channel(server.address)
+    try:
+        yield Worker(server, adapter, pb_grpc.WeightTransferServiceStub(channel), channel)
+    finally:
+        adapter.hold.disarm()
+        channel.close()
+        server.stop(grace=0)
+
+
+@pytest.fixture
+def hold(worker: Worker) -> Iterator[Hold]:
+    yield worker.adapter.hold
+    worker.adapter.hold.disarm()
+    # Every test leaves the worker able to take the next update: nothing running, nothing held.
+    assert wait_until(lambda: worker.status().state != pb.WORKER_STATE_UPDATING)
+    assert worker.status().open_mappings == 0
+
+
+def partial_update(version: int) -> list[pb.PushWeightsRequest]:
+    """header (PARTIAL), one inline bucket with the norm weight, commit."""
+    full = full_checkpoint(DemoConfig(), version)
+    reqs = full_update_requests(version, {NORM: full[NORM]}, None, buckets=1)
+    reqs[0] = header(version, scope=pb.UPDATE_SCOPE_PARTIAL)
+    return reqs
+
+
+def call_ended_on_worker(worker: Worker) -> bool:
+    """The worker's running update knows its call is over (gRPC told the server, not only the client)."""
+    active = worker.service._active  # type: ignore[attr-defined]
+    ended = getattr(active, "_rpc_ended", None)
+    return ended is not None and ended.is_set()
+
+
+@pytest.mark.parametrize("at", ["load", "end"])
+@pytest.mark.parametrize("rpc", ["PushUpdate", "PushWeights"])
+def test_a_call_past_its_deadline_never_commits(worker: Worker, hold: Hold, rpc: str, at: str) -> None:
+    # The client's deadline passes while the engine loads the bucket, or while it finishes the
+    # update after the commit message: the client is told DEADLINE_EXCEEDED, so the worker must
+    # not move to the new version (a retry would get STALE_VERSION for an update it was told failed).
+    before = worker.status()
+    version = before.weights_version + 1
+    hold.arm(at)
+    out = push(worker.stub, partial_update(version), timeout=0.5, whole=rpc == "PushUpdate")
+    assert out.code == grpc.StatusCode.DEADLINE_EXCEEDED, (out.code, out.reason, out.message)
+    assert hold.entered.is_set(), "the deadline passed before the engine was reached"
+    assert wait_until(lambda: call_ended_on_worker(worker))
+    hold.release.set()
+    assert wait_until(lambda: worker.status().state != pb.WORKER_STATE_UPDATING)
+    st = worker.status()
+    assert st.weights_version == before.weights_version
+    assert st.last_error.reason == "CANCELLED" and st.last_error.version == version, st.last_error
+    assert st.updates_succeeded == before.updates_succeeded
+    # It loaded the norm weight (INCONSISTENT); the next update lands as usual.
+    assert st.state == pb.WORKER_STATE_INCONSISTENT
+    full = full_checkpoint(DemoConfig(), version)
+    hold.disarm()
+    landed = push(worker.stub, full_update_requests(version, full, None), whole=rpc == "PushUpdate")
+    assert landed.code == grpc.StatusCode.OK, (landed.code, landed.reason, landed.message)
+    st = worker.status()
+    assert (st.weights_version, st.state) == (version, pb.WORKER_STATE_CONSISTENT)
+    assert torch.equal(worker.adapter.state()[NORM], full[NORM])
