@@ -26,8 +26,12 @@ reloads only ``lm_head``).
 Fused layers must arrive whole. vLLM processes a layer only when all of it is loaded; a layer with
 some of its tensors missing at the end would be materialised with the rest uninitialised. So a
 committed update must deliver every checkpoint tensor of each layer it touches (q/k/v weights and
-biases of one ``qkv_proj``, gate and up of one ``gate_up_proj``); otherwise the commit fails, those
-layers keep their old weights, and the worker reports INCONSISTENT if other layers were written.
+biases of one ``qkv_proj``, gate and up of one ``gate_up_proj``); otherwise the commit is refused
+with INCOMPLETE_UPDATE naming each such layer's missing tensors, those layers keep their old weights
+(what vLLM buffered for them is dropped), and the worker reports INCONSISTENT only if the update
+wrote other, complete layers: ``touched_model()`` tells the service whether anything was written,
+so an update that only buffered parts of fused layers (a PARTIAL push of ``q_proj`` alone) leaves a
+CONSISTENT worker at its old version.
 
 Tensors that wait. vLLM buffers a tensor until its layer is complete, but the service's views into
 the sender's buffer are valid only during ``load``; a tensor whose layer does not complete within
@@ -111,6 +115,9 @@ class VLLMAdapter:
         # Per update, gRPC thread only: layers opened for reload -> checkpoint names still missing.
         self._open_layers: dict[str, set[str]] = {}
         self._writing = False
+        # Whether this update (the last one, once it ended) changed the model: a layer of it was
+        # processed by vLLM. Kept after end_update for the service's touched_model() question.
+        self._wrote = False
 
     # --- the update window (vLLM's start/finish_weight_update, on the worker's main thread) ----
 
@@ -150,6 +157,12 @@ class VLLMAdapter:
                 raise WeightwireError(Reason.ENGINE_NOT_PAUSED, f"{self.worker_id}: cannot begin update {version}: {what}")
             self._update_version = version
         self._open_layers = {}
+        self._wrote = False
+
+    def touched_model(self) -> bool:
+        """Whether the current or last update changed the model (read by the worker service when an
+        update fails: a worker whose model is unchanged stays CONSISTENT)."""
+        return self._wrote
 
     def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named_tensors:
@@ -196,8 +209,8 @@ class VLLMAdapter:
                     Reason.INCOMPLETE_UPDATE,
                     f"{self.worker_id}: vLLM reloads a layer only whole, and update {version} left "
                     + "; ".join(f"{layer} without {', '.join(sorted(m))}" for layer, m in sorted(incomplete.items()))
-                    + " (those layers keep their old weights); send every checkpoint tensor of a fused layer "
-                    "(q/k/v, gate/up, their biases) in the same update",
+                    + " (nothing of those layers was loaded; they keep their old weights); send every checkpoint "
+                    "tensor of a fused layer (q/k/v, gate/up, their biases) in the same update",
                 )
             if success:
                 self.committed_version = version
@@ -272,6 +285,8 @@ class VLLMAdapter:
                     tensor=first,
                 )
             self._open_layers[layer] -= names
+            if not self._open_layers[layer]:
+                self._wrote = True  # vLLM processed the complete layer: its kernel tensors hold new values
 
     def _restore(self, layers: dict[str, set[str]], *, why: str) -> None:
         """Drop what vLLM buffered for these layers, so finalizing puts their old kernel tensors back."""

@@ -17,7 +17,11 @@ vLLM's weight-transfer calls map to weightwire as follows; the trainer pushes th
   message saying so.
 - ``finish_weight_update``: waits for a push still running, closes the window. With
   ``weight_version=...`` vLLM then records the version for its outputs.
-- ``shutdown``: stops the worker service.
+- ``shutdown``: stops the worker service, removes its socket and, when the engine's socket directory
+  is the default one made for it (``<tmp>/weightwire-vllm-<instance id>``), that directory once the
+  engine's last worker left it.
+- ``trainer_send_weights``: abstract in vLLM 0.26 and 0.27 (a static method for the trainer);
+  weightwire's trainer side is ``WeightPusher``, so it raises a message saying so.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from weightwire.adapters.endpoints import prepare_socket, worker_id, worker_index
 from weightwire.adapters.vllm.adapter import VLLMAdapter
-from weightwire.adapters.vllm.settings import ENV_BASE_PORT, ENV_SOCKET_DIR, Settings
+from weightwire.adapters.vllm.plugin import check_version
+from weightwire.adapters.vllm.settings import ENV_BASE_PORT, ENV_SOCKET_DIR, Settings, default_socket_dir
 from weightwire.core.devices import device_ref_of
 from weightwire.core.manifest import ParallelRank
 
@@ -67,6 +72,7 @@ class WeightwireWeightTransferEngine(WeightTransferEngine[WeightwireInitInfo, We
         super().__init__(config, vllm_config, device, model)
         from weightwire.server import serve
 
+        check_version(_vllm_version())
         self.settings = Settings.from_env(str(vllm_config.instance_id))
         rank = parallel_rank(vllm_config)
         self.adapter = VLLMAdapter(
@@ -80,8 +86,12 @@ class WeightwireWeightTransferEngine(WeightTransferEngine[WeightwireInitInfo, We
         )
         address = self.settings.endpoints.address(rank)
         self._socket_path: str | None = None
+        # The directory made for this engine alone (no WEIGHTWIRE_VLLM_SOCKET_DIR): removed at shutdown.
+        self._own_socket_dir: str | None = None
         if address.startswith("unix:"):
             self._socket_path = address.removeprefix("unix:")
+            if self.settings.endpoints.socket_dir == default_socket_dir(str(vllm_config.instance_id)):
+                self._own_socket_dir = os.path.dirname(self._socket_path)
             prepare_socket(self._socket_path, env_hint=f"its own {ENV_SOCKET_DIR} or {ENV_BASE_PORT}")
         self.server = serve(
             self.adapter,
@@ -139,6 +149,17 @@ class WeightwireWeightTransferEngine(WeightTransferEngine[WeightwireInitInfo, We
         if self._socket_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._socket_path)
+        if self._own_socket_dir is not None:
+            # Every worker of the engine tries; the last one out finds it empty.
+            with contextlib.suppress(OSError):
+                os.rmdir(self._own_socket_dir)
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        raise NotImplementedError(
+            "the weightwire backend has no vLLM trainer-side sender: push with weightwire.client.WeightPusher "
+            "to weightwire.adapters.vllm.worker_endpoints(llm) inside update_window(llm, version)"
+        )
 
 
 def parallel_rank(vllm_config: Any) -> ParallelRank:

@@ -7,13 +7,16 @@ waits until all of them listen; ordered by DP, PP, then TP rank, as vLLM orders 
 is a context manager for one update: ``start_weight_update()`` on entry; on a clean exit
 ``finish_weight_update(weight_version=str(version))`` (vLLM then labels its outputs with that version)
 and ``reset_prefix_cache()`` (the cached KV blocks were computed with the old weights); on an
-exception only ``finish_weight_update()``, so the window closes and vLLM's version stays. With the
+exception only ``finish_weight_update()``, so the window closes and vLLM's version stays. vLLM 0.26
+keeps no weight version (its ``finish_weight_update`` takes none): there the version is only
+weightwire's (``WeightPusher.status()``). With the
 OpenAI-compatible server the same steps are HTTP routes (docs/vllm.md). Neither imports vllm: they
 call methods of the ``llm`` object they are given.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -55,6 +58,16 @@ def update_window(llm: Any, version: int, *, reset_prefix_cache: bool = True) ->
     except BaseException:
         llm.finish_weight_update()
         raise
-    llm.finish_weight_update(weight_version=str(version))
+    if _takes_weight_version(llm.finish_weight_update):
+        llm.finish_weight_update(weight_version=str(version))
+    else:
+        llm.finish_weight_update()  # vLLM 0.26: no weight versions
     if reset_prefix_cache:
         llm.reset_prefix_cache()
+
+
+def _takes_weight_version(finish: Any) -> bool:
+    try:
+        return "weight_version" in inspect.signature(finish).parameters
+    except (TypeError, ValueError):
+        return True

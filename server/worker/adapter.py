@@ -48,3 +48,9 @@ class EngineAdapter(Protocol):
         """Called once after commit (success) or after a failed/cancelled update (e.g. SGLang's
         end_weight_update, which post-processes quantised weights)."""
         ...
+
+    # Optional: ``touched_model() -> bool``, whether the current (or, once it ended, the last)
+    # update changed the model. An adapter that holds tensors back until it can apply them (vLLM
+    # reloads a fused layer only whole) offers it, so that an update refused before anything was
+    # written leaves the worker CONSISTENT. Without it every load counts as a write. A typed
+    # ``WeightwireError`` raised by ``end_update(True)`` reaches the client as it is.

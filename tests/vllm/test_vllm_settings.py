@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 from weightwire.adapters.discovery import DiscoveryError, discover
 from weightwire.adapters.endpoints import SettingsError, prepare_socket, worker_index
+from weightwire.adapters.vllm.plugin import check_version, version_supported
 from weightwire.adapters.vllm.settings import Settings, default_socket_dir
 from weightwire.core.manifest import ParallelRank
 
@@ -96,3 +98,17 @@ def test_discovery_and_start_refuse_a_dead_socket_and_a_live_one(listening: list
     assert not stale.exists()
     with pytest.raises(FileExistsError, match="another worker is listening"):
         prepare_socket(str(listening[0]))  # ...but never takes over a live one
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.27.1", "0.32.0", "0.32.0+cpu", "0.33.0", "0.33.2"])
+def test_releases_in_the_supported_range_are_accepted(version: str) -> None:
+    assert version_supported(version)
+    check_version(version, env={})
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.34.0", "1.0.0", "0.9.2", "unknown"])
+def test_other_releases_are_refused_with_the_range_named(version: str) -> None:
+    assert not version_supported(version)
+    with pytest.raises(RuntimeError, match=rf"vLLM {re.escape(version)} is outside .*0\.26 through 0\.33.*WEIGHTWIRE_VLLM_ALLOW_UNTESTED=1"):
+        check_version(version, env={})
+    check_version(version, env={"WEIGHTWIRE_VLLM_ALLOW_UNTESTED": "1"})  # the user's explicit choice

@@ -89,7 +89,7 @@ def test_partial_pushes_reload_only_what_they_carry(
     push_in_window(engine, pusher, expected, {n: src[n] for n in names}, scope="partial")
 
 
-def test_partial_push_that_splits_a_fused_layer_keeps_its_old_weights(
+def test_partial_push_of_half_a_fused_layer_is_refused_and_changes_nothing(
     engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
 ) -> None:
     check_engine(engine, pusher, expected)
@@ -99,9 +99,30 @@ def test_partial_push_that_splits_a_fused_layer_keeps_its_old_weights(
         with UpdateWindow(engine):
             pusher.push(split, version=expected.version + 1, scope="partial")
     (failure,) = err.value.failures.values()
-    assert failure.reason == "LOAD_FAILED"
-    assert "only whole" in failure.message and "model.layers.2.self_attn.k_proj.weight" in failure.message
-    # qkv_proj of layer 2 kept its old weights; the worker says it must be refreshed by a FULL update.
+    assert failure.reason == "INCOMPLETE_UPDATE", failure
+    # The layer and each missing part are named, without another error's repr nested in the text.
+    assert "model.layers.2.self_attn.qkv_proj without" in failure.message
+    for part in ("k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias"):
+        assert f"model.layers.2.self_attn.{part}" in failure.message
+    assert "LOAD_FAILED" not in failure.message and "WeightwireError(" not in failure.message
+    # Nothing was written: old tokens, old version, and the worker stays CONSISTENT.
+    check_engine(engine, pusher, expected)
+
+
+def test_partial_push_that_writes_a_layer_and_splits_another_is_inconsistent(
+    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+) -> None:
+    check_engine(engine, pusher, expected)
+    src = checkpoints[FOURTH]
+    names = ("lm_head.weight", "model.layers.2.mlp.gate_proj.weight")  # lm_head whole; gate without up
+    with pytest.raises(PushError) as err:
+        with UpdateWindow(engine):
+            pusher.push({n: src[n] for n in names}, version=expected.version + 1, scope="partial")
+    (failure,) = err.value.failures.values()
+    assert failure.reason == "INCOMPLETE_UPDATE"
+    assert "model.layers.2.mlp.gate_up_proj without model.layers.2.mlp.up_proj.weight" in failure.message
+    # lm_head was loaded, the MLP kept its old weights: the model mixes versions until a FULL update.
+    expected.weights = expected.with_tensors({"lm_head.weight": src["lm_head.weight"]})
     check_engine(engine, pusher, expected, state=pb.WORKER_STATE_INCONSISTENT)
     push_in_window(engine, pusher, expected, src)
 
