@@ -1,7 +1,8 @@
 """From each entry point's input to the jobs of one update: the planning checks the input needs,
 then one ``Job`` per bucket that some worker must receive.
 
-``tensor_jobs`` (``push``: named tensors, packed into staging buffers), ``flat_jobs`` (``push_flat``:
+``tensor_jobs`` (``push``: named tensors; a trainer's own CUDA tensors exported where they live when
+every worker reads such payloads, else packed into staging buffers), ``flat_jobs`` (``push_flat``:
 already-flat buffers, exported in place when the transport can) and ``gathered_jobs``
 (``push_gathered``: buckets with several labelled payloads). Each raises ``PlanError`` before anything
 is sent; ``weightwire.client.push.pusher`` hands the jobs to an ``UpdateSession``.
@@ -9,6 +10,7 @@ is sent; ``weightwire.client.push.pusher`` hands the jobs to an ``UpdateSession`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import weakref
 from collections.abc import Hashable, Mapping, Sequence
@@ -25,13 +27,22 @@ from weightwire.client.push.routing import (
     label_str,
     recipients_of,
 )
-from weightwire.client.push.staging import Job, Staging, StagingPool, flat_exporter_job, gathered_job, packer
+from weightwire.client.push.staging import (
+    Job,
+    Staging,
+    StagingPool,
+    flat_exporter_job,
+    gathered_job,
+    in_place_job,
+    packer,
+)
 from weightwire.client.push.types import FlatBucket, GatheredBucket
 from weightwire.client.ranks.dtensor_gather import target_dtype
 from weightwire.client.transports import exporter as exp
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason
 from weightwire.core.manifest import ShardManifest
+from weightwire.core.transports import table as transport_table
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 
@@ -103,6 +114,41 @@ class TensorPlans:
 _PLANS: weakref.WeakKeyDictionary[Staging, TensorPlans] = weakref.WeakKeyDictionary()
 
 
+# The bucket size that puts every tensor of one recipient group into one bucket: tensors exported
+# where they live take no staging memory, so one payload per group is what costs least.
+_ONE_BUCKET = 1 << 62
+
+
+def exports_in_place(
+    items: Sequence[tuple[str, torch.Tensor]],
+    manifests: Mapping[str, ShardManifest],
+    exporter: exp.Exporter,
+    options: PushOptions,
+) -> bool:
+    """Whether ``push`` sends ``items`` where they live (no packing copy): CUDA tensors on the
+    exporter's GPU, dense, sent unconverted and unchecksummed, to workers that all read payloads of
+    several storages (``ShardManifest.imports_cuda_ipc_storages``). Anything else is packed."""
+    can_export = getattr(exporter, "can_export_tensors", None)
+    if can_export is None or options.verify_checksums or not manifests:
+        return False
+    if not all(m.imports_cuda_ipc_storages for m in manifests.values()):
+        return False
+    if options.cast_to is not None and any(target_dtype(t.dtype, options.cast_to) != t.dtype for _, t in items):
+        return False
+    return bool(can_export([t for _, t in items]))
+
+
+def _packing_bucket_bytes(items: Sequence[tuple[str, torch.Tensor]], exporter: exp.Exporter, staging: Staging, align_bytes: int) -> int:
+    bucket_bytes = staging.bucket_size_bytes
+    if not staging.bucket_size_given and exporter.TRANSPORT is transport_table.CUDA_IPC:
+        # Large GPU buckets, but never staging larger than the update itself.
+        total = sum(t.nbytes for _, t in items) + align_bytes * len(items)
+        bucket_bytes = max(1, min(planning.DEFAULT_CUDA_BUCKET_BYTES, planning.align_up(total, 2 * 1024 * 1024)))
+    if exporter.bucket_bytes_limit is not None:
+        bucket_bytes = min(bucket_bytes, exporter.bucket_bytes_limit)
+    return bucket_bytes
+
+
 def tensor_jobs(
     items: Sequence[tuple[str, torch.Tensor]],
     manifests: Mapping[str, ShardManifest],
@@ -110,12 +156,64 @@ def tensor_jobs(
     staging: Staging,
     options: PushOptions,
     align_bytes: int,
+    in_place: bool | None = None,
 ) -> Jobs:
-    """Named tensors packed into buckets of at most the pusher's bucket size (inline: under the
-    message limit), each sent to the workers that own something in it."""
-    bucket_bytes = staging.bucket_size_bytes
-    if exporter.bucket_bytes_limit is not None:
-        bucket_bytes = min(bucket_bytes, exporter.bucket_bytes_limit)
+    """Named tensors, each bucket sent to the workers that own something in it: exported where they
+    live (``exports_in_place``; one bucket per group of recipients), else packed into buckets of at
+    most the pusher's bucket size (inline: under the message limit; GPU staging with no size given:
+    ``plan.DEFAULT_CUDA_BUCKET_BYTES``)."""
+    if in_place is None:
+        in_place = exports_in_place(items, manifests, exporter, options)
+    if in_place:
+        jobs = _in_place_jobs(items, manifests, exporter, staging, options, align_bytes)
+        if jobs is not None:
+            return jobs
+    return _packed_jobs(items, manifests, exporter, staging, options, align_bytes, _packing_bucket_bytes(items, exporter, staging, align_bytes))
+
+
+def _in_place_jobs(
+    items: Sequence[tuple[str, torch.Tensor]],
+    manifests: Mapping[str, ShardManifest],
+    exporter: exp.Exporter,
+    staging: Staging,
+    options: PushOptions,
+    align_bytes: int,
+) -> Jobs | None:
+    """One job per recipient group with its tensors exported where they live, or None when some
+    storage cannot be shared (then everything is packed)."""
+    plans, kept = _checked_plans(items, manifests, exporter, staging, options, _ONE_BUCKET, align_bytes)
+    export_tensors = getattr(exporter, "export_tensors")  # noqa: B009 - exports_in_place checked it
+    # In a FULL update where each worker gets one bucket (one per pipeline stage, say), that bucket
+    # lists every storage its workers should keep: they close the rest.
+    counts = collections.Counter(w for p in plans for w in p.recipients)
+    complete = options.scope == pb.UPDATE_SCOPE_FULL and all(n == 1 for n in counts.values())
+    jobs: list[Job] = []
+    for p in plans:
+        exported = export_tensors([kept[i] for i in p.items])
+        if exported is None:
+            return None
+        memo = exported.specs_memo.get(id(p))
+        if memo is None or memo[0] is not p:
+            # The same TensorSpec objects every update, so each bucket's spec message is reused.
+            specs = [dataclasses.replace(s, offset_bytes=exported.offsets[j]) for j, s in enumerate(p.specs)]
+            exported.specs_memo[id(p)] = (p, specs)
+        else:
+            specs = memo[1]
+        jobs.append(Job(specs, p.recipients, sum(s.nbytes for s in p.specs), in_place_job(exporter, exported, complete)))
+    return Jobs(jobs, [])
+
+
+def _checked_plans(
+    items: Sequence[tuple[str, torch.Tensor]],
+    manifests: Mapping[str, ShardManifest],
+    exporter: exp.Exporter,
+    staging: Staging,
+    options: PushOptions,
+    bucket_bytes: int,
+    align_bytes: int,
+) -> tuple[tuple[planning.BucketPlan, ...], list[torch.Tensor]]:
+    """The planning checks and bucket plans of ``items`` (kept per pusher), and the tensors the
+    plans' ``items`` index (those some worker owns)."""
     cache = _PLANS.setdefault(staging, TensorPlans())
     key = cache.key(items, manifests, options, bucket_bytes, align_bytes)
     known = cache.get(key)
@@ -135,7 +233,20 @@ def tensor_jobs(
     else:
         plans = known.plans
     # plan_buckets indexes the filtered list; map back to the tensors.
-    kept = [t for (name, t) in items if name not in unknown]
+    kept = [t for (name, t) in items if name not in unknown] if unknown else [t for _, t in items]
+    return plans, kept
+
+
+def _packed_jobs(
+    items: Sequence[tuple[str, torch.Tensor]],
+    manifests: Mapping[str, ShardManifest],
+    exporter: exp.Exporter,
+    staging: Staging,
+    options: PushOptions,
+    align_bytes: int,
+    bucket_bytes: int,
+) -> Jobs:
+    plans, kept = _checked_plans(items, manifests, exporter, staging, options, bucket_bytes, align_bytes)
     check_transport_limit(exporter, [p.size_bytes for p in plans])
     pool = staging.pool(exporter, bucket_bytes)
     jobs = [

@@ -21,6 +21,11 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 
 DEFAULT_ALIGN_BYTES = 256
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+# What ``push`` packs a GPU bucket to when the caller gave no bucket size and the tensors must be
+# packed (cast_to, verify_checksums, tensors that cannot be exported where they live): few buckets
+# are what makes packing fast on a GPU, and staging then holds at most pipeline_depth (2) of these,
+# never more than the update itself. Host transports keep DEFAULT_BUCKET_BYTES.
+DEFAULT_CUDA_BUCKET_BYTES = 1024 * 1024 * 1024
 # How many names an error message lists before it says "and N more".
 _LIST_LIMIT = 12
 
@@ -331,6 +336,7 @@ def device_mismatches(
 __all__ = [
     "DEFAULT_ALIGN_BYTES",
     "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_CUDA_BUCKET_BYTES",
     "WRAPPER_SEGMENTS",
     "BucketPlan",
     "PlanError",

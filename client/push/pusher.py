@@ -112,7 +112,9 @@ class WeightPusher:
 
     ``timeout_s`` is the deadline of every RPC, including one whole update stream.
     ``bucket_size_bytes`` bounds a staging buffer (inline buckets are bounded under the gRPC message
-    limit instead). ``transport`` is ``"auto"`` or the name of a row of the transport table
+    limit instead); left out, host transports pack 64 MiB buckets and a GPU push that must pack
+    (``cast_to``, ``verify_checksums``, tensors not on the GPU) up to 1 GiB, while CUDA tensors
+    sent to workers that read them where they live are not packed at all. ``transport`` is ``"auto"`` or the name of a row of the transport table
     (``weightwire.core.transports.table``: ``cuda_ipc``, ``host_shm``, ``inline``). ``recheck_manifests``
     re-reads every worker's fingerprint and instance id (GetStatus, concurrently) before each
     update of several workers, to refuse a plan made against a worker that has since restarted
@@ -132,7 +134,7 @@ class WeightPusher:
         token: str | None = None,
         tls_ca: bytes | str | None = None,
         timeout_s: float = 60.0,
-        bucket_size_bytes: int = planning.DEFAULT_BUCKET_BYTES,
+        bucket_size_bytes: int | None = None,
         transport: str = "auto",
         align_bytes: int = planning.DEFAULT_ALIGN_BYTES,
         pipeline_depth: int = 2,
@@ -157,7 +159,11 @@ class WeightPusher:
         self._workers = {a: Worker(a, tls_ca=tls_ca) for a in self.endpoints}
         self._manifests: dict[str, ShardManifest] | None = None
         self._fingerprints: dict[str, str] = {}
-        self._staging = Staging(int(bucket_size_bytes), max(1, int(pipeline_depth)))
+        self._staging = Staging(
+            int(bucket_size_bytes) if bucket_size_bytes is not None else planning.DEFAULT_BUCKET_BYTES,
+            max(1, int(pipeline_depth)),
+            bucket_size_given=bucket_size_bytes is not None,
+        )
         self._templates = SpecTemplates()
         self._checked = CheckedLayouts()
         self._push_lock = threading.Lock()
@@ -330,9 +336,13 @@ class WeightPusher:
         setup, exporter = self._setup_exporting(source, options)
         if setup.group is not None:
             setup.sources = dict(items)
-        one_bucket = sum(t.nbytes for _, t in items) <= self.bucket_size_bytes
+        # CUDA tensors exported where they live go as one bucket (per group of recipients).
+        in_place = job_builders.exports_in_place(items, setup.manifests, exporter, options)
+        one_bucket = in_place or sum(t.nbytes for _, t in items) <= self.bucket_size_bytes
         with self._opened_early(setup, options, one_bucket=one_bucket) as opened:
-            jobs = job_builders.tensor_jobs(items, setup.manifests, exporter, self._staging, options, self.align_bytes)
+            jobs = job_builders.tensor_jobs(
+                items, setup.manifests, exporter, self._staging, options, self.align_bytes, in_place=in_place
+            )
             return self._run(setup, jobs, options, opened=opened)
 
     def push_flat(

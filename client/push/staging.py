@@ -108,9 +108,12 @@ class Staging:
     """One pusher's exporters (one per transport and source device) and their staging pools, kept
     across updates so segments and device buffers are reused; plus the caller's ``host_buffer``s."""
 
-    def __init__(self, bucket_size_bytes: int, pipeline_depth: int) -> None:
+    def __init__(self, bucket_size_bytes: int, pipeline_depth: int, *, bucket_size_given: bool = True) -> None:
         self.bucket_size_bytes = bucket_size_bytes
         self.pipeline_depth = pipeline_depth
+        # False: the caller left the bucket size to the pusher, and ``push`` packs GPU buckets of
+        # ``plan.DEFAULT_CUDA_BUCKET_BYTES`` (a host transport keeps ``bucket_size_bytes``).
+        self.bucket_size_given = bucket_size_given
         self._exporters: dict[str, exp.Exporter] = {}
         self._pools: dict[str, StagingPool] = {}
         self._user_buffers: list[exp.StagingBuffer] = []
@@ -246,6 +249,20 @@ def packer(
         except BaseException:
             pool.discard(buf)
             raise
+
+    return prepare
+
+
+def in_place_job(
+    exporter: exp.Exporter, exported: object, complete: bool
+) -> Callable[[Callable[[], bool], float], PreparedBucket]:
+    """A bucket of the caller's own CUDA tensors, exported where they live (``CudaIpcExporter.
+    export_tensors``): nothing staged, nothing to release; the payload carries the event of the
+    writes queued so far (or this waits for them)."""
+    tensors_payload = getattr(exporter, "tensors_payload")  # noqa: B009 - only CUDA IPC has it
+
+    def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
+        return PreparedBucket([tensors_payload(exported, complete=complete)], None, None, lambda ok: None)
 
     return prepare
 

@@ -13,6 +13,14 @@ for a payload's event before reading (``exporters.consumers_wait_for_events``), 
 buffer's interprocess event (``core.cuda_ipc.ProducerEvent``, one per exported buffer) and the
 payload carries it, so packing the next bucket overlaps the workers' copies of this one; otherwise
 it waits for the copies on the host, as a worker that does not wait reads a kept mapping at once.
+
+``export_tensors`` exports a caller's ordinary CUDA tensors (a model's parameters, each its own
+allocation) where they live, with no packing copy: each distinct storage is shared once (kept, by a
+weak reference, for as long as the trainer keeps it) and a payload names them all
+(``CudaIpcHandle.storages``), each tensor at its storage's place plus its own offset. The payload of
+the same tensors in the same storages is built once and sent again every update; a storage that
+dies (a parameter freed or replaced) is forgotten, and the next payload is built anew and says it is
+complete when it lists everything the workers should keep, so they close the rest.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from weightwire.core.devices import DeviceRef, cuda_device_uuid
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.transports import table as transports
 from weightwire.core.transports.cuda_ipc import (
+    MAX_STORAGES_PER_PAYLOAD,
     CudaIpcFields,
     ProducerEvent,
     SharedCudaBuffer,
@@ -37,7 +46,7 @@ from weightwire.core.transports.cuda_ipc import (
 )
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-__all__ = ["CudaIpcExporter", "CudaStagingBuffer", "cuda_auto_rule", "resolve_cuda_device"]
+__all__ = ["CudaIpcExporter", "CudaStagingBuffer", "ExportedTensors", "cuda_auto_rule", "resolve_cuda_device"]
 
 # Staging allocations are rounded up to this, so every tensor offset the packer aligns stays
 # inside and the caching allocator gets sizes it can reuse.
@@ -49,6 +58,11 @@ _WRAP_CACHE_SIZE = 16
 # exported beyond this (a trainer wrapping a new storage every step) make ``ready`` wait on the
 # host instead.
 _MAX_EVENTS = 64
+# Storages one exporter keeps shared for ``export_tensors`` (live ones only: a dead storage is
+# forgotten); beyond this the tensors are packed instead.
+_MAX_STORAGE_SHARES = 4 * MAX_STORAGES_PER_PAYLOAD
+# Payloads of exported tensors kept for reuse (one per recipient group of an update, usually one).
+_MAX_EXPORTED = 8
 
 
 def resolve_cuda_device(source: torch.device | str | int | None) -> torch.device:
@@ -134,6 +148,41 @@ class _WrapShare:
     event: ProducerEvent | None
 
 
+@dataclasses.dataclass
+class ExportedTensors:
+    """Tensors exported where they live: each tensor's byte offset in the payload, the payload's
+    size, and its ``CudaIpcStorage`` messages. Holds no storage: the push holds its tensors while
+    workers read them, and a storage that dies makes the exporter build the next payload anew."""
+
+    offsets: tuple[int, ...]
+    size_bytes: int
+    storages: list[pb.CudaIpcStorage]
+    _payloads: dict[tuple[bool, bool], pb.Payload] = dataclasses.field(default_factory=dict)
+    specs_memo: dict[int, tuple[object, list[object]]] = dataclasses.field(default_factory=dict)
+
+    def payload(self, label: DeviceRef, event_handle: bytes | None, complete: bool) -> pb.Payload:
+        """The payload (built once per event mode and completeness, then the same object)."""
+        key = (event_handle is not None, complete)
+        msg = self._payloads.get(key)
+        if msg is None:
+            handle = pb.CudaIpcHandle(storages=self.storages, storages_complete=complete)
+            if event_handle is not None:
+                handle.event_handle = event_handle
+                handle.event_sync_required = True
+            msg = pb.Payload(device=label.to_proto(), size_bytes=self.size_bytes, cuda_ipc=handle)
+            self._payloads[key] = msg
+        return msg
+
+
+@dataclasses.dataclass(frozen=True)
+class _StorageShare:
+    """One storage shared for ``export_tensors``: the weak reference whose callback forgets it,
+    and its share as a ``CudaIpcStorage`` at payload offset 0."""
+
+    ref: weakref.ref[torch.UntypedStorage]
+    message: pb.CudaIpcStorage
+
+
 class CudaIpcExporter(Exporter):
     """CUDA IPC from one GPU of the trainer; payloads are labelled with that GPU's UUID."""
 
@@ -155,6 +204,14 @@ class CudaIpcExporter(Exporter):
         self._wrapped: collections.OrderedDict[tuple[int, int], _WrapShare] = collections.OrderedDict()
         self._events: list[ProducerEvent] = []
         self.allocations = 0
+        # export_tensors: shared storages by id (a storage's Python object lives exactly as long as
+        # the storage), a generation bumped whenever one dies, the payloads built, and the event
+        # every such payload carries.
+        self._shares: dict[int, _StorageShare] = {}
+        self._generation = 0
+        self._exported: collections.OrderedDict[tuple[object, ...], ExportedTensors] = collections.OrderedDict()
+        self._tensor_event: ProducerEvent | None = None
+        self.storages_shared = 0
 
     def _new_event(self) -> ProducerEvent | None:
         """The event for a newly exported buffer, or None beyond ``_MAX_EVENTS`` (caller holds no lock)."""
@@ -215,6 +272,107 @@ class CudaIpcExporter(Exporter):
         )
         return CudaStagingBuffer(raw, view, owned=False, event=known.event)
 
+    def can_export_tensors(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``export_tensors`` can send these tensors where they live: dense tensors on this
+        GPU with memory behind them, at most a payload's storages."""
+        if len(tensors) > MAX_STORAGES_PER_PAYLOAD:
+            return False
+        index = self.device.index
+        for t in tensors:
+            dev = t.device
+            if dev.type != "cuda" or dev.index != index or not t.is_contiguous() or t.numel() == 0:
+                return False
+        return True
+
+    def export_tensors(self, tensors: Sequence[torch.Tensor]) -> ExportedTensors | None:
+        """``tensors`` as views into their own storages (no copy), or None when one cannot be shared
+        (the caller packs them instead). The same tensors in the same storages give the same object."""
+        storages = [t.untyped_storage() for t in tensors]
+        key = (self._generation, tuple(map(id, storages)), tuple([t.storage_offset() for t in tensors]))
+        with self._lock:
+            known = self._exported.get(key)
+            if known is not None:
+                self._exported.move_to_end(key)
+                return known
+        places: dict[int, int] = {}
+        messages: list[pb.CudaIpcStorage] = []
+        end = 0
+        for storage in storages:
+            sid = id(storage)
+            if sid in places:
+                continue
+            share = self._share_storage(storage)
+            if share is None:
+                return None
+            at = -(-end // 256) * 256
+            msg = pb.CudaIpcStorage()
+            msg.CopyFrom(share.message)
+            msg.payload_offset_bytes = at
+            places[sid] = at
+            messages.append(msg)
+            end = at + int(storage.nbytes())
+        offsets = tuple(
+            places[id(s)] + int(t.storage_offset()) * t.element_size() for s, t in zip(storages, tensors, strict=True)
+        )
+        exported = ExportedTensors(offsets, end, messages)
+        with self._lock:
+            # A storage that died while this was built bumped the generation: its key is stale.
+            key = (self._generation, *key[1:])
+            self._exported[key] = exported
+            while len(self._exported) > _MAX_EXPORTED:
+                self._exported.popitem(last=False)
+        return exported
+
+    def _share_storage(self, storage: torch.UntypedStorage) -> _StorageShare | None:
+        sid = id(storage)
+        with self._lock:
+            known = self._shares.get(sid)
+            if known is not None and known.ref() is storage:
+                return known
+            if len(self._shares) >= _MAX_STORAGE_SHARES:
+                return None
+        try:
+            whole = torch.empty((0,), dtype=torch.uint8, device=self.device)
+            whole.set_(storage, 0, (storage.nbytes(),), (1,))
+            fields = share_cuda_tensor(whole).fields
+        except (RuntimeError, ValueError):
+            # torch refuses to share this allocation (say, an allocator without IPC support).
+            return None
+        message = pb.CudaIpcStorage(
+            memory_handle=fields.memory_handle,
+            storage_offset_bytes=fields.storage_offset_bytes,
+            storage_size_bytes=fields.storage_size_bytes,
+            ref_counter_handle=fields.ref_counter_handle,
+            ref_counter_offset=fields.ref_counter_offset,
+        )
+        exporter = weakref.ref(self)
+
+        def forget(_: object, sid: int = sid) -> None:
+            owner = exporter()
+            if owner is not None:
+                with owner._lock:
+                    owner._shares.pop(sid, None)
+                    owner._generation += 1
+                    owner._exported.clear()
+
+        share = _StorageShare(weakref.ref(storage, forget), message)
+        with self._lock:
+            self._shares[sid] = share
+            self.storages_shared += 1
+        return share
+
+    def tensors_payload(self, exported: ExportedTensors, *, complete: bool) -> pb.Payload:
+        """The payload of ``exported``, once the writes queued so far on this GPU's current stream
+        (the trainer's step) are visible: an event the workers wait for when they all do
+        (``consumers_wait``), else a wait here."""
+        stream = torch.cuda.current_stream(self.device)
+        if consumers_wait():
+            if self._tensor_event is None:
+                self._tensor_event = ProducerEvent(self.device.index or 0)
+            return exported.payload(self.label, self._tensor_event.record(stream), complete)
+        stream.synchronize()
+        return exported.payload(self.label, None, complete)
+
     def export(self, buffer: StagingBuffer, size_bytes: int, label: DeviceRef) -> pb.Payload:
         if not isinstance(buffer, CudaStagingBuffer):
             raise TypeError(f"{self.name} cannot export a {type(buffer).__name__}")
@@ -236,6 +394,9 @@ class CudaIpcExporter(Exporter):
             buffers, self._buffers = self._buffers, []
             self._wrapped.clear()
             self._events.clear()
+            self._exported.clear()
+            self._shares.clear()
+            self._tensor_event = None
         for buf in buffers:
             buf.close()
         del buffers

@@ -177,12 +177,15 @@ def batch_views(mapping: _Fetches, batch: ReadBatch) -> list[torch.Tensor]:
     kept = _kept(mapping, batch)
     if kept is not None:
         return kept.views
-    views = views_over(base, batch.positions, batch.items)
+    # A payload of several storages (CUDA IPC of a trainer's own parameters) places each tensor in
+    # its own storage, and refuses rather than copies a misaligned one.
+    views_of: Callable[[ReadBatch], list[torch.Tensor]] | None = getattr(mapping, "views_of", None)
+    views = views_of(batch) if views_of is not None else views_over(base, batch.positions, batch.items)
     memo: dict[int, object] | None = getattr(mapping, "view_memo", None)
     if memo is None:
         return views
     storage = base.untyped_storage().data_ptr()
-    if any(v.numel() and v.untyped_storage().data_ptr() != storage for v in views):
+    if views_of is None and any(v.numel() and v.untyped_storage().data_ptr() != storage for v in views):
         return views  # a misaligned tensor was copied out: its bytes are this bucket's only
     if len(memo) >= MAX_MEMO_BATCHES:
         memo.clear()

@@ -9,6 +9,11 @@ the adapter's copy into its own GPU then crosses NVLink/PCIe.
 
 Opened storages stay cached per importer (``weightwire.core.transports.cuda_ipc.CudaIpcCache``, bounded LRU)
 so senders that reuse their staging buffers open each handle once per worker process.
+
+A payload of several storages (``CudaIpcHandle.storages``: a trainer's own parameters, exported
+where they live) is kept by ``StorageSetCache``: each storage opened when a tensor first needs it,
+the views over them built once per layout, and the mappings the trainer no longer lists dropped
+(``CudaIpcStorageMapping``).
 """
 
 from __future__ import annotations
@@ -21,12 +26,19 @@ import torch
 from weightwire.core.devices import DeviceRef, local_cuda_index
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.transports import table as transports
-from weightwire.core.transports.cuda_ipc import CudaIpcCache, CudaIpcFields, OpenedStorage
+from weightwire.core.transports.cuda_ipc import (
+    CudaIpcCache,
+    CudaIpcFields,
+    OpenedStorage,
+    OpenedStorageSet,
+    StorageSetCache,
+    has_storages,
+)
 from weightwire.server.rules.views import ReadBatch
 from weightwire.server.transports.importer import ImportContext, ImportedPayload, PayloadImporter
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-__all__ = ["CudaIpcImporter", "CudaIpcMapping"]
+__all__ = ["CudaIpcImporter", "CudaIpcMapping", "CudaIpcStorageMapping"]
 
 
 class CudaIpcMapping:
@@ -94,6 +106,95 @@ class CudaIpcMapping:
         self.view_memo = None
 
 
+class CudaIpcStorageMapping:
+    """One bucket's use of a kept payload of several storages; ``close`` leaves it kept.
+
+    ``views_of`` places each tensor in its own storage (``views.batch_views`` asks it instead of
+    viewing one flat buffer); ``fetch`` is where the producer event is waited for, once per use, as
+    for a single storage. Views are kept in ``view_memo`` while the set is kept.
+    """
+
+    copy_chunk_bytes: int | None = None
+
+    def __init__(
+        self, cache: StorageSetCache, entry: OpenedStorageSet, source: DeviceRef, peer: bool, opened: bool
+    ) -> None:
+        self._cache: StorageSetCache | None = cache
+        self._entry = entry
+        event = entry.event
+        self._wait_ready: Callable[[], None] | None = event.synchronize if event is not None else None
+        self.view_memo: dict[int, object] | None = entry.view_memo
+        self.size_bytes = entry.storages.size_bytes
+        self.device_index = entry.device_index
+        self.source_device = source
+        self.handle_opened = opened
+        self.peer_device_import = peer
+        self.open_duration_ns = 0
+
+    def _ready(self) -> StorageSetCache:
+        if self._cache is None:
+            raise WeightwireError(Reason.HANDLE_OPEN_FAILED, "CUDA IPC mapping used after close")
+        if self._wait_ready is not None:
+            self._wait_ready()
+            self._wait_ready = None
+        return self._cache
+
+    def fetch(self, batch: ReadBatch) -> torch.Tensor:
+        """Nothing to fetch (each tensor is viewed in its own storage by ``views_of``); waits for
+        the producer's event."""
+        self._ready()
+        return torch.empty((0,), dtype=torch.uint8, device=torch.device("cuda", self.device_index))
+
+    def views_of(self, batch: ReadBatch) -> list[torch.Tensor]:
+        """The tensor of each item of ``batch``, in the storage that holds its payload bytes."""
+        cache = self._ready()
+        entry = self._entry
+        sets = entry.storages
+        typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        out: list[torch.Tensor] = []
+        for item, pos in zip(batch.items, batch.positions, strict=True):
+            if item.numel == 0:
+                out.append(torch.empty(item.shape, dtype=item.dtype, device=torch.device("cuda", self.device_index)))
+                continue
+            itemsize = item.dtype.itemsize
+            index, local = sets.storage_at(pos, item.numel * itemsize)
+            if local % itemsize:
+                raise WeightwireError(
+                    Reason.INVALID_OFFSET,
+                    f"a tensor at payload byte {pos} is not aligned to its {itemsize}-byte elements inside its storage",
+                )
+            t = typed.get((index, item.dtype))
+            if t is None:
+                flat = cache.storage(entry, index)
+                t = flat[: flat.numel() - flat.numel() % itemsize].view(item.dtype)
+                typed[(index, item.dtype)] = t
+            out.append(t.as_strided(item.shape, item.stride, t.storage_offset() + local // itemsize))
+        return out
+
+    def crc32(self, size_bytes: int) -> int:
+        """CRC-32 of the payload's first ``size_bytes`` bytes, gaps between storages read as zeros."""
+        cache = self._ready()
+        sets = self._entry.storages
+        crc, at = 0, 0
+        for i, start in enumerate(sets.offsets):
+            if start >= size_bytes:
+                break
+            if start > at:
+                crc = zlib.crc32(bytes(start - at), crc)
+            flat = cache.storage(self._entry, i)
+            end = min(size_bytes, start + int(flat.numel()))
+            crc = zlib.crc32(flat[: end - start].cpu().numpy().tobytes(), crc)
+            at = end
+        if at < size_bytes:
+            crc = zlib.crc32(bytes(size_bytes - at), crc)
+        return crc
+
+    def close(self) -> None:
+        self._cache = None
+        self._wait_ready = None
+        self.view_memo = None
+
+
 class CudaIpcImporter(PayloadImporter):
     """CUDA IPC handles, opened on the GPU the payload's UUID names and cached across updates."""
 
@@ -102,10 +203,21 @@ class CudaIpcImporter(PayloadImporter):
     # Every mapping waits for its payload's producer event before its bytes are read (see
     # CudaIpcMapping); the worker's manifest says so (ShardManifest.waits_for_cuda_ipc_events).
     waits_for_producer_events = True
+    # Payloads of several storages (CudaIpcHandle.storages) are read; the worker's manifest says so
+    # (ShardManifest.imports_cuda_ipc_storages).
+    imports_storages = True
 
-    def __init__(self, cache: CudaIpcCache | None = None) -> None:
+    def __init__(self, cache: CudaIpcCache | None = None, storage_sets: StorageSetCache | None = None) -> None:
         self._cache = cache
+        self._sets = storage_sets
         self._lock = threading.Lock()
+
+    @property
+    def storage_sets(self) -> StorageSetCache:
+        with self._lock:
+            if self._sets is None:
+                self._sets = StorageSetCache()
+            return self._sets
 
     @property
     def cache(self) -> CudaIpcCache:
@@ -117,17 +229,26 @@ class CudaIpcImporter(PayloadImporter):
     @property
     def handles_opened(self) -> int:
         """Handles this importer opened since it was made (cache misses)."""
-        return self.cache.opens
+        return self.cache.opens + self.storage_sets.opens
 
     def check(self, payload: pb.Payload) -> None:
+        if has_storages(payload.cuda_ipc):
+            self.storage_sets.parse(payload.cuda_ipc)
+            return
         CudaIpcFields.from_proto(payload.cuda_ipc)
 
     def cache_key(self, payload: pb.Payload) -> Hashable | None:
+        if has_storages(payload.cuda_ipc):
+            return (self.field_name, self.storage_sets.parse(payload.cuda_ipc)[0])
         return (self.field_name, CudaIpcFields.from_proto(payload.cuda_ipc).cache_key)
 
     def open(self, payload: pb.Payload, ctx: ImportContext) -> tuple[ImportedPayload, bool]:
-        fields = CudaIpcFields.from_proto(payload.cuda_ipc)
         index = self.local_index(ctx.source, peer=ctx.peer, own=ctx.own_device)
+        if has_storages(payload.cuda_ipc):
+            sets = self.storage_sets
+            entry, new = sets.open(payload.cuda_ipc, index)
+            return CudaIpcStorageMapping(sets, entry, ctx.source, ctx.peer, new), new
+        fields = CudaIpcFields.from_proto(payload.cuda_ipc)
         opened = self.cache.open(fields, index)
         mapping = CudaIpcMapping(opened, ctx.source, ctx.peer)
         return mapping, opened.opened
@@ -167,8 +288,11 @@ class CudaIpcImporter(PayloadImporter):
         return index
 
     def held_mappings(self) -> int:
-        return self.cache.open_mappings
+        # A kept payload of several storages counts as one mapping, as it counts as one handle
+        # opened (``storage_sets.open_storages`` says how many storages it maps).
+        return self.cache.open_mappings + self.storage_sets.kept_sets
 
     def release(self) -> None:
         self.cache.release_all()
+        self.storage_sets.release_all()
 

@@ -37,7 +37,9 @@ def ok(answer: dict) -> dict:
 @needs_gpus(1)
 def test_colocated_tp2_pp2_on_one_gpu_reuses_handles(tmp_path: Path) -> None:
     """Four workers (TP=2 x PP=2) and the trainer share GPU 0: every shard verified, every later
-    update reuses the handles opened by the first."""
+    update reuses the handles opened by the first. The parameters go where they live (one payload of
+    their storages per pipeline stage); version 3 checksums, so it is packed into staging buffers,
+    whose handles it opens once."""
     dumps = tmp_path / "dumps"
     specs = [
         WorkerSpec("0", f"tp{t}-pp{p}", tp_rank=t, tp_size=2, pp_rank=p, pp_size=2)
@@ -48,16 +50,22 @@ def test_colocated_tp2_pp2_on_one_gpu_reuses_handles(tmp_path: Path) -> None:
         addr = {w.address: w.spec for w in ws}
         with trainer("0", list(addr)) as tr:
             opened_first: dict[str, int] = {}
-            for version in (1, 2, 3):
+            opened_packed: dict[str, int] = {}
+            for version in (1, 2, 3, 7):
                 # Version 3 also has both sides checksum the GPU bytes (client staging, worker mapping).
-                results = ok(tr.call("push", version, {"verify": version == 3}))
+                answer = tr.call("push", version, {"verify": version == 3})
+                results = ok(answer)
                 assert set(results) == set(addr)
+                assert answer["storages_shared"] > 0  # exported where they live, from the first push
                 for a, r in results.items():
                     assert r["version"] == version and r["transport"] == "cuda_ipc" and r["state"] == "CONSISTENT"
                     assert r["tensors_loaded"] > 0
                     if version == 1:
-                        assert r["handles_opened"] >= 1
+                        assert r["handles_opened"] >= 1  # the payloads of the stage's storages
                         opened_first[a] = r["handles_opened"]
+                    elif version == 3:
+                        assert r["handles_opened"] >= 1  # the staging buffers of the packed push
+                        opened_packed[a] = r["handles_opened"]
                     else:
                         assert r["handles_opened"] == 0, (a, r)
                 for spec in addr.values():
@@ -66,20 +74,20 @@ def test_colocated_tp2_pp2_on_one_gpu_reuses_handles(tmp_path: Path) -> None:
             # tensor offsets on the wire must count from the storage's first byte.
             # Version 6 comes in a new buffer (the trainer dropped the old one): a new handle.
             opened_flat: dict[str, int] = {}
-            for version, lead in ((4, 4096), (5, 4096), (6, 8192)):
+            for version, lead in ((8, 4096), (9, 4096), (10, 8192)):
                 results = ok(tr.call("flat", version, {"lead": lead, "verify": True}))
                 for a, r in results.items():
                     assert r["version"] == version and r["transport"] == "cuda_ipc"
-                    assert r["handles_opened"] == (0 if version == 5 else 1), (a, r)
+                    assert r["handles_opened"] == (0 if version == 9 else 1), (a, r)
                     opened_flat[a] = opened_flat.get(a, 0) + r["handles_opened"]
                 for spec in addr.values():
                     expect_dump(dumps, spec, version)
             status = tr.call("status")
             for a, st in status.items():
-                assert st["version"] == 6 and st["state"] == "CONSISTENT"
+                assert st["version"] == 10 and st["state"] == "CONSISTENT"
                 assert st["device_uuid"] == gpu_uuid(0)
                 # The mappings a worker keeps are exactly the handles it opened once.
-                assert st["open_mappings"] == opened_first[a] + opened_flat[a]
+                assert st["open_mappings"] == opened_first[a] + opened_packed[a] + opened_flat[a]
 
 
 @pytest.mark.gpu
@@ -149,7 +157,8 @@ def test_no_leak_over_20_updates(tmp_path: Path) -> None:
 @needs_gpus(1)
 def test_restarted_trainer_gets_fresh_mappings(tmp_path: Path) -> None:
     """A new trainer process (new buffers, new handles) is never served a stale cached mapping of
-    the one before it: it opens its own handles and the contents are its own."""
+    the one before it: it opens its own handles and the contents are its own. Its first push lists
+    every storage it wants kept, so the worker closes the storages of the trainer before it."""
     dumps = tmp_path / "dumps"
     spec = WorkerSpec("0", "tp0-pp0")
     with workers([spec], tmp_path, dump_dir=dumps) as ws:
@@ -163,8 +172,7 @@ def test_restarted_trainer_gets_fresh_mappings(tmp_path: Path) -> None:
                 expect_dump(dumps, spec, version)
                 held = tr.call("status")[a]["open_mappings"]
         assert opened[0] >= 1 and opened[1] >= 1
-        # The first trainer's mappings stay cached (bounded LRU) next to the second's.
-        assert held == opened[0] + opened[1]
+        assert held == opened[1]
 
 
 @pytest.mark.gpu

@@ -5,7 +5,10 @@ its ``cuda:0``). Each command on stdin gets one JSON line on stdout. Weights of 
 ``full_checkpoint(DemoConfig(), seed=v)``. Handles travel between trainer processes as the hex of a
 serialised ``weightwire.v1.Payload`` (never pickle).
 
-  push V OPTS       WeightPusher.push of version V from this GPU (OPTS: JSON, see Trainer.push)
+  push V OPTS       WeightPusher.push of version V from this GPU (OPTS: JSON, see Trainer.push); the
+                    parameters stay where they are between pushes, as a training loop's do
+  replace V         swap one parameter for a new allocation (the old one freed), push V, and answer
+                    the GPU memory this process holds before and after (see Trainer.replace)
   flat V OPTS       WeightPusher.push_flat of a GPU buffer exported in place (see Trainer.push_flat_buffer)
   prepare V         pack version V into this process's flat GPU buffer; answer its payload
   gathered V OPTS   WeightPusher.push_gathered: this GPU's flat buffer plus payloads of other ranks
@@ -47,9 +50,42 @@ class Trainer:
         self.exporter = CudaIpcExporter(DEVICE)
         self.flat: torch.Tensor | None = None
         self.lead_buffer: torch.Tensor | None = None
+        self.params: dict[str, torch.Tensor] = {}
 
     def weights(self, version: int) -> dict[str, torch.Tensor]:
-        return {name: t.to(DEVICE) for name, t in full_checkpoint(CONFIG, version).items()}
+        """Version ``version`` written into the same GPU tensors every time (the step's writes,
+        queued on the current stream right before the push)."""
+        fresh = {name: t.to(DEVICE) for name, t in full_checkpoint(CONFIG, version).items()}
+        if not self.params:
+            self.params = fresh
+        else:
+            for name, t in fresh.items():
+                self.params[name].copy_(t)
+        return dict(self.params)
+
+    def storages_shared(self) -> int:
+        # Test-only look into the pusher: how many storages it exported where they live.
+        return sum(getattr(e, "storages_shared", 0) for e in self.pusher._staging._exporters.values())
+
+    def replace(self, version: int) -> dict[str, Any]:
+        """One parameter becomes a new allocation and the old one is freed (an optimizer that swaps
+        tensors), then version ``version`` is pushed. The old allocation may stay reserved only while
+        a worker maps it: after the push (whose complete payload no longer lists it) and
+        ``ipc_collect``, this process holds what it held before."""
+        self.weights(version)
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        before = torch.cuda.memory_allocated(DEVICE)
+        name = max(self.params, key=lambda n: self.params[n].numel())
+        self.params[name] = self.params[name].clone()
+        torch.cuda.synchronize()
+        answer = self._pushed(lambda: self.pusher.push(dict(self.params), version=version))
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        answer["allocated_before"] = before
+        answer["allocated_after"] = torch.cuda.memory_allocated(DEVICE)
+        answer["storages_shared"] = self.storages_shared()
+        return answer
 
     def _pushed(self, call: Any) -> dict[str, Any]:
         try:
@@ -66,7 +102,7 @@ class Trainer:
 
     def push(self, version: int, opts: dict[str, Any]) -> dict[str, Any]:
         tensors = self.weights(version)
-        return self._pushed(
+        answer = self._pushed(
             lambda: self.pusher.push(
                 tensors,
                 version=version,
@@ -74,6 +110,8 @@ class Trainer:
                 verify_checksums=bool(opts.get("verify")),
             )
         )
+        answer["storages_shared"] = self.storages_shared()
+        return answer
 
     def push_flat_buffer(self, version: int, opts: dict[str, Any]) -> dict[str, Any]:
         """push_flat of one GPU buffer that starts ``opts['lead']`` bytes into its allocation (an
@@ -202,6 +240,8 @@ def main() -> int:
             opts = json.loads(rest[1]) if len(rest) > 1 else {}
             if cmd == "push":
                 reply(trainer.push(version, opts))
+            elif cmd == "replace":
+                reply(trainer.replace(version))
             elif cmd == "flat":
                 reply(trainer.push_flat_buffer(version, opts))
             elif cmd == "prepare":
