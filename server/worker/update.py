@@ -254,6 +254,15 @@ class Update:
             raise WeightwireError(Reason.DUPLICATE_BUCKET, f"bucket {msg.index} arrived twice in this update", bucket=str(msg.index))
         if len(self._bucket_indices) >= MAX_BUCKETS_PER_UPDATE:
             raise WeightwireError(Reason.MALFORMED_STREAM, f"more than {MAX_BUCKETS_PER_UPDATE} buckets in one update")
+        # The count first, before any work per spec (serializing, keying or checking a bucket of
+        # 2^20 specs takes seconds of CPU): the limit is known from the message's length alone.
+        if len(msg.tensors) > MAX_TENSORS_PER_UPDATE - len(self._names_seen):
+            raise WeightwireError(
+                Reason.MALFORMED_STREAM,
+                f"bucket {msg.index} describes {len(msg.tensors)} tensors; with the {len(self._names_seen)} before it "
+                f"that is more than {MAX_TENSORS_PER_UPDATE} tensor specs in one update",
+                bucket=str(msg.index),
+            )
         self._bucket_indices.add(msg.index)
         fingerprint = self._ctx.manifest.fingerprint
         # A trainer sends byte-identical bucket messages every update (same specs, same reused
