@@ -13,7 +13,12 @@ each model, in order of importance (a total time budget skips what does not fit)
                   must do), pack + unpack through a bucket (the limit for two copies), and the copy
                   from the second GPU to the first (the peer limit)
 ``ww_inplace``    weightwire ``push_flat`` of a flat GPU buffer exported in place (no packing copy)
-``ww_packed``     weightwire ``push`` of separate tensors packed into double-buffered buckets
+``ww_packed``     weightwire ``push`` of separate tensors packed into double-buffered buckets (packing
+                  forced: such tensors on the GPU are otherwise exported where they live)
+``ww_params``     the README's line with default options: ``WeightPusher([addr]).push(model.
+                  named_parameters(), version=v)`` (and ``model.state_dict()``) of an ``nn.Module``
+                  whose parameters are separately allocated (as a Hugging Face model's are); compare
+                  with ``limit``'s per-tensor copy
 ``ww_peer``       weightwire ``push_gathered`` of a buffer on GPU 1 into a worker on GPU 0
                   (``allow_peer_device_import``)
 ``per_tensor``    one CUDA IPC handle per tensor, pickled per tensor (OpenRLHF's
@@ -180,7 +185,7 @@ class Bench:
         modes = ["weightwire", "per_tensor"] + ([] if self.ckpt_error else ["ckpt_engine"])
         if self.args.cases:
             # Start only the receivers a selected case uses (each holds a whole model).
-            used = {"ww_inplace": "weightwire", "ww_packed": "weightwire", "ww_peer": "weightwire",
+            used = {"ww_inplace": "weightwire", "ww_packed": "weightwire", "ww_peer": "weightwire", "ww_params": "weightwire",
                     "per_tensor": "per_tensor", "ckpt_engine": "ckpt_engine"}
             wanted = {used[c.split(":", 1)[0]] for c in self.args.cases if c.split(":", 1)[0] in used}
             modes = [m for m in modes if m in wanted]
@@ -249,15 +254,27 @@ class Bench:
         rig.refill()
         devices = [self.device] + ([torch.device("cuda", 1)] if kind == "peer" else [])
         w.call({"cmd": "release"})
-        pusher = WeightPusher(
-            [addr], transport=self.transport, timeout_s=self.args.rpc_timeout_s,
-            bucket_size_bytes=bucket_bytes or ww_plan.DEFAULT_BUCKET_BYTES, recheck_manifests=recheck, pipeline_depth=depth,
-        )
+        if kind in ("params", "state_dict"):
+            # The README's line: every option left at its default.
+            pusher = WeightPusher([addr])
+        else:
+            pusher = WeightPusher(
+                [addr], transport=self.transport, timeout_s=self.args.rpc_timeout_s,
+                bucket_size_bytes=bucket_bytes or ww_plan.DEFAULT_BUCKET_BYTES, recheck_manifests=recheck, pipeline_depth=depth,
+            )
         updates: list[dict[str, Any]] = []
         mem: dict[str, Any] = {}
+        restore = force_packing() if kind == "packed" else contextlib.nullcontext()
         try:
+            restore.__enter__()
             pusher.manifests()
-            if kind == "inplace":
+            if kind in ("params", "state_dict"):
+                module = param_module(rig)
+
+                def push(v: int) -> Any:
+                    tensors = module.named_parameters() if kind == "params" else module.state_dict()
+                    return pusher.push(tensors, version=v)
+            elif kind == "inplace":
                 src = rig.flat
                 if not self.cuda:  # a host buffer is exported in place only from the pusher's own segment
                     src = pusher.host_buffer(rig.size)
@@ -308,6 +325,7 @@ class Bench:
             got = w.call({"cmd": "digest"}, timeout_s=300)["digest"]
             verified = got == rig.digest
         finally:
+            restore.__exit__(None, None, None)
             pusher.close()
         collect()
         mem_closed = trainer_mem(devices)
@@ -569,6 +587,8 @@ class Bench:
             ("limit", "one process", lambda: self.limits(rig), need),
             ("ww_inplace", "whole", lambda: self.ww_case(rig, ww, "inplace", None), need),
             ("ww_packed", label(main_b), lambda: self.ww_case(rig, ww, "packed", main_b), need),
+            ("ww_params", "named_parameters", lambda: self.ww_case(rig, ww, "params", None), need),
+            ("ww_params", "state_dict", lambda: self.ww_case(rig, ww, "state_dict", None), need),
             ("per_tensor", "per_tensor", lambda: self.per_tensor_case(rig, pt, "per_tensor"), 3 * need),
         ]
         if ce is not None:
@@ -595,6 +615,37 @@ class Bench:
         if a.cases:
             cases = [c for c in cases if selected(a.cases, c[0], c[1])]
         return cases
+
+
+def param_module(rig: Rig) -> torch.nn.Module:
+    """An ``nn.Module`` whose parameters are the rig's separately allocated tensors under their
+    checkpoint names (nested submodules, as a Hugging Face model's ``named_parameters()`` gives)."""
+    root = torch.nn.Module()
+    for name, x in rig.named:
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            child = getattr(mod, part, None)
+            if child is None:
+                child = torch.nn.Module()
+                mod.add_module(part, child)
+            mod = child
+        mod.register_parameter(leaf, torch.nn.Parameter(x, requires_grad=False))
+    return root
+
+
+@contextlib.contextmanager
+def force_packing() -> Any:
+    """Bench only: ``push`` packs GPU tensors into staging buffers even for workers that read them
+    where they live (what the packed cases measure)."""
+    from weightwire.client.push import jobs
+
+    original = jobs.exports_in_place
+    jobs.exports_in_place = lambda *a, **k: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        jobs.exports_in_place = original
 
 
 def share_for_pickle(buffer: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:

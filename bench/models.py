@@ -43,6 +43,8 @@ PRESETS: dict[str, Shape] = {
     "qwen2.5-0.5b": Shape(896, 4864, 24, 14, 2, 64, 151936, True, True, False),
     # Qwen3-8B: 8.19B parameters, 15.26 GiB in bf16, 399 tensors.
     "qwen3-8b": Shape(4096, 12288, 36, 32, 8, 128, 151936, False, False, True),
+    # Qwen3-1.7B's shapes with an untied lm_head: 2.03B parameters, 3.78 GiB in bf16, 311 tensors.
+    "qwen3-1.7b": Shape(2048, 6144, 28, 16, 8, 128, 151936, False, False, True),
     # Small ones for CPU runs and tests (dims divisible by 16 so TP up to 16 splits evenly).
     "cpu-s": Shape(512, 1536, 4, 8, 4, 64, 4096, False, True, False),  # 32 MiB, 51 tensors
     "cpu-m": Shape(1024, 2816, 5, 16, 4, 64, 8192, False, True, False),  # 139 MiB, 63 tensors
