@@ -199,7 +199,9 @@ class CudaIpcExporter(Exporter):
     def __init__(self, device: torch.device | str | int | None = None) -> None:
         self.device = resolve_cuda_device(device)
         self.label = DeviceRef.cuda(cuda_device_uuid(self.device.index or 0))
-        self._lock = threading.Lock()
+        # Reentrant: a shared storage's weak-reference callback takes it, and a storage can die on
+        # this thread while it is held.
+        self._lock = threading.RLock()
         self._buffers: list[CudaStagingBuffer] = []
         self._wrapped: collections.OrderedDict[tuple[int, int], _WrapShare] = collections.OrderedDict()
         self._events: list[ProducerEvent] = []

@@ -692,6 +692,7 @@ class StorageSetCache:
         self._event_opener = event_opener
         self._lock = threading.Lock()
         self._parsed: collections.OrderedDict[bytes, CudaIpcStorageSet] = collections.OrderedDict()
+        self._last: tuple[pb.CudaIpcHandle, bytes, CudaIpcStorageSet] | None = None
         self._sets: collections.OrderedDict[tuple[bytes, int], OpenedStorageSet] = collections.OrderedDict()
         # One mapping per storage share and device, with the sets holding it.
         self._flats: dict[tuple[tuple[bytes, int, int, bytes, int], int], tuple[torch.Tensor, set[tuple[bytes, int]]]] = {}
@@ -711,14 +712,21 @@ class StorageSetCache:
 
     def parse(self, msg: pb.CudaIpcHandle) -> tuple[bytes, CudaIpcStorageSet]:
         """The checked set of ``msg`` and its key (the serialized handle), parsed once per message."""
+        with self._lock:
+            last = self._last
+            if last is not None and last[0] is msg:
+                # The same message again (checked, then opened, in one bucket): no second serialization.
+                return last[1], last[2]
         raw = msg.SerializeToString(deterministic=True)
         with self._lock:
             known = self._parsed.get(raw)
             if known is not None:
                 self._parsed.move_to_end(raw)
+                self._last = (msg, raw, known)
                 return raw, known
         parsed = CudaIpcStorageSet.from_proto(msg)
         with self._lock:
+            self._last = (msg, raw, parsed)
             self._parsed[raw] = parsed
             while len(self._parsed) > self._MAX_PARSED:
                 self._parsed.popitem(last=False)
@@ -830,5 +838,6 @@ class StorageSetCache:
             self._sets.clear()
             self._flats.clear()
             self._parsed.clear()
+            self._last = None
         self._collect()
         return count

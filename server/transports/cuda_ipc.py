@@ -117,8 +117,15 @@ class CudaIpcStorageMapping:
     copy_chunk_bytes: int | None = None
 
     def __init__(
-        self, cache: StorageSetCache, entry: OpenedStorageSet, source: DeviceRef, peer: bool, opened: bool
+        self,
+        cache: StorageSetCache,
+        entry: OpenedStorageSet,
+        source: DeviceRef,
+        peer: bool,
+        opened: bool,
+        device: torch.device | None = None,
     ) -> None:
+        self._device = device if device is not None else torch.device("cuda", entry.device_index)
         self._cache: StorageSetCache | None = cache
         self._entry = entry
         event = entry.event
@@ -143,7 +150,7 @@ class CudaIpcStorageMapping:
         """Nothing to fetch (each tensor is viewed in its own storage by ``views_of``); waits for
         the producer's event."""
         self._ready()
-        return torch.empty((0,), dtype=torch.uint8, device=torch.device("cuda", self.device_index))
+        return torch.empty((0,), dtype=torch.uint8, device=self._device)
 
     def views_of(self, batch: ReadBatch) -> list[torch.Tensor]:
         """The tensor of each item of ``batch``, in the storage that holds its payload bytes."""
@@ -154,7 +161,7 @@ class CudaIpcStorageMapping:
         out: list[torch.Tensor] = []
         for item, pos in zip(batch.items, batch.positions, strict=True):
             if item.numel == 0:
-                out.append(torch.empty(item.shape, dtype=item.dtype, device=torch.device("cuda", self.device_index)))
+                out.append(torch.empty(item.shape, dtype=item.dtype, device=self._device))
                 continue
             itemsize = item.dtype.itemsize
             index, local = sets.storage_at(pos, item.numel * itemsize)

@@ -167,3 +167,36 @@ def test_release_all_drops_everything() -> None:
     entry, _ = cache.open(handle(storage(1, 8, 0)), 0)
     cache.storage(entry, 0)
     assert cache.release_all() == 1 and cache.open_storages == 0 and cache.kept_sets == 0
+
+
+def test_the_mapping_views_each_tensor_in_its_own_storage_and_keeps_the_views() -> None:
+    from weightwire.core.devices import DeviceRef
+    from weightwire.server.rules.views import ReadBatch, ViewItem, batch_views
+    from weightwire.server.transports.cuda_ipc import CudaIpcStorageMapping
+
+    # Stand-in storages whose bytes are known: storage k is filled with byte k (FakeCuda).
+    fake = FakeCuda()
+    cache = fake.cache()
+    msg = handle(storage(3, 64, 0), storage(7, 32, 256))
+    entry, _ = cache.open(msg, 0)
+    mapping = CudaIpcStorageMapping(cache, entry, DeviceRef.host(), False, True, device=torch.device("cpu"))
+    items = (ViewItem.of(8, torch.int16, (4,)), ViewItem.of(256 + 16, torch.uint8, (2, 8)))
+    batch = ReadBatch(("a", "b"), items, (8, 256 + 16), (), 0)
+    views = batch_views(mapping, batch)
+    assert views[0].tolist() == [0x0303] * 4
+    assert views[1].shape == (2, 8) and bool((views[1] == 7).all())
+    assert batch_views(mapping, batch) is views  # kept with the set
+    assert mapping.size_bytes == 288 and fake.opened == [3, 7]
+    # CRC over the payload's bytes, the gap between the storages read as zeros.
+    import zlib
+
+    expect = zlib.crc32(bytes([3]) * 64 + bytes(256 - 64) + bytes([7]) * 32)
+    assert mapping.crc32(288) == expect
+    bad = ReadBatch(("c",), (ViewItem.of(60, torch.int32, (2,)),), (60,), (), 0)
+    with pytest.raises(WeightwireError) as e:
+        batch_views(mapping, bad)  # runs past its storage's end
+    assert e.value.reason == Reason.TENSOR_OUT_OF_BOUNDS.name
+    odd = ReadBatch(("d",), (ViewItem.of(257, torch.int16, (2,)),), (257,), (), 0)
+    with pytest.raises(WeightwireError) as e:
+        batch_views(mapping, odd)
+    assert e.value.reason == Reason.INVALID_OFFSET.name
