@@ -12,15 +12,22 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from weightwire.core.devices import DeviceRef
+from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.netutil import is_loopback
-from weightwire.server.rpc.servicer import SERVICE_NAME, TokenAuthInterceptor, WeightTransferServicer
-from weightwire.server.rpc.thread_pools import PoolRouter
+from weightwire.server.rpc.servicer import (
+    SERVICE_NAME,
+    TokenAuthInterceptor,
+    WeightTransferServicer,
+    to_rpc_status,
+)
+from weightwire.server.rpc.thread_pools import PoolRouter, SlotPool
 from weightwire.server.transports.transfer_group import default_group_host
 from weightwire.server.worker.adapter import EngineAdapter
 from weightwire.server.worker.service import CommitHook, WorkerService
@@ -31,6 +38,23 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _SOCKET_NAME = "worker.sock"
+# PushUpdate calls running at once: the update, and retries waiting for an update their client
+# cancelled to end; one more is refused at once (a worker takes one update at a time anyway).
+UPDATE_CALL_SLOTS = 4
+# JoinTransferGroup / LeaveTransferGroup calls at once (joins form one after another).
+GROUP_CALL_SLOTS = 4
+
+
+def _busy(methods: str, what: str) -> Callable[[int], grpc.Status]:
+    def refusal(slots: int) -> grpc.Status:
+        return to_rpc_status(WeightwireError(
+            Reason.UPDATE_IN_PROGRESS,
+            f"{slots} {methods} calls are already running on this worker (one of them {what} that is still "
+            "going on); this call was refused without waiting: retry once they ended",
+            busy_calls=str(slots),
+        ))
+
+    return refusal
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -112,8 +136,10 @@ def serve(
     None means a Unix socket in a fresh private directory. A non-loopback TCP address requires
     ``token``. ``tls_cert``/``tls_key``: PEM files to serve TLS on TCP. ``own_device`` defaults to the
     adapter manifest's device. ``max_workers`` threads answer the unary calls (status, manifest,
-    health), ``max_streams`` others the updates (PushWeights streams, PushUpdate calls) and transfer-group joins, two the
-    reflection streams: an open or stuck stream never delays a status or a health check. A stream
+    health), ``max_streams`` others the PushWeights streams, two the reflection streams: an open or
+    stuck stream never delays a status or a health check. PushUpdate calls and transfer-group joins
+    and leaves have slots of their own (``UPDATE_CALL_SLOTS``, ``GROUP_CALL_SLOTS``): one that finds
+    them all taken is refused at once (UPDATE_IN_PROGRESS), never queued behind streams. A stream
     that sends nothing for ``idle_timeout_s`` ends with DEADLINE_EXCEEDED. ``group_host``: the address of this machine that transfer groups'
     sockets listen on (default: the TCP listen host, or 127.0.0.1 for a unix socket or a wildcard).
     """
@@ -144,20 +170,26 @@ def serve(
     if service.transfer_group is not None:
         # Transfer-group sockets listen on this address only (docs/distributed.md).
         service.transfer_group.configure(listen_host=group_host or default_group_host(listen))
-    # Streams on pools of their own; the default pool (unary calls) is never held by a stream.
+    # Streams on pools of their own; the default pool (unary calls) is never held by a stream. The
+    # unary update and group calls each on a pool of slots of their own: one that finds every slot
+    # taken is refused at once, never queued behind idle streams or other slow calls.
     stream_pool = futures.ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="weightwire-push")
+    update_pool = SlotPool(UPDATE_CALL_SLOTS, "weightwire-update", _busy("PushUpdate", "an update"))
+    group_pool = SlotPool(GROUP_CALL_SLOTS, "weightwire-group", _busy("JoinTransferGroup/LeaveTransferGroup", "a join"))
     reflection_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightwire-reflection")
     service_prefix = f"/{SERVICE_NAME}/"
     router = PoolRouter({
         service_prefix + "PushWeights": stream_pool,
         # An update (and the wait for an abandoned one) holds its thread for as long as its loads take.
-        service_prefix + "PushUpdate": stream_pool,
-        service_prefix + "JoinTransferGroup": stream_pool,
-        service_prefix + "LeaveTransferGroup": stream_pool,
+        service_prefix + "PushUpdate": update_pool,
+        service_prefix + "JoinTransferGroup": group_pool,
+        service_prefix + "LeaveTransferGroup": group_pool,
         f"/{reflection.SERVICE_NAME}/ServerReflectionInfo": reflection_pool,
     })
-    interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token)] if token else []
-    interceptors.append(router)
+    # The router first: a call refused for its token still passes through its slot and gives it back.
+    interceptors: list[grpc.ServerInterceptor] = [router]
+    if token:
+        interceptors.append(TokenAuthInterceptor(token))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weightwire-rpc"),
         interceptors=interceptors,
@@ -203,4 +235,4 @@ def serve(
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     server.start()
     log.info("worker %s serving on %s", adapter.manifest().worker_id, address)
-    return RunningServer(server, service, address, private_dir, (stream_pool, reflection_pool))
+    return RunningServer(server, service, address, private_dir, (stream_pool, update_pool, group_pool, reflection_pool))

@@ -167,3 +167,61 @@ def test_a_call_past_its_deadline_never_commits(worker: Worker, hold: Hold, rpc:
     st = worker.status()
     assert (st.weights_version, st.state) == (version, pb.WORKER_STATE_CONSISTENT)
     assert torch.equal(worker.adapter.state()[NORM], full[NORM])
+
+
+def test_update_calls_are_not_queued_behind_idle_streams(worker: Worker, hold: Hold) -> None:
+    # Streams that opened and say nothing hold every stream thread (for up to the idle deadline,
+    # a minute here); a PushUpdate must still land at once.
+    feeds = [RequestFeed() for _ in range(12)]
+    calls = [worker.stub.PushWeights(iter(f), timeout=IDLE_TIMEOUT_S) for f in feeds]
+    try:
+        assert wait_until(lambda: sum(t.name.startswith("weightwire-push") for t in threading.enumerate()) >= 8)
+        version = worker.next_version()
+        full = full_checkpoint(DemoConfig(), version)
+        out = push(worker.stub, full_update_requests(version, full, None), timeout=10, whole=True)
+        assert out.code == grpc.StatusCode.OK, (out.code, out.reason, out.message)
+        assert worker.status().weights_version == version
+    finally:
+        for call in calls:
+            call.cancel()
+        for f in feeds:
+            f.end()
+
+
+def test_an_update_call_without_a_slot_is_refused_at_once(
+    worker: Worker, hold: Hold, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="weightwire.server.worker.service")
+    # One update is held inside its load and then cancelled by its client; retries wait for it to
+    # end (up to 30 s) and take every update slot. One call more gets UPDATE_IN_PROGRESS at once,
+    # not a place in a queue.
+    version = worker.next_version()
+    hold.arm("load")
+    feed = RequestFeed()
+    stuck = worker.stub.PushWeights(iter(feed), timeout=60)
+    for req in partial_update(version)[:2]:
+        feed.send(req)
+    assert hold.entered.wait(30)
+    stuck.cancel()
+    feed.end()
+    assert wait_until(lambda: call_ended_on_worker(worker))
+    waiting = [worker.stub.PushUpdate.future(pb.PushUpdateRequest(messages=partial_update(version)), timeout=60) for _ in range(4)]
+    try:
+        # The four retries are inside the worker (each holds a slot) once each logged its wait.
+        assert wait_until(lambda: caplog.text.count(f"waits for update {version}, cancelled by its client") >= 4)
+        try:
+            worker.stub.PushUpdate(pb.PushUpdateRequest(messages=partial_update(version)), timeout=10)
+            raise AssertionError("a fifth update call was accepted while four held every slot")
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.ABORTED, (err.code(), err.details())  # type: ignore[attr-defined]
+            reason, _, md = error_info(err)
+            assert reason == "UPDATE_IN_PROGRESS" and md.get("busy_calls") == "4", (reason, md)
+    finally:
+        hold.release.set()
+        for f in waiting:
+            try:
+                f.result()
+            except grpc.RpcError:
+                pass
+    # One of the retries landed after the held update ended; the others were UPDATE_IN_PROGRESS or STALE_VERSION.
+    assert wait_until(lambda: worker.status().weights_version == version)
