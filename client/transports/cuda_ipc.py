@@ -276,15 +276,11 @@ class CudaIpcExporter(Exporter):
 
     def can_export_tensors(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether ``export_tensors`` can send these tensors where they live: dense tensors on this
-        GPU with memory behind them, at most a payload's storages."""
-        if len(tensors) > MAX_STORAGES_PER_PAYLOAD:
+        GPU, at most a payload's storages."""
+        if not tensors or len(tensors) > MAX_STORAGES_PER_PAYLOAD:
             return False
-        index = self.device.index
-        for t in tensors:
-            dev = t.device
-            if dev.type != "cuda" or dev.index != index or not t.is_contiguous() or t.numel() == 0:
-                return False
-        return True
+        # Whole-list checks (this runs every push): get_device is -1 for a CPU tensor.
+        return {t.get_device() for t in tensors} == {self.device.index} and all(map(torch.Tensor.is_contiguous, tensors))
 
     def export_tensors(self, tensors: Sequence[torch.Tensor]) -> ExportedTensors | None:
         """``tensors`` as views into their own storages (no copy), or None when one cannot be shared
@@ -303,6 +299,9 @@ class CudaIpcExporter(Exporter):
             sid = id(storage)
             if sid in places:
                 continue
+            if storage.nbytes() == 0:
+                places[sid] = 0  # an empty tensor: nothing to share, the worker views nothing
+                continue
             share = self._share_storage(storage)
             if share is None:
                 return None
@@ -313,8 +312,11 @@ class CudaIpcExporter(Exporter):
             places[sid] = at
             messages.append(msg)
             end = at + int(storage.nbytes())
+        if not messages:
+            return None  # only empty tensors: nothing to export
         offsets = tuple(
-            places[id(s)] + int(t.storage_offset()) * t.element_size() for s, t in zip(storages, tensors, strict=True)
+            places[id(s)] + int(t.storage_offset()) * t.element_size() if t.numel() else 0
+            for s, t in zip(storages, tensors, strict=True)
         )
         exported = ExportedTensors(offsets, end, messages)
         with self._lock:
