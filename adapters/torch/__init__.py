@@ -32,9 +32,9 @@ __all__ = [
 # Parameters of at most this many bytes are copied together, in one grouped launch per bucket
 # (``torch._foreach_copy_``); larger ones get one ``copy_`` each. A copy launch costs the host a few
 # microseconds whatever its size, so a model's hundreds of norms and biases cost more in launches
-# than in bytes; but a grouped copy moves large tensors slower than plain copies do (11.8 vs 9.0 ms
-# for Qwen3-8B's 15 GiB on an H200), so large ones stay separate. The value is measured
-# (bench/copy_group.py, BENCHMARKS.md "Worker copy").
+# than in bytes; but a grouped copy moves large tensors slower than plain copies do, so large ones
+# stay separate. The threshold is measured (bench/copy_group.py; the figures are in BENCHMARKS.md,
+# "Worker copy").
 DEFAULT_GROUP_COPY_MAX_BYTES = 16 << 20
 
 GroupCopy = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
@@ -42,9 +42,8 @@ GroupCopy = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
 
 # How many CUDA streams the large copies of one load are spread over. A copy leaves the device
 # partly idle as it ends, and the next on the same stream starts only after it; copies on two
-# streams overlap those ends: Qwen3-8B's load 9.00 -> 8.62 ms on an H200 in one process, and
-# 8.51 -> 8.02-8.09 ms inside a worker (bench/copy_group.py, bench_gpu.py --copy-streams;
-# BENCHMARKS.md). More streams gained nothing further.
+# streams overlap those ends. Two is what measured best (bench/copy_group.py, bench_gpu.py
+# --copy-streams; the figures are in BENCHMARKS.md); more streams gained nothing further.
 DEFAULT_COPY_STREAMS = 2
 
 

@@ -42,7 +42,7 @@ from weightwire.client.push.plan import PlanError
 from weightwire.client.push.routing import CheckedLayouts, flat_bytes, manifest_changes, route_own_device
 from weightwire.client.push.rpc import Worker, call_metadata, close_workers, collect_unary, start_unary
 from weightwire.client.push.session import CommitGate, SpecTemplates, UpdateSession, open_streams
-from weightwire.client.push.staging import Staging
+from weightwire.client.push.staging import Staging, StagingPool
 from weightwire.client.push.stream import Connections, WorkerStream
 from weightwire.client.push.types import (
     FlatBucket,
@@ -507,3 +507,50 @@ __all__ = [
     "PushResult",
     "WeightPusher",
 ]
+
+
+class RankedPushDriver:
+    """What a push made by several trainer ranks together (``weightwire.client.ranks.collective_push``)
+    uses of its ``WeightPusher``: the seam between one rank's lifecycle of an update and the ranks'
+    lockstep, so that the multi-rank driver reaches no private member of the pusher.
+
+    ``prepare`` reads the manifests, picks the exporter for ``source`` and re-checks the workers
+    before the ranks agree (a restarted worker fails every rank before a byte moves); ``run`` runs
+    this rank's share of the update on the workers it streams to, with the ranks' commit gate.
+    """
+
+    def __init__(self, pusher: WeightPusher) -> None:
+        self._pusher = pusher
+
+    def prepare(self, source: torch.device, options: PushOptions) -> tuple[_Setup, exp.Exporter]:
+        pusher = self._pusher
+        setup, exporter = pusher._setup_exporting(source, dataclasses.replace(options, only_own_device=False))
+        if pusher.recheck_manifests:
+            pusher._recheck(setup.manifests, setup.recheck)
+        setup.recheck = None
+        setup.rechecked = True
+        return setup, exporter
+
+    @property
+    def fingerprints(self) -> Mapping[str, str]:
+        """The workers' manifest fingerprints the update was planned against."""
+        return dict(self._pusher._fingerprints)
+
+    def staging_pool(self, exporter: exp.Exporter, bucket_bytes: int) -> StagingPool:
+        return self._pusher._staging.pool(exporter, bucket_bytes)
+
+    def run(
+        self,
+        setup: _Setup,
+        workers: Sequence[str],
+        jobs: job_builders.Jobs,
+        options: PushOptions,
+        commit_gate: CommitGate,
+    ) -> dict[str, PushResult]:
+        """This rank's streams to ``workers`` (a subset of ``setup``'s), committed only when
+        ``commit_gate`` (every rank's agreement) lets them."""
+        sub = dataclasses.replace(setup, manifests={a: setup.manifests[a] for a in workers}, recheck=None, rechecked=True)
+        return self._pusher._run(sub, jobs, options, commit_gate=commit_gate)
+
+
+PushSetup = _Setup

@@ -11,6 +11,8 @@ the streams call back into it from their reader threads (``on_ack``, ``on_stream
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -36,7 +38,21 @@ _SETTLE_POLL_S = 0.02
 # wrong here (a worker failed, the jobs stopped early, acks missing at the deadline): None lets the
 # session commit, a message aborts it with that reason. A multi-rank push
 # (``weightwire.client.ranks.collective_push``) agrees with the other trainer ranks here.
-CommitGate = Callable[[str | None], str | None]
+class GateProblem(enum.Enum):
+    """What keeps a session from committing, as its commit gate is told."""
+
+    WORKER_FAILED = "worker_failed"
+    STOPPED_EARLY = "stopped_early"  # the jobs ended before the last bucket (another rank stopped them)
+    ACKS_MISSING = "acks_missing"  # buckets not acked before the deadline
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionProblem:
+    kind: GateProblem
+    message: str
+
+
+CommitGate = Callable[[SessionProblem | None], str | None]
 
 
 class SpecTemplates:
@@ -262,18 +278,19 @@ class UpdateSession:
         for s in self.streams.values():
             s.cancel()  # nothing is committed: end every stream now instead of at its deadline
 
-    def _problem(self, sent_all: bool) -> str | None:
+    def _problem(self, sent_all: bool) -> SessionProblem | None:
         """What keeps this session from committing, for the commit gate (the caller holds ``_cond``)."""
         if self.failed:
             stream = self.streams.get(self.first_failure or "")
             if stream is not None and stream.error is not None:
                 who = self._manifests[stream.address].worker_id or stream.address
-                return f"worker {who} failed: {stream.error.reason}: {stream.error.message}"[:1000]
-            return "the update failed"
+                text = f"worker {who} failed: {stream.error.reason}: {stream.error.message}"[:1000]
+                return SessionProblem(GateProblem.WORKER_FAILED, text)
+            return SessionProblem(GateProblem.WORKER_FAILED, "the update failed")
         if not sent_all:
-            return "it stopped before its last bucket"
+            return SessionProblem(GateProblem.STOPPED_EARLY, "it stopped before its last bucket")
         if self._pending:
-            return f"{len(self._pending)} bucket(s) were not acked before the deadline"
+            return SessionProblem(GateProblem.ACKS_MISSING, f"{len(self._pending)} bucket(s) were not acked before the deadline")
         return None
 
     def _wait_for_acks(self, deadline: float) -> None:

@@ -38,7 +38,9 @@ import torch
 from weightwire.client.push import plan as planning
 from weightwire.client.push.jobs import Jobs
 from weightwire.client.push.plan import PlanError, TensorSpec
+from weightwire.client.push.pusher import RankedPushDriver
 from weightwire.client.push.routing import check_transport_limit
+from weightwire.client.push.session import GateProblem, SessionProblem
 from weightwire.client.push.staging import (
     Job,
     PreparedBucket,
@@ -48,6 +50,7 @@ from weightwire.client.push.staging import (
     export_staged,
 )
 from weightwire.client.push.types import PushResult
+from weightwire.client.ranks import rank_records
 from weightwire.client.ranks.dtensor_gather import (
     CastTo,
     FullTensorWriter,
@@ -61,17 +64,11 @@ from weightwire.client.ranks.rank_agreement import (
     RankGroup,
     UpdateDigest,
     disagreement,
-    error_record,
-    failure_of,
-    failure_record,
-    label_of,
-    label_text,
     peer_failed,
     rank_for_device,
-    result_of,
-    result_record,
     unplaced_workers,
 )
+from weightwire.client.ranks.rank_records import PlanRecord, RankFailure, RankOutcome, RankResults, StopCause
 from weightwire.client.transports import exporter as exp
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import PushError, Reason, WeightwireError
@@ -80,7 +77,7 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:
     from weightwire.client.push.options import PushOptions
-    from weightwire.client.push.pusher import WeightPusher
+    from weightwire.client.push.pusher import PushSetup, WeightPusher
 
 Routing = Literal["own_device", "gathered"]
 ROUTINGS: tuple[str, ...] = ("own_device", "gathered")
@@ -124,6 +121,7 @@ class _RankedUpdate:
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {routing!r}")
         self.pusher = pusher
+        self.driver = RankedPushDriver(pusher)
         self.items = items
         self.options = options
         self.routing = routing
@@ -157,16 +155,13 @@ class _RankedUpdate:
         manifests: dict[str, ShardManifest] = {}
         exporter: exp.Exporter | None = None
         unknown: set[str] = set()
-        setup: Any = None
+        setup: PushSetup | None = None
         try:
             specs = [spec_of(name, t, self.cast_to) for name, t in self.items]
             source = source_device(self.items)
-            setup, exporter = pusher._setup_exporting(source, dataclasses.replace(opts, only_own_device=False))
+            setup, exporter = self.driver.prepare(source, opts)
             manifests = setup.manifests
             unknown = set(planning.check_update(specs, manifests, scope=opts.scope, allow_unowned=opts.allow_unowned))
-            if pusher.recheck_manifests:
-                pusher._recheck(manifests, setup.recheck)
-                setup.recheck = None
         except Exception as e:
             local_error = e
         digest = None
@@ -180,7 +175,7 @@ class _RankedUpdate:
                 specs=specs,
                 layouts=[_layout_text(t) for _, t in self.items],
                 endpoints=pusher.endpoints,
-                fingerprints=pusher._fingerprints,
+                fingerprints=self.driver.fingerprints,
                 settings={
                     "bucket": pusher.bucket_size_bytes,
                     "align": pusher.align_bytes,
@@ -191,27 +186,26 @@ class _RankedUpdate:
                     "update_id": opts.update_id,
                     "cast_to": str(self.cast_to),
                 },
-            ).to_json()
-        records = self.ranks.exchange_json(
-            {
-                "digest": digest,
-                "label": label_text(exporter.label) if exporter is not None else None,
-                "error": error_record(local_error) if local_error is not None else None,
-            },
-            "the update's plan",
+            )
+        own = PlanRecord(
+            digest,
+            exporter.label if exporter is not None else None,
+            RankFailure.of(local_error) if local_error is not None else None,
         )
-        failed = [(r, rec["error"]) for r, rec in enumerate(records) if rec.get("error")]
+        records = rank_records.exchange(self.ranks, own, "the update's plan")
+        failed = [(r, rec.error) for r, rec in enumerate(records) if rec.error is not None or rec.digest is None]
         if failed:
             if local_error is not None:
                 raise local_error
-            raise peer_failed(failed[0][0], failed[0][1], before_sending=True)
-        message = disagreement([rec["digest"] for rec in records])
+            r, error = failed[0]
+            raise peer_failed(r, (error or RankFailure("INTERNAL", "INTERNAL", "no plan")).to_json(), before_sending=True)
+        message = disagreement(rank_records.digests(records))
         if message:
             raise PlanError(Reason.TRAINER_RANKS_DISAGREE, message)
-        assert exporter is not None
-        labels = [label_of(rec.get("label")) for rec in records]
+        assert exporter is not None and setup is not None
+        labels = [rec.label for rec in records]
         items = self.items
-        if len({rec["digest"]["names_in_order"] for rec in records}) > 1:
+        if len({rec.digest.names_in_order for rec in records if rec.digest is not None}) > 1:
             # The same tensors in another order on some rank: everyone takes them sorted by name.
             order = sorted(range(len(items)), key=lambda i: items[i][0])
             items = [items[i] for i in order]
@@ -222,7 +216,7 @@ class _RankedUpdate:
 
     def _push(
         self,
-        setup: Any,
+        setup: PushSetup,
         manifests: dict[str, ShardManifest],
         exporter: exp.Exporter,
         labels: list[DeviceRef | None],
@@ -250,7 +244,7 @@ class _RankedUpdate:
         self.manifests = manifests
         self.labels = labels
         self.exporter = exporter
-        self.pool = pusher._staging.pool(exporter, bucket_bytes)
+        self.pool = self.driver.staging_pool(exporter, bucket_bytes)
         if self.routing == "own_device":
             owner = {a: rank_for_device(m.device, labels) for a, m in manifests.items()}
             mine = [a for a in manifests if owner[a] == self.me]
@@ -277,8 +271,7 @@ class _RankedUpdate:
                     recipients = tuple(a for a in b.recipients if a in mine_set)
                     if recipients:
                         jobs.append(Job(list(b.specs), recipients, b.size_bytes, self._job(g)))
-                sub = dataclasses.replace(setup, manifests={a: manifests[a] for a in mine}, recheck=None, rechecked=True)
-                local_results = pusher._run(sub, Jobs(jobs, [self.pool]), self.options, commit_gate=self._gate)
+                local_results = self.driver.run(setup, mine, Jobs(jobs, [self.pool]), self.options, self._gate)
             else:
                 self._finish_lockstep()
                 self._exchange_outcome(ok=self.problem is None and not self.stopped_all)
@@ -472,44 +465,42 @@ class _RankedUpdate:
 
     # ---------------------------------------------------------------- 3. commit on all or none
 
-    def _gate(self, problem: str | None) -> str | None:
+    def _gate(self, problem: SessionProblem | None) -> str | None:
         """Called by this rank's session once its workers acked everything (``problem`` None) or with
         what went wrong there: None to commit, else why every rank aborts."""
-        if problem is not None and not (self.stopped_all and problem == "it stopped before its last bucket"):
-            self.problem = self.problem or problem
+        # A session stopped early because every rank stopped at a bucket has no problem of its own.
+        if problem is not None and not (self.stopped_all and problem.kind is GateProblem.STOPPED_EARLY):
+            self.problem = self.problem or problem.message
         self._finish_lockstep()
         return self._exchange_outcome(ok=problem is None and self.problem is None and not self.stopped_all)
 
     def _exchange_outcome(self, ok: bool) -> str | None:
         self.outcome_sent = True
-        why = self.problem or (f"it stopped because {self.stopped_by} was not fine" if self.stopped_all else "")
-        outcomes = self.ranks.exchange_json({"ok": ok, "why": why[:2000]}, "every rank's outcome")
-        bad = [(r, o) for r, o in enumerate(outcomes) if not o.get("ok")]
+        if self.problem is not None:
+            own = RankOutcome(ok, StopCause.OWN, self.problem)
+        elif self.stopped_all:
+            own = RankOutcome(ok, StopCause.FOLLOWED, f"it stopped because {self.stopped_by} was not fine")
+        else:
+            own = RankOutcome(ok, StopCause.NONE if ok else StopCause.OWN, "")
+        outcomes = rank_records.exchange(self.ranks, own, "every rank's outcome")
+        bad = [(r, o) for r, o in enumerate(outcomes) if not o.ok]
         if not bad:
             return None
         # Name a rank with a cause of its own before the ones that only stopped because of it.
-        bad.sort(key=lambda ro: "stopped because" in str(ro[1].get("why", "")))
+        bad.sort(key=lambda ro: ro[1].cause is StopCause.FOLLOWED)
         r, o = bad[0]
-        self.abort_reason = f"trainer rank {r} could not complete the update ({o.get('why') or 'no reason given'})"
+        self.abort_reason = f"trainer rank {r} could not complete the update ({o.why or 'no reason given'})"
         return self.abort_reason
 
     def _merge(self, results: dict[str, PushResult], failures: dict[str, WeightwireError]) -> dict[str, PushResult]:
-        records = self.ranks.exchange_json(
-            {
-                "results": {a: result_record(r) for a, r in results.items()},
-                "failures": {a: failure_record(e) for a, e in failures.items()},
-            },
-            "every rank's results",
-        )
+        records = rank_records.exchange(self.ranks, RankResults(results, failures), "every rank's results")
         all_results: dict[str, PushResult] = {}
         root: dict[str, WeightwireError] = {}
         cancelled: dict[str, WeightwireError] = {}
         for rec in records:
-            for a, d in rec.get("results", {}).items():
-                all_results[a] = result_of(d)
-            for a, d in rec.get("failures", {}).items():
-                err = failure_of(d)
-                (cancelled if err.reason == "CANCELLED" else root)[a] = err
+            all_results.update(rec.results)
+            for a, err in rec.failures.items():
+                (cancelled if err.reason == Reason.CANCELLED.name else root)[a] = err
         if root or cancelled or self.abort_reason is not None:
             if not root and not cancelled:
                 root[f"trainer rank {self.me}"] = WeightwireError(

@@ -13,7 +13,8 @@ bytes over the trainer's own process group, with a deadline, and the checks on w
    all did, abort everywhere otherwise; then the results and failures of every rank, so each rank
    returns the same results or raises the same ``PushError``.
 
-Records are JSON (never pickle) and bounded in size. A collective that fails (a rank died) or does
+Records are typed (``weightwire.client.ranks.rank_records``), travel as JSON (never pickle) and are
+bounded in size. A collective that fails (a rank died) or does
 not finish within the deadline (a rank is not taking part) raises ``RankLostError``.
 """
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -105,9 +105,6 @@ class RankGroup:
             out.append((bool(flag), bytes(rows[i, 16 : 16 + length].numpy().tobytes())))
         return out
 
-    def exchange_json(self, record: Mapping[str, Any], what: str) -> list[dict[str, Any]]:
-        raw = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
-        return [json.loads(b.decode()) for b in self.exchange(raw, what)]
 
 
 # --------------------------------------------------------------------------------------------
