@@ -1,11 +1,12 @@
 """What one tensor-parallel layer of SGLang or vLLM consumes from the checkpoint, and which part of
-each checkpoint tensor it keeps.
+each checkpoint tensor it keeps. Pure: no torch, no engine import.
 
 SGLang's and vLLM's parallel linear layers and vocabulary embeddings are the same design (vLLM's,
 which SGLang copied): the same class names, the same records of their unsharded sizes and the same
 weight-loader arithmetic. So the per-layer rules live here once, and each engine's manifest module
 only finds the layers, reads the engine's tensor-parallel rank and checks the parameter it holds
-against the ``local`` shape given here.
+against the ``local`` shape given here. The fleet planner (``core.transports.transfer_plan_fleet``)
+applies the same rules to layers that exist only as a model config.
 
 The arithmetic is the weight loaders' own (SGLang 0.5.17-0.5.23 and vLLM 0.32 ``layers/linear.py``):
 a column-parallel output keeps rows ``[tp_rank * per_rank, (tp_rank + 1) * per_rank)``; a merged

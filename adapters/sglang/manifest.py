@@ -24,9 +24,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from weightwire.adapters import layer_geometry
-from weightwire.adapters.layer_geometry import GeometryError, union_of_pieces
-from weightwire.core import dtypes
+from weightwire.core import dtypes, layer_geometry
+from weightwire.core.layer_geometry import GeometryError, union_of_pieces
 from weightwire.core.manifest import TensorPiece
 
 # Fused parameter -> checkpoint names, for models that declare neither packed_modules_mapping nor

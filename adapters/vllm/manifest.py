@@ -31,9 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from weightwire.adapters import layer_geometry
-from weightwire.adapters.layer_geometry import GeometryError
-from weightwire.core import dtypes
+from weightwire.core import dtypes, layer_geometry
+from weightwire.core.layer_geometry import GeometryError
 from weightwire.core.manifest import TensorPiece
 
 

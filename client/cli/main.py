@@ -8,6 +8,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from weightwire import __version__
 from weightwire.core.optional import load_optional
@@ -16,14 +17,23 @@ from weightwire.core.optional import load_optional
 _SUBCOMMAND_MODULES = (
     "weightwire.server.cli",
     "weightwire.client.cli.commands",
+    "weightwire.client.cli.plan",
     "weightwire.adapters.sglang.cli",
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Refuses bad arguments with one line (what is wrong and where to read more) and exit status 2,
+    not argparse's usage block, which for ``push`` is longer than the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weightwire", description="Move fresh weights from a trainer into engine workers.")
+    parser = _Parser(prog="weightwire", description="Move fresh weights from a trainer into engine workers.")
     parser.add_argument("--version", action="version", version=f"weightwire {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for mod_name in _SUBCOMMAND_MODULES:
         add_parser = load_optional(f"{mod_name}:add_parser")
         if callable(add_parser):

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from weightwire.adapters import layer_geometry
 from weightwire.adapters.torch import TorchAdapter
 from weightwire.adapters.torch.demo import DEMO_TP_RULES, DemoConfig, build_demo_model, checkpoint_shapes
+from weightwire.core import layer_geometry
 from weightwire.core.devices import DeviceRef
 from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest, TensorPiece
 from weightwire.v1 import weight_transfer_pb2 as pb

@@ -1,0 +1,173 @@
+"""``weightwire plan TOPOLOGY``: plan one update of a described fleet and predict its time.
+
+TOPOLOGY is a JSON or TOML file: ``model_config`` (a Hugging Face ``config.json``, relative to the
+file) or an inline ``model`` table, ``trainer``, ``engine`` and ``network`` tables
+(``core.transports.transfer_plan_fleet`` lists every field), and optionally ``name`` and
+``published`` (``seconds``, ``source``) to print next to the prediction. Prints the bytes per link
+and per NIC of the plan the transfer planner makes for it, the predicted time of one update and the
+model behind the prediction; ``--json`` prints the same as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from weightwire.core.errors import WeightwireError
+from weightwire.core.model_shapes import model_shapes
+from weightwire.core.transports.transfer_plan_fleet import (
+    Fleet,
+    FleetError,
+    FleetPlan,
+    Prediction,
+    fleet_from,
+    plan_fleet,
+    predict,
+    worker_ids,
+)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="plan one update of a described fleet and predict its time",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("topology", help="fleet description (.json or .toml)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--single-source", action="store_true",
+                   help="plan as if trainer rank 0 held every tensor whole (one source, the funnel)")
+    p.set_defaults(func=run)
+
+
+def load_description(path: Path) -> dict[str, Any]:
+    text = path.read_bytes()
+    if path.suffix == ".toml":
+        try:
+            import tomllib  # Python >= 3.11
+        except ImportError:
+            raise FleetError(f"{path}: reading TOML needs Python 3.11 or later; give the description as JSON") from None
+    try:
+        data = tomllib.loads(text.decode()) if path.suffix == ".toml" else json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FleetError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {e}") from None
+    if not isinstance(data, dict):
+        raise FleetError(f"{path}: the description must be a table/object")
+    return data
+
+
+def fleet_of(path: Path, *, single_source: bool = False) -> tuple[dict[str, Any], Fleet]:
+    description = load_description(path)
+    if "model" in description:
+        config = description["model"]
+    elif "model_config" in description:
+        config_path = path.parent / str(description["model_config"])
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError) as e:
+            raise FleetError(f"model_config {config_path}: {e}") from None
+    else:
+        raise FleetError(f"{path}: give the model as `model_config` (a config.json path) or a `model` table")
+    if not isinstance(config, Mapping):
+        raise FleetError("the model config must be an object")
+    try:
+        model = model_shapes(config)
+    except ValueError as e:
+        raise FleetError(f"model config: {e}") from None
+    if single_source:
+        description = {**description, "trainer": {**description.get("trainer", {}), "layout": "single"}}
+    return description, fleet_from(description, model)
+
+
+def summary(description: Mapping[str, Any], fp: FleetPlan, pred: Prediction) -> dict[str, Any]:
+    f = fp.fleet
+    nic = {str(p): b for p, b in pred.port_bytes.items() if p.kind == "nic"}
+    tx = [b for p, b in pred.port_bytes.items() if p.kind == "nic" and p.direction == "tx"]
+    rx = [b for p, b in pred.port_bytes.items() if p.kind == "nic" and p.direction == "rx"]
+    per_worker = [pred.bytes_to_worker.get(w, 0) for w in worker_ids(f.engine)]
+    per_rank = list(pred.bytes_from_rank.values())
+    return {
+        "name": description.get("name", ""),
+        "model": {"family": f.model.family, "parameters": f.model.parameters(), "tensors": len(f.model.tensors)},
+        "trainer": dataclasses.asdict(f.trainer),
+        "engine": dataclasses.asdict(f.engine),
+        "network": dataclasses.asdict(f.network),
+        "plan": {"transfers": len(fp.plan.transfers), "tensor_classes": len(fp.counts),
+                 "fingerprint": fp.plan.fingerprint},
+        "total_bytes": pred.total_bytes,
+        "bytes_per_worker": {"min": min(per_worker), "max": max(per_worker), "workers": len(per_worker)},
+        "bytes_per_source": {"min": min(per_rank, default=0), "max": max(per_rank, default=0),
+                             "sources": len(per_rank), "trainer_ranks": f.trainer.gpus},
+        "nic_tx": {"max": max(tx, default=0), "ports": len(tx)},
+        "nic_rx": {"max": max(rx, default=0), "ports": len(rx)},
+        "nvlink_bytes": sum(b for p, b in pred.port_bytes.items() if p.kind == "nvlink"),
+        "bytes_per_nic": nic,
+        "predicted_seconds": pred.seconds,
+        "bottleneck": {"port": str(pred.bottleneck), "bytes": pred.port_bytes.get(pred.bottleneck, 0),
+                       "messages": pred.port_messages.get(pred.bottleneck, 0)},
+        "prediction_model": pred.model,
+        "published": description.get("published"),
+    }
+
+
+def _nodes(gpus: int, per_node: int) -> str:
+    n = -(-gpus // per_node)
+    return f"{n} node" + ("s" if n != 1 else "")
+
+
+def _gb(n: float) -> str:
+    """Bytes in the largest decimal unit that keeps the value >= 1."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.2f} s" if s >= 0.1 else f"{s * 1e3:.3g} ms"
+
+
+def render(s: Mapping[str, Any]) -> str:
+    t, e, n = s["trainer"], s["engine"], s["network"]
+    engine_gpus = e["tp"] * e["pp"] * e["dp"]
+    lines = [
+        s["name"] or "fleet",
+        f"  model     {s['model']['family']}, {s['model']['parameters'] / 1e9:,.1f} B parameters, "
+        f"{s['model']['tensors']:,} tensors",
+        f"  trainer   {t['gpus']} GPUs ({_nodes(t['gpus'], t['gpus_per_node'])} of {t['gpus_per_node']}), "
+        f"layout {t['layout']}" + (f", tp {t['tp']}" if t["tp"] > 1 else "") + (f", ep {t['ep']}" if t["ep"] > 1 else ""),
+        f"  engine    TP{e['tp']} x PP{e['pp']} x DP{e['dp']}" + (f" (EP{e['ep']})" if e["ep"] > 1 else "")
+        + f" = {engine_gpus} GPUs ({_nodes(engine_gpus, e['gpus_per_node'])}), serving {e['dtype']}",
+        f"  network   {n['nics_per_node']} x {n['nic_gbit_per_s']:g} Gb/s NICs per node, NVLink "
+        f"{n['nvlink_gbyte_per_s']:g} GB/s, {n['message_latency_us']:g} us per message, buckets of "
+        f"{n['bucket_mib']:g} MiB" + (", colocated" if n["colocated"] else ""),
+        f"  plan      {s['plan']['transfers']:,} transfers ({s['plan']['tensor_classes']} tensor classes planned), "
+        f"fingerprint {s['plan']['fingerprint']}",
+        f"  bytes     {_gb(s['total_bytes'])} in all; per worker {_gb(s['bytes_per_worker']['min'])} - "
+        f"{_gb(s['bytes_per_worker']['max'])}; {s['bytes_per_source']['sources']} of "
+        f"{s['bytes_per_source']['trainer_ranks']} trainer ranks send, "
+        f"{_gb(s['bytes_per_source']['min'])} - {_gb(s['bytes_per_source']['max'])} each",
+        f"  NICs      busiest send {_gb(s['nic_tx']['max'])} ({s['nic_tx']['ports']} sending), busiest receive "
+        f"{_gb(s['nic_rx']['max'])} ({s['nic_rx']['ports']} receiving); NVLink {_gb(s['nvlink_bytes'])}",
+        f"  predicted {_seconds(s['predicted_seconds'])}, bound by {s['bottleneck']['port']} "
+        f"({_gb(s['bottleneck']['bytes'])}, {s['bottleneck']['messages']:,} messages)",
+    ]
+    if s.get("published"):
+        pub = s["published"]
+        lines.append(f"  published {pub.get('seconds')} s ({pub.get('source', '')})")
+    lines.append(f"  model of the prediction: {s['prediction_model']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        description, fleet = fleet_of(Path(args.topology), single_source=args.single_source)
+        fp = plan_fleet(fleet)
+    except (FleetError, WeightwireError, OSError) as e:
+        print(f"weightwire plan: {e}", file=sys.stderr)
+        return 2
+    s = summary(description, fp, predict(fp))
+    print(json.dumps(s, indent=1, sort_keys=True) if args.json else render(s))
+    return 0
