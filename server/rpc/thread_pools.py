@@ -126,12 +126,12 @@ class PoolRouter(grpc.ServerInterceptor):
         pool = self._pools.get(method)
         if handler is None or pool is None:
             return handler
-        gated = isinstance(pool, SlotPool) and handler.unary_unary is not None
-        if gated and not pool.take():  # type: ignore[union-attr]
-            return _refusing(handler, pool.refusal(pool.slots))  # type: ignore[union-attr]
+        slots = pool if isinstance(pool, SlotPool) and handler.unary_unary is not None else None
+        if slots is not None and not slots.take():
+            return _refusing(handler, slots.refusal(slots.slots))
         known = self._wrapped.get(method)
         if known is not None and known[0] is handler:
             return known[1]
-        wrapped = _on_slot(handler, pool) if gated else _on_pool(handler, pool)  # type: ignore[arg-type]
+        wrapped = _on_slot(handler, slots) if slots is not None else _on_pool(handler, pool)
         self._wrapped[method] = (handler, wrapped)
         return wrapped
