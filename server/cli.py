@@ -15,8 +15,8 @@ import sys
 import threading
 from typing import Any
 
+from weightwire.core import cli_types
 from weightwire.core.manifest import ParallelRank
-from weightwire.core.netutil import read_token_file
 from weightwire.server.worker.streams import DEFAULT_IDLE_TIMEOUT_S
 
 log = logging.getLogger("weightwire.serve")
@@ -41,10 +41,14 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="initial weights = demo checkpoint of this seed (default 0)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu, or cuda (the current visible GPU)")
-    p.add_argument("--token", default=None, help="require 'authorization: Bearer TOKEN' (needed on non-loopback TCP)")
-    p.add_argument("--token-file", default=None, help="read the token from this file instead of the command line")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate chain for TLS on TCP")
-    p.add_argument("--tls-key", default=None, help="PEM private key for TLS on TCP")
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--token", default=None, help="require 'authorization: Bearer TOKEN' (needed on non-loopback TCP)")
+    token.add_argument(
+        "--token-file", dest="token_from_file", type=cli_types.token_file, default=None, metavar="FILE",
+        help="read the token from this file instead of the command line",
+    )
+    p.add_argument("--tls-cert", type=cli_types.pem_file, default=None, help="PEM certificate chain for TLS on TCP")
+    p.add_argument("--tls-key", type=cli_types.pem_file, default=None, help="PEM private key for TLS on TCP")
     p.add_argument("--worker-id", default=None, help="worker name (default e.g. tp0-pp1)")
     p.add_argument(
         "--dump-dir",
@@ -54,7 +58,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=cli_types.port,
         default=None,
         metavar="PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a port; printed as "
@@ -89,6 +93,53 @@ def _dump(adapter: Any, dump_dir: str, version: int) -> None:
     os.replace(tmp, path)  # readers never see a half-written file
 
 
+def _refuse(message: str) -> int:
+    """Bad input on the command line: one line on stderr, exit status 2."""
+    print(f"weightwire serve: {message}", file=sys.stderr)
+    return 2
+
+
+def _writable_dir(path: str) -> str | None:
+    """Why ``path`` cannot take the dump files (created if missing), or None when it can: checked by
+    writing a file there, which is what the dumps do (permission bits say nothing for root)."""
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return f"--dump-dir {path}: cannot write there: {e.strerror or e}"
+    return None
+
+
+def _bind_problem(listen: str) -> str | None:
+    """Why the TCP address ``listen`` cannot be listened on, found by binding it the way gRPC will
+    (SO_REUSEADDR: a port some listener holds is refused, one in TIME_WAIT is not), or None when
+    the probe could bind it. Asked first so that a port in use is one line with its reason, not
+    gRPC's log and a "failed to bind" without one."""
+    import errno
+    import socket
+
+    from weightwire.server.rpc.grpc_server import split_host_port
+
+    try:
+        host, port = split_host_port(listen)
+    except ValueError as e:
+        return str(e)
+    if port == 0:
+        return None
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as e:
+        # Only the answers gRPC would get as well; a name it resolves otherwise is left to it.
+        if e.errno in (errno.EADDRINUSE, errno.EACCES):
+            return e.strerror or str(e)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
@@ -103,15 +154,15 @@ def run(args: argparse.Namespace) -> int:
             dp_rank=args.dp_rank, dp_size=args.dp_size, sp_rank=args.sp_rank, sp_size=args.sp_size,
         )
     except ValueError as e:
-        print(f"weightwire serve: {e}", file=sys.stderr)
-        return 2
-    token = args.token
-    if args.token_file:
-        token = read_token_file(args.token_file)
+        return _refuse(str(e))
+    if args.listen is not None and not args.listen.startswith("unix:"):
+        problem = _bind_problem(args.listen)
+        if problem is not None:
+            return _refuse(f"cannot listen on {args.listen}: {problem}")
+    token = args.token_from_file or args.token
     if args.device == "cuda":
         if not torch.cuda.is_available():
-            print("weightwire serve: --device cuda but no CUDA device is visible", file=sys.stderr)
-            return 2
+            return _refuse("--device cuda but no CUDA device is visible")
         index = torch.cuda.current_device()
         device = torch.device("cuda", index)
         own_device = DeviceRef.cuda(cuda_device_uuid(index))
@@ -119,14 +170,19 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device("cpu")
         own_device = DeviceRef.host()
     config = DemoConfig()
-    model = build_demo_model(config, rank, device, args.seed)
+    try:
+        model = build_demo_model(config, rank, device, args.seed)
+    except ValueError as e:  # a layout the demo model cannot take (more stages than layers, a TP size that does not divide)
+        return _refuse(f"the demo model cannot be served as {rank.short()}: {e}")
     adapter = TorchAdapter(
         model, rank=rank, device=device, own_device=own_device, tp_rules=DEMO_TP_RULES,
         num_layers=config.num_layers, engine="torch-demo", worker_id=args.worker_id,
     )
     on_commit = None
     if args.dump_dir:
-        os.makedirs(args.dump_dir, exist_ok=True)
+        problem = _writable_dir(args.dump_dir)
+        if problem is not None:
+            return _refuse(problem)
         dump_dir = args.dump_dir
 
         def on_commit(result: Any) -> None:
@@ -138,37 +194,45 @@ def run(args: argparse.Namespace) -> int:
             own_device=own_device, on_commit=on_commit, group_host=args.group_host,
         )
     except (ValueError, OSError) as e:
-        print(f"weightwire serve: {e}", file=sys.stderr)
-        return 2
+        return _refuse(str(e))
+    except RuntimeError as e:  # gRPC's "Failed to bind to address"
+        tcp = args.listen is not None and not args.listen.startswith("unix:")
+        why = (_bind_problem(args.listen) if tcp else None) or str(e)
+        return _refuse(f"cannot listen on {args.listen or 'a private unix socket'}: {why}")
+    # From here on the server is running: whatever ends this command stops it, which also removes
+    # its private socket directory.
+    grace = 0.0
     metrics_server = None
-    if args.metrics_port is not None:
-        from prometheus_client import CollectorRegistry
-        from weightwire.server.observe.metrics import WorkerMetrics, serve_metrics
+    try:
+        if args.metrics_port is not None:
+            from prometheus_client import CollectorRegistry
+            from weightwire.server.observe.metrics import WorkerMetrics, serve_metrics
 
-        registry = CollectorRegistry()
-        WorkerMetrics(adapter.worker_id, registry=registry).attach(server.service)
-        try:
-            metrics_server = serve_metrics(registry, args.metrics_port, args.metrics_host)
-        except (OSError, ValueError) as e:
-            server.stop(grace=0)
-            print(f"weightwire serve: cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {e}", file=sys.stderr)
-            return 2
+            registry = CollectorRegistry()
+            WorkerMetrics(adapter.worker_id, registry=registry).attach(server.service)
+            try:
+                metrics_server = serve_metrics(registry, args.metrics_port, args.metrics_host)
+            except (OSError, ValueError, OverflowError) as e:
+                reason = getattr(e, "strerror", None) or str(e)
+                return _refuse(f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {reason}")
 
-    stop = threading.Event()
+        stop = threading.Event()
 
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
+        def on_signal(signum: int, frame: Any) -> None:
+            stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    print(f"weightwire-serve listening {server.address}", flush=True)
-    if metrics_server is not None:
-        print(f"weightwire-serve metrics {metrics_server.url}", flush=True)
-    log.info("worker %s (%s, device %s, %d tensors) ready", adapter.worker_id, rank.short(), own_device, len(adapter.manifest().tensors))
-    while not stop.wait(1.0):
-        pass
-    log.info("stopping")
-    server.stop(grace=2.0)
-    if metrics_server is not None:
-        metrics_server.close()
-    return 0
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        print(f"weightwire-serve listening {server.address}", flush=True)
+        if metrics_server is not None:
+            print(f"weightwire-serve metrics {metrics_server.url}", flush=True)
+        log.info("worker %s (%s, device %s, %d tensors) ready", adapter.worker_id, rank.short(), own_device, len(adapter.manifest().tensors))
+        while not stop.wait(1.0):
+            pass
+        log.info("stopping")
+        grace = 2.0
+        return 0
+    finally:
+        server.stop(grace=grace)
+        if metrics_server is not None:
+            metrics_server.close()

@@ -1,5 +1,6 @@
-"""The ``weightwire`` command line: the entry point (``main``), the client's subcommands, the progress bar, the live fleet view and the demo."""
+"""The ``weightwire`` command line: the entry point (``weightwire.client.cli.main.main``), the
+client's subcommands, the progress bar, the live fleet view and the demo.
 
-from weightwire.client.cli.main import main
-
-__all__ = ["main"]
+Nothing is imported here: the workers run as ``python -m weightwire.client.cli.main serve``, and
+a package that imported its ``main`` module first would make runpy warn on every start.
+"""

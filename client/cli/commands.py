@@ -10,6 +10,7 @@ whole system on this machine (``weightwire.client.cli.demo``).
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -17,6 +18,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from weightwire.core import cli_types
 from weightwire.core.errors import PushError, Reason, WeightwireError
 from weightwire.core.transports.table import names as transport_names
 
@@ -39,7 +41,7 @@ def add_parser(subparsers: Any) -> None:
         help="show weights version and state of workers",
         description="One row per worker: device, ranks, weights version, state, last update and last error.",
     )
-    p.add_argument("addresses", nargs="+", metavar="ADDR", help="worker addresses")
+    p.add_argument("addresses", nargs="+", action=_Addresses, metavar="ADDR", help="worker addresses")
     p.add_argument("--json", action="store_true", help="print the statuses as JSON (with --watch: one JSON object per refresh)")
     p.add_argument("--watch", action="store_true", help="keep polling: a live table redrawn in place until Ctrl-C")
     p.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between refreshes with --watch (default 2)")
@@ -54,10 +56,13 @@ def add_parser(subparsers: Any) -> None:
         "workers as weights version N. Names must be checkpoint names; every check runs before anything is sent.",
     )
     p.add_argument("--from", dest="checkpoint", required=True, metavar="CHECKPOINT", help=".safetensors file or directory")
-    p.add_argument("--to", dest="addresses", required=True, nargs="+", metavar="ADDR", help="worker addresses")
+    p.add_argument("--to", dest="addresses", required=True, nargs="+", action=_Addresses, metavar="ADDR", help="worker addresses")
     p.add_argument("--version", type=int, required=True, metavar="N", help="weights version to install (> current)")
     p.add_argument("--partial", action="store_true", help="a PARTIAL update (default FULL: every owned tensor)")
-    p.add_argument("--bucket-mb", type=float, default=64.0, help="staging bucket size in MiB (default 64)")
+    p.add_argument(
+        "--bucket-mb", dest="bucket_bytes", type=cli_types.size(_MB, "MiB"), default=64 * _MB, metavar="MB",
+        help="staging bucket size in MiB (default 64; fractions allowed)",
+    )
     p.add_argument("--transport", default="auto", help=f"auto (default) or one of: {', '.join(transport_names())}")
     p.add_argument("--allow-unowned", action="store_true", help="skip checkpoint tensors no worker owns")
     p.add_argument("--verify-checksums", action="store_true", help="send CRC-32 per bucket; workers verify")
@@ -70,20 +75,30 @@ def add_parser(subparsers: Any) -> None:
     demo.add_parser(subparsers)
 
 
+class _Addresses(argparse.Action):
+    """Worker addresses, each at most once: a worker named twice would get the update twice."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None) -> None:
+        twice = sorted(a for a, n in collections.Counter(values).items() if n > 1)
+        if twice:
+            parser.error(f"{option or 'ADDR'}: {', '.join(twice)} given more than once")
+        setattr(namespace, self.dest, list(values))
+
+
 def _connection_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("connection")
-    g.add_argument("--token", default=None, help="bearer token the workers require")
-    g.add_argument("--token-file", default=None, help="read the token from this file")
-    g.add_argument("--tls-ca", default=None, metavar="PEM", help="CA certificate(s) to verify the workers' TLS")
+    token = g.add_mutually_exclusive_group()
+    token.add_argument("--token", default=None, help="bearer token the workers require")
+    token.add_argument(
+        "--token-file", dest="token_from_file", type=cli_types.token_file, default=None, metavar="FILE",
+        help="read the token from this file",
+    )
+    g.add_argument("--tls-ca", type=cli_types.pem_file, default=None, metavar="PEM", help="CA certificate(s) to verify the workers' TLS")
     g.add_argument("--timeout", type=float, default=60.0, metavar="S", help="deadline of every call in seconds (default 60)")
 
 
 def _token(args: argparse.Namespace) -> str | None:
-    if getattr(args, "token_file", None):
-        from weightwire.core.netutil import read_token_file
-
-        return read_token_file(args.token_file)
-    return args.token
+    return args.token_from_file or args.token
 
 
 def _pusher(args: argparse.Namespace, addresses: Sequence[str], **kw: Any) -> Any:
@@ -95,6 +110,12 @@ def _pusher(args: argparse.Namespace, addresses: Sequence[str], **kw: Any) -> An
 def _fail(err: BaseException) -> int:
     print(f"weightwire: {err}", file=sys.stderr)
     return 1
+
+
+def _bad_input(err: BaseException) -> int:
+    """Input the command cannot use (a checkpoint that is not one): one line, exit status 2."""
+    print(f"weightwire: {err}", file=sys.stderr)
+    return 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,7 +296,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
-    """Every tensor of a .safetensors file, or of all .safetensors files in a directory (sorted)."""
+    """Every tensor of a .safetensors file, or of all .safetensors files in a directory (sorted).
+
+    ``OSError`` for a path that cannot be read, ``ValueError`` naming the file for one that is not
+    a readable safetensors file (text, random bytes, truncated, a header that lies).
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if os.path.isdir(path):
@@ -288,7 +314,11 @@ def load_checkpoint(path: str) -> dict[str, Any]:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     tensors: dict[str, Any] = {}
     for f in files:
-        for name, t in load_file(f).items():
+        try:
+            loaded = load_file(f)
+        except (SafetensorError, RuntimeError, ValueError) as e:  # the parser's error, or torch's for the bytes it describes
+            raise ValueError(f"{f} is not a readable .safetensors file: {e}") from None
+        for name, t in loaded.items():
             if name in tensors:
                 raise ValueError(f"tensor {name} appears in more than one file of {path}")
             tensors[name] = t
@@ -313,7 +343,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     try:
         tensors = load_checkpoint(args.checkpoint)
     except (OSError, ValueError) as e:
-        return _fail(e)
+        return _bad_input(e)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     print(f"weightwire push: {len(tensors)} tensors ({human_bytes(total)}) from {args.checkpoint} -> "
           f"{len(args.addresses)} worker(s) as version {args.version}", file=sys.stderr)
@@ -321,7 +351,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
     try:
         with (
-            _pusher(args, args.addresses, bucket_size_bytes=max(1, int(args.bucket_mb * _MB)), transport=args.transport) as pusher,
+            _pusher(args, args.addresses, bucket_size_bytes=args.bucket_bytes, transport=args.transport) as pusher,
             PushProgressBar(f"v{args.version}") as bar,
         ):
             manifests = pusher.manifests()

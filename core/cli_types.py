@@ -1,0 +1,149 @@
+"""Argument types of every ``weightwire`` command line (``serve``, ``push``, ``status``, ``manifest``,
+``demo``, ``discover``): a value the command could not honour is refused while the arguments are
+parsed, as one line and exit status 2, instead of being accepted and failing later (a port taken
+modulo 65536, a NaN deadline, a bucket of one byte).
+
+Each function takes the argument's text and returns its value, or raises
+``argparse.ArgumentTypeError`` with a message that names what is allowed (argparse prefixes the
+option's name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+from weightwire.core.netutil import read_token_file
+
+# Longest wait any option accepts (seconds, about 116 days): a larger one overflows the deadlines of
+# threading and gRPC, and nobody means it (a worker that must never time out a stream is a bug).
+MAX_SECONDS = 1e7
+# Largest weights version the wire carries (int64).
+MAX_VERSION = 2**63 - 1
+
+
+def _number(text: str, kind: Callable[[str], float]) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A duration in seconds: finite, > 0, at most ``MAX_SECONDS``."""
+    value = _number(text, float)
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0 and at most {MAX_SECONDS:g} seconds")
+    return value
+
+
+def seconds_or_zero(text: str) -> float:
+    """A duration in seconds that may be 0 (do not wait): finite, >= 0, at most ``MAX_SECONDS``."""
+    value = _number(text, float)
+    if not 0 <= value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0 and at most {MAX_SECONDS:g} seconds")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def version(text: str) -> int:
+    """A weights version: 1 .. 2^63-1."""
+    value = positive_int(text)
+    if value > MAX_VERSION:
+        raise argparse.ArgumentTypeError(f"{text!r} is over the largest version, 2^63-1")
+    return value
+
+
+def size(unit_bytes: int, name: str, max_bytes: int = 2**40) -> Callable[[str], int]:
+    """A size given in ``name`` units (``unit_bytes`` each, fractions allowed), returned in bytes:
+    at least one byte, at most ``max_bytes``."""
+
+    def parse(text: str) -> int:
+        value = _number(text, float)
+        nbytes = int(value * unit_bytes) if value > 0 else 0
+        if not 1 <= nbytes <= max_bytes:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} must be > 0 and at most {max_bytes // unit_bytes} {name} (at least one byte)"
+            )
+        return nbytes
+
+    return parse
+
+
+def port(text: str) -> int:
+    """A TCP port: 0 (pick a free one) .. 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 picks a free one, else 1..65535)")
+    return value
+
+
+def listen_address(text: str) -> str:
+    """``unix:/absolute/path.sock`` or ``HOST:PORT`` (``[v6]:PORT``) with a port of 0 .. 65535."""
+    if text.startswith("unix:"):
+        if not text[len("unix:") :].startswith("/"):
+            raise argparse.ArgumentTypeError(f"{text!r}: a unix socket needs an absolute path (unix:/path.sock)")
+        return text
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 'unix:/path.sock' or 'HOST:PORT'")
+    port(port_text)
+    return text
+
+
+# A PEM file of certificates or a key is a few KiB; a larger one is not what was meant.
+MAX_PEM_BYTES = 1024 * 1024
+
+
+def pem_file(text: str) -> str:
+    """The path of a PEM file (certificates or a key) that can be read now; gRPC would otherwise
+    take anything and fail each connection later with a handshake error."""
+    try:
+        with open(text, "rb") as f:
+            data = f.read(MAX_PEM_BYTES + 1)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {e.strerror or e}") from None
+    if len(data) > MAX_PEM_BYTES or b"-----BEGIN " not in data:
+        raise argparse.ArgumentTypeError(f"{text} is not a PEM file (no '-----BEGIN ' block)")
+    return text
+
+
+def token_file(text: str) -> str:
+    """The token stored in the file ``text`` (see ``netutil.read_token_file``)."""
+    try:
+        return read_token_file(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+__all__ = [
+    "MAX_PEM_BYTES",
+    "MAX_SECONDS",
+    "MAX_VERSION",
+    "listen_address",
+    "pem_file",
+    "port",
+    "positive_int",
+    "seconds",
+    "seconds_or_zero",
+    "size",
+    "token_file",
+    "version",
+]
