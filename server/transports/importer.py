@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Hashable
-from typing import ClassVar, Protocol
+import threading
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 from weightwire.core.devices import DeviceRef
 from weightwire.core.transports import table as transports
 from weightwire.server.rules.views import ReadBatch
 from weightwire.v1 import weight_transfer_pb2 as pb
+
+if TYPE_CHECKING:
+    from weightwire.server.rules.validation import CheckedSpec
 
 
 class ImportedPayload(Protocol):
@@ -56,13 +60,18 @@ class ImportContext:
 
     ``source`` is the payload's label, ``own_device`` the worker's device, ``peer`` True when the
     header allowed a peer-GPU import and this payload is one, ``target`` the torch device the engine
-    loads into (a CUDA importer opens handles on it).
+    loads into (a CUDA importer opens handles on it). ``owned``: the checked specs of the tensors
+    this worker will read from the payload (an importer that receives only some byte ranges refuses
+    one outside them before it waits for anything). ``call_ended``: set once the call carrying the
+    update is over (cancelled, past its deadline); an importer that waits for bytes stops waiting then.
     """
 
     own_device: DeviceRef
     source: DeviceRef
     peer: bool
     target: torch.device
+    owned: Sequence[CheckedSpec] = ()
+    call_ended: threading.Event | None = None
 
 
 class PayloadImporter(abc.ABC):

@@ -18,6 +18,7 @@ forms a new one.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import logging
@@ -25,6 +26,7 @@ import socket
 import threading
 import time
 import zlib
+from collections.abc import Sequence
 
 import torch
 from weightwire.core.errors import Reason, WeightwireError
@@ -45,6 +47,7 @@ from weightwire.core.transports.transfer_group_plan import (
     message_tag,
     own_rank,
 )
+from weightwire.server.rules.validation import CheckedSpec
 from weightwire.server.rules.views import ReadBatch
 from weightwire.server.transports.importer import ImportContext, ImportedPayload, PayloadImporter
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -59,8 +62,41 @@ MAX_STAGING_BUFFERS = 2
 DEFAULT_MAX_STAGING_BYTES = 1 << 30
 # How long past the group's timeout the service thread waits for the receive thread's verdict.
 _VERDICT_GRACE_S = 5.0
+# How often a wait for a bucket's bytes looks whether the update's call ended.
+_CALL_POLL_S = 0.05
 # How long past the group's timeout a join waits for its formation before giving up on it.
 _FORM_GRACE_S = 5.0
+
+
+def covered_by(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether ``[start, end)`` lies inside the ``(offset, size)`` ranges (ascending, not
+    overlapping: ``check_ranges``); adjacent ranges count as one."""
+    if start == end:
+        return True
+    i = bisect.bisect_right(ranges, (start, float("inf"))) - 1
+    if i < 0:
+        return False
+    offset, size = ranges[i]
+    if start < offset:
+        return False
+    reach = offset + size
+    while reach < end and i + 1 < len(ranges) and ranges[i + 1][0] == reach:
+        i += 1
+        reach += ranges[i][1]
+    return end <= reach
+
+
+def check_owned_in_ranges(owned: Sequence[CheckedSpec], ranges: list[tuple[int, int]]) -> None:
+    """TENSOR_OUT_OF_BOUNDS for the first owned tensor whose bytes lie outside the bucket's ranges:
+    they would never arrive, so the bucket is refused before anything waits for them."""
+    for spec in owned:
+        if not covered_by(ranges, spec.offset_bytes, spec.end_bytes):
+            raise WeightwireError(
+                Reason.TENSOR_OUT_OF_BOUNDS,
+                f"tensor {spec.name!r} (bytes [{spec.offset_bytes}, {spec.end_bytes})) is owned by this worker but lies "
+                "outside the byte ranges the bucket sends it over the transfer group; send every owned tensor's bytes",
+                tensor=spec.name,
+            )
 
 
 @dataclasses.dataclass
@@ -201,11 +237,14 @@ class _Member:
             self.cond.notify_all()
         return recv
 
-    def claim(self, payload: pb.Payload) -> _Receive:
+    def claim(self, payload: pb.Payload, call_ended: threading.Event | None = None) -> _Receive:
         """The receive of ``payload``'s bucket (queued ahead, or queued now), once its bytes are in.
 
         Receives queued ahead for buckets this worker then did not open (nothing owned in them) are
-        finished and dropped first, in order.
+        finished and dropped first, in order. Once ``call_ended`` is set (the update's call was
+        cancelled or passed its deadline) this stops waiting and raises CANCELLED: the update then
+        fails at once and tears the group down, instead of holding the worker until the group's
+        timeout.
         """
         seq = payload.transfer_group.sequence
         with self.cond:
@@ -222,13 +261,20 @@ class _Member:
                     self._finish(self.queue.popleft())
                 if recv.done or self.closed:
                     break
+                if call_ended is not None and call_ended.is_set():
+                    raise WeightwireError(
+                        Reason.CANCELLED,
+                        f"the update's call ended (cancelled, or past its deadline) while bucket sequence {seq} was "
+                        "still on its way over the transfer group; nothing was committed",
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
                     recv.error = WeightwireError(
                         Reason.TRANSFER_FAILED, f"bucket sequence {seq}: no verdict from the receive within the group's timeout"
                     )
                     break
-                self.cond.wait(min(left, 1.0))
+                # Woken by the receive thread; with a call to watch, also often enough to notice its end.
+                self.cond.wait(min(left, _CALL_POLL_S if call_ended is not None else 1.0))
             if recv.error is None and not recv.done:
                 recv.error = self.gone()
             if recv.error is not None:
@@ -361,10 +407,7 @@ class _Received:
         return recv.buffer
 
     def _covered(self, start: int, end: int) -> bool:
-        for offset, size in self._ranges:
-            if offset <= start and end <= offset + size:
-                return True
-        return start == end
+        return covered_by(self._ranges, start, end)
 
     def fetch(self, batch: ReadBatch) -> torch.Tensor:
         if not self._whole:
@@ -567,8 +610,10 @@ class GroupImporter(PayloadImporter):
 
     def open(self, payload: pb.Payload, ctx: ImportContext) -> tuple[ImportedPayload, bool]:
         member = self._current()
+        if ctx.owned and payload.transfer_group.ranges:
+            check_owned_in_ranges(ctx.owned, check_ranges(payload.transfer_group.ranges, payload.size_bytes))
         try:
-            recv = member.claim(payload)
+            recv = member.claim(payload, ctx.call_ended)
         except WeightwireError as err:
             if err.kind is Reason.TRANSFER_FAILED:
                 self._teardown(f"{err.reason}: {clip(err.message, 200)}")

@@ -350,7 +350,7 @@ class Update:
     ) -> _Loaded:
         """Open the payload (once per handle per update), check its real size, verify, load."""
         t_open = time.perf_counter_ns()
-        mapping, opened = self._open(importer, sel)
+        mapping, opened = self._open(importer, sel, layout)
         open_ns = time.perf_counter_ns() - t_open
         try:
             if mapping.size_bytes < sel.payload.size_bytes:
@@ -390,8 +390,11 @@ class Update:
             finally:
                 del views
 
-    def _open(self, importer: PayloadImporter, sel: Selection) -> tuple[ImportedPayload, bool]:
-        ctx = ImportContext(own_device=self._ctx.own_device, source=sel.device, peer=sel.peer, target=self._ctx.target_device)
+    def _open(self, importer: PayloadImporter, sel: Selection, layout: BucketLayout) -> tuple[ImportedPayload, bool]:
+        ctx = ImportContext(
+            own_device=self._ctx.own_device, source=sel.device, peer=sel.peer, target=self._ctx.target_device,
+            owned=layout.owned, call_ended=self._rpc_ended,
+        )
         key = None if importer.reusable else importer.cache_key(sel.payload)
         if key is not None and key in self._mappings:
             return self._mappings[key], False

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from helpers import error_info
+from helpers import RequestFeed, error_info, full_update_requests, header, pack, push, wait_until
+from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports.transfer_group import StoreServer, TransferGroup
 from weightwire.core.transports.transfer_group_plan import MemberIdentity, plan_group
@@ -142,3 +143,69 @@ def test_a_store_that_never_answers_ends_the_join_and_the_next_join_works(worker
         listener.close()
         for conn in accepted:
             conn.close()
+
+
+def _group_bucket(spec: pb.TransferGroupSpec, size: int, ranges: list[tuple[int, int]], specs: list[pb.TensorSpec]) -> pb.PushWeightsRequest:
+    handle = pb.TransferGroupHandle(
+        group_id=spec.group_id, source_rank=0, mode=pb.TRANSFER_MODE_POINT_TO_POINT, sequence=1,
+        ranges=[pb.ByteRange(offset_bytes=o, size_bytes=n) for o, n in ranges],
+    )
+    payload = pb.Payload(device=pb.DeviceId(kind=pb.DEVICE_KIND_HOST), size_bytes=size, transfer_group=handle)
+    return pb.PushWeightsRequest(bucket=pb.Bucket(index=0, tensors=specs, payloads=[payload]))
+
+
+def _norm_update(worker: Worker, spec: pb.TransferGroupSpec, version: int, ranges_of: object) -> list[pb.PushWeightsRequest]:
+    """A PARTIAL update of the norm weight over the group; ``ranges_of(size)`` gives the byte ranges."""
+    packed = pack({NORM: full_checkpoint(DemoConfig(), version)[NORM]})
+    size = len(packed.data)
+    bucket = _group_bucket(spec, size, ranges_of(size), list(packed.specs))  # type: ignore[operator]
+    own = worker.manifest.device.to_proto()
+    bucket.bucket.payloads[0].device.CopyFrom(own)
+    return [header(version, scope=pb.UPDATE_SCOPE_PARTIAL), bucket, pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=1))]
+
+
+def test_an_owned_tensor_outside_the_ranges_is_refused_before_any_wait(worker: Worker, group: object) -> None:
+    _, spec = group  # type: ignore[misc]
+    before = worker.status()
+    version = before.weights_version + 1
+    # The ranges cover only the tail of the payload; the norm weight (owned) starts at 0. The
+    # trainer sends nothing: a worker that waited for bytes would still be waiting.
+    reqs = _norm_update(worker, spec, version, lambda size: [(size - 64, 64)])
+    out = push(worker.stub, reqs, timeout=CALL_TIMEOUT_S)
+    assert (out.code, out.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "TENSOR_OUT_OF_BOUNDS"), (out.code, out.reason, out.message)
+    assert out.metadata.get("tensor") == NORM
+    st = worker.status()
+    assert (st.weights_version, st.state) == (before.weights_version, before.state)
+
+
+@pytest.mark.parametrize("how", ["stream cancelled", "PushUpdate deadline"])
+def test_an_update_whose_call_ends_while_waiting_for_group_bytes_ends_at_once(worker: Worker, group: object, how: str) -> None:
+    _, spec = group  # type: ignore[misc]
+    before = worker.status()
+    version = before.weights_version + 1
+    reqs = _norm_update(worker, spec, version, lambda size: [(0, size)])  # bytes the trainer never sends
+    if how == "stream cancelled":
+        feed = RequestFeed()
+        call = worker.stub.PushWeights(iter(feed), timeout=CALL_TIMEOUT_S)
+        for req in reqs[:2]:
+            feed.send(req)
+        assert wait_until(lambda: worker.status().state == pb.WORKER_STATE_UPDATING)
+        call.cancel()
+        feed.end()
+    else:
+        out = push(worker.stub, reqs, timeout=1.0, whole=True)
+        assert out.code == grpc.StatusCode.DEADLINE_EXCEEDED, (out.code, out.reason, out.message)
+    # Ends well before the group's timeout (the call deadline of the checks below is far shorter).
+    assert wait_until(lambda: worker.status().state != pb.WORKER_STATE_UPDATING, timeout=CALL_TIMEOUT_S)
+    st = worker.status()
+    assert st.weights_version == before.weights_version
+    assert st.last_error.reason == "CANCELLED" and st.last_error.version == version, st.last_error
+    # Not refused with UPDATE_IN_PROGRESS: the failed update already tore the group down.
+    left = worker.stub.LeaveTransferGroup(pb.LeaveTransferGroupRequest(group_id=spec.group_id), timeout=CALL_TIMEOUT_S)
+    assert left.left is False
+    assert worker.status().transfer_group.state == pb.TRANSFER_GROUP_STATE_NONE
+    # And the next push is taken.
+    full = full_checkpoint(DemoConfig(), version)
+    landed = push(worker.stub, full_update_requests(version, full, None), timeout=CALL_TIMEOUT_S)
+    assert landed.code == grpc.StatusCode.OK, (landed.code, landed.reason, landed.message)
+    assert worker.status().weights_version == version
