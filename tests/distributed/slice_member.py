@@ -1,0 +1,124 @@
+"""One member of a multi-source slice transfer, in its own process, for test_slices_from_every_rank.py.
+
+Every member builds the same inputs a push would have: the demo model's TorchAdapter manifest for
+every worker of a TP x PP x DP engine (real slice geometry from the adapter's TP rules) and the
+FSDP2 holdings of every trainer rank (``Shard(0)`` over the trainer ranks), plans, and joins one
+gloo process group on the test's store. A trainer rank keeps only its own shards of the checkpoint
+(the full one is dropped before anything is sent) and sends what the plan gives it; a worker
+receives straight into its TorchAdapter's parameters and checks them against the checkpoint's
+slices. Prints one JSON line: the bytes it sent or received, its parameters' check, or the error.
+
+``--plan-variant`` makes this member plan from other inputs (it believes a worker keeps another
+slice), for the refusal test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+
+import torch
+from weightwire.adapters.torch import TorchAdapter
+from weightwire.adapters.torch.demo import (
+    DEMO_TP_RULES,
+    DemoConfig,
+    build_demo_model,
+    expected_shard,
+    full_checkpoint,
+)
+from weightwire.core import dtypes
+from weightwire.core.devices import DeviceRef
+from weightwire.core.errors import WeightwireError
+from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
+from weightwire.core.transports.transfer_group_slices import GroupRanks, agree, receive_slices, send_slices
+from weightwire.core.transports.transfer_plan import Shard, TensorSpec, plan_transfers
+
+CONFIG = DemoConfig()
+HOST = DeviceRef.host("b0070000-0000-0000-0000-000000000000")
+TIMEOUT_S = 30.0
+
+
+def engine(tp: int, pp: int, dp: int) -> dict[str, tuple[ParallelRank, TorchAdapter]]:
+    out = {}
+    for d in range(dp):
+        for p in range(pp):
+            for t in range(tp):
+                rank = ParallelRank(tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, dp_rank=d, dp_size=dp)
+                model = build_demo_model(CONFIG, rank, "cpu", 0)
+                adapter = TorchAdapter(model, rank=rank, device=torch.device("cpu"), own_device=HOST,
+                                       tp_rules=DEMO_TP_RULES, num_layers=CONFIG.num_layers)
+                out[adapter.worker_id] = (rank, adapter)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--store", required=True)  # host:port
+    ap.add_argument("--group", required=True)
+    ap.add_argument("--trainers", type=int, required=True)
+    ap.add_argument("--engine", required=True)  # tp,pp,dp
+    ap.add_argument("--rank", type=int, required=True)  # group rank
+    ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--plan-variant", action="store_true")
+    args = ap.parse_args()
+    tp, pp, dp = (int(x) for x in args.engine.split(","))
+
+    workers = engine(tp, pp, dp)
+    manifests = {w: a.manifest() for w, (_, a) in workers.items()}
+    if args.plan_variant:
+        # This member believes the first sliced tensor of the first worker is kept whole.
+        first = sorted(manifests)[0]
+        m = manifests[first]
+        name = next(n for n, t in sorted(m.tensors.items()) if t.pieces)
+        tensors = dict(m.tensors)
+        tensors[name] = OwnedTensor(name, m.tensors[name].dtype, m.tensors[name].shape)
+        manifests[first] = ShardManifest.build(m.device, m.rank, tensors.values(), worker_id=m.worker_id,
+                                               instance_id=m.instance_id)
+    full = full_checkpoint(CONFIG, args.seed)
+    specs = [
+        TensorSpec.dtensor(name, tuple(t.shape), dtypes.from_torch(t.dtype), (args.trainers,), [Shard(0)])
+        for name, t in full.items()
+    ]
+    plan = plan_transfers(specs, manifests)
+    ranks = GroupRanks.of_plan(args.trainers, list(manifests))
+
+    host, port = args.store.rsplit(":", 1)
+    store = torch.distributed.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=TIMEOUT_S))
+    opts = torch.distributed.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    opts._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=False)]
+    pg = torch.distributed.ProcessGroupGloo(
+        torch.distributed.PrefixStore(args.group, store), args.rank, ranks.world_size, opts
+    )
+    result: dict[str, object] = {"rank": args.rank, "fingerprint": plan.fingerprint}
+    try:
+        agree(pg, plan, args.rank, ranks.world_size, TIMEOUT_S)
+        if args.rank < args.trainers:
+            # Only this rank's shards survive: the full checkpoint is gone before a byte moves.
+            local = {s.name: full[s.name][tuple(slice(a, b) for a, b in s.holdings[args.rank])].clone()
+                     for s in specs if args.rank in s.holdings}
+            holdings = {s.name: s.holdings[args.rank] for s in specs if args.rank in s.holdings}
+            del full
+            result["sent"] = send_slices(pg, plan, ranks, args.rank, local, holdings, timeout_s=TIMEOUT_S)
+            result["planned"] = sum(t.nbytes * len(t.destinations) for t in plan.for_source(args.rank))
+        else:
+            worker = ranks.workers[args.rank - args.trainers]
+            rank, adapter = workers[worker]
+            params = adapter.state()
+            with torch.no_grad():
+                received = receive_slices(pg, plan, ranks, worker, params, manifests[worker].tensors, timeout_s=TIMEOUT_S)
+            want = expected_shard(full, rank, CONFIG)
+            result.update(
+                worker=worker,
+                received=received,
+                kept_bytes=manifests[worker].kept_bytes,
+                exact=sorted(want) == sorted(params) and all(torch.equal(params[n], want[n]) for n in want),
+            )
+    except WeightwireError as e:
+        result.update(error=e.reason_name, message=str(e))
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Every trainer rank a source (issue 27's data plane, over gloo on loopback between real processes):
+FSDP2 shards of 2 and 4 trainer ranks into a TP2 x PP2 engine and into TP2 x 2 replicas, each worker
+receiving exactly its slices straight into its parameters (bit-exact against the checkpoint; bytes
+received == its manifest's kept bytes), each trainer rank sending only bytes it holds; a member
+with another plan is refused on every member before a byte moves.
+
+Each member is a ``slice_member.py`` process; the test process serves the store only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.timeout(240)
+
+
+def run_group(trainers: int, engine: tuple[int, int, int], *, variant_rank: int | None = None) -> list[dict]:
+    tp, pp, dp = engine
+    world = trainers + tp * pp * dp
+    store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+    group = uuid.uuid4().hex
+    procs = []
+    for rank in range(world):
+        cmd = [sys.executable, os.path.join(HERE, "slice_member.py"), "--store", f"127.0.0.1:{store.port}",
+               "--group", group, "--trainers", str(trainers), "--engine", f"{tp},{pp},{dp}", "--rank", str(rank)]
+        if rank == variant_rank:
+            cmd.append("--plan-variant")
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err[-2000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+@pytest.mark.parametrize(("trainers", "engine"), [(2, (2, 2, 1)), (4, (2, 1, 2))], ids=["2-to-tp2pp2", "4-to-tp2x2"])
+def test_every_rank_sends_only_its_shards_and_every_worker_gets_exactly_its_slices(
+    trainers: int, engine: tuple[int, int, int]
+) -> None:
+    results = run_group(trainers, engine)
+    assert all("error" not in r for r in results), results
+    assert len({r["fingerprint"] for r in results}) == 1
+    senders, receivers = results[:trainers], results[trainers:]
+    for r in senders:
+        assert r["sent"] == r["planned"] > 0, r  # every rank a source, each its own share
+    for r in receivers:
+        assert r["exact"], r["worker"]
+        assert r["received"] == r["kept_bytes"], r
+    assert sum(r["sent"] for r in senders) == sum(r["received"] for r in receivers)
+
+
+def test_a_member_with_another_plan_is_refused_on_every_member() -> None:
+    results = run_group(1, (2, 1, 1), variant_rank=2)
+    assert {r["error"] for r in results} == {"GROUP_PLAN_MISMATCH"}, results
+    assert all("sent" not in r and "received" not in r for r in results)
