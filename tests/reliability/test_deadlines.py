@@ -26,6 +26,9 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 
 IDLE_TIMEOUT_S = 60.0
+# The client deadline of the calls that must end while the engine is held (it is held until the
+# test lets it go, so any deadline passes there once the engine was reached).
+DEADLINE_S = 2.0
 NORM = "model.norm.weight"
 
 
@@ -139,27 +142,48 @@ def call_ended_on_worker(worker: Worker) -> bool:
     return ended is not None and ended.is_set()
 
 
-@pytest.mark.parametrize("at", ["load", "end"])
-@pytest.mark.parametrize("rpc", ["PushUpdate", "PushWeights"])
-def test_a_call_past_its_deadline_never_commits(worker: Worker, hold: Hold, rpc: str, at: str) -> None:
-    # The client's deadline passes while the engine loads the bucket, or while it finishes the
-    # update after the commit message: the client is told DEADLINE_EXCEEDED, so the worker must
-    # not move to the new version (a retry would get STALE_VERSION for an update it was told failed).
+def _call_ending(worker: Worker, hold: Hold, rpc: str, how: str, reqs: list[pb.PushWeightsRequest]) -> None:
+    """Send ``reqs`` as ``rpc`` and end the call while the engine is held: its deadline passes
+    (DEADLINE_S), or the client cancels it once the engine was reached."""
+    if how == "deadline":
+        out = push(worker.stub, reqs, timeout=DEADLINE_S, whole=rpc == "PushUpdate")
+        assert out.code == grpc.StatusCode.DEADLINE_EXCEEDED, (out.code, out.reason, out.message)
+        return
+    if rpc == "PushUpdate":
+        future = worker.stub.PushUpdate.future(pb.PushUpdateRequest(messages=reqs), timeout=60)
+        assert hold.entered.wait(30)
+        future.cancel()
+        return
+    call = worker.stub.PushWeights(iter(reqs), timeout=60)
+    assert hold.entered.wait(30)
+    call.cancel()
+
+
+@pytest.mark.parametrize(
+    ("rpc", "at", "how"),
+    [(rpc, at, "deadline") for rpc in ("PushUpdate", "PushWeights") for at in ("load", "end")]
+    + [("PushUpdate", "load", "cancel"), ("PushUpdate", "end", "cancel"), ("PushWeights", "end", "cancel")],
+)
+def test_a_call_that_ended_never_commits(worker: Worker, hold: Hold, rpc: str, at: str, how: str) -> None:
+    # The client's deadline passes (or it cancels) while the engine loads the bucket, or while it
+    # finishes the update after the commit message: the client is told the call failed, so the
+    # worker must not move to the new version (a retry would get STALE_VERSION for it).
     before = worker.status()
     version = before.weights_version + 1
     hold.arm(at)
-    out = push(worker.stub, partial_update(version), timeout=0.5, whole=rpc == "PushUpdate")
-    assert out.code == grpc.StatusCode.DEADLINE_EXCEEDED, (out.code, out.reason, out.message)
-    assert hold.entered.is_set(), "the deadline passed before the engine was reached"
-    assert wait_until(lambda: call_ended_on_worker(worker))
+    _call_ending(worker, hold, rpc, how, partial_update(version))
+    # Once the worker learned that the call is over (or the update already ended, a deadline
+    # that passed before the engine was reached), let the engine go.
+    assert wait_until(lambda: call_ended_on_worker(worker) or worker.status().state != pb.WORKER_STATE_UPDATING)
     hold.release.set()
     assert wait_until(lambda: worker.status().state != pb.WORKER_STATE_UPDATING)
     st = worker.status()
     assert st.weights_version == before.weights_version
     assert st.last_error.reason == "CANCELLED" and st.last_error.version == version, st.last_error
     assert st.updates_succeeded == before.updates_succeeded
-    # It loaded the norm weight (INCONSISTENT); the next update lands as usual.
-    assert st.state == pb.WORKER_STATE_INCONSISTENT
+    # Once the engine was reached it had loaded the norm weight: INCONSISTENT.
+    assert st.state == (pb.WORKER_STATE_INCONSISTENT if hold.entered.is_set() else before.state)
+    # The next update lands as usual.
     full = full_checkpoint(DemoConfig(), version)
     hold.disarm()
     landed = push(worker.stub, full_update_requests(version, full, None), whole=rpc == "PushUpdate")

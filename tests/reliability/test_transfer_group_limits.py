@@ -193,7 +193,7 @@ def test_an_update_whose_call_ends_while_waiting_for_group_bytes_ends_at_once(wo
         call.cancel()
         feed.end()
     else:
-        out = push(worker.stub, reqs, timeout=1.0, whole=True)
+        out = push(worker.stub, reqs, timeout=3.0, whole=True)
         assert out.code == grpc.StatusCode.DEADLINE_EXCEEDED, (out.code, out.reason, out.message)
     # Ends well before the group's timeout (the call deadline of the checks below is far shorter).
     assert wait_until(lambda: worker.status().state != pb.WORKER_STATE_UPDATING, timeout=CALL_TIMEOUT_S)
