@@ -2,7 +2,7 @@
 before the worker is ready to load it.
 
 ``WorkerService.push`` iterates ``read_ahead(requests, importers)`` instead of ``requests``. Nothing
-changes until a bucket arrives whose payload's importer has an ``ahead`` method (transfer groups,
+changes until a bucket arrives whose payload's importer ``ReadsAhead`` (transfer groups,
 ``weightwire.server.transports.transfer_group``): from then on a thread reads the following messages as they come
 and hands each such payload to ``ahead`` at once, so the receive of bucket k+1 runs while bucket k
 loads. The messages still reach the caller one at a time, in order, with every rule applied to
@@ -14,11 +14,21 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-__all__ = ["MAX_AHEAD", "read_ahead"]
+
+@runtime_checkable
+class ReadsAhead(Protocol):
+    """An importer that can start receiving a bucket's bytes as soon as the bucket is read, before
+    the worker loads the one before it."""
+
+    def ahead(self, payload: pb.Payload) -> None:
+        """Start the transfer of ``payload``'s bytes; its import later finds them under way."""
+        ...
+
+__all__ = ["MAX_AHEAD", "ReadsAhead", "read_ahead"]
 
 MAX_AHEAD = 4
 _END = object()
@@ -28,16 +38,15 @@ def _announce(bucket: pb.Bucket, importers: Mapping[str, Any]) -> bool:
     """Hand the bucket's first payload that an importer can receive ahead to it; True if any."""
     for payload in bucket.payloads:
         importer = importers.get(payload.WhichOneof("handle") or "")
-        ahead = getattr(importer, "ahead", None)
-        if ahead is not None:
-            ahead(payload)
+        if isinstance(importer, ReadsAhead):
+            importer.ahead(payload)
             return True
     return False
 
 
 def _wants_ahead(req: pb.PushWeightsRequest, importers: Mapping[str, Any]) -> bool:
     return req.WhichOneof("message") == "bucket" and any(
-        hasattr(importers.get(p.WhichOneof("handle") or ""), "ahead") for p in req.bucket.payloads
+        isinstance(importers.get(p.WhichOneof("handle") or ""), ReadsAhead) for p in req.bucket.payloads
     )
 
 
