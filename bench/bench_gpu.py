@@ -254,7 +254,7 @@ class Bench:
         rig.refill()
         devices = [self.device] + ([torch.device("cuda", 1)] if kind == "peer" else [])
         w.call({"cmd": "release"})
-        if kind in ("params", "state_dict"):
+        if kind in ("params", "state_dict", "params_list"):
             # The README's line: every option left at its default.
             pusher = WeightPusher([addr])
         else:
@@ -268,10 +268,18 @@ class Bench:
         try:
             restore.__enter__()
             pusher.manifests()
-            if kind in ("params", "state_dict"):
+            if kind in ("params", "state_dict", "params_list"):
                 module = param_module(rig)
+                # What the module's own walk costs in this process (the README's line pays it inside push).
+                walk: Callable[[], Any] = (
+                    (lambda: list(module.named_parameters())) if kind != "state_dict" else module.state_dict
+                )
+                mem["walk_ms"] = common.time_reps(walk, lambda: None, max(self.args.reps, 5))
+                kept = list(module.named_parameters())
 
                 def push(v: int) -> Any:
+                    if kind == "params_list":  # a list of the parameters kept across steps
+                        return pusher.push(kept, version=v)
                     tensors = module.named_parameters() if kind == "params" else module.state_dict()
                     return pusher.push(tensors, version=v)
             elif kind == "inplace":
@@ -589,6 +597,7 @@ class Bench:
             ("ww_packed", label(main_b), lambda: self.ww_case(rig, ww, "packed", main_b), need),
             ("ww_params", "named_parameters", lambda: self.ww_case(rig, ww, "params", None), need),
             ("ww_params", "state_dict", lambda: self.ww_case(rig, ww, "state_dict", None), need),
+            ("ww_params", "kept list", lambda: self.ww_case(rig, ww, "params_list", None), need),
             ("per_tensor", "per_tensor", lambda: self.per_tensor_case(rig, pt, "per_tensor"), 3 * need),
         ]
         if ce is not None:

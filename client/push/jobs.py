@@ -189,7 +189,7 @@ def _in_place_jobs(
     complete = options.scope == pb.UPDATE_SCOPE_FULL and all(n == 1 for n in counts.values())
     jobs: list[Job] = []
     for p in plans:
-        exported = export_tensors([kept[i] for i in p.items])
+        exported = export_tensors([kept[i] for i in p.items], p.recipients)
         if exported is None:
             return None
         memo = exported.specs_memo.get(id(p))

@@ -257,12 +257,13 @@ def in_place_job(
     exporter: exp.Exporter, exported: object, complete: bool
 ) -> Callable[[Callable[[], bool], float], PreparedBucket]:
     """A bucket of the caller's own CUDA tensors, exported where they live (``CudaIpcExporter.
-    export_tensors``): nothing staged, nothing to release; the payload carries the event of the
-    writes queued so far (or this waits for them)."""
-    tensors_payload = getattr(exporter, "tensors_payload")  # noqa: B009 - only CUDA IPC has it
+    export_tensors``): nothing staged, nothing to release; each worker's payload names its own
+    shares of the storages and carries the event of the writes queued so far (or this waits for them)."""
+    tensors_payloads = getattr(exporter, "tensors_payloads")  # noqa: B009 - only CUDA IPC has it
 
     def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
-        return PreparedBucket([tensors_payload(exported, complete=complete)], None, None, lambda ok: None)
+        payloads = tensors_payloads(exported, complete=complete)
+        return PreparedBucket([], None, None, lambda ok: None, per_recipient=payloads.__getitem__)
 
     return prepare
 

@@ -15,8 +15,9 @@ payload carries it, so packing the next bucket overlaps the workers' copies of t
 it waits for the copies on the host, as a worker that does not wait reads a kept mapping at once.
 
 ``export_tensors`` exports a caller's ordinary CUDA tensors (a model's parameters, each its own
-allocation) where they live, with no packing copy: each distinct storage is shared once (kept, by a
-weak reference, for as long as the trainer keeps it) and a payload names them all
+allocation) where they live, with no packing copy: each distinct storage is shared once per
+receiving worker (torch's reference counter counts one release per share, so each worker gets its
+own) and kept, by a weak reference, for as long as the trainer keeps it; a payload names them all
 (``CudaIpcHandle.storages``), each tensor at its storage's place plus its own offset. The payload of
 the same tensors in the same storages is built once and sent again every update; a storage that
 dies (a parameter freed or replaced) is forgotten, and the next payload is built anew and says it is
@@ -156,16 +157,17 @@ class ExportedTensors:
 
     offsets: tuple[int, ...]
     size_bytes: int
-    storages: list[pb.CudaIpcStorage]
-    _payloads: dict[tuple[bool, bool], pb.Payload] = dataclasses.field(default_factory=dict)
+    # Each recipient's own shares of the storages (the same storages, places and sizes).
+    storages: dict[str, list[pb.CudaIpcStorage]]
+    _payloads: dict[tuple[str, bool, bool], pb.Payload] = dataclasses.field(default_factory=dict)
     specs_memo: dict[int, tuple[object, list[object]]] = dataclasses.field(default_factory=dict)
 
-    def payload(self, label: DeviceRef, event_handle: bytes | None, complete: bool) -> pb.Payload:
-        """The payload (built once per event mode and completeness, then the same object)."""
-        key = (event_handle is not None, complete)
+    def payload(self, recipient: str, label: DeviceRef, event_handle: bytes | None, complete: bool) -> pb.Payload:
+        """``recipient``'s payload (built once per event mode and completeness, then the same object)."""
+        key = (recipient, event_handle is not None, complete)
         msg = self._payloads.get(key)
         if msg is None:
-            handle = pb.CudaIpcHandle(storages=self.storages, storages_complete=complete)
+            handle = pb.CudaIpcHandle(storages=self.storages[recipient], storages_complete=complete)
             if event_handle is not None:
                 handle.event_handle = event_handle
                 handle.event_sync_required = True
@@ -177,10 +179,10 @@ class ExportedTensors:
 @dataclasses.dataclass(frozen=True)
 class _StorageShare:
     """One storage shared for ``export_tensors``: the weak reference whose callback forgets it,
-    and its share as a ``CudaIpcStorage`` at payload offset 0."""
+    and one share per recipient as a ``CudaIpcStorage`` at payload offset 0."""
 
     ref: weakref.ref[torch.UntypedStorage]
-    message: pb.CudaIpcStorage
+    messages: dict[str, pb.CudaIpcStorage]
 
 
 class CudaIpcExporter(Exporter):
@@ -282,18 +284,19 @@ class CudaIpcExporter(Exporter):
         # Whole-list checks (this runs every push): get_device is -1 for a CPU tensor.
         return {t.get_device() for t in tensors} == {self.device.index} and all(map(torch.Tensor.is_contiguous, tensors))
 
-    def export_tensors(self, tensors: Sequence[torch.Tensor]) -> ExportedTensors | None:
-        """``tensors`` as views into their own storages (no copy), or None when one cannot be shared
-        (the caller packs them instead). The same tensors in the same storages give the same object."""
+    def export_tensors(self, tensors: Sequence[torch.Tensor], recipients: Sequence[str]) -> ExportedTensors | None:
+        """``tensors`` as views into their own storages (no copy) for each of ``recipients``, or None
+        when one cannot be shared (the caller packs them instead). The same tensors in the same
+        storages for the same recipients give the same object."""
         storages = [t.untyped_storage() for t in tensors]
-        key = (self._generation, tuple(map(id, storages)), tuple([t.storage_offset() for t in tensors]))
+        key = (self._generation, tuple(map(id, storages)), tuple([t.storage_offset() for t in tensors]), tuple(recipients))
         with self._lock:
             known = self._exported.get(key)
             if known is not None:
                 self._exported.move_to_end(key)
                 return known
         places: dict[int, int] = {}
-        messages: list[pb.CudaIpcStorage] = []
+        messages: dict[str, list[pb.CudaIpcStorage]] = {r: [] for r in recipients}
         end = 0
         for storage in storages:
             sid = id(storage)
@@ -302,17 +305,18 @@ class CudaIpcExporter(Exporter):
             if storage.nbytes() == 0:
                 places[sid] = 0  # an empty tensor: nothing to share, the worker views nothing
                 continue
-            share = self._share_storage(storage)
-            if share is None:
-                return None
             at = -(-end // 256) * 256
-            msg = pb.CudaIpcStorage()
-            msg.CopyFrom(share.message)
-            msg.payload_offset_bytes = at
+            for recipient in recipients:
+                share = self._share_storage(storage, recipient)
+                if share is None:
+                    return None
+                msg = pb.CudaIpcStorage()
+                msg.CopyFrom(share)
+                msg.payload_offset_bytes = at
+                messages[recipient].append(msg)
             places[sid] = at
-            messages.append(msg)
             end = at + int(storage.nbytes())
-        if not messages:
+        if not recipients or not messages[recipients[0]]:
             return None  # only empty tensors: nothing to export
         offsets = tuple(
             places[id(s)] + int(t.storage_offset()) * t.element_size() if t.numel() else 0
@@ -327,13 +331,16 @@ class CudaIpcExporter(Exporter):
                 self._exported.popitem(last=False)
         return exported
 
-    def _share_storage(self, storage: torch.UntypedStorage) -> _StorageShare | None:
+    def _share_storage(self, storage: torch.UntypedStorage, recipient: str) -> pb.CudaIpcStorage | None:
+        """``recipient``'s share of ``storage`` (made once), or None when torch refuses to share it."""
         sid = id(storage)
         with self._lock:
             known = self._shares.get(sid)
-            if known is not None and known.ref() is storage:
-                return known
-            if len(self._shares) >= _MAX_STORAGE_SHARES:
+            if known is not None and known.ref() is not storage:
+                known = None
+            if known is not None and recipient in known.messages:
+                return known.messages[recipient]
+            if known is None and len(self._shares) >= _MAX_STORAGE_SHARES:
                 return None
         try:
             whole = torch.empty((0,), dtype=torch.uint8, device=self.device)
@@ -349,33 +356,38 @@ class CudaIpcExporter(Exporter):
             ref_counter_handle=fields.ref_counter_handle,
             ref_counter_offset=fields.ref_counter_offset,
         )
-        exporter = weakref.ref(self)
-
-        def forget(_: object, sid: int = sid) -> None:
-            owner = exporter()
-            if owner is not None:
-                with owner._lock:
-                    owner._shares.pop(sid, None)
-                    owner._generation += 1
-                    owner._exported.clear()
-
-        share = _StorageShare(weakref.ref(storage, forget), message)
         with self._lock:
-            self._shares[sid] = share
-            self.storages_shared += 1
-        return share
+            known = self._shares.get(sid)
+            if known is None or known.ref() is not storage:
+                exporter = weakref.ref(self)
 
-    def tensors_payload(self, exported: ExportedTensors, *, complete: bool) -> pb.Payload:
-        """The payload of ``exported``, once the writes queued so far on this GPU's current stream
-        (the trainer's step) are visible: an event the workers wait for when they all do
-        (``consumers_wait``), else a wait here."""
+                def forget(_: object, sid: int = sid) -> None:
+                    owner = exporter()
+                    if owner is not None:
+                        with owner._lock:
+                            owner._shares.pop(sid, None)
+                            owner._generation += 1
+                            owner._exported.clear()
+
+                known = _StorageShare(weakref.ref(storage, forget), {})
+                self._shares[sid] = known
+            known.messages[recipient] = message
+            self.storages_shared += 1
+        return message
+
+    def tensors_payloads(self, exported: ExportedTensors, *, complete: bool) -> dict[str, pb.Payload]:
+        """Each recipient's payload of ``exported``, once the writes queued so far on this GPU's
+        current stream (the trainer's step) are visible: an event the workers wait for when they all
+        do (``consumers_wait``), else a wait here."""
         stream = torch.cuda.current_stream(self.device)
+        event: bytes | None = None
         if consumers_wait():
             if self._tensor_event is None:
                 self._tensor_event = ProducerEvent(self.device.index or 0)
-            return exported.payload(self.label, self._tensor_event.record(stream), complete)
-        stream.synchronize()
-        return exported.payload(self.label, None, complete)
+            event = self._tensor_event.record(stream)
+        else:
+            stream.synchronize()
+        return {r: exported.payload(r, self.label, event, complete) for r in exported.storages}
 
     def export(self, buffer: StagingBuffer, size_bytes: int, label: DeviceRef) -> pb.Payload:
         if not isinstance(buffer, CudaStagingBuffer):
