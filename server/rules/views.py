@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from weightwire.core.errors import Reason, WeightwireError
+from weightwire.server.worker.adapter import PreparesLoads
 
 # Segments of a copying read start at multiples of this, in the payload and in the staging buffer,
 # so every tensor keeps its alignment (no dtype has a larger element).
@@ -157,8 +158,25 @@ class _Kept:
     loads: dict[int, tuple[object, Callable[[], None]]] = dataclasses.field(default_factory=dict)
 
 
+@runtime_checkable
+class KeepsViews(Protocol):
+    """A mapping whose bytes stay where they are while it is kept: views of a batch are built once
+    and kept in ``view_memo`` (keyed by the batch's id) for as long as the mapping lives; a mapping
+    of that type whose bytes may move this time has ``view_memo`` None."""
+
+    view_memo: dict[int, object] | None
+
+
+@runtime_checkable
+class PlacesViews(Protocol):
+    """A mapping of several storages (CUDA IPC of a trainer's own parameters) that places each
+    tensor in its own storage itself."""
+
+    def views_of(self, batch: ReadBatch) -> list[torch.Tensor]: ...
+
+
 def _kept(mapping: object, batch: ReadBatch) -> _Kept | None:
-    memo: dict[int, object] | None = getattr(mapping, "view_memo", None)
+    memo = mapping.view_memo if isinstance(mapping, KeepsViews) else None
     kept = memo.get(id(batch)) if memo is not None else None
     return kept if isinstance(kept, _Kept) and kept.batch is batch else None
 
@@ -179,13 +197,13 @@ def batch_views(mapping: _Fetches, batch: ReadBatch) -> list[torch.Tensor]:
         return kept.views
     # A payload of several storages (CUDA IPC of a trainer's own parameters) places each tensor in
     # its own storage, and refuses rather than copies a misaligned one.
-    views_of: Callable[[ReadBatch], list[torch.Tensor]] | None = getattr(mapping, "views_of", None)
-    views = views_of(batch) if views_of is not None else views_over(base, batch.positions, batch.items)
-    memo: dict[int, object] | None = getattr(mapping, "view_memo", None)
+    places = isinstance(mapping, PlacesViews)
+    views = mapping.views_of(batch) if isinstance(mapping, PlacesViews) else views_over(base, batch.positions, batch.items)
+    memo = mapping.view_memo if isinstance(mapping, KeepsViews) else None
     if memo is None:
         return views
     storage = base.untyped_storage().data_ptr()
-    if views_of is None and any(v.numel() and v.untyped_storage().data_ptr() != storage for v in views):
+    if not places and any(v.numel() and v.untyped_storage().data_ptr() != storage for v in views):
         return views  # a misaligned tensor was copied out: its bytes are this bucket's only
     if len(memo) >= MAX_MEMO_BATCHES:
         memo.clear()
@@ -205,14 +223,13 @@ def batch_load(mapping: object, batch: ReadBatch, views: list[torch.Tensor], ada
     ``adapter.load`` of the named views, as every time before.
     """
     named = list(zip(batch.names, views, strict=True))
-    prepare: Callable[[Sequence[tuple[str, torch.Tensor]]], Callable[[], None]] | None = getattr(adapter, "prepare_load", None)
     kept = _kept(mapping, batch)
-    if prepare is None or kept is None or kept.views is not views:
+    if not isinstance(adapter, PreparesLoads) or kept is None or kept.views is not views:
         return lambda: adapter.load(named)
     known = kept.loads.get(id(adapter))
     if known is not None and known[0] is adapter:
         return known[1]
-    load = prepare(named)
+    load = adapter.prepare_load(named)
     kept.loads[id(adapter)] = (adapter, load)
     return load
 

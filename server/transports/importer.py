@@ -19,7 +19,7 @@ import abc
 import dataclasses
 import threading
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
 from weightwire.core.devices import DeviceRef
@@ -29,6 +29,14 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:
     from weightwire.server.rules.validation import CheckedSpec
+
+
+@runtime_checkable
+class ReceivesBytes(Protocol):
+    """An opened payload whose bytes reached this worker over the network (a transfer group): how
+    many, for the update's ``bytes_received``."""
+
+    bytes_received: int
 
 
 class ImportedPayload(Protocol):

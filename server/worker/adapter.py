@@ -8,7 +8,7 @@ machine; an adapter only describes what its engine owns and copies tensors in. I
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -37,10 +37,8 @@ class EngineAdapter(Protocol):
         adapter must copy, and the copy must have finished on the device when it returns (the
         service acks the bucket right after). Names are validated against ``manifest()`` already.
 
-        An adapter may also offer ``prepare_load(named_tensors) -> Callable[[], None]``: ``load``'s
-        checks and slicing now, its copies (finished on the device when it returns) each time the
-        returned function is called. For views a kept CUDA IPC mapping serves again in later
-        updates, the service prepares once and then only calls it (``TorchAdapter`` does this).
+        An adapter may also be ``PreparesLoads`` (below): for views a kept mapping serves again in
+        later updates, the service then prepares once and only calls the prepared load after that.
         """
         ...
 
@@ -49,8 +47,25 @@ class EngineAdapter(Protocol):
         end_weight_update, which post-processes quantised weights)."""
         ...
 
-    # Optional: ``touched_model() -> bool``, whether the current (or, once it ended, the last)
-    # update changed the model. An adapter that holds tensors back until it can apply them (vLLM
-    # reloads a fused layer only whole) offers it, so that an update refused before anything was
-    # written leaves the worker CONSISTENT. Without it every load counts as a write. A typed
-    # ``WeightwireError`` raised by ``end_update(True)`` reaches the client as it is.
+    # A typed ``WeightwireError`` raised by ``end_update(True)`` reaches the client as it is.
+
+
+@runtime_checkable
+class PreparesLoads(Protocol):
+    """An adapter whose ``load`` can be split: its checks and slicing once, its copies many times."""
+
+    def prepare_load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Callable[[], None]:
+        """``load``'s checks and slicing now; the returned function does its copies (finished on the
+        device when it returns) each time it is called (``TorchAdapter`` does this)."""
+        ...
+
+
+@runtime_checkable
+class TracksWrites(Protocol):
+    """An adapter that holds tensors back until it can apply them (vLLM reloads a fused layer only
+    whole), and so knows whether an update changed the model. Without it every load counts as a
+    write; with it an update refused before anything was written leaves the worker CONSISTENT."""
+
+    def touched_model(self) -> bool:
+        """Whether the current (or, once it ended, the last) update changed the model."""
+        ...

@@ -41,9 +41,10 @@ from weightwire.server.transports.importer import (
     ImportContext,
     ImportedPayload,
     PayloadImporter,
+    ReceivesBytes,
     transport_name,
 )
-from weightwire.server.worker.adapter import EngineAdapter
+from weightwire.server.worker.adapter import EngineAdapter, TracksWrites
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -189,9 +190,9 @@ class Update:
     def _engine_wrote(self) -> bool:
         """Whether the engine changed the model in this update. An adapter that holds tensors back
         until it can apply them (vLLM reloads a fused layer only whole) says so with
-        ``touched_model()``; without it, every load counts as a write."""
-        touched = getattr(self._ctx.adapter, "touched_model", None)
-        return True if touched is None else bool(touched())
+        ``touched_model()`` (``TracksWrites``); without it, every load counts as a write."""
+        adapter = self._ctx.adapter
+        return bool(adapter.touched_model()) if isinstance(adapter, TracksWrites) else True
 
     def _close_mappings(self) -> None:
         mappings, self._mappings = self._mappings, {}
@@ -373,7 +374,7 @@ class Update:
             if mapping not in self._mappings.values():
                 # Not shared within this update: done with it (a reusable importer keeps its cache).
                 mapping.close()
-        return _Loaded(opened=opened, open_ns=open_ns, load_ns=load_ns, received=getattr(mapping, "bytes_received", 0))
+        return _Loaded(opened=opened, open_ns=open_ns, load_ns=load_ns, received=mapping.bytes_received if isinstance(mapping, ReceivesBytes) else 0)
 
     def _load(self, index: int, layout: BucketLayout, mapping: ImportedPayload) -> None:
         for batch in layout.read_plan(mapping.copy_chunk_bytes):
