@@ -91,6 +91,9 @@ class PayloadImporter(abc.ABC):
     # True: its mappings wait for a payload's producer event before their bytes are read (CUDA IPC);
     # the worker's manifest then says so, and trainers skip their own wait.
     waits_for_producer_events: bool = False
+    # True: it reads payloads of several exported storages (a trainer's own CUDA parameters, no
+    # packing copy); the worker's manifest then says so, and trainers export tensors where they live.
+    imports_storages: bool = False
 
     @property
     def field_name(self) -> str:

@@ -74,7 +74,7 @@ class WorkerService:
         self._manifest: ShardManifest = adapter.manifest()
         cuda_importer = self.importers.get(transports.CUDA_IPC.handle_field)
         self._waits_for_cuda_ipc_events = cuda_importer is not None and cuda_importer.waits_for_producer_events
-        self._imports_cuda_ipc_storages = bool(getattr(cuda_importer, "imports_storages", False))
+        self._imports_cuda_ipc_storages = cuda_importer is not None and cuda_importer.imports_storages
         self.layouts = LayoutCache()
         self._update_context = UpdateContext(
             adapter=adapter,
