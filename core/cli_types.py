@@ -68,6 +68,17 @@ def version(text: str) -> int:
     return value
 
 
+def seed(text: str) -> int:
+    """A random seed: 0 .. 2^63-1 (what a torch generator takes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value <= MAX_VERSION:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in 0..2^63-1")
+    return value
+
+
 def size(unit_bytes: int, name: str, max_bytes: int = 2**40) -> Callable[[str], int]:
     """A size given in ``name`` units (``unit_bytes`` each, fractions allowed), returned in bytes:
     at least one byte, at most ``max_bytes``."""
@@ -104,7 +115,10 @@ def listen_address(text: str) -> str:
     host, sep, port_text = text.rpartition(":")
     if not sep or not host:
         raise argparse.ArgumentTypeError(f"{text!r} is not 'unix:/path.sock' or 'HOST:PORT'")
-    port(port_text)
+    try:
+        port(port_text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return text
 
 
@@ -143,6 +157,7 @@ __all__ = [
     "positive_int",
     "seconds",
     "seconds_or_zero",
+    "seed",
     "size",
     "token_file",
     "version",

@@ -32,14 +32,15 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model", choices=["demo"], default="demo", help="model to serve (default: demo)")
     for axis in ("tp", "pp", "dp", "sp"):
         p.add_argument(f"--{axis}-rank", type=int, default=0, metavar="R", help=f"{axis.upper()} rank of this worker")
-        p.add_argument(f"--{axis}-size", type=int, default=1, metavar="N", help=f"{axis.upper()} size of the engine")
+        p.add_argument(f"--{axis}-size", type=cli_types.positive_int, default=1, metavar="N", help=f"{axis.upper()} size of the engine")
     p.add_argument(
         "--listen",
+        type=cli_types.listen_address,
         default=None,
         metavar="ADDR",
         help="'unix:/abs/path.sock' or 'HOST:PORT' (port 0 picks one); default: a unix socket in a private directory",
     )
-    p.add_argument("--seed", type=int, default=0, help="initial weights = demo checkpoint of this seed (default 0)")
+    p.add_argument("--seed", type=cli_types.seed, default=0, help="initial weights = demo checkpoint of this seed (default 0)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu, or cuda (the current visible GPU)")
     token = p.add_mutually_exclusive_group()
     token.add_argument("--token", default=None, help="require 'authorization: Bearer TOKEN' (needed on non-loopback TCP)")
@@ -67,7 +68,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument(
         "--idle-timeout-s",
-        type=float,
+        type=cli_types.seconds,
         default=DEFAULT_IDLE_TIMEOUT_S,
         metavar="S",
         help=f"end a PushWeights stream that sends nothing for S seconds (default {DEFAULT_IDLE_TIMEOUT_S:g})",

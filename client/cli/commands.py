@@ -44,8 +44,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("addresses", nargs="+", action=_Addresses, metavar="ADDR", help="worker addresses")
     p.add_argument("--json", action="store_true", help="print the statuses as JSON (with --watch: one JSON object per refresh)")
     p.add_argument("--watch", action="store_true", help="keep polling: a live table redrawn in place until Ctrl-C")
-    p.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between refreshes with --watch (default 2)")
-    p.add_argument("--count", type=int, default=None, metavar="N", help="with --watch: stop after N refreshes")
+    p.add_argument("--interval", type=cli_types.seconds, default=2.0, metavar="S", help="seconds between refreshes with --watch (default 2)")
+    p.add_argument("--count", type=cli_types.positive_int, default=None, metavar="N", help="with --watch: stop after N refreshes")
     _connection_args(p)
     p.set_defaults(func=cmd_status)
 
@@ -57,13 +57,16 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--from", dest="checkpoint", required=True, metavar="CHECKPOINT", help=".safetensors file or directory")
     p.add_argument("--to", dest="addresses", required=True, nargs="+", action=_Addresses, metavar="ADDR", help="worker addresses")
-    p.add_argument("--version", type=int, required=True, metavar="N", help="weights version to install (> current)")
+    p.add_argument("--version", type=cli_types.version, required=True, metavar="N", help="weights version to install (> current; at most 2^63-1)")
     p.add_argument("--partial", action="store_true", help="a PARTIAL update (default FULL: every owned tensor)")
     p.add_argument(
         "--bucket-mb", dest="bucket_bytes", type=cli_types.size(_MB, "MiB"), default=64 * _MB, metavar="MB",
         help="staging bucket size in MiB (default 64; fractions allowed)",
     )
-    p.add_argument("--transport", default="auto", help=f"auto (default) or one of: {', '.join(transport_names())}")
+    p.add_argument(
+        "--transport", default="auto", choices=["auto", *transport_names()], metavar="NAME",
+        help=f"auto (default) or one of: {', '.join(transport_names())}",
+    )
     p.add_argument("--allow-unowned", action="store_true", help="skip checkpoint tensors no worker owns")
     p.add_argument("--verify-checksums", action="store_true", help="send CRC-32 per bucket; workers verify")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (there is none when stderr is not a terminal)")
@@ -94,7 +97,7 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
         help="read the token from this file",
     )
     g.add_argument("--tls-ca", type=cli_types.pem_file, default=None, metavar="PEM", help="CA certificate(s) to verify the workers' TLS")
-    g.add_argument("--timeout", type=float, default=60.0, metavar="S", help="deadline of every call in seconds (default 60)")
+    g.add_argument("--timeout", type=cli_types.seconds, default=60.0, metavar="S", help="deadline of every call in seconds (default 60)")
 
 
 def _token(args: argparse.Namespace) -> str | None:
@@ -236,9 +239,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.watch:
         from weightwire.client.cli import fleet_view
 
-        if args.interval <= 0 or (args.count is not None and args.count < 1):
-            print("weightwire status: --interval must be > 0 and --count >= 1", file=sys.stderr)
-            return 2
         try:
             return fleet_view.watch(
                 workers, interval_s=args.interval, timeout_s=args.timeout, metadata=metadata, as_json=args.json, count=args.count

@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from weightwire.core import cli_types
 from weightwire.core.transports.shm import SHM_DIR
 
 LISTENING_PREFIX = "weightwire-serve listening "
@@ -38,11 +39,14 @@ def add_parser(subparsers: Any) -> None:
         description="Start worker processes for a TP x PP layout of the demo model, push several versions, "
         "verify every worker's parameters, show a mislabelled payload being refused.",
     )
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
-    p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default 2; the demo model has 4 layers)")
-    p.add_argument("--versions", type=int, default=3, help="how many versions to push (default 3)")
+    p.add_argument("--tp", type=cli_types.positive_int, default=2, help="tensor-parallel size (default 2)")
+    p.add_argument("--pp", type=cli_types.positive_int, default=2, help="pipeline-parallel size (default 2; the demo model has 4 layers)")
+    p.add_argument("--versions", type=cli_types.positive_int, default=3, help="how many versions to push (default 3)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where workers and trainer tensors live")
-    p.add_argument("--bucket-kb", type=int, default=64, help="staging bucket size in KiB (small, to show several buckets)")
+    p.add_argument(
+        "--bucket-kb", dest="bucket_bytes", type=cli_types.size(1024, "KiB", max_bytes=2**30), default=64 * 1024, metavar="KB",
+        help="staging bucket size in KiB (default 64: small, to show several buckets)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (dump files, worker logs)")
     p.set_defaults(func=run)
 
@@ -145,9 +149,27 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
+def layout_problem(tp: int, pp: int) -> str | None:
+    """Why the demo model cannot be served as TP=tp x PP=pp (more stages than layers, a TP size
+    that does not divide its sizes), found before any worker starts; None when it can."""
+    import torch
+    from weightwire.adapters.torch.demo import DemoConfig, DemoModel
+    from weightwire.core.manifest import ParallelRank
+
+    config = DemoConfig()
+    for p in range(pp):
+        for t in range(tp):
+            try:
+                DemoModel(config, ParallelRank(tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp), torch.device("meta"))
+            except ValueError as e:
+                return f"the demo model ({config.num_layers} layers) cannot run as TP={tp} x PP={pp}: {e}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.tp < 1 or args.pp < 1 or args.versions < 1:
-        print("weightwire demo: --tp, --pp and --versions must be at least 1", file=sys.stderr)
+    problem = layout_problem(args.tp, args.pp)
+    if problem is not None:
+        print(f"weightwire demo: {problem}", file=sys.stderr)
         return 2
     workdir = tempfile.mkdtemp(prefix="weightwire-demo-")
     workers = LocalWorkers(workdir)
@@ -199,7 +221,7 @@ def _demo(args: argparse.Namespace, workdir: str, workers: LocalWorkers, pusher_
     addresses = workers.start(argv)
     _say(f"started {len(addresses)} worker processes in {time.monotonic() - t0:.1f} s (dumps and logs in {workdir})")
 
-    pusher = WeightPusher(addresses, bucket_size_bytes=args.bucket_kb * 1024, timeout_s=30.0)
+    pusher = WeightPusher(addresses, bucket_size_bytes=args.bucket_bytes, timeout_s=30.0)
     pusher_box.append(pusher)
     manifests = pusher.manifests()
     _say("")

@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from weightwire.client.cli.main import main
+from weightwire.client.cli.main import build_parser, main
 
 pytestmark = pytest.mark.timeout(120)
 
 NOWHERE = "unix:/nonexistent/weightwire-cli-test.sock"
 
 
-def _refused(argv: Sequence[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """Run the CLI in process; it must exit 2 (returned or raised by argparse) with exactly one
-    stderr line; that line."""
+def _refused(argv: Sequence[str], capsys: pytest.CaptureFixture[str], *, parse_only: bool = False) -> str:
+    """Run the CLI in process (only its argument parser with ``parse_only``); it must exit 2
+    (returned or raised by argparse) with exactly one stderr line; that line."""
     try:
-        code = main(list(argv))
+        code = 0 if parse_only and build_parser().parse_args(list(argv)) else main(list(argv))
     except SystemExit as e:
         code = e.code  # type: ignore[assignment]
     err = capsys.readouterr().err
@@ -158,3 +158,68 @@ def test_serve_refuses_what_it_cannot_do_with_one_line(tmp_path: Path, busy_port
         assert len(lines) == 1 and lines[0].startswith("weightwire serve: "), (name, err)
         assert expected[name] in lines[0], (name, err)
         assert left == [], (name, left)  # no private socket directory left behind
+
+
+# ------------------------------------------------------------------------------------------------
+# values a command cannot honour: refused while parsing, before anything connects or starts
+# ------------------------------------------------------------------------------------------------
+
+_PUSH = ["push", "--from", "CKPT", "--to", NOWHERE]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["serve", "--listen", "127.0.0.1:99999"], "'127.0.0.1:99999': '99999' is not a port"),
+        (["serve", "--listen", "[::1]:-1"], "is not a port"),
+        (["serve", "--listen", "unix:relative.sock"], "needs an absolute path"),
+        (["serve", "--listen", "nocolon"], "is not 'unix:/path.sock' or 'HOST:PORT'"),
+        (["serve", "--idle-timeout-s=-1"], "must be > 0"),
+        (["serve", "--idle-timeout-s", "0"], "must be > 0"),
+        (["serve", "--idle-timeout-s", "nan"], "not a finite number"),
+        (["serve", "--idle-timeout-s", "1e300"], "at most 1e+07 seconds"),
+        (["serve", "--metrics-port=-1"], "is not a port"),
+        (["serve", "--tp-size", "0"], "must be at least 1"),
+        (["serve", "--seed", str(2**64)], "must be in 0..2^63-1"),
+        ([*_PUSH, "--version", "1", "--bucket-mb", "0"], "--bucket-mb: '0' must be > 0"),
+        ([*_PUSH, "--version", "1", "--bucket-mb=-3"], "--bucket-mb: '-3' must be > 0"),
+        ([*_PUSH, "--version", "1", "--bucket-mb", "1e-9"], "at least one byte"),
+        ([*_PUSH, "--version", "1", "--timeout=-1"], "--timeout: '-1' must be > 0"),
+        ([*_PUSH, "--version", "1", "--timeout", "nan"], "--timeout: 'nan' is not a finite number"),
+        ([*_PUSH, "--version", "1", "--transport", "carrier-pigeon"], "invalid choice: 'carrier-pigeon'"),
+        ([*_PUSH, "--version", "0"], "--version: '0' must be at least 1"),
+        ([*_PUSH, "--version", str(2**63)], "over the largest version"),
+        (["status", NOWHERE, "--timeout", "0"], "--timeout: '0' must be > 0"),
+        (["status", NOWHERE, "--watch", "--interval", "nan"], "--interval: 'nan' is not a finite number"),
+        (["status", NOWHERE, "--watch", "--interval", "0"], "--interval: '0' must be > 0"),
+        (["status", NOWHERE, "--watch", "--count", "0"], "--count: '0' must be at least 1"),
+        (["manifest", NOWHERE, "--timeout", "inf"], "--timeout: 'inf' is not a finite number"),
+        (["demo", "--tp", "0"], "--tp: '0' must be at least 1"),
+        (["demo", "--versions=-1"], "--versions: '-1' must be at least 1"),
+        (["demo", "--bucket-kb", "0"], "--bucket-kb: '0' must be > 0"),
+        (["discover", "--base-address", "127.0.0.1:1", "--count=-1"], "--count: '-1' must be at least 1"),
+        (["discover", "--base-address", "127.0.0.1:1", "--count", "1", "--wait", "nan"], "--wait: 'nan' is not a finite number"),
+    ],
+)
+def test_values_a_command_cannot_honour_are_refused(argv: list[str], says: str, files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Parsing only: a value that got through would otherwise start a server in this process.
+    line = _refused([str(files / "good.safetensors") if a == "CKPT" else a for a in argv], capsys, parse_only=True)
+    assert says in line, line
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "says"),
+    [("2", "8", "cannot run as TP=2 x PP=8: 4 layers cannot be split over 8 pipeline stages"), ("3", "2", "cannot run as TP=3 x PP=2")],
+)
+def test_demo_refuses_a_layout_of_its_model_before_starting_workers(tp: str, pp: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    line = _refused(["demo", "--tp", tp, "--pp", pp], capsys)
+    assert says in line, line
+
+
+def test_the_limits_themselves_are_accepted() -> None:
+    parser = build_parser()
+    serve = parser.parse_args(["serve", "--listen", "[::1]:65535", "--idle-timeout-s", "1e7", "--metrics-port", "0", "--seed", str(2**63 - 1)])
+    assert (serve.listen, serve.idle_timeout_s, serve.metrics_port, serve.seed) == ("[::1]:65535", 1e7, 0, 2**63 - 1)
+    push = parser.parse_args([*_PUSH, "--version", str(2**63 - 1), "--bucket-mb", "0.5", "--timeout", "0.25"])
+    assert (push.version, push.bucket_bytes, push.timeout) == (2**63 - 1, 512 * 1024, 0.25)
+    assert parser.parse_args(["discover", "--base-address", "h:1", "--count", "1", "--wait", "0"]).wait == 0.0
