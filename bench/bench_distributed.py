@@ -18,6 +18,19 @@ The limits move the same bytes between the same processes with nothing else: no 
 of tensors into buckets, no copy into the model, no acks. The ratio ``limit time / weightwire time``
 is the share of the limit's throughput weightwire reaches (goal >= 0.9). Results go to
 ``DIR/distributed_results.json`` and a table on stdout. CPU only; NCCL runs are a later issue.
+
+Every trainer rank a source (issue 27):
+
+    .venv/bin/python bench/bench_distributed.py --sources 1,2,4 [--slice-engine 2,2] [--reps 5] [--out DIR]
+
+For each source count M: M trainer processes holding FSDP2 ``Shard(0)`` shards of the model and the
+workers of a TP x DP engine (``--slice-engine tp,dp``; TorchAdapter parameters, the bench model's
+TP rules) in one gloo group; per repetition, between two barriers, ``plan``: the transfer plan
+carried out (``core.transports.transfer_group_slices``: each source packs its regions per
+destination, each worker receives exactly its slices into its parameters), against ``bare``: the
+same message sizes between the same processes, packed once beforehand, received and not unpacked.
+M = 1 is the single-source plan. Ratio = bare / plan (goal >= 0.9). Results go to
+``DIR/slices_results.json``.
 """
 
 from __future__ import annotations
@@ -273,9 +286,157 @@ def run_trainer(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------
+# Every trainer rank a source
+# --------------------------------------------------------------------------------------------
+
+
+def run_slice_member(args: argparse.Namespace) -> int:
+    from weightwire.adapters.torch import TorchAdapter
+    from weightwire.core import dtypes
+    from weightwire.core.devices import DeviceRef
+    from weightwire.core.manifest import ParallelRank
+    from weightwire.core.transports.transfer_group_slices import (
+        GroupRanks,
+        messages,
+        receive_slices,
+        send_slices,
+    )
+    from weightwire.core.transports.transfer_plan import Shard, TensorSpec, plan_transfers
+
+    torch.set_num_threads(1)
+    sources = int(args.sources)
+    tp, dp = (int(x) for x in args.slice_engine.split(","))
+    shapes = models.tensor_shapes(args.model)
+    ranks_of = {}
+    manifests = {}
+    for d in range(dp):
+        for t in range(tp):
+            rank = ParallelRank(tp_rank=t, tp_size=tp, dp_rank=d, dp_size=dp)
+            # The manifest only: parameters on the meta device take no memory.
+            meta = TorchAdapter(models.build_module(shapes, torch.device("meta"), tp_rank=t, tp_size=tp), rank=rank, device=torch.device("meta"),
+                                own_device=DeviceRef.host(), tp_rules=models.TP_RULES)
+            manifests[meta.worker_id] = meta.manifest()
+            ranks_of[meta.worker_id] = rank
+    specs = [TensorSpec.dtensor(t.name, tuple(t.shape), dtypes.from_torch(t.dtype), (sources,), [Shard(0)])
+             for t in shapes]
+    plan = plan_transfers(specs, manifests)
+    group = GroupRanks.of_plan(sources, list(manifests))
+    limit = args.bucket_mb << 20
+
+    store = torch.distributed.TCPStore(HOST, args.store_port, None, False, datetime.timedelta(seconds=60))
+    opts = torch.distributed.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._timeout = datetime.timedelta(seconds=300)
+    opts._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=HOST, lazy_init=False)]
+    pg = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(args.group, store), args.rank, group.world_size, opts)
+    flag = torch.zeros(1)
+    staging: dict[Any, torch.Tensor] = {}
+
+    def barrier() -> None:
+        pg.allreduce([flag]).wait()
+
+    if args.rank < sources:
+        tensors = models.random_tensors(shapes, torch.device("cpu"), seed=1)
+        local = {s.name: t[tuple(slice(a, b) for a, b in s.holdings[args.rank])].clone()
+                 for s, t in zip(specs, tensors, strict=True) if args.rank in s.holdings}
+        holdings = {s.name: s.holdings[args.rank] for s in specs if args.rank in s.holdings}
+        del tensors
+        bare = [(group.of_worker(w), torch.empty(sum(t.nbytes for t in m), dtype=torch.uint8))
+                for w in group.workers for m in messages(plan, args.rank, w, limit)]
+
+        def plan_step() -> int:
+            return send_slices(pg, plan, group, args.rank, local, holdings, timeout_s=300, max_message_bytes=limit,
+                               staging=staging)
+
+        def bare_step() -> int:
+            works = [pg.send([b], dst, 0) for dst, b in bare]
+            for w in works:
+                w.wait()
+            return sum(b.numel() for _, b in bare)
+    else:
+        worker = group.workers[args.rank - sources]
+        me = ranks_of[worker]
+        module = models.build_module(shapes, torch.device("cpu"), tp_rank=me.tp_rank, tp_size=me.tp_size)
+        adapter = TorchAdapter(module, rank=me, device=torch.device("cpu"), own_device=DeviceRef.host(),
+                               tp_rules=models.TP_RULES)
+        params = adapter.state()
+        owned = manifests[worker].tensors
+        bare = [(src, torch.empty(sum(t.nbytes for t in m), dtype=torch.uint8))
+                for src in range(sources) for m in messages(plan, src, worker, limit)]
+
+        def plan_step() -> int:
+            with torch.no_grad():
+                got = receive_slices(pg, plan, group, worker, params, owned, timeout_s=300, max_message_bytes=limit,
+                                     staging=staging)
+            assert got == manifests[worker].kept_bytes
+            return got
+
+        def bare_step() -> int:
+            works = [pg.recv([b], src, 0) for src, b in bare]
+            for w in works:
+                w.wait()
+            return sum(b.numel() for _, b in bare)
+
+    times: dict[str, list[float]] = {"plan": [], "bare": []}
+    moved = 0
+    for rep in range(args.reps + 1):  # the first round warms both up
+        for name, step in (("plan", plan_step), ("bare", bare_step)):
+            barrier()
+            t0 = time.perf_counter()
+            moved = step()
+            barrier()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    print(json.dumps({"rank": args.rank, "times": times, "bytes": moved}), flush=True)
+    return 0
+
+
+def run_sources(args: argparse.Namespace) -> int:
+    import uuid
+
+    tp, dp = (int(x) for x in args.slice_engine.split(","))
+    rows = []
+    for m in (int(x) for x in args.sources.split(",")):
+        store = torch.distributed.TCPStore(HOST, 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+        group = uuid.uuid4().hex
+        procs = [
+            subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--role", "slice-member", "--model", args.model,
+                 "--store-port", str(store.port), "--group", group, "--sources", str(m), "--slice-engine",
+                 args.slice_engine, "--rank", str(r), "--reps", str(args.reps), "--bucket-mb", str(args.bucket_mb)],
+                stdout=subprocess.PIPE, text=True, env={**os.environ, **_QUIET},
+            )
+            for r in range(m + tp * dp)
+        ]
+        outs = [json.loads(p.communicate(timeout=1800)[0].strip().splitlines()[-1]) for p in procs]
+        if any(p.returncode for p in procs):
+            raise SystemExit(f"a member failed with {m} sources")
+        # The update ends when its last member ends: per repetition, the slowest member's time.
+        per_rep = {k: [max(o["times"][k][i] for o in outs) for i in range(args.reps)] for k in ("plan", "bare")}
+        med = {k: statistics.median(v) for k, v in per_rep.items()}
+        received = sum(o["bytes"] for o in outs[m:])
+        row = {"sources": m, "workers": tp * dp, "engine": f"TP{tp} x DP{dp}", "bytes_received": received,
+               "plan_s": round(med["plan"], 4), "bare_s": round(med["bare"], 4),
+               "ratio": round(med["bare"] / med["plan"], 3),
+               "plan_all_s": [round(x, 4) for x in per_rep["plan"]], "bare_all_s": [round(x, 4) for x in per_rep["bare"]],
+               "sent_per_source": [o["bytes"] for o in outs[:m]]}
+        rows.append(row)
+        print(f"{m} source(s) -> TP{tp} x DP{dp}: plan {med['plan']:.3f} s vs bare {med['bare']:.3f} s "
+              f"(ratio {row['ratio']}); {received / med['plan'] / 2**30:.2f} GiB/s received", flush=True)
+    out = {"model": args.model, "model_bytes": models.model_bytes(args.model), "bucket_mb": args.bucket_mb,
+           "reps": args.reps, "command": " ".join(sys.argv),
+           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+           "rows": rows}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "slices_results.json"), "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--role", choices=["trainer", "worker"], default="trainer")
+    p.add_argument("--role", choices=["trainer", "worker", "slice-member"], default="trainer")
     p.add_argument("--model", default="cpu-m", choices=sorted(models.PRESETS))
     p.add_argument("--workers", default="1,2,4,8", help="worker counts, comma-separated")
     p.add_argument("--reps", type=int, default=3)
@@ -283,9 +444,18 @@ def main() -> int:
     p.add_argument("--out", default="")
     p.add_argument("--dp-rank", type=int, default=0)
     p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--sources", default="", help="every trainer rank a source: source counts, comma-separated")
+    p.add_argument("--slice-engine", default="2,2", help="tp,dp of the engine the sources push to")
+    p.add_argument("--store-port", type=int, default=0)
+    p.add_argument("--group", default="")
+    p.add_argument("--rank", type=int, default=0)
     args = p.parse_args()
     os.environ.update(_QUIET)
-    return run_worker(args) if args.role == "worker" else run_trainer(args)
+    if args.role == "worker":
+        return run_worker(args)
+    if args.role == "slice-member":
+        return run_slice_member(args)
+    return run_sources(args) if args.sources else run_trainer(args)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ kept bytes``) and writes them into its kept tensors (a tensor kept as several pi
 concatenation along the pieces' dimension, in the manifest's order: the layout of a fused q/k/v or
 gate/up parameter, and of a TP shard).
 
+Buffers can be kept across updates (``staging``: memory of one update's messages, for speed).
 Both sides derive the messages from the plan alone: what one source sends one worker is the plan's
 transfers between them, in plan order, packed back to back and cut into messages of at most
 ``max_message_bytes`` (a transfer larger than that travels alone). Every member first compares the
@@ -31,6 +32,9 @@ from weightwire.core.manifest import OwnedTensor
 from weightwire.core.transports.transfer_plan import Box, Transfer, TransferPlan, TransferPlanError
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+# Below this a region of whole rows is still packed with its neighbours: a message per small region
+# would cost more in per-message work than the copy it saves.
+DIRECT_MIN_BYTES = 256 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,19 +57,33 @@ class GroupRanks:
         return self.trainers + self.workers.index(worker)
 
 
-def messages(plan: TransferPlan, source: int, worker: str, max_message_bytes: int) -> list[list[Transfer]]:
-    """The transfers ``source`` sends ``worker``, in plan order, grouped into messages."""
+def messages(
+    plan: TransferPlan, source: int, worker: str, max_message_bytes: int, direct_min_bytes: int = DIRECT_MIN_BYTES
+) -> list[list[Transfer]]:
+    """The transfers ``source`` sends ``worker``, in plan order, grouped into messages. A transfer
+    of whole rows (``Transfer.rows``) of at least ``direct_min_bytes`` is a message of its own, sent
+    from the shard and received into the kept tensor in place; the others are packed together."""
     out: list[list[Transfer]] = []
     size = 0
+    packing = False
     for t in plan.transfers:
         if t.source != source or worker not in t.destinations:
             continue
-        if not out or size + t.nbytes > max_message_bytes:
+        if _direct(t, direct_min_bytes):
+            out.append([t])
+            packing = False
+            continue
+        if not packing or size + t.nbytes > max_message_bytes:
             out.append([])
             size = 0
+            packing = True
         out[-1].append(t)
         size += t.nbytes
     return out
+
+
+def _direct(t: Transfer, direct_min_bytes: int) -> bool:
+    return t.rows and t.nbytes >= direct_min_bytes
 
 
 def agree(pg: Any, plan: TransferPlan, rank: int, world_size: int, timeout_s: float) -> None:
@@ -90,23 +108,49 @@ def _region(t: torch.Tensor, box: Box, origin: Sequence[int]) -> torch.Tensor:
     return t
 
 
+def _buffer(staging: dict[Any, torch.Tensor] | None, key: Any, nbytes: int) -> torch.Tensor:
+    """A message buffer of ``nbytes``, kept in ``staging`` across updates when the caller gives one
+    (the same plan makes the same messages, so each buffer is reused as is; a fresh allocation per
+    message and update is page faults on every byte)."""
+    if staging is None:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    buf = staging.get(key)
+    if buf is None or buf.numel() != nbytes:
+        buf = staging[key] = torch.empty(nbytes, dtype=torch.uint8)
+    return buf
+
+
+def _view(buf: torch.Tensor, offset: int, t: Transfer, dtype: torch.dtype) -> torch.Tensor:
+    return buf[offset:offset + t.nbytes].view(dtype).view([b - a for a, b in t.box])
+
+
 def send_slices(
     pg: Any, plan: TransferPlan, ranks: GroupRanks, source: int, local: Mapping[str, torch.Tensor],
     holdings: Mapping[str, Box], *, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    staging: dict[Any, torch.Tensor] | None = None, direct_min_bytes: int = DIRECT_MIN_BYTES,
 ) -> int:
     """Send what the plan gives trainer rank ``source``: ``local[name]`` is its shard of tensor
-    ``name``, the region ``holdings[name]`` of the full tensor. Returns the bytes sent."""
+    ``name``, the region ``holdings[name]`` of the full tensor. Each region is copied once, into its
+    place in the message. Returns the bytes sent."""
     works, sent = [], 0
     for worker in ranks.workers:
-        for message in messages(plan, source, worker, max_message_bytes):
-            parts = [
-                _region(local[t.tensor], t.box, [a for a, _ in holdings[t.tensor]]).contiguous().reshape(-1).view(torch.uint8)
-                for t in message
-            ]
-            buf = torch.cat(parts) if len(parts) > 1 else parts[0]
-            works.append((pg.send([buf], ranks.of_worker(worker), 0), buf))
+        for index, message in enumerate(messages(plan, source, worker, max_message_bytes, direct_min_bytes)):
+            if _direct(message[0], direct_min_bytes):
+                t = message[0]
+                shard = local[t.tensor]
+                view = _region(shard, t.box, [a for a, _ in holdings[t.tensor]]).contiguous()  # no copy: rows
+                works.append(pg.send([view], ranks.of_worker(worker), 0))
+                sent += t.nbytes
+                continue
+            buf = _buffer(staging, (worker, index), sum(t.nbytes for t in message))
+            offset = 0
+            for t in message:
+                shard = local[t.tensor]
+                _view(buf, offset, t, shard.dtype).copy_(_region(shard, t.box, [a for a, _ in holdings[t.tensor]]))
+                offset += t.nbytes
+            works.append(pg.send([buf], ranks.of_worker(worker), 0))
             sent += buf.numel()
-    for work, _ in works:
+    for work in works:
         work.wait(datetime.timedelta(seconds=timeout_s))
     return sent
 
@@ -130,23 +174,30 @@ def kept_region(kept: torch.Tensor, owned: OwnedTensor, box: Box) -> torch.Tenso
 def receive_slices(
     pg: Any, plan: TransferPlan, ranks: GroupRanks, worker: str, kept: Mapping[str, torch.Tensor],
     owned: Mapping[str, OwnedTensor], *, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    staging: dict[Any, torch.Tensor] | None = None, direct_min_bytes: int = DIRECT_MIN_BYTES,
 ) -> int:
     """Receive every region the plan sends ``worker`` into ``kept`` (by tensor name). Returns the
     bytes received."""
-    posted = []
+    posted: list[tuple[Any, torch.Tensor | None, list[Transfer]]] = []
     for source in range(ranks.trainers):
-        for message in messages(plan, source, worker, max_message_bytes):
-            buf = torch.empty(sum(t.nbytes for t in message), dtype=torch.uint8)
-            posted.append((pg.recv([buf], source, 0), buf, message))
+        for index, message in enumerate(messages(plan, source, worker, max_message_bytes, direct_min_bytes)):
+            t = message[0]
+            if _direct(t, direct_min_bytes) and (region := kept_region(kept[t.tensor], owned[t.tensor], t.box)).is_contiguous():
+                posted.append((pg.recv([region], source, 0), None, message))
+                continue
+            staged = _buffer(staging, (source, index), sum(t.nbytes for t in message))
+            posted.append((pg.recv([staged], source, 0), staged, message))
     received = 0
-    for work, buf, message in posted:
+    for work, into, message in posted:
         work.wait(datetime.timedelta(seconds=timeout_s))
+        if into is None:  # received in place
+            received += message[0].nbytes
+            continue
+        buf = into
         offset = 0
         for t in message:
             o = owned[t.tensor]
-            shape = [b - a for a, b in t.box]
-            data = buf[offset:offset + t.nbytes].view(dtypes.to_torch(o.dtype)).reshape(shape)
-            kept_region(kept[t.tensor], o, t.box).copy_(data)
+            kept_region(kept[t.tensor], o, t.box).copy_(_view(buf, offset, t, dtypes.to_torch(o.dtype)))
             offset += t.nbytes
         received += buf.numel()
     return received

@@ -174,6 +174,15 @@ class Transfer:
     source: int
     destinations: tuple[str, ...]
     nbytes: int
+    shape: tuple[int, ...] = ()
+    """The full tensor's shape."""
+
+    @property
+    def rows(self) -> bool:
+        """Whether ``box`` is a range of rows (every dimension after the first whole): then it is
+        one contiguous run in the full tensor, in a ``Shard(0)`` holding and in a worker's tensor
+        kept as rows, so it can travel without packing."""
+        return len(self.shape) > 0 and all(iv == (0, n) for iv, n in zip(self.box[1:], self.shape[1:], strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +279,7 @@ def plan_transfers(tensors: Iterable[TensorSpec], workers: Mapping[str, ShardMan
                 continue
             source = min(holders, key=lambda r: (assigned.get(r, 0), r))
             assigned[source] = assigned.get(source, 0) + nbytes * len(dests)
-            transfers.append(Transfer(spec.name, part, source, tuple(dests), nbytes))
+            transfers.append(Transfer(spec.name, part, source, tuple(dests), nbytes, spec.shape))
         if missing:
             worker, nbytes = min(missing.items())
             held = "no trainer rank holds any" if not spec.holdings else "the trainer ranks do not hold all"

@@ -9,7 +9,8 @@ receives straight into its TorchAdapter's parameters and checks them against the
 slices. Prints one JSON line: the bytes it sent or received, its parameters' check, or the error.
 
 ``--plan-variant`` makes this member plan from other inputs (it believes a worker keeps another
-slice), for the refusal test.
+slice), for the refusal test. ``--direct-min-bytes 0`` sends every region of whole rows in place
+(the demo model's tensors are all below the default bound, so they are otherwise all packed).
 """
 
 from __future__ import annotations
@@ -31,7 +32,15 @@ from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import WeightwireError
 from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
-from weightwire.core.transports.transfer_group_slices import GroupRanks, agree, receive_slices, send_slices
+from weightwire.core.transports.transfer_group_slices import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DIRECT_MIN_BYTES,
+    GroupRanks,
+    agree,
+    messages,
+    receive_slices,
+    send_slices,
+)
 from weightwire.core.transports.transfer_plan import Shard, TensorSpec, plan_transfers
 
 CONFIG = DemoConfig()
@@ -61,6 +70,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, required=True)  # group rank
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--plan-variant", action="store_true")
+    ap.add_argument("--direct-min-bytes", type=int, default=DIRECT_MIN_BYTES)
     args = ap.parse_args()
     tp, pp, dp = (int(x) for x in args.engine.split(","))
 
@@ -100,16 +110,24 @@ def main() -> None:
                      for s in specs if args.rank in s.holdings}
             holdings = {s.name: s.holdings[args.rank] for s in specs if args.rank in s.holdings}
             del full
-            result["sent"] = send_slices(pg, plan, ranks, args.rank, local, holdings, timeout_s=TIMEOUT_S)
+            result["sent"] = send_slices(pg, plan, ranks, args.rank, local, holdings, timeout_s=TIMEOUT_S,
+                                         direct_min_bytes=args.direct_min_bytes)
             result["planned"] = sum(t.nbytes * len(t.destinations) for t in plan.for_source(args.rank))
         else:
             worker = ranks.workers[args.rank - args.trainers]
             rank, adapter = workers[worker]
             params = adapter.state()
             with torch.no_grad():
-                received = receive_slices(pg, plan, ranks, worker, params, manifests[worker].tensors, timeout_s=TIMEOUT_S)
+                received = receive_slices(pg, plan, ranks, worker, params, manifests[worker].tensors,
+                                          timeout_s=TIMEOUT_S, direct_min_bytes=args.direct_min_bytes)
             want = expected_shard(full, rank, CONFIG)
+            in_place = sum(
+                1 for src in range(args.trainers) for m in messages(plan, src, worker, DEFAULT_MAX_MESSAGE_BYTES,
+                                                                     args.direct_min_bytes)
+                if len(m) == 1 and m[0].rows and m[0].nbytes >= args.direct_min_bytes
+            )
             result.update(
+                in_place_messages=in_place,
                 worker=worker,
                 received=received,
                 kept_bytes=manifests[worker].kept_bytes,

@@ -1,6 +1,7 @@
 """Every trainer rank a source (issue 27's data plane, over gloo on loopback between real processes):
 FSDP2 shards of 2 and 4 trainer ranks into a TP2 x PP2 engine and into TP2 x 2 replicas, each worker
-receiving exactly its slices straight into its parameters (bit-exact against the checkpoint; bytes
+receiving exactly its slices straight into its parameters (packed per destination, or regions of
+whole rows received in place) (bit-exact against the checkpoint; bytes
 received == its manifest's kept bytes), each trainer rank sending only bytes it holds; a member
 with another plan is refused on every member before a byte moves.
 
@@ -23,7 +24,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.timeout(240)
 
 
-def run_group(trainers: int, engine: tuple[int, int, int], *, variant_rank: int | None = None) -> list[dict]:
+def run_group(
+    trainers: int, engine: tuple[int, int, int], *, variant_rank: int | None = None, in_place: bool = False
+) -> list[dict]:
     tp, pp, dp = engine
     world = trainers + tp * pp * dp
     store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
@@ -34,6 +37,8 @@ def run_group(trainers: int, engine: tuple[int, int, int], *, variant_rank: int 
                "--group", group, "--trainers", str(trainers), "--engine", f"{tp},{pp},{dp}", "--rank", str(rank)]
         if rank == variant_rank:
             cmd.append("--plan-variant")
+        if in_place:
+            cmd += ["--direct-min-bytes", "0"]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     try:
@@ -49,11 +54,15 @@ def run_group(trainers: int, engine: tuple[int, int, int], *, variant_rank: int 
     return results
 
 
-@pytest.mark.parametrize(("trainers", "engine"), [(2, (2, 2, 1)), (4, (2, 1, 2))], ids=["2-to-tp2pp2", "4-to-tp2x2"])
+@pytest.mark.parametrize(
+    ("trainers", "engine", "in_place"),
+    [(2, (2, 2, 1), False), (4, (2, 1, 2), True)],
+    ids=["2-to-tp2pp2-packed", "4-to-tp2x2-rows-in-place"],
+)
 def test_every_rank_sends_only_its_shards_and_every_worker_gets_exactly_its_slices(
-    trainers: int, engine: tuple[int, int, int]
+    trainers: int, engine: tuple[int, int, int], in_place: bool
 ) -> None:
-    results = run_group(trainers, engine)
+    results = run_group(trainers, engine, in_place=in_place)
     assert all("error" not in r for r in results), results
     assert len({r["fingerprint"] for r in results}) == 1
     senders, receivers = results[:trainers], results[trainers:]
@@ -61,6 +70,7 @@ def test_every_rank_sends_only_its_shards_and_every_worker_gets_exactly_its_slic
         assert r["sent"] == r["planned"] > 0, r  # every rank a source, each its own share
     for r in receivers:
         assert r["exact"], r["worker"]
+        assert (r["in_place_messages"] > 0) == in_place, r
         assert r["received"] == r["kept_bytes"], r
     assert sum(r["sent"] for r in senders) == sum(r["received"] for r in receivers)
 
