@@ -83,18 +83,32 @@ def state_name(state: int) -> str:
         return "UNSPECIFIED"
 
 
+@dataclasses.dataclass
+class UpdateTally:
+    """What one update loaded so far, bucket by bucket: kept by the update itself (its result and
+    its commit check read it) and handed to the observers when it fails."""
+
+    buckets: int = 0
+    tensors_loaded: int = 0
+    bytes_loaded: int = 0
+    bytes_received: int = 0
+    handles_opened: int = 0
+
+    def add(self, ack: pb.BucketAck) -> None:
+        self.buckets += 1
+        self.tensors_loaded += ack.tensors_loaded
+        self.bytes_loaded += ack.bytes_loaded
+        self.bytes_received += ack.bytes_received
+        self.handles_opened += int(ack.handle_opened)
+
+
 class UpdateEvents:
-    """The observers of one worker, called in the order they were added, and the tally of the update
-    in progress (one at a time per worker) that a failed update's outcome is built from."""
+    """The observers of one worker, called in the order they were added."""
 
     def __init__(self) -> None:
         self._observers: tuple[UpdateObserver, ...] = ()
         self._lock = threading.Lock()
         self._started_ns = 0
-        self._buckets = 0
-        self._tensors = 0
-        self._bytes = 0
-        self._handles = 0
 
     def add(self, observer: UpdateObserver) -> None:
         with self._lock:
@@ -109,15 +123,10 @@ class UpdateEvents:
     def started(self, version: int) -> None:
         """An update's header was accepted."""
         self._started_ns = time.perf_counter_ns()
-        self._buckets = self._tensors = self._bytes = self._handles = 0
         self._each("update_started", version)
 
     def bucket_acked(self, ack: pb.BucketAck) -> None:
         """A bucket was loaded (or skipped) and its ack is about to go out."""
-        self._buckets += 1
-        self._tensors += ack.tensors_loaded
-        self._bytes += ack.bytes_loaded
-        self._handles += int(ack.handle_opened)
         self._each("bucket_acked", ack)
 
     def committed(self, worker_id: str, result: pb.UpdateResult, *, weights_version: int) -> None:
@@ -149,16 +158,19 @@ class UpdateEvents:
         header: pb.UpdateHeader | None,
         err: WeightwireError,
         *,
-        began: bool,
+        tally: UpdateTally | None,
         prior_state: int,
         new_state: int,
         weights_version: int,
     ) -> None:
-        """An update failed: refused at its header (``began`` False, ``header`` None when the stream had
-        none) or after it began (then the tally of its acked buckets goes into the outcome)."""
+        """An update failed: refused at its header (``tally`` None; ``header`` None when the stream had
+        none) or after it began (then the update's ``tally`` of its acked buckets goes into the outcome)."""
+        began = tally is not None
         # Loaded: an acked bucket carried tensors, or the failure made a consistent worker INCONSISTENT
         # (a bucket that failed while loading).
-        loaded = began and (self._tensors > 0 or (new_state == pb.WORKER_STATE_INCONSISTENT != prior_state))
+        loaded = tally is not None and (
+            tally.tensors_loaded > 0 or (new_state == pb.WORKER_STATE_INCONSISTENT != prior_state)
+        )
         if err.code == "CANCELLED":
             outcome: Outcome = "cancelled"
         else:
@@ -174,10 +186,10 @@ class UpdateEvents:
                 scope=scope_name(header.scope) if header is not None else "unspecified",
                 update_id=clip(header.update_id, MAX_UPDATE_ID_CHARS) if header is not None else "",
                 duration_s=(time.perf_counter_ns() - self._started_ns) / 1e9 if began else None,
-                buckets=self._buckets if began else 0,
-                tensors_loaded=self._tensors if began else 0,
-                bytes_loaded=self._bytes if began else 0,
-                handles_opened=self._handles if began else 0,
+                buckets=tally.buckets if tally is not None else 0,
+                tensors_loaded=tally.tensors_loaded if tally is not None else 0,
+                bytes_loaded=tally.bytes_loaded if tally is not None else 0,
+                handles_opened=tally.handles_opened if tally is not None else 0,
                 weights_version=weights_version,
                 state=state_name(new_state),
                 message=clip(err.message, MAX_MESSAGE_CHARS),

@@ -263,7 +263,7 @@ class WorkerService:
         if refused is not None:
             # Observers run outside the lock (one may ask for the status).
             self._events.failed(
-                self._manifest.worker_id, header, refused, began=False, prior_state=self._state,
+                self._manifest.worker_id, header, refused, tally=None, prior_state=self._state,
                 new_state=self._state, weights_version=self._version,
             )
             raise refused
@@ -357,7 +357,7 @@ class WorkerService:
                 importer.release()
         self._notify()
         self._events.failed(
-            self._manifest.worker_id, update.header, err, began=True, prior_state=update.prior_state,
+            self._manifest.worker_id, update.header, err, tally=update.tally, prior_state=update.prior_state,
             new_state=new_state, weights_version=self._version,
         )
         self._release(update)
@@ -425,7 +425,7 @@ class WorkerService:
                 with self._mu:
                     self._record_failure(err, 0)
                 self._events.failed(
-                    self._manifest.worker_id, None, err, began=False, prior_state=self._state,
+                    self._manifest.worker_id, None, err, tally=None, prior_state=self._state,
                     new_state=self._state, weights_version=self._version,
                 )
                 raise

@@ -27,6 +27,7 @@ from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.text import MAX_MESSAGE_BYTES, bounded_join, clip_utf8, name_list
 from weightwire.core.transports import table as transports
+from weightwire.server.observe.update_events import UpdateTally
 from weightwire.server.rules.layout import (
     BucketLayout,
     LayoutCache,
@@ -137,11 +138,9 @@ class Update:
         # The layouts whose owned tensors were loaded, and how many those are (no name twice: the
         # duplicate rule holds across buckets), so a commit checks a count, not 399 names.
         self._loaded_layouts: list[BucketLayout] = []
-        self._tensors_loaded = 0
+        # What the acked buckets loaded: the result's counts, the commit's check, a failure's outcome.
+        self.tally = UpdateTally()
         self._loaded_any = False
-        self._bytes_loaded = 0
-        self._bytes_received = 0
-        self._handles_opened = 0
         self._mappings: dict[Hashable, ImportedPayload] = {}
         self._finish_lock = threading.Lock()
         # The engine was told the update ended (end_update(True)): a later failure must not tell it again.
@@ -213,9 +212,11 @@ class Update:
             # (and commit) after its client gave up.
             raise self.fail(cancelled_error())
         try:
-            return self._bucket(msg)
+            ack = self._bucket(msg)
         except WeightwireError as err:
             raise self.fail(err) from None
+        self.tally.add(ack)
+        return ack
 
     def _bucket(self, msg: pb.Bucket) -> pb.BucketAck:
         payloads = list(msg.payloads)
@@ -229,10 +230,6 @@ class Update:
         sel, importer = self._select(payloads)
         loaded = self._import(msg.index, layout, sel, importer, checksum)
         self._loaded_layouts.append(layout)
-        self._tensors_loaded += len(layout.owned_names)
-        self._bytes_loaded += layout.owned_bytes
-        if loaded.opened:
-            self._handles_opened += 1
         ack.tensors_loaded = len(layout.owned)
         ack.bytes_loaded = layout.owned_bytes
         ack.source_device.CopyFrom(sel.device.to_proto())
@@ -242,7 +239,6 @@ class Update:
         ack.open_duration_ns = loaded.open_ns
         ack.load_duration_ns = loaded.load_ns
         ack.bytes_received = loaded.received
-        self._bytes_received += loaded.received
         return ack
 
     def _accept(self, msg: pb.Bucket, payloads: list[pb.Payload]) -> tuple[BucketLayout, int | None]:
@@ -430,7 +426,7 @@ class Update:
                 received=str(received),
             )
         manifest = self._ctx.manifest
-        if self.header.scope == pb.UPDATE_SCOPE_FULL and self._tensors_loaded < len(manifest.tensors):
+        if self.header.scope == pb.UPDATE_SCOPE_FULL and self.tally.tensors_loaded < len(manifest.tensors):
             loaded = {name for layout in self._loaded_layouts for name in layout.owned_names}
             missing = sorted(set(manifest.tensors) - loaded)
             if missing:
@@ -474,10 +470,10 @@ class Update:
             previous_version=self.previous_version,
             scope=self.header.scope,
             bucket_count=len(self._bucket_indices),
-            tensors_loaded=self._tensors_loaded,
-            bytes_loaded=self._bytes_loaded,
-            handles_opened=self._handles_opened,
-            bytes_received=self._bytes_received,
+            tensors_loaded=self.tally.tensors_loaded,
+            bytes_loaded=self.tally.bytes_loaded,
+            handles_opened=self.tally.handles_opened,
+            bytes_received=self.tally.bytes_received,
             duration_ns=time.perf_counter_ns() - self._t0,
             state=new_state,
             update_id=self.header.update_id,
