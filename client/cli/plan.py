@@ -112,6 +112,13 @@ def summary(description: Mapping[str, Any], fp: FleetPlan, pred: Prediction) -> 
     }
 
 
+def _count(n: int) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.3g} {unit}"
+    return str(n)
+
+
 def _nodes(gpus: int, per_node: int) -> str:
     n = -(-gpus // per_node)
     return f"{n} node" + ("s" if n != 1 else "")
@@ -134,7 +141,7 @@ def render(s: Mapping[str, Any]) -> str:
     engine_gpus = e["tp"] * e["pp"] * e["dp"]
     lines = [
         s["name"] or "fleet",
-        f"  model     {s['model']['family']}, {s['model']['parameters'] / 1e9:,.1f} B parameters, "
+        f"  model     {s['model']['family']}, {_count(s['model']['parameters'])} parameters, "
         f"{s['model']['tensors']:,} tensors",
         f"  trainer   {t['gpus']} GPUs ({_nodes(t['gpus'], t['gpus_per_node'])} of {t['gpus_per_node']}), "
         f"layout {t['layout']}" + (f", tp {t['tp']}" if t["tp"] > 1 else "") + (f", ep {t['ep']}" if t["ep"] > 1 else ""),
