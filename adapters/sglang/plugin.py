@@ -69,6 +69,11 @@ _WORKER_ATTR = "_weightwire_worker"
 # spinning idle loop would otherwise hold. A request arriving at an idle engine waits at most this
 # much longer; other ranks of the replica wait on this rank's passes, so it stays short.
 LINGER_S = 0.002
+# "0": every load through SGLang's load_weights (adapter.py: a prepared load otherwise copies the
+# checked regions directly from its second call on).
+ENV_DIRECT_COPY = "WEIGHTWIRE_SGLANG_DIRECT_COPY"
+# A file each update's phase times are appended to, one JSON line per update (profiling).
+ENV_PHASE_LOG = "WEIGHTWIRE_SGLANG_PHASE_LOG"
 # The same wait while an update is open in a replica of one rank (no other rank waits on its
 # passes): the scheduler thread then stays in the hook from one step to the next.
 SOLO_UPDATE_LINGER_S = 0.05
@@ -238,6 +243,8 @@ def start_worker(scheduler: Any, settings: Settings | None = None) -> SchedulerW
         engine_gate=functools.partial(scheduler_gate, scheduler, pause_honoured=pause_honoured(scheduler, rank)),
         on_committed=functools.partial(after_commit, scheduler, settings),
         idle_wait_s=settings.idle_wait_s,
+        direct_copy=os.environ.get(ENV_DIRECT_COPY, "1") != "0",
+        phase_log=os.environ.get(ENV_PHASE_LOG) or None,
     )
     address = settings.address(rank)
     socket_path = None
