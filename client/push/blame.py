@@ -2,10 +2,8 @@
 cancelled because of another, and which hung at the deadline.
 
 A worker this client cancelled because another failed may have refused the update on its own
-already (two stale workers: the first refusal cancels the second, whose own refusal was still on
-its way, and gRPC then reports the cancellation instead). Its GetStatus after the update
-(``WorkerStream.settled_status``) says what it recorded; when that is its own refusal of this
-update, the error carries that reason, not CANCELLED.
+already; its stream then carries that refusal (``WorkerStream.settle``) and it is blamed for it,
+not reported CANCELLED. A worker that was really cancelled is, with the state it says it was left in.
 
 ``collect_results`` reads the streams of one update (``weightwire.client.push.session``) once they have
 all ended and returns one ``PushResult`` per worker, or raises one ``PushError`` naming each worker
@@ -34,13 +32,11 @@ def collect_results(
     deadline_hit: bool,
     first_failure: str | None,
     cancelled_because: str | None = None,
-    version: int | None = None,
 ) -> dict[str, PushResult]:
     """One result per worker when every worker committed; otherwise a ``PushError`` whose failures
     put the workers at fault first and the ones cancelled because of them after.
     ``cancelled_because`` says why the update was called off when no worker of this session failed
-    (another trainer rank's update did, in a multi-rank push). ``version`` is the update's, to
-    recognise a cancelled worker's own record of it."""
+    (another trainer rank's update did, in a multi-rank push)."""
     results: dict[str, PushResult] = {}
     root: dict[str, WeightwireError] = {}
     cancelled: dict[str, WeightwireError] = {}
@@ -61,10 +57,7 @@ def collect_results(
         wid = manifests[a].worker_id
         err = s.error
         ours = err is not None and s.cancelled_by_us and err.code == "CANCELLED"
-        own = _own_refusal(s, version) if ours else None
-        if own is not None:
-            root[a] = _named(own, wid)
-        elif s.result is not None and err is None:
+        if s.result is not None and err is None:
             results[a] = _result(a, wid, s)
         elif blame_laggards and a in laggards and (ours or err is None or err.code == "DEADLINE_EXCEEDED"):
             owed = len(s.sent_jobs) - len(s.acks)
@@ -103,21 +96,6 @@ def collect_results(
     if root or cancelled:
         raise PushError({**root, **cancelled}, results)
     return results
-
-
-def _own_refusal(s: WorkerStream, version: int | None) -> WeightwireError | None:
-    """The error a worker whose stream this client cancelled recorded for this update on its own
-    (STALE_VERSION, ENGINE_NOT_PAUSED, ...), or None: it recorded the cancellation, nothing of
-    this update (the header never reached it: its record is older than the header), or it did
-    not answer GetStatus."""
-    status = s.settled_status
-    if status is None or version is None or not status.HasField("last_error"):
-        return None
-    e = status.last_error
-    recorded = e.time.seconds + e.time.nanos / 1e9
-    if e.version != version or recorded < s.header_sent_wall or e.reason in ("CANCELLED", "DEADLINE_EXCEEDED"):
-        return None
-    return WeightwireError(e.reason, e.message, code=e.code or None, worker=s.address)
 
 
 def _state_after(s: WorkerStream) -> str:

@@ -219,7 +219,6 @@ class UpdateSession:
                 deadline_hit=self.deadline_hit,
                 first_failure=self.first_failure,
                 cancelled_because=self.aborted_because,
-                version=self._options.version,
             )
         finally:
             if self._options.metrics is not None:
@@ -316,8 +315,8 @@ class UpdateSession:
         (GetStatus no longer UPDATING), or at the deadline. A cancelled worker may still be inside a
         load; a trainer retrying at once must not be refused (UPDATE_IN_PROGRESS) by its own failed
         update. A worker that does not answer GetStatus, or that was busy with another update before
-        this one started, is not waited for. The last answer is kept (``WorkerStream.settled_status``):
-        blame reads there whether the worker had refused the update on its own."""
+        this one started, is not waited for. Each stream takes the last answer (``WorkerStream.settle``):
+        a worker that had refused the update on its own is blamed for that, not reported CANCELLED."""
         waiting = [
             s for s in self.streams.values() if s.cancelled_by_us and s.call is not None and s.address not in self._updating_before
         ]
@@ -338,7 +337,7 @@ class UpdateSession:
                 if status.state == pb.WORKER_STATE_UPDATING:
                     still.append(s)
                 else:
-                    s.settled_status = status  # what the worker recorded: blame reads its own reason there
+                    s.settle(status)  # what the worker recorded: its own refusal, if it made one
             waiting = still
             if waiting:
                 time.sleep(min(_SETTLE_POLL_S, max(0.0, deadline - time.monotonic())))

@@ -67,8 +67,7 @@ class WorkerStream:
         self.result: pb.UpdateResult | None = None
         self.error: WeightwireError | None = None
         self.cancelled_by_us = False
-        # The worker's GetStatus once a stream this client cancelled has ended there (set by the
-        # session after a failed update): what the worker itself recorded for the update.
+        # The worker's GetStatus once a stream this client cancelled has ended there (``settle``).
         self.settled_status: pb.GetStatusResponse | None = None
         # Wall-clock time the header was queued: a worker's record (ErrorDetail.time) from before
         # it belongs to an earlier update.
@@ -202,6 +201,22 @@ class WorkerStream:
         if call is not None:
             call.cancel()
         self._put(None)
+
+    def settle(self, status: pb.GetStatusResponse) -> None:
+        """Take the worker's GetStatus after this client cancelled the stream and the worker ended
+        the update. The cancel can overtake the worker's own refusal (two stale workers: the first
+        refusal cancels the second, whose STALE_VERSION is on its way, and gRPC then reports
+        CANCELLED); when the worker recorded its own refusal of this update, that becomes this
+        stream's error, so blame and the trainer's metrics carry the worker's reason."""
+        self.settled_status = status
+        if self.error is None or self.error.code != "CANCELLED" or not status.HasField("last_error"):
+            return
+        e = status.last_error
+        recorded = e.time.seconds + e.time.nanos / 1e9
+        # Its record of this update: this version, made after the header went out (an older one of
+        # the same version is a previous attempt's), and not the cancellation itself.
+        if e.version == self._header.version and recorded >= self.header_sent_wall and e.reason not in ("CANCELLED", "DEADLINE_EXCEEDED"):
+            self.error = WeightwireError(e.reason, e.message, code=e.code or None, worker=self.address)
 
     def _responses(self) -> Iterable[pb.PushWeightsResponse]:
         whole = self._whole

@@ -8,8 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 from engines import CONFIG, Engine, layout, start_engine
+from prometheus_client import CollectorRegistry
 from weightwire.adapters.torch.demo import full_checkpoint
 from weightwire.client import PushError, WeightPusher
+from weightwire.client.observe.trainer_metrics import TrainerMetrics
 from weightwire.core.errors import Reason
 
 pytestmark = pytest.mark.timeout(180)
@@ -34,7 +36,8 @@ def test_every_stale_worker_reports_its_own_stale_version(engine: Engine) -> Non
     """Each worker's reported reason is the one it recorded itself (GetStatus.last_error) whenever
     it ruled on this update; CANCELLED only for one whose stream ended before it ruled."""
     full = full_checkpoint(CONFIG, 1)
-    with WeightPusher(engine.addresses, transport="host_shm") as pusher:
+    registry = CollectorRegistry()
+    with WeightPusher(engine.addresses, transport="host_shm", metrics=TrainerMetrics(registry)) as pusher:
         current = max(_versions(pusher).values())
         pusher.push(full, version=current + 5)
         own_reasons = 0
@@ -56,6 +59,13 @@ def test_every_stale_worker_reports_its_own_stale_version(engine: Engine) -> Non
                     assert err.kind is Reason.CANCELLED, str(e.value)
         assert own_reasons > _ROUNDS  # most rounds, both workers ruled (and said so)
         assert _versions(pusher) == dict.fromkeys(engine.addresses, current + 5)
+    # The trainer's failure counter carries the same reasons as the errors.
+    counted = {
+        reason: sum(registry.get_sample_value("weightwire_trainer_worker_failures_total", {"worker": w, "reason": reason}) or 0
+                    for w in ("tp0-pp0", "tp1-pp0"))
+        for reason in ("STALE_VERSION", "CANCELLED")
+    }
+    assert counted == {"STALE_VERSION": own_reasons, "CANCELLED": 2 * _ROUNDS - own_reasons}
 
 
 def test_a_worker_cancelled_because_another_refused_is_cancelled_and_consistent(engine: Engine) -> None:
