@@ -29,6 +29,7 @@ import torch
 from weightwire.core import dtypes
 from weightwire.core.errors import Reason
 from weightwire.core.manifest import OwnedTensor
+from weightwire.core.transports.transfer_group import transfer_error
 from weightwire.core.transports.transfer_plan import Box, Transfer, TransferPlan, TransferPlanError
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
@@ -91,7 +92,10 @@ def agree(pg: Any, plan: TransferPlan, rank: int, world_size: int, timeout_s: fl
     member naming the ranks that differ from this one."""
     mine = torch.frombuffer(bytearray(bytes.fromhex(plan.fingerprint)), dtype=torch.uint8)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    pg.allgather([gathered], [mine]).wait(datetime.timedelta(seconds=timeout_s))
+    try:
+        pg.allgather([gathered], [mine]).wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise transfer_error(e, "comparing transfer plans") from None
     differ = [r for r, g in enumerate(gathered) if not torch.equal(g, mine)]
     if differ:
         raise TransferPlanError(
@@ -139,7 +143,7 @@ def send_slices(
                 t = message[0]
                 shard = local[t.tensor]
                 view = _region(shard, t.box, [a for a, _ in holdings[t.tensor]]).contiguous()  # no copy: rows
-                works.append(pg.send([view], ranks.of_worker(worker), 0))
+                works.append(_post(lambda v=view, w=worker: pg.send([v], ranks.of_worker(w), 0), f"send to {worker}"))
                 sent += t.nbytes
                 continue
             buf = _buffer(staging, (worker, index), sum(t.nbytes for t in message))
@@ -148,11 +152,30 @@ def send_slices(
                 shard = local[t.tensor]
                 _view(buf, offset, t, shard.dtype).copy_(_region(shard, t.box, [a for a, _ in holdings[t.tensor]]))
                 offset += t.nbytes
-            works.append(pg.send([buf], ranks.of_worker(worker), 0))
+            works.append(_post(lambda b=buf, w=worker: pg.send([b], ranks.of_worker(w), 0), f"send to {worker}"))
             sent += buf.numel()
     for work in works:
-        work.wait(datetime.timedelta(seconds=timeout_s))
+        _wait(work, timeout_s, "a send")
     return sent
+
+
+def _post(op: Any, what: str) -> Any:
+    """Post a send or receive; one the backend refuses at once (a peer already gone) is
+    TRANSFER_FAILED, as a failed wait is."""
+    try:
+        return op()
+    except RuntimeError as e:
+        raise transfer_error(e, what) from None
+
+
+def _wait(work: Any, timeout_s: float, what: str) -> None:
+    """Wait for a posted operation within the group's timeout: a peer that died or never sends
+    ends it with TRANSFER_FAILED (gloo fails a pending receive at once when its peer's sockets
+    close, and at the timeout otherwise), never a hang."""
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise transfer_error(e, what) from None
 
 
 def kept_region(kept: torch.Tensor, owned: OwnedTensor, box: Box) -> torch.Tensor:
@@ -183,13 +206,15 @@ def receive_slices(
         for index, message in enumerate(messages(plan, source, worker, max_message_bytes, direct_min_bytes)):
             t = message[0]
             if _direct(t, direct_min_bytes) and (region := kept_region(kept[t.tensor], owned[t.tensor], t.box)).is_contiguous():
-                posted.append((pg.recv([region], source, 0), None, message))
+                posted.append((_post(lambda r=region, s=source: pg.recv([r], s, 0), f"receive from trainer rank {source}"),
+                               None, message))
                 continue
             staged = _buffer(staging, (source, index), sum(t.nbytes for t in message))
-            posted.append((pg.recv([staged], source, 0), staged, message))
+            posted.append((_post(lambda b=staged, s=source: pg.recv([b], s, 0), f"receive from trainer rank {source}"),
+                           staged, message))
     received = 0
     for work, into, message in posted:
-        work.wait(datetime.timedelta(seconds=timeout_s))
+        _wait(work, timeout_s, f"a receive from trainer rank {message[0].source}")
         if into is None:  # received in place
             received += message[0].nbytes
             continue

@@ -9,7 +9,8 @@ receives straight into its TorchAdapter's parameters and checks them against the
 slices. Prints one JSON line: the bytes it sent or received, its parameters' check, or the error.
 
 ``--plan-variant`` makes this member plan from other inputs (it believes a worker keeps another
-slice), for the refusal test. ``--direct-min-bytes 0`` sends every region of whole rows in place
+slice), for the refusal test; ``--die-after-agree`` exits at once after the plan check (a trainer
+rank lost mid-update). ``--direct-min-bytes 0`` sends every region of whole rows in place
 (the demo model's tensors are all below the default bound, so they are otherwise all packed).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 
 import torch
 from weightwire.adapters.torch import TorchAdapter
@@ -71,6 +73,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--plan-variant", action="store_true")
     ap.add_argument("--direct-min-bytes", type=int, default=DIRECT_MIN_BYTES)
+    ap.add_argument("--die-after-agree", action="store_true")
     args = ap.parse_args()
     tp, pp, dp = (int(x) for x in args.engine.split(","))
 
@@ -104,6 +107,8 @@ def main() -> None:
     result: dict[str, object] = {"rank": args.rank, "fingerprint": plan.fingerprint}
     try:
         agree(pg, plan, args.rank, ranks.world_size, TIMEOUT_S)
+        if args.die_after_agree:
+            os._exit(3)  # killed between the plan check and its first send
         if args.rank < args.trainers:
             # Only this rank's shards survive: the full checkpoint is gone before a byte moves.
             local = {s.name: full[s.name][tuple(slice(a, b) for a, b in s.holdings[args.rank])].clone()

@@ -3,7 +3,8 @@ FSDP2 shards of 2 and 4 trainer ranks into a TP2 x PP2 engine and into TP2 x 2 r
 receiving exactly its slices straight into its parameters (packed per destination, or regions of
 whole rows received in place) (bit-exact against the checkpoint; bytes
 received == its manifest's kept bytes), each trainer rank sending only bytes it holds; a member
-with another plan is refused on every member before a byte moves.
+with another plan is refused on every member before a byte moves; a trainer rank lost mid-update
+ends every worker with TRANSFER_FAILED, not a hang.
 
 Each member is a ``slice_member.py`` process; the test process serves the store only.
 """
@@ -25,7 +26,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def run_group(
-    trainers: int, engine: tuple[int, int, int], *, variant_rank: int | None = None, in_place: bool = False
+    trainers: int, engine: tuple[int, int, int], *, variant_rank: int | None = None, in_place: bool = False,
+    die_rank: int | None = None,
 ) -> list[dict]:
     tp, pp, dp = engine
     world = trainers + tp * pp * dp
@@ -39,11 +41,17 @@ def run_group(
             cmd.append("--plan-variant")
         if in_place:
             cmd += ["--direct-min-bytes", "0"]
+        if rank == die_rank:
+            cmd.append("--die-after-agree")
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     try:
-        for p in procs:
+        for rank, p in enumerate(procs):
             out, err = p.communicate(timeout=180)
+            if rank == die_rank:
+                assert p.returncode == 3, err[-2000:]
+                results.append({"rank": rank, "died": True})
+                continue
             assert p.returncode == 0, err[-2000:]
             results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
@@ -79,3 +87,16 @@ def test_a_member_with_another_plan_is_refused_on_every_member() -> None:
     results = run_group(1, (2, 1, 1), variant_rank=2)
     assert {r["error"] for r in results} == {"GROUP_PLAN_MISMATCH"}, results
     assert all("sent" not in r and "received" not in r for r in results)
+
+
+def test_a_trainer_rank_lost_after_the_check_ends_every_worker_with_a_reason() -> None:
+    """Trainer rank 1 of 2 exits between the plan check and its first send: every worker's
+    receive from it fails (its sockets closed) as TRANSFER_FAILED naming it, within the group's
+    timeout, and no worker reports its slices complete."""
+    results = run_group(2, (2, 1, 1), die_rank=1)
+    workers = results[2:]
+    assert all(r.get("error") == "TRANSFER_FAILED" for r in workers), workers
+    assert all("trainer rank 1" in r["message"] for r in workers), workers
+    assert all("received" not in r for r in workers)
+    # The surviving trainer rank ends too: its sends completed or failed with the reason.
+    assert results[0].get("error") in (None, "TRANSFER_FAILED"), results[0]
