@@ -28,7 +28,7 @@ from weightwire.server.rpc.servicer import (
     to_rpc_status,
 )
 from weightwire.server.rpc.thread_pools import PoolRouter, SlotPool
-from weightwire.server.transports.transfer_group import default_group_host
+from weightwire.server.transports.transfer_group_membership import default_group_host
 from weightwire.server.worker.adapter import EngineAdapter
 from weightwire.server.worker.service import CommitHook, WorkerService
 from weightwire.server.worker.streams import DEFAULT_IDLE_TIMEOUT_S

@@ -28,6 +28,7 @@ from weightwire.server.rules.layout import LayoutCache
 from weightwire.server.transports.importer import PayloadImporter, make_importers
 from weightwire.server.transports.read_ahead import read_ahead
 from weightwire.server.transports.transfer_group import GroupImporter
+from weightwire.server.transports.transfer_group_membership import GroupMembership
 from weightwire.server.worker.adapter import EngineAdapter
 from weightwire.server.worker.streams import DEFAULT_IDLE_TIMEOUT_S, ListedRequests, StreamReader
 from weightwire.server.worker.update import Update, UpdateContext, cancelled_error, now_timestamp
@@ -70,6 +71,12 @@ class WorkerService:
             "cuda" if own_device.is_cuda else "cpu"
         )
         self.importers = importers if importers is not None else make_importers()
+        # This worker's transfer-group membership (joins, leaves, status), owned here; the group
+        # importer receives bucket bytes through it. None when that transport is not installed.
+        group_importer = self.importers.get(transports.TRANSFER_GROUP.handle_field)
+        self.transfer_group: GroupMembership | None = (
+            group_importer.membership if isinstance(group_importer, GroupImporter) else None
+        )
         self.on_commit = on_commit
         self._manifest: ShardManifest = adapter.manifest()
         cuda_importer = self.importers.get(transports.CUDA_IPC.handle_field)
@@ -176,12 +183,7 @@ class WorkerService:
 
     # --- transfer groups (weightwire.server.transports.transfer_group) ---------------------------------------
 
-    @property
-    def transfer_group(self) -> GroupImporter | None:
-        importer = self.importers.get(transports.TRANSFER_GROUP.handle_field)
-        return importer if isinstance(importer, GroupImporter) else None
-
-    def _group_or_refuse(self) -> GroupImporter:
+    def _group_or_refuse(self) -> GroupMembership:
         group = self.transfer_group
         if group is None:
             raise WeightwireError(Reason.TRANSPORT_UNAVAILABLE, "this worker has no transfer-group importer")
