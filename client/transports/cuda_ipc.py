@@ -38,13 +38,13 @@ from weightwire.core.devices import DeviceRef, cuda_device_uuid
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.transports import table as transports
 from weightwire.core.transports.cuda_ipc import (
-    MAX_STORAGES_PER_PAYLOAD,
     CudaIpcFields,
     ProducerEvent,
     SharedCudaBuffer,
     ipc_collect,
     share_cuda_tensor,
 )
+from weightwire.core.transports.cuda_ipc_storages import MAX_STORAGES_PER_PAYLOAD
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["CudaIpcExporter", "CudaStagingBuffer", "ExportedTensors", "cuda_auto_rule", "resolve_cuda_device"]

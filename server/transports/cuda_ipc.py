@@ -26,14 +26,8 @@ import torch
 from weightwire.core.devices import DeviceRef, local_cuda_index
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.transports import table as transports
-from weightwire.core.transports.cuda_ipc import (
-    CudaIpcCache,
-    CudaIpcFields,
-    OpenedStorage,
-    OpenedStorageSet,
-    StorageSetCache,
-    has_storages,
-)
+from weightwire.core.transports.cuda_ipc import CudaIpcCache, CudaIpcFields, OpenedStorage
+from weightwire.core.transports.cuda_ipc_storages import OpenedStorageSet, StorageSetCache, has_storages
 from weightwire.server.rules.views import ReadBatch
 from weightwire.server.transports.importer import ImportContext, ImportedPayload, PayloadImporter
 from weightwire.v1 import weight_transfer_pb2 as pb

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 from weightwire.core.errors import Reason, WeightwireError
-from weightwire.core.transports.cuda_ipc import (
+from weightwire.core.transports.cuda_ipc import CudaIpcFields
+from weightwire.core.transports.cuda_ipc_storages import (
     MAX_STORAGES_PER_PAYLOAD,
-    CudaIpcFields,
     CudaIpcStorageSet,
     StorageSetCache,
     has_storages,
