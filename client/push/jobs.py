@@ -128,14 +128,13 @@ def exports_in_place(
     """Whether ``push`` sends ``items`` where they live (no packing copy): CUDA tensors on the
     exporter's GPU, dense, sent unconverted and unchecksummed, to workers that all read payloads of
     several storages (``ShardManifest.imports_cuda_ipc_storages``). Anything else is packed."""
-    can_export = getattr(exporter, "can_export_tensors", None)
-    if can_export is None or options.verify_checksums or not manifests:
+    if options.verify_checksums or not manifests:
         return False
     if not all(m.imports_cuda_ipc_storages for m in manifests.values()):
         return False
     if options.cast_to is not None and any(target_dtype(t.dtype, options.cast_to) != t.dtype for _, t in items):
         return False
-    return bool(can_export([t for _, t in items]))
+    return exporter.can_export_tensors([t for _, t in items])
 
 
 def _packing_bucket_bytes(items: Sequence[tuple[str, torch.Tensor]], exporter: exp.Exporter, staging: Staging, align_bytes: int) -> int:
@@ -182,14 +181,13 @@ def _in_place_jobs(
     """One job per recipient group with its tensors exported where they live, or None when some
     storage cannot be shared (then everything is packed)."""
     plans, kept = _checked_plans(items, manifests, exporter, staging, options, _ONE_BUCKET, align_bytes)
-    export_tensors = getattr(exporter, "export_tensors")  # noqa: B009 - exports_in_place checked it
     # In a FULL update where each worker gets one bucket (one per pipeline stage, say), that bucket
     # lists every storage its workers should keep: they close the rest.
     counts = collections.Counter(w for p in plans for w in p.recipients)
     complete = options.scope == pb.UPDATE_SCOPE_FULL and all(n == 1 for n in counts.values())
     jobs: list[Job] = []
     for p in plans:
-        exported = export_tensors([kept[i] for i in p.items], p.recipients)
+        exported = exporter.export_tensors([kept[i] for i in p.items], p.recipients)
         if exported is None:
             return None
         memo = exported.specs_memo.get(id(p))

@@ -88,18 +88,16 @@ class _Setup:
     # Set when the caller already re-checked the fingerprints (a multi-rank push does it before
     # the ranks agree, so that a restarted worker fails every rank before anything is sent).
     rechecked: bool = False
-    # The transfer group the update's bytes travel over (transport "transfer_group").
-    group: GroupLink | None = None
-    # push()'s tensors by name: a transfer group sends them without packing where it can.
-    sources: Mapping[str, torch.Tensor] | None = None
+    # The exporter the update's bytes go through (None: buckets that carry their own payloads).
+    exporter: exp.Exporter | None = None
 
 
-def _recheck_needed(manifests: Mapping[str, ShardManifest], group: GroupLink | None) -> bool:
+def _recheck_needed(manifests: Mapping[str, ShardManifest], exporter: exp.Exporter | None) -> bool:
     """Whether an update re-checks its workers before sending: with several workers (so that a
     restarted one fails the push before any other loads a byte) or over a transfer group. One
     worker's own header check (its fingerprint covers the instance id) refuses a restart before it
     loads anything, and there is no other worker that could have loaded a byte."""
-    return len(manifests) > 1 or group is not None
+    return len(manifests) > 1 or (exporter is not None and exporter.routes_each_update)
 
 
 def _updating(statuses: Mapping[str, pb.GetStatusResponse] | None) -> set[str]:
@@ -177,8 +175,11 @@ class WeightPusher:
         self._group = (
             GroupLink(transfer_group, self._workers, self._metadata, self.timeout_s) if transfer_group is not None else None
         )
-        if self._group is not None and transport == "auto":
-            self.transport = "transfer_group"
+        if self._group is not None:
+            # This pusher's group is the transfer-group transport's: its exporter routes over it.
+            self._staging.add_exporter(GroupExporter(self._group))
+            if transport == "auto":
+                self.transport = "transfer_group"
         # Segments are unlinked even if the caller forgets close() (also at interpreter exit).
         self._finalizer = weakref.finalize(self, _close_all, self._staging, list(self._workers.values()), self._readers)
 
@@ -334,8 +335,6 @@ class WeightPusher:
             )
         source = source_device(items)
         setup, exporter = self._setup_exporting(source, options)
-        if setup.group is not None:
-            setup.sources = dict(items)
         # CUDA tensors exported where they live go as one bucket (per group of recipients).
         in_place = job_builders.exports_in_place(items, setup.manifests, exporter, options)
         one_bucket = in_place or sum(t.nbytes for _, t in items) <= self.bucket_size_bytes
@@ -343,7 +342,7 @@ class WeightPusher:
             jobs = job_builders.tensor_jobs(
                 items, setup.manifests, exporter, self._staging, options, self.align_bytes, in_place=in_place
             )
-            return self._run(setup, jobs, options, opened=opened)
+            return self._run(setup, jobs, options, opened=opened, sources=dict(items))
 
     def push_flat(
         self,
@@ -402,29 +401,22 @@ class WeightPusher:
 
     # ---------------------------------------------------------------- shared setup and the update
 
-    def _setup(self) -> _Setup:
-        manifests = self.manifests()
+    def _setup(self, manifests: dict[str, ShardManifest] | None = None, exporter: exp.Exporter | None = None) -> _Setup:
+        manifests = self.manifests() if manifests is None else manifests
         # Started now so that it overlaps planning.
-        needed = self.recheck_manifests and _recheck_needed(manifests, self._group)
+        needed = self.recheck_manifests and _recheck_needed(manifests, exporter)
         recheck = self._start_all("GetStatus", pb.GetStatusRequest()) if needed else None
-        return _Setup(manifests, recheck)
+        return _Setup(manifests, recheck, exporter=exporter)
 
     def _setup_exporting(self, source: torch.device, options: PushOptions) -> tuple[_Setup, exp.Exporter]:
         """``_setup`` plus the exporter for ``source`` (``transport``, or the one ``auto`` picks for
         these workers), keeping only the workers on its device with ``only_own_device``."""
-        setup = self._setup()
+        manifests = self.manifests()
         name = self.transport
         if name == "auto":
-            name = exp.choose_transport([m.device for m in setup.manifests.values()], source)
+            name = exp.choose_transport([m.device for m in manifests.values()], source)
         exporter = self._staging.exporter(name, source)
-        if isinstance(exporter, GroupExporter):
-            if self._group is None:
-                raise PlanError(
-                    Reason.TRANSPORT_UNAVAILABLE,
-                    "transport 'transfer_group' needs WeightPusher(..., transfer_group=TransferGroupOptions(host=...))",
-                )
-            exporter.use_device(self._group.device)
-            setup.group = self._group
+        setup = self._setup(manifests, exporter)
         setup.manifests = route_own_device(setup.manifests, exporter, options.only_own_device)
         return setup, exporter
 
@@ -434,10 +426,12 @@ class WeightPusher:
     ) -> Iterator[dict[str, WorkerStream] | None]:
         """Each worker's stream opened before the update is planned (``session.open_streams``), and
         cancelled (nothing sent; the workers record nothing) if the push ends before a session took
-        them over. Not over a transfer group, whose route may still change the workers, and not for
+        them over. Not for a transport that routes each update (a transfer group), whose route may
+        still change the workers, and not for
         one bucket to one worker (``one_bucket``: likely one), which goes out as one PushUpdate call
         once it is ready (``UpdateSession.run``): cheaper than any stream."""
-        if self._closed or setup.group is not None or self._push_lock.locked() or (one_bucket and len(setup.manifests) == 1):
+        routes = setup.exporter is not None and setup.exporter.routes_each_update
+        if self._closed or routes or self._push_lock.locked() or (one_bucket and len(setup.manifests) == 1):
             yield None
             return
         connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)
@@ -456,6 +450,7 @@ class WeightPusher:
         options: PushOptions,
         commit_gate: CommitGate | None = None,
         opened: Mapping[str, WorkerStream] | None = None,
+        sources: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, PushResult]:
         if self._closed:
             raise RuntimeError("this WeightPusher is closed")
@@ -466,19 +461,21 @@ class WeightPusher:
         try:
             statuses = None
             if setup.recheck is not None and not setup.rechecked:
-                if _recheck_needed(setup.manifests, setup.group):
+                if _recheck_needed(setup.manifests, setup.exporter):
                     statuses = self._recheck(setup.manifests, setup.recheck)
                 else:  # routing left one worker (only_own_device): its header check is enough
                     for call in setup.recheck.values():
                         call.cancel()
-            if setup.group is not None:
-                setup.group.ensure(setup.manifests, statuses, max((j.size_bytes for j in jobs.jobs), default=0))
-                routed = setup.group.route(jobs.jobs, setup.manifests, setup.sources, verify_checksums=options.verify_checksums)
+            exporter = setup.exporter
+            if exporter is not None:
+                routed = exporter.route_update(
+                    jobs.jobs, setup.manifests, statuses, sources, verify_checksums=options.verify_checksums
+                )
                 jobs = job_builders.Jobs(routed, jobs.pools)
             connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)
             session = UpdateSession(
                 jobs.jobs, setup.manifests, options, connections, self._fingerprints, self._templates, jobs.pools,
-                commit_gate, updating_before=_updating(statuses), opened=opened, whole_update=setup.group is None,
+                commit_gate, updating_before=_updating(statuses), opened=opened, whole_update=setup.exporter is None or not setup.exporter.routes_each_update,
             )
             # Staging buffers hand workers an event to wait for instead of waiting for their own
             # writes, when every recipient says it waits for it. Not in a push of several ranks
@@ -489,12 +486,8 @@ class WeightPusher:
         except PushError as e:
             if any(err.kind is Reason.MANIFEST_CHANGED for err in e.failures.values()):
                 self._manifests = None
-            if setup.group is not None:
-                # The workers leave the group when an update fails; so does this side. A worker not
-                # in the plan restarted since its manifest was read: read them again next time.
-                setup.group.teardown("an update failed", leave=False)
-                if any(err.kind is Reason.GROUP_UNKNOWN_MEMBER for err in e.failures.values()):
-                    self._manifests = None
+            if setup.exporter is not None and setup.exporter.update_failed(e.failures):
+                self._manifests = None
             raise
         finally:
             self._push_lock.release()

@@ -125,6 +125,11 @@ class Staging:
             self._exporters[key] = exp.make_exporter(name, source)
         return self._exporters[key]
 
+    def add_exporter(self, exporter: exp.Exporter) -> None:
+        """Use ``exporter`` for its transport from now on (an exporter bound to something of the
+        pusher's, such as its transfer group, instead of one the transport table makes)."""
+        self._exporters[exporter.name] = exporter
+
     def pool(self, exporter: exp.Exporter, bucket_bytes: int | None = None) -> StagingPool:
         """The pool of ``exporter``'s staging buffers of ``bucket_bytes`` (default: the pusher's bucket size)."""
         size = self.bucket_size_bytes if bucket_bytes is None else bucket_bytes
@@ -259,10 +264,8 @@ def in_place_job(
     """A bucket of the caller's own CUDA tensors, exported where they live (``CudaIpcExporter.
     export_tensors``): nothing staged, nothing to release; each worker's payload names its own
     shares of the storages and carries the event of the writes queued so far (or this waits for them)."""
-    tensors_payloads = getattr(exporter, "tensors_payloads")  # noqa: B009 - only CUDA IPC has it
-
     def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
-        payloads = tensors_payloads(exported, complete=complete)
+        payloads = exporter.tensors_payloads(exported, complete=complete)
         return PreparedBucket([], None, None, lambda ok: None, per_recipient=payloads.__getitem__)
 
     return prepare

@@ -21,7 +21,8 @@ import mmap
 import os
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from weightwire.core.devices import DeviceRef
@@ -29,6 +30,10 @@ from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.transports import table as transports
 from weightwire.core.transports.shm import SHM_DIR, new_shm_name
 from weightwire.v1 import weight_transfer_pb2 as pb
+
+if TYPE_CHECKING:
+    from weightwire.client.push.staging import Job
+    from weightwire.core.manifest import ShardManifest
 
 # Per pushing thread: whether every worker of the push it runs waits for a payload's producer event
 # before reading (``consumers_wait_for_events``).
@@ -143,6 +148,48 @@ class Exporter(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional
         """Release everything this exporter still holds."""
+
+    # --- tensors exported where they live (no packing copy) -----------------------------------
+
+    def can_export_tensors(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``export_tensors`` can send these tensors where they live (CUDA IPC of a trainer's
+        own parameters); the others pack them into staging buffers."""
+        return False
+
+    def export_tensors(self, tensors: Sequence[torch.Tensor], recipients: Sequence[str]) -> object | None:
+        """``tensors`` exported where they live for each of ``recipients``, or None (pack them)."""
+        return None
+
+    def tensors_payloads(self, exported: object, *, complete: bool) -> dict[str, pb.Payload]:
+        """Each recipient's payload of what ``export_tensors`` returned."""
+        raise NotImplementedError(f"{self.name} does not export tensors where they live")
+
+    # --- one update ----------------------------------------------------------------------------
+
+    # True for a transport whose bytes travel beside each worker's stream, on a channel of its own
+    # that the worker reads while the trainer sends (a transfer group): its ``route_update`` makes
+    # each worker's payloads, every update re-checks its workers (the channel names them), and no
+    # update goes out as one PushUpdate call or on streams opened before it was routed.
+    routes_each_update: ClassVar[bool] = False
+
+    def route_update(
+        self,
+        jobs: Sequence[Job],
+        manifests: Mapping[str, ShardManifest],
+        statuses: Mapping[str, pb.GetStatusResponse] | None,
+        sources: Mapping[str, torch.Tensor] | None,
+        *,
+        verify_checksums: bool,
+    ) -> list[Job]:
+        """The update's jobs as this transport sends them, once its workers were re-checked and
+        before anything is sent (``statuses``: their GetStatus answers, when asked; ``sources``:
+        the tensors ``push`` was given, by name). Most transports send each job as planned."""
+        return list(jobs)
+
+    def update_failed(self, failures: Mapping[str, WeightwireError]) -> bool:
+        """An update over this exporter failed with ``failures``; True when the workers' manifests
+        must be read again before the next one."""
+        return False
 
 
 # --------------------------------------------------------------------------------------------

@@ -198,8 +198,8 @@ def test_single_worker_single_bucket_push_hits_the_deadline(engine: Engine) -> N
     victim = engine.workers[1]
 
     class FreezeAfterSetup(WeightPusher):
-        def _setup(self) -> Any:
-            setup = super()._setup()
+        def _setup(self, *args: Any, **kwargs: Any) -> Any:
+            setup = super()._setup(*args, **kwargs)
             victim.proc.send_signal(signal.SIGSTOP)
             return setup
 
