@@ -121,7 +121,9 @@ class EndpointSettings:
     env_prefix: str = "WEIGHTWIRE"
 
     @classmethod
-    def from_env(cls, prefix: str, *, default_socket_dir: str, env: Mapping[str, str] | None = None) -> EndpointSettings:
+    def from_env(
+        cls, prefix: str, *, default_socket_dir: str, env: Mapping[str, str] | None = None
+    ) -> EndpointSettings:
         """Parse ``<prefix>_SOCKET_DIR`` / ``<prefix>_BASE_PORT`` / ``<prefix>_HOST`` and the token and TLS
         variables; with neither a directory nor a port, sockets go to ``default_socket_dir``."""
         env = os.environ if env is None else env
@@ -185,10 +187,16 @@ def prepare_socket(path: str, *, env_hint: str = "its own socket directory") -> 
     os.makedirs(directory, mode=0o700, exist_ok=True)
     st = os.stat(directory)
     if st.st_uid != os.getuid():
-        raise PermissionError(f"weightwire socket directory {directory} belongs to uid {st.st_uid}, not to us")
+        raise PermissionError(
+            f"weightwire socket directory {directory} belongs to uid {st.st_uid}, not to us"
+        )
     if st.st_mode & 0o077:
         # Anyone who can connect can push weights. Not changed here: the directory may be shared.
-        log.warning("weightwire: socket directory %s is accessible to other users (mode %o)", directory, st.st_mode & 0o777)
+        log.warning(
+            "weightwire: socket directory %s is accessible to other users (mode %o)",
+            directory,
+            st.st_mode & 0o777,
+        )
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:

@@ -63,7 +63,10 @@ class CpuBench:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log = common.Log(self.out / "bench_cpu.log")
         self.t_start = time.monotonic()
-        self.results = common.Results(self.out / "cpu_results.json", common.environment({"bench": "cpu", "argv": common.public_argv(sys.argv[1:])}))
+        self.results = common.Results(
+            self.out / "cpu_results.json",
+            common.environment({"bench": "cpu", "argv": common.public_argv(sys.argv[1:])}),
+        )
         self.version = 0
         self.device = torch.device("cpu")
 
@@ -71,7 +74,9 @@ class CpuBench:
         return self.args.budget_s - (time.monotonic() - self.t_start)
 
     def record(self, rec: dict[str, Any], fn: Callable[[], dict[str, Any]], need_s: float) -> None:
-        label = f"{rec.get('model')} {rec.get('case')} {rec.get('variant', '')} workers={rec.get('workers', 1)}"
+        label = (
+            f"{rec.get('model')} {rec.get('case')} {rec.get('variant', '')} workers={rec.get('workers', 1)}"
+        )
         if self.time_left() < need_s:
             rec["skipped"] = f"time budget: {self.time_left():.0f} s left, needs about {need_s:.0f} s"
             self.log(f"SKIP {label}")
@@ -93,19 +98,30 @@ class CpuBench:
                 f"(cold {rec['updates'][0]['total_ms']:.1f}), verified={rec.get('verified')}"
             )
         elif "error" not in rec:
-            self.log(f"done {label}: " + ", ".join(f"{k}={common.median(v):.1f}" for k, v in rec.items() if k.endswith("_ms")))
+            self.log(
+                f"done {label}: "
+                + ", ".join(f"{k}={common.median(v):.1f}" for k, v in rec.items() if k.endswith("_ms"))
+            )
 
     # --- workers ---------------------------------------------------------------------------
 
     def start_workers(self, preset: str, n: int, tp: bool) -> list[common.WorkerProc]:
         procs = []
         for i in range(n):
-            rank = ["--tp-rank", str(i), "--tp-size", str(n)] if tp else ["--dp-rank", str(i), "--dp-size", str(n)]
+            rank = (
+                ["--tp-rank", str(i), "--tp-size", str(n)]
+                if tp
+                else ["--dp-rank", str(i), "--dp-size", str(n)]
+            )
             name = f"{preset}-{'tp' if tp else 'dp'}{i}of{n}"
             args = ["--mode", "weightwire", "--model", preset, "--device", "cpu", "--worker-id", name, *rank]
             if self.args.worker_threads:
                 args += ["--threads", str(self.args.worker_threads)]
-            procs.append(common.WorkerProc(name, args, self.log_dir, common.child_env(threads=self.args.worker_threads)))
+            procs.append(
+                common.WorkerProc(
+                    name, args, self.log_dir, common.child_env(threads=self.args.worker_threads)
+                )
+            )
         return procs
 
     # --- cases -----------------------------------------------------------------------------
@@ -131,7 +147,9 @@ class CpuBench:
             for p in plans:
                 pack_into(staging, p.specs, [rig.tensors[i] for i in p.items])
                 for s, i in zip(p.specs, p.items, strict=True):
-                    rig.tensors[i].copy_(staging.narrow(0, s.offset_bytes, s.nbytes).view(s.dtype).view(s.shape))
+                    rig.tensors[i].copy_(
+                        staging.narrow(0, s.offset_bytes, s.nbytes).view(s.dtype).view(s.shape)
+                    )
 
         out["two_copies_ms"] = common.time_reps(two_copies, lambda: None, reps)
         rig.refill()
@@ -142,7 +160,9 @@ class CpuBench:
         rig.refill()
         for w in workers:
             w.call({"cmd": "release"})
-        pusher = WeightPusher(addrs, transport="host_shm", bucket_size_bytes=self.args.bucket, timeout_s=self.args.rpc_timeout_s)
+        pusher = WeightPusher(
+            addrs, transport="host_shm", bucket_size_bytes=self.args.bucket, timeout_s=self.args.rpc_timeout_s
+        )
         updates: list[dict[str, Any]] = []
         try:
             pusher.manifests()
@@ -167,14 +187,19 @@ class CpuBench:
                 t0 = now()
                 results = push(self.version)
                 t1 = now()
-                updates.append({
-                    "version": self.version, "total_ms": ms(t1 - t0), "stage_ms": ms(STAGE_NS[0]),
-                    "recheck_ms": ms(RECHECK_NS[0]), "plan_ms": ms(PLAN_NS[0]),
-                    "bytes": sum(r.bytes_loaded for r in results.values()),
-                    "handles_opened": sum(r.handles_opened for r in results.values()),
-                    "buckets": max(r.buckets for r in results.values()),
-                    "server_max_ms": max(r.server_duration_s for r in results.values()) * 1e3,
-                })
+                updates.append(
+                    {
+                        "version": self.version,
+                        "total_ms": ms(t1 - t0),
+                        "stage_ms": ms(STAGE_NS[0]),
+                        "recheck_ms": ms(RECHECK_NS[0]),
+                        "plan_ms": ms(PLAN_NS[0]),
+                        "bytes": sum(r.bytes_loaded for r in results.values()),
+                        "handles_opened": sum(r.handles_opened for r in results.values()),
+                        "buckets": max(r.buckets for r in results.values()),
+                        "server_max_ms": max(r.server_duration_s for r in results.values()) * 1e3,
+                    }
+                )
                 if i >= 1 and time.monotonic() - t_case > self.args.case_cap_s:
                     break
         finally:
@@ -190,25 +215,39 @@ class CpuBench:
                 u["commit_ms"] = max(ms(r.get("commit_ns", 0)) for r in recs)
                 u["bucket_ms"] = max(ms(r.get("bucket_ns", 0)) for r in recs)
                 u["control_ms"] = u["total_ms"] - u["open_ms"] - u["copy_ms"] - u["commit_ms"] - u["stage_ms"]
-        verified = all(w.call({"cmd": "digest"}, timeout_s=300)["digest"] == self.expected_digest(rig, i, len(workers), tp)
-                       for i, w in enumerate(workers))
+        verified = all(
+            w.call({"cmd": "digest"}, timeout_s=300)["digest"]
+            == self.expected_digest(rig, i, len(workers), tp)
+            for i, w in enumerate(workers)
+        )
         hwm1 = [w.call({"cmd": "mem"})["hwm_kib"] for w in workers]
-        return {"updates": updates, "verified": verified, "bytes_model": rig.model_bytes,
-                "worker_hwm_growth_kib": max(b - a for a, b in zip(hwm0, hwm1, strict=True))}
+        return {
+            "updates": updates,
+            "verified": verified,
+            "bytes_model": rig.model_bytes,
+            "worker_hwm_growth_kib": max(b - a for a, b in zip(hwm0, hwm1, strict=True)),
+        }
 
     def expected_digest(self, rig: Rig, rank: int, n: int, tp: bool) -> list[int]:
         if not tp:
             return rig.digest
         pr = ParallelRank(tp_rank=rank, tp_size=n)
-        return models.digest([shard_tensor(t.name, x, pr, models.TP_RULES) for t, x in zip(rig.shapes, rig.tensors, strict=True)])
+        return models.digest(
+            [
+                shard_tensor(t.name, x, pr, models.TP_RULES)
+                for t, x in zip(rig.shapes, rig.tensors, strict=True)
+            ]
+        )
 
     # --- the run ---------------------------------------------------------------------------
 
     def run(self) -> int:
         instrument_trainer()
         a = self.args
-        self.log(f"start: shm models {a.models}, scaling models {a.scaling_models} over {a.workers} workers, "
-                 f"budget {a.budget_s} s, {os.cpu_count()} CPUs")
+        self.log(
+            f"start: shm models {a.models}, scaling models {a.scaling_models} over {a.workers} workers, "
+            f"budget {a.budget_s} s, {os.cpu_count()} CPUs"
+        )
         # 1. host shared memory against memcpy, one worker per model size
         for preset in a.models:
             if self.time_left() < 15:
@@ -218,10 +257,15 @@ class CpuBench:
             rig = make_rig(preset, self.device, peer=False)
             procs = self.start_workers(preset, 1, tp=False)
             with common.worker_group(procs):
-                self.record({"model": preset, "case": "limit", "workers": 1}, lambda rig=rig: self.limits(rig), 5)
+                self.record(
+                    {"model": preset, "case": "limit", "workers": 1}, lambda rig=rig: self.limits(rig), 5
+                )
                 for kind in ("inplace", "packed"):
-                    self.record({"model": preset, "case": f"ww_{kind}", "workers": 1, "bench": "shm"},
-                                lambda kind=kind, rig=rig, procs=procs: self.push_case(rig, procs, kind, tp=False), 10)
+                    self.record(
+                        {"model": preset, "case": f"ww_{kind}", "workers": 1, "bench": "shm"},
+                        lambda kind=kind, rig=rig, procs=procs: self.push_case(rig, procs, kind, tp=False),
+                        10,
+                    )
         # 2. scaling over replicated workers (DP), then TP-sharded
         for preset in a.scaling_models:
             nmax = max(a.workers)
@@ -234,8 +278,19 @@ class CpuBench:
             with common.worker_group(procs):
                 for n in a.workers:
                     for kind in ("inplace", "packed"):
-                        self.record({"model": preset, "case": f"ww_{kind}", "workers": n, "bench": "scaling", "layout": "dp"},
-                                    lambda n=n, kind=kind, rig=rig, procs=procs: self.push_case(rig, procs[:n], kind, tp=False), 10)
+                        self.record(
+                            {
+                                "model": preset,
+                                "case": f"ww_{kind}",
+                                "workers": n,
+                                "bench": "scaling",
+                                "layout": "dp",
+                            },
+                            lambda n=n, kind=kind, rig=rig, procs=procs: self.push_case(
+                                rig, procs[:n], kind, tp=False
+                            ),
+                            10,
+                        )
         if a.tp:
             preset = a.scaling_models[-1]
             rig = make_rig(preset, self.device, peer=False)
@@ -247,8 +302,17 @@ class CpuBench:
                     continue
                 procs = self.start_workers(preset, n, tp=True)
                 with common.worker_group(procs):
-                    self.record({"model": preset, "case": "ww_inplace", "workers": n, "bench": "scaling", "layout": "tp"},
-                                lambda n=n, procs=procs, rig=rig: self.push_case(rig, procs, "inplace", tp=True), 10)
+                    self.record(
+                        {
+                            "model": preset,
+                            "case": "ww_inplace",
+                            "workers": n,
+                            "bench": "scaling",
+                            "layout": "tp",
+                        },
+                        lambda n=n, procs=procs, rig=rig: self.push_case(rig, procs, "inplace", tp=True),
+                        10,
+                    )
         self.log(f"done in {time.monotonic() - self.t_start:.0f} s; results in cpu_results.json")
         return 0
 
@@ -257,21 +321,31 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="weightwire CPU benchmark (see the module docstring)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "cpu-run"))
     p.add_argument("--models", default="cpu-s,cpu-m,cpu-l", help="model sizes for shm-vs-memcpy (one worker)")
-    p.add_argument("--scaling-models", default="cpu-s,cpu-m", help="model sizes for the worker scaling series")
+    p.add_argument(
+        "--scaling-models", default="cpu-s,cpu-m", help="model sizes for the worker scaling series"
+    )
     p.add_argument("--workers", default="1,2,4,8,16")
     p.add_argument("--no-tp", dest="tp", action="store_false", help="skip the TP-sharded scaling series")
     p.add_argument("--quick", action="store_true", help="smaller: cpu-s/cpu-m, 1,4,16 workers, no TP, 2 reps")
     p.add_argument("--bucket", default="64MiB", help="bucket size of packed pushes")
     p.add_argument("--reps", type=int, default=3, help="warm updates per case (after one cold update)")
     p.add_argument("--limit-reps", type=int, default=5)
-    p.add_argument("--worker-threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
+    p.add_argument(
+        "--worker-threads", type=int, default=0, help="torch threads per worker (0: torch's default)"
+    )
     p.add_argument("--budget-s", type=float, default=300.0)
     p.add_argument("--case-cap-s", type=float, default=20.0)
     p.add_argument("--log-dir", default="", help="where worker logs go (default: the results folder)")
     p.add_argument("--rpc-timeout-s", type=float, default=120.0)
     args = p.parse_args(argv)
     if args.quick:
-        args.models, args.scaling_models, args.workers, args.tp, args.reps = "cpu-s,cpu-m", "cpu-s", "1,4,16", False, 2
+        args.models, args.scaling_models, args.workers, args.tp, args.reps = (
+            "cpu-s,cpu-m",
+            "cpu-s",
+            "1,4,16",
+            False,
+            2,
+        )
     args.models = [m for m in args.models.split(",") if m]
     args.scaling_models = [m for m in args.scaling_models.split(",") if m]
     args.workers = sorted({int(x) for x in args.workers.split(",") if x})

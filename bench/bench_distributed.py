@@ -70,7 +70,9 @@ def run_worker(args: argparse.Namespace) -> int:
     shapes = models.tensor_shapes(args.model)
     rank = ParallelRank(dp_rank=args.dp_rank, dp_size=args.dp_size)
     module = models.build_module(shapes, torch.device("cpu"))
-    adapter = TorchAdapter(module, rank=rank, device=torch.device("cpu"), own_device=DeviceRef.host(), tp_rules=models.TP_RULES)
+    adapter = TorchAdapter(
+        module, rank=rank, device=torch.device("cpu"), own_device=DeviceRef.host(), tp_rules=models.TP_RULES
+    )
     server = serve(adapter, own_device=DeviceRef.host(), group_host=HOST)
     bare: Any = None
     print(json.dumps({"ready": server.address}), flush=True)
@@ -115,9 +117,22 @@ def run_worker(args: argparse.Namespace) -> int:
 class WorkerProc:
     def __init__(self, model: str, dp_rank: int, dp_size: int) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--role", "worker", "--model", model,
-             "--dp-rank", str(dp_rank), "--dp-size", str(dp_size)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **_QUIET},
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--role",
+                "worker",
+                "--model",
+                model,
+                "--dp-rank",
+                str(dp_rank),
+                "--dp-size",
+                str(dp_size),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **_QUIET},
         )
         self.address = self.answer()["ready"]
 
@@ -159,7 +174,9 @@ class BareGroup:
         opts = torch.distributed.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = datetime.timedelta(seconds=120)
         opts._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=HOST, lazy_init=False)]
-        self.pg = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(tag, self.server.store), 0, len(workers) + 1, opts)
+        self.pg = torch.distributed.ProcessGroupGloo(
+            torch.distributed.PrefixStore(tag, self.server.store), 0, len(workers) + 1, opts
+        )
         for w in workers:
             w.answer()
 
@@ -221,12 +238,16 @@ def run_trainer(args: argparse.Namespace) -> int:
             bare = BareGroup(workers, f"bare-{n}")
             pushers = {
                 mode: WeightPusher(
-                    [w.address for w in workers], timeout_s=120, bucket_size_bytes=args.bucket_mb << 20,
+                    [w.address for w in workers],
+                    timeout_s=120,
+                    bucket_size_bytes=args.bucket_mb << 20,
                     transfer_group=TransferGroupOptions(host=HOST, broadcast=(mode == "broadcast")),
                 )
                 for mode in ("broadcast", "p2p")
             }
-            times: dict[str, list[float]] = {k: [] for k in ("ww_broadcast", "ww_p2p", "limit_broadcast", "limit_p2p")}
+            times: dict[str, list[float]] = {
+                k: [] for k in ("ww_broadcast", "ww_p2p", "limit_broadcast", "limit_p2p")
+            }
             # Warm-up (forms each group, allocates staging), then interleaved repetitions.
             for mode, pusher in pushers.items():
                 version += 1
@@ -239,7 +260,9 @@ def run_trainer(args: argparse.Namespace) -> int:
                     t0 = time.perf_counter()
                     results = pusher.push(list(zip(names, tensors, strict=True)), version=version)
                     times[f"ww_{mode}"].append(time.perf_counter() - t0)
-                    assert all(r.bytes_received == total for r in results.values()), "every worker receives the whole model"
+                    assert all(r.bytes_received == total for r in results.values()), (
+                        "every worker receives the whole model"
+                    )
                     times[f"limit_{mode}"].append(bare.move(buckets, mode))
             stats = []
             for w in workers:
@@ -314,12 +337,19 @@ def run_slice_member(args: argparse.Namespace) -> int:
         for t in range(tp):
             rank = ParallelRank(tp_rank=t, tp_size=tp, dp_rank=d, dp_size=dp)
             # The manifest only: parameters on the meta device take no memory.
-            meta = TorchAdapter(models.build_module(shapes, torch.device("meta"), tp_rank=t, tp_size=tp), rank=rank, device=torch.device("meta"),
-                                own_device=DeviceRef.host(), tp_rules=models.TP_RULES)
+            meta = TorchAdapter(
+                models.build_module(shapes, torch.device("meta"), tp_rank=t, tp_size=tp),
+                rank=rank,
+                device=torch.device("meta"),
+                own_device=DeviceRef.host(),
+                tp_rules=models.TP_RULES,
+            )
             manifests[meta.worker_id] = meta.manifest()
             ranks_of[meta.worker_id] = rank
-    specs = [TensorSpec.dtensor(t.name, tuple(t.shape), dtypes.from_torch(t.dtype), (sources,), [Shard(0)])
-             for t in shapes]
+    specs = [
+        TensorSpec.dtensor(t.name, tuple(t.shape), dtypes.from_torch(t.dtype), (sources,), [Shard(0)])
+        for t in shapes
+    ]
     plan = plan_transfers(specs, manifests)
     group = GroupRanks.of_plan(sources, list(manifests))
     limit = args.bucket_mb << 20
@@ -328,7 +358,9 @@ def run_slice_member(args: argparse.Namespace) -> int:
     opts = torch.distributed.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = datetime.timedelta(seconds=300)
     opts._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=HOST, lazy_init=False)]
-    pg = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(args.group, store), args.rank, group.world_size, opts)
+    pg = torch.distributed.ProcessGroupGloo(
+        torch.distributed.PrefixStore(args.group, store), args.rank, group.world_size, opts
+    )
     flag = torch.zeros(1)
     staging: dict[Any, torch.Tensor] = {}
 
@@ -337,16 +369,31 @@ def run_slice_member(args: argparse.Namespace) -> int:
 
     if args.rank < sources:
         tensors = models.random_tensors(shapes, torch.device("cpu"), seed=1)
-        local = {s.name: t[tuple(slice(a, b) for a, b in s.holdings[args.rank])].clone()
-                 for s, t in zip(specs, tensors, strict=True) if args.rank in s.holdings}
+        local = {
+            s.name: t[tuple(slice(a, b) for a, b in s.holdings[args.rank])].clone()
+            for s, t in zip(specs, tensors, strict=True)
+            if args.rank in s.holdings
+        }
         holdings = {s.name: s.holdings[args.rank] for s in specs if args.rank in s.holdings}
         del tensors
-        bare = [(group.of_worker(w), torch.empty(sum(t.nbytes for t in m), dtype=torch.uint8))
-                for w in group.workers for m in messages(plan, args.rank, w, limit)]
+        bare = [
+            (group.of_worker(w), torch.empty(sum(t.nbytes for t in m), dtype=torch.uint8))
+            for w in group.workers
+            for m in messages(plan, args.rank, w, limit)
+        ]
 
         def plan_step() -> int:
-            return send_slices(pg, plan, group, args.rank, local, holdings, timeout_s=300, max_message_bytes=limit,
-                               staging=staging)
+            return send_slices(
+                pg,
+                plan,
+                group,
+                args.rank,
+                local,
+                holdings,
+                timeout_s=300,
+                max_message_bytes=limit,
+                staging=staging,
+            )
 
         def bare_step() -> int:
             works = [pg.send([b], dst, 0) for dst, b in bare]
@@ -357,17 +404,30 @@ def run_slice_member(args: argparse.Namespace) -> int:
         worker = group.workers[args.rank - sources]
         me = ranks_of[worker]
         module = models.build_module(shapes, torch.device("cpu"), tp_rank=me.tp_rank, tp_size=me.tp_size)
-        adapter = TorchAdapter(module, rank=me, device=torch.device("cpu"), own_device=DeviceRef.host(),
-                               tp_rules=models.TP_RULES)
+        adapter = TorchAdapter(
+            module, rank=me, device=torch.device("cpu"), own_device=DeviceRef.host(), tp_rules=models.TP_RULES
+        )
         params = adapter.state()
         owned = manifests[worker].tensors
-        bare = [(src, torch.empty(sum(t.nbytes for t in m), dtype=torch.uint8))
-                for src in range(sources) for m in messages(plan, src, worker, limit)]
+        bare = [
+            (src, torch.empty(sum(t.nbytes for t in m), dtype=torch.uint8))
+            for src in range(sources)
+            for m in messages(plan, src, worker, limit)
+        ]
 
         def plan_step() -> int:
             with torch.no_grad():
-                got = receive_slices(pg, plan, group, worker, params, owned, timeout_s=300, max_message_bytes=limit,
-                                     staging=staging)
+                got = receive_slices(
+                    pg,
+                    plan,
+                    group,
+                    worker,
+                    params,
+                    owned,
+                    timeout_s=300,
+                    max_message_bytes=limit,
+                    staging=staging,
+                )
             assert got == manifests[worker].kept_bytes
             return got
 
@@ -397,14 +457,37 @@ def run_sources(args: argparse.Namespace) -> int:
     tp, dp = (int(x) for x in args.slice_engine.split(","))
     rows = []
     for m in (int(x) for x in args.sources.split(",")):
-        store = torch.distributed.TCPStore(HOST, 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+        store = torch.distributed.TCPStore(
+            HOST, 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
+        )
         group = uuid.uuid4().hex
         procs = [
             subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--role", "slice-member", "--model", args.model,
-                 "--store-port", str(store.port), "--group", group, "--sources", str(m), "--slice-engine",
-                 args.slice_engine, "--rank", str(r), "--reps", str(args.reps), "--bucket-mb", str(args.bucket_mb)],
-                stdout=subprocess.PIPE, text=True, env={**os.environ, **_QUIET},
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--role",
+                    "slice-member",
+                    "--model",
+                    args.model,
+                    "--store-port",
+                    str(store.port),
+                    "--group",
+                    group,
+                    "--sources",
+                    str(m),
+                    "--slice-engine",
+                    args.slice_engine,
+                    "--rank",
+                    str(r),
+                    "--reps",
+                    str(args.reps),
+                    "--bucket-mb",
+                    str(args.bucket_mb),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, **_QUIET},
             )
             for r in range(m + tp * dp)
         ]
@@ -412,21 +495,38 @@ def run_sources(args: argparse.Namespace) -> int:
         if any(p.returncode for p in procs):
             raise SystemExit(f"a member failed with {m} sources")
         # The update ends when its last member ends: per repetition, the slowest member's time.
-        per_rep = {k: [max(o["times"][k][i] for o in outs) for i in range(args.reps)] for k in ("plan", "bare")}
+        per_rep = {
+            k: [max(o["times"][k][i] for o in outs) for i in range(args.reps)] for k in ("plan", "bare")
+        }
         med = {k: statistics.median(v) for k, v in per_rep.items()}
         received = sum(o["bytes"] for o in outs[m:])
-        row = {"sources": m, "workers": tp * dp, "engine": f"TP{tp} x DP{dp}", "bytes_received": received,
-               "plan_s": round(med["plan"], 4), "bare_s": round(med["bare"], 4),
-               "ratio": round(med["bare"] / med["plan"], 3),
-               "plan_all_s": [round(x, 4) for x in per_rep["plan"]], "bare_all_s": [round(x, 4) for x in per_rep["bare"]],
-               "sent_per_source": [o["bytes"] for o in outs[:m]]}
+        row = {
+            "sources": m,
+            "workers": tp * dp,
+            "engine": f"TP{tp} x DP{dp}",
+            "bytes_received": received,
+            "plan_s": round(med["plan"], 4),
+            "bare_s": round(med["bare"], 4),
+            "ratio": round(med["bare"] / med["plan"], 3),
+            "plan_all_s": [round(x, 4) for x in per_rep["plan"]],
+            "bare_all_s": [round(x, 4) for x in per_rep["bare"]],
+            "sent_per_source": [o["bytes"] for o in outs[:m]],
+        }
         rows.append(row)
-        print(f"{m} source(s) -> TP{tp} x DP{dp}: plan {med['plan']:.3f} s vs bare {med['bare']:.3f} s "
-              f"(ratio {row['ratio']}); {received / med['plan'] / 2**30:.2f} GiB/s received", flush=True)
-    out = {"model": args.model, "model_bytes": models.model_bytes(args.model), "bucket_mb": args.bucket_mb,
-           "reps": args.reps, "command": " ".join(sys.argv),
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-           "rows": rows}
+        print(
+            f"{m} source(s) -> TP{tp} x DP{dp}: plan {med['plan']:.3f} s vs bare {med['bare']:.3f} s "
+            f"(ratio {row['ratio']}); {received / med['plan'] / 2**30:.2f} GiB/s received",
+            flush=True,
+        )
+    out = {
+        "model": args.model,
+        "model_bytes": models.model_bytes(args.model),
+        "bucket_mb": args.bucket_mb,
+        "reps": args.reps,
+        "command": " ".join(sys.argv),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "rows": rows,
+    }
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "slices_results.json"), "w") as f:
@@ -444,7 +544,9 @@ def main() -> int:
     p.add_argument("--out", default="")
     p.add_argument("--dp-rank", type=int, default=0)
     p.add_argument("--dp-size", type=int, default=1)
-    p.add_argument("--sources", default="", help="every trainer rank a source: source counts, comma-separated")
+    p.add_argument(
+        "--sources", default="", help="every trainer rank a source: source counts, comma-separated"
+    )
     p.add_argument("--slice-engine", default="2,2", help="tp,dp of the engine the sources push to")
     p.add_argument("--store-port", type=int, default=0)
     p.add_argument("--group", default="")

@@ -122,11 +122,13 @@ class Bench:
         self.versions: dict[str, int] = {}
         self.tmp = Path(tempfile.mkdtemp(prefix="wwbench-"))
         self.ckpt_error = self._probe_ckpt_engine()
-        env = common.environment({
-            "bench": "gpu" if self.cuda else "gpu-dry-run-on-cpu",
-            "argv": common.public_argv(sys.argv[1:]),
-            "checkpoint_engine": self.ckpt_error or self._ckpt_version(),
-        })
+        env = common.environment(
+            {
+                "bench": "gpu" if self.cuda else "gpu-dry-run-on-cpu",
+                "argv": common.public_argv(sys.argv[1:]),
+                "checkpoint_engine": self.ckpt_error or self._ckpt_version(),
+            }
+        )
         self.results = common.Results(self.out / "gpu_results.json", env)
         self.n_updates = 0
 
@@ -160,7 +162,9 @@ class Bench:
             for i in range(self.gpus):
                 torch.cuda.synchronize(i)
 
-    def run_case(self, model: str, case: str, variant: str, fn: Callable[[], dict[str, Any]], need_s: float) -> None:
+    def run_case(
+        self, model: str, case: str, variant: str, fn: Callable[[], dict[str, Any]], need_s: float
+    ) -> None:
         left = self.time_left()
         rec: dict[str, Any] = {"model": model, "case": case, "variant": variant}
         if left < need_s:
@@ -185,16 +189,33 @@ class Bench:
         modes = ["weightwire", "per_tensor"] + ([] if self.ckpt_error else ["ckpt_engine"])
         if self.args.cases:
             # Start only the receivers a selected case uses (each holds a whole model).
-            used = {"ww_inplace": "weightwire", "ww_packed": "weightwire", "ww_peer": "weightwire", "ww_params": "weightwire",
-                    "per_tensor": "per_tensor", "ckpt_engine": "ckpt_engine"}
+            used = {
+                "ww_inplace": "weightwire",
+                "ww_packed": "weightwire",
+                "ww_peer": "weightwire",
+                "ww_params": "weightwire",
+                "per_tensor": "per_tensor",
+                "ckpt_engine": "ckpt_engine",
+            }
             wanted = {used[c.split(":", 1)[0]] for c in self.args.cases if c.split(":", 1)[0] in used}
             modes = [m for m in modes if m in wanted]
         procs = {}
         for mode in modes:
             name = f"{preset}-{mode}"
             procs[mode] = common.WorkerProc(
-                name, ["--mode", mode, "--model", preset, "--device", dev, "--copy-streams", str(self.args.copy_streams)],
-                self.log_dir, common.child_env(visible)
+                name,
+                [
+                    "--mode",
+                    mode,
+                    "--model",
+                    preset,
+                    "--device",
+                    dev,
+                    "--copy-streams",
+                    str(self.args.copy_streams),
+                ],
+                self.log_dir,
+                common.child_env(visible),
             )
         return procs
 
@@ -214,11 +235,15 @@ class Bench:
 
         out["d2d_per_tensor_ms"] = common.time_reps(per_tensor, self.sync, reps)
         for b in self.args.packed_buckets:
-            out[f"two_copies_{common.size_label(b)}_ms"] = common.time_reps(self._two_copies(rig, b), self.sync, reps)
+            out[f"two_copies_{common.size_label(b)}_ms"] = common.time_reps(
+                self._two_copies(rig, b), self.sync, reps
+            )
         if rig.flat_peer is not None:
             peer = rig.flat_peer
             out["peer_flat_ms"] = common.time_reps(lambda: rig.flat.copy_(peer), self.sync, reps)
-            peer_views = [peer.narrow(0, s.offset_bytes, s.nbytes).view(s.dtype).view(s.shape) for s in rig.specs]
+            peer_views = [
+                peer.narrow(0, s.offset_bytes, s.nbytes).view(s.dtype).view(s.shape) for s in rig.specs
+            ]
 
             def peer_per_tensor() -> None:
                 for x, v in zip(rig.tensors, peer_views, strict=True):
@@ -248,7 +273,14 @@ class Bench:
     # --- weightwire ------------------------------------------------------------------------
 
     def ww_case(
-        self, rig: Rig, w: common.WorkerProc, kind: str, bucket_bytes: int | None, *, recheck: bool = True, depth: int = 2
+        self,
+        rig: Rig,
+        w: common.WorkerProc,
+        kind: str,
+        bucket_bytes: int | None,
+        *,
+        recheck: bool = True,
+        depth: int = 2,
     ) -> dict[str, Any]:
         addr = w.info["address"]
         rig.refill()
@@ -259,8 +291,12 @@ class Bench:
             pusher = WeightPusher([addr])
         else:
             pusher = WeightPusher(
-                [addr], transport=self.transport, timeout_s=self.args.rpc_timeout_s,
-                bucket_size_bytes=bucket_bytes or ww_plan.DEFAULT_BUCKET_BYTES, recheck_manifests=recheck, pipeline_depth=depth,
+                [addr],
+                transport=self.transport,
+                timeout_s=self.args.rpc_timeout_s,
+                bucket_size_bytes=bucket_bytes or ww_plan.DEFAULT_BUCKET_BYTES,
+                recheck_manifests=recheck,
+                pipeline_depth=depth,
             )
         updates: list[dict[str, Any]] = []
         mem: dict[str, Any] = {}
@@ -318,12 +354,21 @@ class Bench:
                 results = push(version)
                 t1 = now()
                 r = results[addr]
-                updates.append({
-                    "version": version, "t0_ns": t0, "t1_ns": t1, "total_ms": ms(t1 - t0), "stage_ms": ms(STAGE_NS[0]),
-                    "recheck_ms": ms(RECHECK_NS[0]), "plan_ms": ms(PLAN_NS[0]),
-                    "handles_opened": r.handles_opened, "bytes": r.bytes_loaded, "buckets": r.buckets,
-                    "transport": r.transport,
-                })
+                updates.append(
+                    {
+                        "version": version,
+                        "t0_ns": t0,
+                        "t1_ns": t1,
+                        "total_ms": ms(t1 - t0),
+                        "stage_ms": ms(STAGE_NS[0]),
+                        "recheck_ms": ms(RECHECK_NS[0]),
+                        "plan_ms": ms(PLAN_NS[0]),
+                        "handles_opened": r.handles_opened,
+                        "bytes": r.bytes_loaded,
+                        "buckets": r.buckets,
+                        "transport": r.transport,
+                    }
+                )
                 if i >= 1 and time.monotonic() - case_t0 > self.args.case_cap_s:
                     break
             self.sync()
@@ -348,10 +393,15 @@ class Bench:
             if s is None:
                 continue
             u.update(
-                open_ms=ms(s["open_ns"]), copy_ms=ms(s["copy_ns"]), commit_ms=ms(s.get("commit_ns", 0)),
-                begin_ms=ms(s.get("begin_ns", 0)), opens=s["opens"], server_loads=s["loads"],
+                open_ms=ms(s["open_ns"]),
+                copy_ms=ms(s["copy_ns"]),
+                commit_ms=ms(s.get("commit_ns", 0)),
+                begin_ms=ms(s.get("begin_ns", 0)),
+                opens=s["opens"],
+                server_loads=s["loads"],
                 bucket_ms=ms(s.get("bucket_ns", 0)),
-                pre_ms=ms(s["t_header_ns"] - u["t0_ns"]), post_ms=ms(u["t1_ns"] - s.get("t_commit_end_ns", u["t1_ns"])),
+                pre_ms=ms(s["t_header_ns"] - u["t0_ns"]),
+                post_ms=ms(u["t1_ns"] - s.get("t_commit_end_ns", u["t1_ns"])),
                 # The stream's two hops inside the update: header -> first bucket at the worker, and
                 # last bucket done -> commit at the worker (its ack to the trainer, the commit back).
                 header_to_bucket_ms=ms(s.get("t_first_bucket_ns", s["t_header_ns"]) - s["t_header_ns"]),
@@ -369,7 +419,8 @@ class Bench:
                 "after_close": mem_closed[f"allocated_{i}"] - base,
                 "after_worker_release": mem_released[f"allocated_{i}"] - base,
                 "device_used_delta_after_updates": mem1[f"device_used_{i}"] - mem0[f"device_used_{i}"],
-                "device_used_delta_after_release": mem_released[f"device_used_{i}"] - mem0[f"device_used_{i}"],
+                "device_used_delta_after_release": mem_released[f"device_used_{i}"]
+                - mem0[f"device_used_{i}"],
             }
         if "allocated" in w_mem0:
             mem["worker"] = {
@@ -379,11 +430,20 @@ class Bench:
                 "model_bytes": w.info["model_bytes"],
             }
         else:
-            mem["worker"] = {"rss_kib_before": w_mem0["rss_kib"], "rss_kib_after": w_mem1["rss_kib"], "hwm_kib": w_mem1["hwm_kib"]}
+            mem["worker"] = {
+                "rss_kib_before": w_mem0["rss_kib"],
+                "rss_kib_after": w_mem1["rss_kib"],
+                "hwm_kib": w_mem1["hwm_kib"],
+            }
         mem["worker_mappings_released"] = released["released"]
         return {
-            "bucket_bytes": bucket_bytes, "bytes": rig.model_bytes, "updates": updates, "memory": mem,
-            "verified": verified, "transport": self.transport, "recheck_manifests": recheck,
+            "bucket_bytes": bucket_bytes,
+            "bytes": rig.model_bytes,
+            "updates": updates,
+            "memory": mem,
+            "verified": verified,
+            "transport": self.transport,
+            "recheck_manifests": recheck,
         }
 
     # --- one CUDA IPC handle per tensor, pickled -------------------------------------------
@@ -410,7 +470,14 @@ class Bench:
             t0 = now()
             with Listener(path, family="AF_UNIX", authkey=authkey) as listener:
                 listener._listener._socket.settimeout(self.args.rpc_timeout_s)  # type: ignore[attr-defined]
-                w.send({"cmd": "update", "addr": path, "authkey": authkey.hex(), "device_index": 0 if self.cuda else None})
+                w.send(
+                    {
+                        "cmd": "update",
+                        "addr": path,
+                        "authkey": authkey.hex(),
+                        "device_index": 0 if self.cuda else None,
+                    }
+                )
                 with listener.accept() as conn:
                     if style == "per_tensor":
                         for name, x in rig.named:
@@ -427,11 +494,17 @@ class Bench:
                     rep = w.reply(self.args.rpc_timeout_s)
             t1 = now()
             total = ms(t1 - t0)
-            updates.append({
-                "total_ms": total, "open_ms": ms(rep["open_ns"]), "copy_ms": ms(rep["copy_ns"]),
-                "control_ms": total - ms(rep["open_ns"]) - ms(rep["copy_ns"]), "handles_opened": rep["handles_opened"],
-                "distinct_memory_handles": rep["distinct_memory_handles"], "messages": rep["messages"],
-            })
+            updates.append(
+                {
+                    "total_ms": total,
+                    "open_ms": ms(rep["open_ns"]),
+                    "copy_ms": ms(rep["copy_ns"]),
+                    "control_ms": total - ms(rep["open_ns"]) - ms(rep["copy_ns"]),
+                    "handles_opened": rep["handles_opened"],
+                    "distinct_memory_handles": rep["distinct_memory_handles"],
+                    "messages": rep["messages"],
+                }
+            )
             if i >= 1 and time.monotonic() - case_t0 > self.args.case_cap_s:
                 break
         self.sync()
@@ -443,10 +516,21 @@ class Bench:
         mem: dict[str, Any] = {}
         if self.cuda:
             base = mem0["allocated_0"]
-            mem["trainer_gpu0"] = {"peak_extra": mem1["max_allocated_0"] - base, "after_updates": mem2["allocated_0"] - base}
-            mem["worker"] = {"peak_extra": w_mem1["max_allocated"] - w_mem0["allocated"],
-                             "after_updates": w_mem1["allocated"] - w_mem0["allocated"]}
-        return {"style": style, "bytes": rig.model_bytes, "updates": updates, "memory": mem, "verified": got == rig.digest}
+            mem["trainer_gpu0"] = {
+                "peak_extra": mem1["max_allocated_0"] - base,
+                "after_updates": mem2["allocated_0"] - base,
+            }
+            mem["worker"] = {
+                "peak_extra": w_mem1["max_allocated"] - w_mem0["allocated"],
+                "after_updates": w_mem1["allocated"] - w_mem0["allocated"],
+            }
+        return {
+            "style": style,
+            "bytes": rig.model_bytes,
+            "updates": updates,
+            "memory": mem,
+            "verified": got == rig.digest,
+        }
 
     # --- checkpoint-engine's receiver ------------------------------------------------------
 
@@ -471,7 +555,12 @@ class Bench:
         case_t0 = time.monotonic()
 
         def meta(s: TensorSpec, base: int) -> dict[str, Any]:
-            return {"name": s.name, "shape": torch.Size(s.shape), "dtype": s.dtype, "offset": base + s.offset_bytes}
+            return {
+                "name": s.name,
+                "shape": torch.Size(s.shape),
+                "dtype": s.dtype,
+                "offset": base + s.offset_bytes,
+            }
 
         def expect_ok(sock: Any) -> None:
             resp = sock.recv()
@@ -500,7 +589,9 @@ class Bench:
                     for k, p in enumerate(plans):
                         base = (k % 2) * bucket_bytes
                         ts = now()
-                        pack_into(buffer.narrow(0, base, p.size_bytes), p.specs, [rig.tensors[j] for j in p.items])
+                        pack_into(
+                            buffer.narrow(0, base, p.size_bytes), p.specs, [rig.tensors[j] for j in p.items]
+                        )
                         self.sync()
                         stage_ns += now() - ts
                         expect_ok(sock)
@@ -526,13 +617,20 @@ class Bench:
                     torch.cuda.empty_cache()
             t1 = now()
             total = ms(t1 - t0)
-            updates.append({
-                "total_ms": total, "open_ms": ms(rep["open_ns"]), "copy_ms": ms(rep["copy_ns"]), "stage_ms": ms(stage_ns),
-                "control_ms": total - ms(rep["open_ns"]) - ms(rep["copy_ns"]) - ms(stage_ns),
-                "handles_opened": rep["handles_opened"], "buckets": rep["buckets"],
-                "until_last_ack_ms": ms(t_acked - t0), "receiver_ms": ms(rep["receiver_ns"]),
-                "until_loaded_ms": ms(t_loaded - t0),
-            })
+            updates.append(
+                {
+                    "total_ms": total,
+                    "open_ms": ms(rep["open_ns"]),
+                    "copy_ms": ms(rep["copy_ns"]),
+                    "stage_ms": ms(stage_ns),
+                    "control_ms": total - ms(rep["open_ns"]) - ms(rep["copy_ns"]) - ms(stage_ns),
+                    "handles_opened": rep["handles_opened"],
+                    "buckets": rep["buckets"],
+                    "until_last_ack_ms": ms(t_acked - t0),
+                    "receiver_ms": ms(rep["receiver_ns"]),
+                    "until_loaded_ms": ms(t_loaded - t0),
+                }
+            )
             if i >= 1 and time.monotonic() - case_t0 > self.args.case_cap_s:
                 break
         self.sync()
@@ -542,25 +640,39 @@ class Bench:
         mem: dict[str, Any] = {}
         if self.cuda:
             base = mem0["allocated_0"]
-            mem["trainer_gpu0"] = {"peak_extra": mem1["max_allocated_0"] - base, "after_updates": mem1["allocated_0"] - base}
-            mem["worker"] = {"peak_extra": w_mem1["max_allocated"] - w_mem0["allocated"],
-                             "after_updates": w_mem1["allocated"] - w_mem0["allocated"]}
-        return {"bucket_bytes": bucket_bytes, "bytes": rig.model_bytes, "updates": updates, "memory": mem,
-                "verified": got == rig.digest}
+            mem["trainer_gpu0"] = {
+                "peak_extra": mem1["max_allocated_0"] - base,
+                "after_updates": mem1["allocated_0"] - base,
+            }
+            mem["worker"] = {
+                "peak_extra": w_mem1["max_allocated"] - w_mem0["allocated"],
+                "after_updates": w_mem1["allocated"] - w_mem0["allocated"],
+            }
+        return {
+            "bucket_bytes": bucket_bytes,
+            "bytes": rig.model_bytes,
+            "updates": updates,
+            "memory": mem,
+            "verified": got == rig.digest,
+        }
 
     # --- the run ---------------------------------------------------------------------------
 
     def run(self) -> int:
         instrument_trainer()
         a = self.args
-        self.log(f"start: models {a.models}, budget {a.budget_s} s, device {a.device}, GPUs {self.gpus}, peer {self.peer}")
+        self.log(
+            f"start: models {a.models}, budget {a.budget_s} s, device {a.device}, GPUs {self.gpus}, peer {self.peer}"
+        )
         if self.ckpt_error:
             self.log(f"checkpoint-engine: {self.ckpt_error}")
         procs = {m: self.workers_for(m) for m in a.models}  # all start at once; they load in parallel
         all_procs = [p for d in procs.values() for p in d.values()]
         try:
             with common.worker_group(all_procs, timeout_s=a.start_timeout_s):
-                self.log("workers ready: " + ", ".join(f"{p.name} pid {p.info.get('pid')}" for p in all_procs))
+                self.log(
+                    "workers ready: " + ", ".join(f"{p.name} pid {p.info.get('pid')}" for p in all_procs)
+                )
                 for m in a.models:
                     self.run_model(m, procs[m])
         finally:
@@ -605,14 +717,26 @@ class Bench:
         if self.peer:
             cases.append(("ww_peer", "whole", lambda: self.ww_case(rig, ww, "peer", None), need))
         cases += [
-            ("ww_packed", label(b), lambda b=b: self.ww_case(rig, ww, "packed", b), need) for b in a.packed_buckets if b != main_b
+            ("ww_packed", label(b), lambda b=b: self.ww_case(rig, ww, "packed", b), need)
+            for b in a.packed_buckets
+            if b != main_b
         ]
         # WeightPusher(pipeline_depth=d): d staging buffers, so packing waits for an ack less often.
         cases += [
-            ("ww_packed", f"{label(b)}, depth {d}", lambda b=b, d=d: self.ww_case(rig, ww, "packed", b, depth=d), need)
-            for d in a.packed_depths if d != 2 for b in a.packed_buckets
+            (
+                "ww_packed",
+                f"{label(b)}, depth {d}",
+                lambda b=b, d=d: self.ww_case(rig, ww, "packed", b, depth=d),
+                need,
+            )
+            for d in a.packed_depths
+            if d != 2
+            for b in a.packed_buckets
         ]
-        cases += [("ww_inplace", label(b), lambda b=b: self.ww_case(rig, ww, "inplace", b), need) for b in a.inplace_buckets]
+        cases += [
+            ("ww_inplace", label(b), lambda b=b: self.ww_case(rig, ww, "inplace", b), need)
+            for b in a.inplace_buckets
+        ]
         cases.append(("per_tensor", "batch", lambda: self.per_tensor_case(rig, pt, "batch"), 2 * need))
         if ce is not None:
             cases.append(("ckpt_engine", "in-place", lambda: self.ckpt_case(rig, ce, None), need))
@@ -694,7 +818,9 @@ def summary_line(rec: dict[str, Any]) -> str:
         return "no updates"
     warm = ups[1:] or ups
     keys = ("total_ms", "open_ms", "copy_ms", "stage_ms", "control_ms")
-    parts = [f"cold {ups[0]['total_ms']:.2f} ms"] + [f"{k}={common.median([u.get(k, 0.0) for u in warm]):.2f}" for k in keys]
+    parts = [f"cold {ups[0]['total_ms']:.2f} ms"] + [
+        f"{k}={common.median([u.get(k, 0.0) for u in warm]):.2f}" for k in keys
+    ]
     parts.append(f"handles={[u.get('handles_opened') for u in ups]}")
     parts.append(f"verified={rec.get('verified')}")
     return " ".join(parts)
@@ -705,22 +831,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gpu-run"))
     p.add_argument("--models", default="qwen3-8b-names,qwen2.5-0.5b,qwen3-8b")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--budget-s", type=float, default=330.0, help="stop starting cases after this many seconds")
+    p.add_argument(
+        "--budget-s", type=float, default=330.0, help="stop starting cases after this many seconds"
+    )
     p.add_argument("--case-cap-s", type=float, default=25.0, help="stop a case's repetitions after this long")
     p.add_argument("--reps", type=int, default=5, help="warm updates per case (after one cold update)")
-    p.add_argument("--slow-reps", type=int, default=2, help="warm updates of the per-tensor baseline on large models")
+    p.add_argument(
+        "--slow-reps", type=int, default=2, help="warm updates of the per-tensor baseline on large models"
+    )
     p.add_argument("--limit-reps", type=int, default=5)
     p.add_argument("--packed-buckets", default="64MiB,256MiB,1GiB")
-    p.add_argument("--packed-depths", default="2", help="staging buffers per packed case (pipeline_depth), comma-separated")
-    p.add_argument("--inplace-buckets", default="256MiB", help="in-place runs cut into views of this size (besides whole)")
-    p.add_argument("--ckpt-default-bucket", default="8GiB", help="checkpoint-engine's default bucket (PS_MAX_BUCKET_SIZE_GB)")
+    p.add_argument(
+        "--packed-depths",
+        default="2",
+        help="staging buffers per packed case (pipeline_depth), comma-separated",
+    )
+    p.add_argument(
+        "--inplace-buckets",
+        default="256MiB",
+        help="in-place runs cut into views of this size (besides whole)",
+    )
+    p.add_argument(
+        "--ckpt-default-bucket",
+        default="8GiB",
+        help="checkpoint-engine's default bucket (PS_MAX_BUCKET_SIZE_GB)",
+    )
     p.add_argument("--log-dir", default="", help="where worker logs go (default: the results folder)")
     p.add_argument("--rpc-timeout-s", type=float, default=120.0)
     p.add_argument("--start-timeout-s", type=float, default=240.0)
     p.add_argument("--no-peer", action="store_true")
-    p.add_argument("--copy-streams", type=int, default=DEFAULT_COPY_STREAMS, help="the workers' TorchAdapter copy_streams")
-    p.add_argument("--cases", default="", help="only these cases, comma-separated: CASE or CASE:VARIANT "
-                   "(e.g. limit,ww_inplace:whole,ww_packed:1GiB); default all")
+    p.add_argument(
+        "--copy-streams",
+        type=int,
+        default=DEFAULT_COPY_STREAMS,
+        help="the workers' TorchAdapter copy_streams",
+    )
+    p.add_argument(
+        "--cases",
+        default="",
+        help="only these cases, comma-separated: CASE or CASE:VARIANT "
+        "(e.g. limit,ww_inplace:whole,ww_packed:1GiB); default all",
+    )
     args = p.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.cases = [c for c in args.cases.split(",") if c]

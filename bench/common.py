@@ -103,7 +103,9 @@ def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
         "mem_total_gib": _mem_total_gib(),
     }
     with contextlib.suppress(Exception):
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=5)
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=5
+        )
         if commit.returncode == 0:
             env["commit"] = commit.stdout.strip()
     if torch.cuda.is_available():
@@ -111,7 +113,9 @@ def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
         with contextlib.suppress(Exception):
             smi = subprocess.run(
                 ["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20,
+                capture_output=True,
+                text=True,
+                timeout=20,
             )
             env["nvidia_smi"] = smi.stdout.strip().splitlines()
             topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20)
@@ -160,7 +164,11 @@ class WorkerProc:
         self._log = open(self.log_path, "w", encoding="utf-8")
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "worker.py"), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
         )
         self.info: dict[str, Any] = {}
 

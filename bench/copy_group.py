@@ -45,7 +45,9 @@ def bound_label(n: int) -> str:
     return f"{n // 1024}KiB" if n < MiB else f"{n // MiB}MiB"
 
 
-def measure(preset: str, device: torch.device, bounds: list[int], reps: int, streams: list[int]) -> dict[str, Any]:
+def measure(
+    preset: str, device: torch.device, bounds: list[int], reps: int, streams: list[int]
+) -> dict[str, Any]:
     shapes = models.tensor_shapes(preset)
     module = models.build_module(shapes, device)
     src = models.random_tensors(shapes, device, seed=1)
@@ -55,7 +57,11 @@ def measure(preset: str, device: torch.device, bounds: list[int], reps: int, str
     del src
     views = [(s.name, flat.narrow(0, s.offset_bytes, s.nbytes).view(s.dtype).view(s.shape)) for s in specs]
     params = dict(module.named_parameters())
-    own = DeviceRef.cuda("GPU-00000000-0000-0000-0000-000000000000") if device.type == "cuda" else DeviceRef.host()
+    own = (
+        DeviceRef.cuda("GPU-00000000-0000-0000-0000-000000000000")
+        if device.type == "cuda"
+        else DeviceRef.host()
+    )
 
     def sync() -> None:
         if device.type == "cuda":
@@ -100,10 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-8b,qwen2.5-0.5b,qwen3-8b-names")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--bounds", default="0,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB,all",
-                   help="group_copy_max_bytes values to measure (0: no grouping, all: everything grouped)")
-    p.add_argument("--streams", default="1,2,3,4",
-                   help="copy_streams values to measure at the default bound (the large copies over that many CUDA streams)")
+    p.add_argument(
+        "--bounds",
+        default="0,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB,all",
+        help="group_copy_max_bytes values to measure (0: no grouping, all: everything grouped)",
+    )
+    p.add_argument(
+        "--streams",
+        default="1,2,3,4",
+        help="copy_streams values to measure at the default bound (the large copies over that many CUDA streams)",
+    )
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", default="", help="write the numbers here as JSON")
     args = p.parse_args(argv)
@@ -117,19 +129,29 @@ def main(argv: list[str] | None = None) -> int:
         row = measure(preset, device, bounds, args.reps, [int(n) for n in args.streams.split(",") if n])
         rows.append(row)
         loads = " ".join(f"{k}={v:.2f}" for k, v in row["load_ms"].items())
-        loads += "; by copy streams: " + " ".join(f"{k}={v:.2f}" for k, v in row["load_ms_by_streams"].items())
-        print(f"{preset}: {row['tensors']} tensors, {row['bytes'] / MiB:.0f} MiB; flat copy {row['flat_copy_ms']:.2f} ms, "
-              f"copy_ loop {row['copy_loop_ms']:.2f} ms; TorchAdapter.load by bound: {loads}; exact {row['exact']}", flush=True)
+        loads += "; by copy streams: " + " ".join(
+            f"{k}={v:.2f}" for k, v in row["load_ms_by_streams"].items()
+        )
+        print(
+            f"{preset}: {row['tensors']} tensors, {row['bytes'] / MiB:.0f} MiB; flat copy {row['flat_copy_ms']:.2f} ms, "
+            f"copy_ loop {row['copy_loop_ms']:.2f} ms; TorchAdapter.load by bound: {loads}; exact {row['exact']}",
+            flush=True,
+        )
         if device.type == "cuda":
             torch.cuda.empty_cache()
     labels = [bound_label(b) for b in bounds]
     score = {lab: sum(r["load_ms"][lab] / min(r["load_ms"].values()) for r in rows) for lab in labels}
     best = min(labels, key=lambda lab: score[lab])
-    print("sum over models of load time / that model's best: " + " ".join(f"{k}={v:.3f}" for k, v in score.items()))
+    print(
+        "sum over models of load time / that model's best: "
+        + " ".join(f"{k}={v:.3f}" for k, v in score.items())
+    )
     print(f"best bound: {best} (default in TorchAdapter: {bound_label(DEFAULT_GROUP_COPY_MAX_BYTES)})")
     if args.out:
         env = common.environment({"bench": "copy_group", "argv": common.public_argv(sys.argv[1:])})
-        Path(args.out).write_text(json.dumps({"env": env, "models": rows, "score": score, "best": best}, indent=1, default=str))
+        Path(args.out).write_text(
+            json.dumps({"env": env, "models": rows, "score": score, "best": best}, indent=1, default=str)
+        )
     return 0 if all(r["exact"] for r in rows) else 1
 
 

@@ -38,22 +38,51 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["inplace", "packed"], default="inplace")
     p.add_argument("--reps", type=int, default=200, help="timed updates (after 5 untimed ones)")
     p.add_argument("--profile", default="", help="write a cProfile of the timed pushes here")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cuda: trainer and worker on GPU 0, CUDA IPC (the colocated path the GPU bench times)")
-    p.add_argument("--rpc", choices=["auto", "stream"], default="auto",
-                   help="stream: send even a one-bucket update on a PushWeights stream (as to a worker older than PushUpdate)")
-    p.add_argument("--copy-streams", type=int, default=DEFAULT_COPY_STREAMS, help="the worker's TorchAdapter copy_streams")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: trainer and worker on GPU 0, CUDA IPC (the colocated path the GPU bench times)",
+    )
+    p.add_argument(
+        "--rpc",
+        choices=["auto", "stream"],
+        default="auto",
+        help="stream: send even a one-bucket update on a PushWeights stream (as to a worker older than PushUpdate)",
+    )
+    p.add_argument(
+        "--copy-streams",
+        type=int,
+        default=DEFAULT_COPY_STREAMS,
+        help="the worker's TorchAdapter copy_streams",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     instrument_trainer()
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     rig = make_rig(args.model, device, peer=False)
     log_dir = Path(tempfile.mkdtemp(prefix="ww-fixed-"))
-    proc = common.WorkerProc("w", ["--mode", "weightwire", "--model", args.model, "--device", args.device, "--threads", "1",
-                                   "--copy-streams", str(args.copy_streams)],
-                             log_dir, common.child_env(threads=1))
+    proc = common.WorkerProc(
+        "w",
+        [
+            "--mode",
+            "weightwire",
+            "--model",
+            args.model,
+            "--device",
+            args.device,
+            "--threads",
+            "1",
+            "--copy-streams",
+            str(args.copy_streams),
+        ],
+        log_dir,
+        common.child_env(threads=1),
+    )
     with common.worker_group([proc]) as (w,):
-        pusher = WeightPusher([w.info["address"]], transport="host_shm" if args.device == "cpu" else "cuda_ipc")
+        pusher = WeightPusher(
+            [w.info["address"]], transport="host_shm" if args.device == "cpu" else "cuda_ipc"
+        )
         if args.rpc == "stream":
             # What a worker older than PushUpdate gets: the same update on a PushWeights stream.
             for worker in pusher._workers.values():
@@ -101,11 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     if prof is not None:
         prof.dump_stats(args.profile)
     med = common.median
-    part = {k: med([ms(r.get(k, 0)) for r in stats]) for k in ("begin_ns", "bucket_ns", "copy_ns", "open_ns", "commit_ns")}
-    print(f"{args.model} {args.mode}: {args.reps} updates, median total {med(totals):.2f} ms "
-          f"(best {min(totals):.2f}); trainer: re-check {med(rechecks):.2f}, plan {med(plans):.2f}; "
-          f"worker: header {part['begin_ns']:.2f}, buckets {part['bucket_ns']:.2f} "
-          f"(of which load {part['copy_ns']:.2f}, open {part['open_ns']:.2f}), commit {part['commit_ns']:.2f}")
+    part = {
+        k: med([ms(r.get(k, 0)) for r in stats])
+        for k in ("begin_ns", "bucket_ns", "copy_ns", "open_ns", "commit_ns")
+    }
+    print(
+        f"{args.model} {args.mode}: {args.reps} updates, median total {med(totals):.2f} ms "
+        f"(best {min(totals):.2f}); trainer: re-check {med(rechecks):.2f}, plan {med(plans):.2f}; "
+        f"worker: header {part['begin_ns']:.2f}, buckets {part['bucket_ns']:.2f} "
+        f"(of which load {part['copy_ns']:.2f}, open {part['open_ns']:.2f}), commit {part['commit_ns']:.2f}"
+    )
     # The same timeline as BENCHMARKS.md's "where the rest goes": both processes read CLOCK_MONOTONIC.
     hops: dict[str, list[float]] = {"pre": [], "hop1": [], "hop2": [], "post": []}
     for r in stats:
@@ -114,12 +148,17 @@ def main(argv: list[str] | None = None) -> int:
             continue
         hops["pre"].append(ms(r["t_header_ns"] - span[0]))
         hops["hop1"].append(ms(r.get("t_first_bucket_ns", r["t_header_ns"]) - r["t_header_ns"]))
-        hops["hop2"].append(ms(r["t_commit_start_ns"] - r.get("t_last_bucket_end_ns", r["t_commit_start_ns"])))
+        hops["hop2"].append(
+            ms(r["t_commit_start_ns"] - r.get("t_last_bucket_end_ns", r["t_commit_start_ns"]))
+        )
         hops["post"].append(ms(span[1] - r["t_commit_end_ns"]))
     if hops["pre"]:
-        print("timeline (medians, ms): push() -> header at the worker {:.2f}; header -> first bucket {:.2f}; "
-              "last bucket done -> commit at the worker {:.2f}; commit done -> push() returns {:.2f}".format(
-                  *(med(hops[k]) for k in ("pre", "hop1", "hop2", "post"))))
+        print(
+            "timeline (medians, ms): push() -> header at the worker {:.2f}; header -> first bucket {:.2f}; "
+            "last bucket done -> commit at the worker {:.2f}; commit done -> push() returns {:.2f}".format(
+                *(med(hops[k]) for k in ("pre", "hop1", "hop2", "post"))
+            )
+        )
     return 0
 
 

@@ -46,7 +46,9 @@ def init_one_rank(device: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
     if device == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
@@ -73,8 +75,20 @@ def sync(device: str) -> None:
 
 
 def start_serve(device: str, dump_dir: str) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "weightwire.client.cli.main", "serve", "--model", "demo", "--device", device,
-           "--dump-dir", dump_dir, "--log-level", "WARNING"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "weightwire.client.cli.main",
+        "serve",
+        "--model",
+        "demo",
+        "--device",
+        device,
+        "--dump-dir",
+        dump_dir,
+        "--log-level",
+        "WARNING",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -99,17 +113,26 @@ def validate(device: str, out: dict[str, Any]) -> bool:
         proc, address = start_serve(device, dump_dir)
         try:
             with WeightPusher([address]) as pusher:
-                for version, source, routing in ((1, "state_dict", "own_device"), (2, "named_parameters", "gathered")):
+                for version, source, routing in (
+                    (1, "state_dict", "own_device"),
+                    (2, "named_parameters", "gathered"),
+                ):
                     model = build_demo_model(config, ParallelRank(), device, seed=version)
                     fsdp(model, model.model.layers)
                     tensors = model.state_dict() if source == "state_dict" else model.named_parameters()
                     result = next(iter(pusher.push(tensors, version=version, routing=routing).values()))
                     got = load_file(os.path.join(dump_dir, f"{result.worker_id}-v{version}.safetensors"))
                     want = expected_shard(full_checkpoint(config, version), ParallelRank(), config)
-                    exact = sorted(got) == sorted(want) and all(torch.equal(got[n], t) for n, t in want.items())
+                    exact = sorted(got) == sorted(want) and all(
+                        torch.equal(got[n], t) for n, t in want.items()
+                    )
                     case = {
-                        "source": source, "routing": routing, "version": result.version, "transport": result.transport,
-                        "source_devices": list(result.source_devices), "tensors_loaded": result.tensors_loaded,
+                        "source": source,
+                        "routing": routing,
+                        "version": result.version,
+                        "transport": result.transport,
+                        "source_devices": list(result.source_devices),
+                        "tensors_loaded": result.tensors_loaded,
                         "bit_exact": exact,
                     }
                     checks[f"v{version}"] = case
@@ -133,7 +156,9 @@ def benchmark(device: str, preset: str, reps: int, out: dict[str, Any], log_dir:
     from weightwire.client import WeightPusher
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = common.WorkerProc("fsdp-bench", ["--mode", "weightwire", "--model", preset, "--device", device], log_dir, env)
+    proc = common.WorkerProc(
+        "fsdp-bench", ["--mode", "weightwire", "--model", preset, "--device", device], log_dir, env
+    )
     ok = True
     try:
         info = proc.wait_ready(240)
@@ -185,17 +210,30 @@ def benchmark(device: str, preset: str, reps: int, out: dict[str, Any], log_dir:
             got = proc.call({"cmd": "digest"})["digest"]
             ok = want == got
         summary = {
-            v: {"median_ms": statistics.median(ts), "min_ms": min(ts), "reps": len(ts), "peak_device_bytes_added": peak.get(v)}
+            v: {
+                "median_ms": statistics.median(ts),
+                "min_ms": min(ts),
+                "reps": len(ts),
+                "peak_device_bytes_added": peak.get(v),
+            }
             for v, ts in times.items()
         }
         ratio = summary["fsdp2_state_dict"]["median_ms"] / summary["plain_tensors"]["median_ms"]
         out["benchmark"] = {
-            "model": preset, "tensors": len(shapes), "model_bytes": model_bytes, "bucket_bytes": 64 * 1024 * 1024,
-            "worker_digest_matches": ok, "variants": summary, "fsdp2_over_plain": ratio,
+            "model": preset,
+            "tensors": len(shapes),
+            "model_bytes": model_bytes,
+            "bucket_bytes": 64 * 1024 * 1024,
+            "worker_digest_matches": ok,
+            "variants": summary,
+            "fsdp2_over_plain": ratio,
         }
-        print(f"benchmark {preset} ({model_bytes / 2**30:.2f} GiB, {len(shapes)} tensors): "
-              f"fsdp2 {summary['fsdp2_state_dict']['median_ms']:.2f} ms, plain {summary['plain_tensors']['median_ms']:.2f} ms "
-              f"(x{ratio:.3f}); digest {'OK' if ok else 'MISMATCH'}; peak device bytes added {peak}", flush=True)
+        print(
+            f"benchmark {preset} ({model_bytes / 2**30:.2f} GiB, {len(shapes)} tensors): "
+            f"fsdp2 {summary['fsdp2_state_dict']['median_ms']:.2f} ms, plain {summary['plain_tensors']['median_ms']:.2f} ms "
+            f"(x{ratio:.3f}); digest {'OK' if ok else 'MISMATCH'}; peak device bytes added {peak}",
+            flush=True,
+        )
     finally:
         proc.stop()
     return ok

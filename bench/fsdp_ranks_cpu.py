@@ -63,7 +63,15 @@ def _sharded(preset: str) -> tuple[torch.nn.Module, list[str]]:
 
 
 def _rank_main(
-    rank: int, world: int, port: int, address: str, preset: str, reps: int, first_version: int, plain: bool, out: Any,
+    rank: int,
+    world: int,
+    port: int,
+    address: str,
+    preset: str,
+    reps: int,
+    first_version: int,
+    plain: bool,
+    out: Any,
     bucket_bytes: int,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -99,18 +107,36 @@ def _rank_main(
             version += 1
     digest = models.digest([sd[n] if plain else sd[n].full_tensor() for n in names])
     if rank == 0:
-        out.put({"gather_ms": gather_ms, "push_ms": push_ms, "buckets": buckets, "digest": digest, "next_version": version})
+        out.put(
+            {
+                "gather_ms": gather_ms,
+                "push_ms": push_ms,
+                "buckets": buckets,
+                "digest": digest,
+                "next_version": version,
+            }
+        )
     dist.destroy_process_group()
 
 
 def _run_ranks(
-    world: int, address: str, preset: str, reps: int, first_version: int, bucket_bytes: int, plain: bool = False
+    world: int,
+    address: str,
+    preset: str,
+    reps: int,
+    first_version: int,
+    bucket_bytes: int,
+    plain: bool = False,
 ) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, address, preset, reps, first_version, plain, q, bucket_bytes)) for r in range(world)
+        ctx.Process(
+            target=_rank_main,
+            args=(r, world, port, address, preset, reps, first_version, plain, q, bucket_bytes),
+        )
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -128,18 +154,32 @@ def main() -> int:
     p.add_argument("--model", default="cpu-m", choices=sorted(models.PRESETS))
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--bucket-mib", type=float, default=4.0, help="bucket size: small buckets make the per-bucket cost visible")
+    p.add_argument(
+        "--bucket-mib",
+        type=float,
+        default=4.0,
+        help="bucket size: small buckets make the per-bucket cost visible",
+    )
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     shapes = models.tensor_shapes(args.model)
     model_bytes = sum(t.nbytes for t in shapes)
-    record: dict[str, Any] = {"environment": common.environment(), "model": args.model, "model_bytes": model_bytes,
-                              "tensors": len(shapes), "cases": {}}
+    record: dict[str, Any] = {
+        "environment": common.environment(),
+        "model": args.model,
+        "model_bytes": model_bytes,
+        "tensors": len(shapes),
+        "cases": {},
+    }
     ok = True
-    worker = common.WorkerProc("fsdp-ranks", ["--mode", "weightwire", "--model", args.model, "--device", "cpu"], out_dir,
-                               dict(os.environ, PYTHONUNBUFFERED="1"))
+    worker = common.WorkerProc(
+        "fsdp-ranks",
+        ["--mode", "weightwire", "--model", args.model, "--device", "cpu"],
+        out_dir,
+        dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     try:
         address = worker.wait_ready(240)["address"]
         bucket_bytes = int(args.bucket_mib * 2**20)
@@ -149,8 +189,10 @@ def main() -> int:
         plain_ms = statistics.median(times)
         ok = worker.call({"cmd": "digest"})["digest"] == got["digest"]
         record["cases"]["plain"] = {"median_ms": plain_ms, "reps": times, "digest_ok": ok}
-        print(f"plain: {plain_ms:.2f} ms ({model_bytes / 2**20:.0f} MiB, {len(shapes)} tensors), digest {'OK' if ok else 'MISMATCH'}",
-              flush=True)
+        print(
+            f"plain: {plain_ms:.2f} ms ({model_bytes / 2**20:.0f} MiB, {len(shapes)} tensors), digest {'OK' if ok else 'MISMATCH'}",
+            flush=True,
+        )
         for world in args.ranks:
             got = _run_ranks(world, address, args.model, args.reps, version, bucket_bytes)
             version = got["next_version"]
@@ -160,12 +202,19 @@ def main() -> int:
             buckets = max(1, int(got["buckets"]))
             per_bucket = (push_ms - plain_ms - (gather_ms if world > 1 else 0.0)) / buckets
             record["cases"][f"fsdp2_x{world}"] = {
-                "median_ms": push_ms, "gather_median_ms": gather_ms, "buckets": buckets, "reps": got["push_ms"],
-                "overhead_per_bucket_ms": per_bucket, "over_plain": push_ms / plain_ms, "digest_ok": digest_ok,
+                "median_ms": push_ms,
+                "gather_median_ms": gather_ms,
+                "buckets": buckets,
+                "reps": got["push_ms"],
+                "overhead_per_bucket_ms": per_bucket,
+                "over_plain": push_ms / plain_ms,
+                "digest_ok": digest_ok,
             }
-            print(f"fsdp2 x{world}: {push_ms:.2f} ms (x{push_ms / plain_ms:.2f} plain; gathers alone {gather_ms:.2f} ms; "
-                  f"{buckets} buckets, {per_bucket:.2f} ms per bucket beyond the bytes), digest {'OK' if digest_ok else 'MISMATCH'}",
-                  flush=True)
+            print(
+                f"fsdp2 x{world}: {push_ms:.2f} ms (x{push_ms / plain_ms:.2f} plain; gathers alone {gather_ms:.2f} ms; "
+                f"{buckets} buckets, {per_bucket:.2f} ms per bucket beyond the bytes), digest {'OK' if digest_ok else 'MISMATCH'}",
+                flush=True,
+            )
     finally:
         worker.stop()
     (out_dir / "fsdp_ranks.json").write_text(json.dumps(record, indent=2, default=str))

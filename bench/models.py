@@ -90,9 +90,16 @@ def tensor_shapes(preset: str, dtype: torch.dtype = torch.bfloat16) -> list[Tens
             (p + "self_attn.v_proj.weight", (kv, s.hidden)),
         ]
         if s.qkv_bias:
-            layer += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)), (p + "self_attn.v_proj.bias", (kv,))]
+            layer += [
+                (p + "self_attn.q_proj.bias", (q,)),
+                (p + "self_attn.k_proj.bias", (kv,)),
+                (p + "self_attn.v_proj.bias", (kv,)),
+            ]
         if s.qk_norm:
-            layer += [(p + "self_attn.q_norm.weight", (s.head_dim,)), (p + "self_attn.k_norm.weight", (s.head_dim,))]
+            layer += [
+                (p + "self_attn.q_norm.weight", (s.head_dim,)),
+                (p + "self_attn.k_norm.weight", (s.head_dim,)),
+            ]
         layer += [
             (p + "self_attn.o_proj.weight", (s.hidden, q)),
             (p + "post_attention_layernorm.weight", (s.hidden,)),
@@ -168,6 +175,10 @@ def digest(tensors: list[torch.Tensor]) -> list[int]:
     the same bytes give the same numbers in every process and on every device)."""
     out = []
     for x in tensors:
-        raw = x.detach().contiguous().view(torch.int16) if x.element_size() == 2 else x.detach().contiguous().view(torch.uint8)
+        raw = (
+            x.detach().contiguous().view(torch.int16)
+            if x.element_size() == 2
+            else x.detach().contiguous().view(torch.uint8)
+        )
         out.append(int(raw.sum(dtype=torch.int64).item()))
     return out

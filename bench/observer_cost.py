@@ -42,7 +42,11 @@ def inline_buckets(n_buckets: int) -> list[pb.PushWeightsRequest]:
         specs, chunks, offset = [], [], 0
         for name, t in tensors[i : i + per]:
             raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-            specs.append(pb.TensorSpec(name=name, dtype=dtypes.from_torch(t.dtype), shape=list(t.shape), offset_bytes=offset))
+            specs.append(
+                pb.TensorSpec(
+                    name=name, dtype=dtypes.from_torch(t.dtype), shape=list(t.shape), offset_bytes=offset
+                )
+            )
             chunks.append(raw)
             offset += len(raw)
         data = b"".join(chunks)
@@ -54,8 +58,14 @@ def inline_buckets(n_buckets: int) -> list[pb.PushWeightsRequest]:
 def make_service(kind: str) -> WorkerService:
     config = DemoConfig()
     model = build_demo_model(config, ParallelRank(), "cpu", 0)
-    adapter = TorchAdapter(model, rank=ParallelRank(), device=torch.device("cpu"), own_device=None,
-                           tp_rules=DEMO_TP_RULES, num_layers=config.num_layers)
+    adapter = TorchAdapter(
+        model,
+        rank=ParallelRank(),
+        device=torch.device("cpu"),
+        own_device=None,
+        tp_rules=DEMO_TP_RULES,
+        num_layers=config.num_layers,
+    )
     service = WorkerService(adapter, own_device=DeviceRef.host())
     if kind == "none":
         service._events = UpdateEvents()  # the bench compares against a worker without its default observer
@@ -69,8 +79,11 @@ def time_updates(service: WorkerService, buckets: list[pb.PushWeightsRequest], n
     times = []
     for _ in range(n):
         version = service.weights_version + 1
-        reqs = [pb.PushWeightsRequest(header=pb.UpdateHeader(version=version, scope=pb.UPDATE_SCOPE_FULL)), *buckets,
-                pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=len(buckets)))]
+        reqs = [
+            pb.PushWeightsRequest(header=pb.UpdateHeader(version=version, scope=pb.UPDATE_SCOPE_FULL)),
+            *buckets,
+            pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=len(buckets))),
+        ]
         t0 = time.perf_counter()
         responses = list(service.push(iter(reqs)))
         times.append(time.perf_counter() - t0)
@@ -93,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger(LOGGER_NAME).setLevel(logging.INFO)
     logging.getLogger(LOGGER_NAME).propagate = False
     kinds = ("none", "log", "log+metrics")
-    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPUs; "
-          f"{args.rounds} rounds x {args.updates} updates per set-up")
+    print(
+        f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPUs; "
+        f"{args.rounds} rounds x {args.updates} updates per set-up"
+    )
     for n_buckets in args.buckets:
         buckets = inline_buckets(n_buckets)
         services = {k: make_service(k) for k in kinds}
@@ -107,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         base = statistics.median(medians["none"])
         for k in kinds:
             m = statistics.median(medians[k])
-            print(f"{len(buckets)} bucket(s)  {k:12s} {m * 1e6:8.1f} us/update   x{m / base:.3f} of none   (+{(m - base) * 1e6:.1f} us)")
+            print(
+                f"{len(buckets)} bucket(s)  {k:12s} {m * 1e6:8.1f} us/update   x{m / base:.3f} of none   (+{(m - base) * 1e6:.1f} us)"
+            )
     return 0
 
 

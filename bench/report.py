@@ -53,20 +53,33 @@ def label(rec: dict[str, Any]) -> str:
     base = CASE_NAMES.get(rec["case"], rec["case"])
     v = rec.get("variant", "")
     if rec["case"] == "per_tensor":
-        return base + (", one message per tensor (OpenRLHF)" if v == "per_tensor" else ", all in one message (SGLang)")
+        return base + (
+            ", one message per tensor (OpenRLHF)" if v == "per_tensor" else ", all in one message (SGLang)"
+        )
     if rec["case"] == "ckpt_engine":
         return base + (", whole model in place" if v == "in-place" else f", {v} buckets")
     if rec["case"] in ("ww_packed",):
         size, _, depth = v.partition(", depth ")
         return f"{base}, {size} buckets" + (f", {depth} staging buffers" if depth else "")
     if rec["case"] == "ww_inplace":
-        return base + (", one bucket" if v == "whole" else ", one bucket, no GetStatus re-check" if "no re-check" in v else f", {v} views")
+        return base + (
+            ", one bucket"
+            if v == "whole"
+            else ", one bucket, no GetStatus re-check"
+            if "no re-check" in v
+            else f", {v} views"
+        )
     return base
 
 
 def limits(doc: dict[str, Any], model: str) -> dict[str, float]:
     for rec in doc["cases"]:
-        if rec.get("model") == model and rec["case"] == "limit" and "error" not in rec and "skipped" not in rec:
+        if (
+            rec.get("model") == model
+            and rec["case"] == "limit"
+            and "error" not in rec
+            and "skipped" not in rec
+        ):
             return {k: med(v) for k, v in rec.items() if k.endswith("_ms")} | {"bytes": rec["bytes"]}
     return {}
 
@@ -94,7 +107,9 @@ def _size_key(variant: str) -> float:
 def sorted_cases(doc: dict[str, Any], model: str) -> list[dict[str, Any]]:
     """A model's cases other than the limits, grouped by approach, smaller buckets first."""
     rows = [r for r in doc["cases"] if r.get("model") == model and r["case"] in ORDER]
-    return sorted(rows, key=lambda r: (ORDER.index(r["case"]), _size_key(r.get("variant", "")), r.get("variant", "")))
+    return sorted(
+        rows, key=lambda r: (ORDER.index(r["case"]), _size_key(r.get("variant", "")), r.get("variant", ""))
+    )
 
 
 def gpu_tables(doc: dict[str, Any]) -> str:
@@ -110,8 +125,16 @@ def gpu_tables(doc: dict[str, Any]) -> str:
             f"Limits in one process: one device-to-device copy **{lim['d2d_flat_ms']:.2f} ms** "
             f"({lim['bytes'] / lim['d2d_flat_ms'] / 1e6:.0f} GB/s of copied bytes); the same bytes as per-tensor copies out "
             f"of a flat buffer {lim['d2d_per_tensor_ms']:.2f} ms; pack + unpack (two copies) "
-            + ", ".join(f"{k.removeprefix('two_copies_').removesuffix('_ms')} {v:.2f} ms" for k, v in lim.items() if k.startswith("two_copies"))
-            + (f"; GPU 1 → GPU 0 over NVLink {lim['peer_flat_ms']:.2f} ms (per tensor {lim['peer_per_tensor_ms']:.2f} ms)" if "peer_flat_ms" in lim else "")
+            + ", ".join(
+                f"{k.removeprefix('two_copies_').removesuffix('_ms')} {v:.2f} ms"
+                for k, v in lim.items()
+                if k.startswith("two_copies")
+            )
+            + (
+                f"; GPU 1 → GPU 0 over NVLink {lim['peer_flat_ms']:.2f} ms (per tensor {lim['peer_per_tensor_ms']:.2f} ms)"
+                if "peer_flat_ms" in lim
+                else ""
+            )
             + ".\n"
         )
         out.append(
@@ -126,7 +149,9 @@ def gpu_tables(doc: dict[str, Any]) -> str:
             total = wmed(rec, "total_ms")
             ref = lim["peer_flat_ms"] if rec["case"] == "ww_peer" else lim["d2d_flat_ms"]
             mem = rec.get("memory", {})
-            trainer = mem.get("trainer_gpu1" if rec["case"] == "ww_peer" else "trainer_gpu0", {}).get("peak_extra")
+            trainer = mem.get("trainer_gpu1" if rec["case"] == "ww_peer" else "trainer_gpu0", {}).get(
+                "peak_extra"
+            )
             worker = mem.get("worker", {}).get("peak_extra")
             warm_handles = sorted({u.get("handles_opened") for u in warm(rec)})
             commit = f"{wmed(rec, 'commit_ms'):.2f}" if "commit_ms" in ups[0] else "–"
@@ -144,13 +169,24 @@ def gpu_tables(doc: dict[str, Any]) -> str:
 def ww_breakdown(doc: dict[str, Any], model: str) -> str:
     """Where a weightwire update's time goes, from both processes' clocks."""
     keys = [
-        ("recheck_ms", "GetStatus re-check"), ("plan_ms", "client checks + plan"), ("pre_ms", "push() → header at worker"),
-        ("begin_ms", "header (begin_update)"), ("bucket_ms", "worker: whole bucket"), ("open_ms", "  of which open"),
-        ("copy_ms", "  of which load (copies + sync)"), ("stage_ms", "trainer staging (pack + wait)"), ("commit_ms", "commit"),
-        ("post_ms", "commit done → push() returns"), ("total_ms", "total"),
+        ("recheck_ms", "GetStatus re-check"),
+        ("plan_ms", "client checks + plan"),
+        ("pre_ms", "push() → header at worker"),
+        ("begin_ms", "header (begin_update)"),
+        ("bucket_ms", "worker: whole bucket"),
+        ("open_ms", "  of which open"),
+        ("copy_ms", "  of which load (copies + sync)"),
+        ("stage_ms", "trainer staging (pack + wait)"),
+        ("commit_ms", "commit"),
+        ("post_ms", "commit done → push() returns"),
+        ("total_ms", "total"),
     ]
     rows = [rec for rec in sorted_cases(doc, model) if rec["case"].startswith("ww_") and "updates" in rec]
-    out = ["| ms (median of warm updates) | " + " | ".join(label(r).removeprefix("weightwire ") for r in rows) + " |"]
+    out = [
+        "| ms (median of warm updates) | "
+        + " | ".join(label(r).removeprefix("weightwire ") for r in rows)
+        + " |"
+    ]
     out.append("|" + " --- |" * (len(rows) + 1))
     for key, name in keys:
         out.append(f"| {name} | " + " | ".join(f"{wmed(r, key):.2f}" for r in rows) + " |")
@@ -159,7 +195,9 @@ def ww_breakdown(doc: dict[str, Any], model: str) -> str:
 
 def gpu_targets(doc: dict[str, Any], model: str) -> str:
     lim = limits(doc, model)
-    by = {(r["case"], r.get("variant")): r for r in doc["cases"] if r.get("model") == model and "updates" in r}
+    by = {
+        (r["case"], r.get("variant")): r for r in doc["cases"] if r.get("model") == model and "updates" in r
+    }
 
     def t(case: str, variant: str) -> float:
         r = by.get((case, variant))
@@ -172,13 +210,40 @@ def gpu_targets(doc: dict[str, Any], model: str) -> str:
     pt, batch = t("per_tensor", "per_tensor"), t("per_tensor", "batch")
     peer = t("ww_peer", "whole")
     rows = [
-        ("in place ≤ 1.15 × copy + 3 ms", f"{1.15 * lim['d2d_flat_ms'] + 3:.1f} ms", f"{inplace:.1f} ms", inplace <= 1.15 * lim["d2d_flat_ms"] + 3),
-        (f"packed ≤ 1.15 × two copies (best: {best_b} buckets)", f"{1.15 * two:.1f} ms", f"{best_packed:.1f} ms", best_packed <= 1.15 * two),
-        ("≥ 10 × faster than one handle per tensor (per-tensor messages)", "≥ 10 ×", f"{pt / inplace:.1f} ×", pt / inplace >= 10),
-        ("≥ 10 × faster than one handle per tensor (one message)", "≥ 10 ×", f"{batch / inplace:.1f} ×", batch / inplace >= 10),
+        (
+            "in place ≤ 1.15 × copy + 3 ms",
+            f"{1.15 * lim['d2d_flat_ms'] + 3:.1f} ms",
+            f"{inplace:.1f} ms",
+            inplace <= 1.15 * lim["d2d_flat_ms"] + 3,
+        ),
+        (
+            f"packed ≤ 1.15 × two copies (best: {best_b} buckets)",
+            f"{1.15 * two:.1f} ms",
+            f"{best_packed:.1f} ms",
+            best_packed <= 1.15 * two,
+        ),
+        (
+            "≥ 10 × faster than one handle per tensor (per-tensor messages)",
+            "≥ 10 ×",
+            f"{pt / inplace:.1f} ×",
+            pt / inplace >= 10,
+        ),
+        (
+            "≥ 10 × faster than one handle per tensor (one message)",
+            "≥ 10 ×",
+            f"{batch / inplace:.1f} ×",
+            batch / inplace >= 10,
+        ),
     ]
     if "peer_flat_ms" in lim:
-        rows.append(("peer GPU ≤ 1.15 × NVLink copy", f"{1.15 * lim['peer_flat_ms']:.1f} ms", f"{peer:.1f} ms", peer <= 1.15 * lim["peer_flat_ms"]))
+        rows.append(
+            (
+                "peer GPU ≤ 1.15 × NVLink copy",
+                f"{1.15 * lim['peer_flat_ms']:.1f} ms",
+                f"{peer:.1f} ms",
+                peer <= 1.15 * lim["peer_flat_ms"],
+            )
+        )
     out = ["| target | bound | measured | met |", "| --- | --- | --- | --- |"]
     out += [f"| {a} | {b} | {c} | {'yes' if ok else '**no**'} |" for a, b, c, ok in rows]
     return "\n".join(out)
@@ -204,8 +269,10 @@ def memory_table(doc: dict[str, Any], model: str) -> str:
 
 
 def ckpt_table(doc: dict[str, Any]) -> str:
-    out = ["| model | buckets | until last bucket loaded | until last ack (after its release step) | receiver returned (total) |",
-           "| --- | --- | --- | --- | --- |"]
+    out = [
+        "| model | buckets | until last bucket loaded | until last ack (after its release step) | receiver returned (total) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for rec in doc["cases"]:
         if rec["case"] != "ckpt_engine" or "updates" not in rec:
             continue
@@ -222,15 +289,27 @@ def gpu_plot(doc: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = [m for m in dict.fromkeys(r["model"] for r in doc["cases"]) if limits(doc, m) and limits(doc, m)["bytes"] > 64 * MiB]
+    models = [
+        m
+        for m in dict.fromkeys(r["model"] for r in doc["cases"])
+        if limits(doc, m) and limits(doc, m)["bytes"] > 64 * MiB
+    ]
     fig, axes = plt.subplots(len(models), 1, figsize=(11, 5.2 * len(models)), squeeze=False)
-    parts = [("open_ms", "open handles", "#d62728"), ("copy_ms", "copy into the model (worker)", "#1f77b4"),
-             ("stage_ms", "staging: pack + wait (trainer)", "#ff7f0e"), ("control_ms", "control: gRPC / pickle / ZMQ, checks, release", "#9e9e9e")]
+    parts = [
+        ("open_ms", "open handles", "#d62728"),
+        ("copy_ms", "copy into the model (worker)", "#1f77b4"),
+        ("stage_ms", "staging: pack + wait (trainer)", "#ff7f0e"),
+        ("control_ms", "control: gRPC / pickle / ZMQ, checks, release", "#9e9e9e"),
+    ]
     for ax, model in zip(axes[:, 0], models, strict=True):
         lim = limits(doc, model)
         rows = [r for r in sorted_cases(doc, model) if "updates" in r]
-        names = [label(r).replace("checkpoint-engine receiver", "checkpoint-engine").replace("one IPC handle per tensor", "handle per tensor")
-                 for r in rows]
+        names = [
+            label(r)
+            .replace("checkpoint-engine receiver", "checkpoint-engine")
+            .replace("one IPC handle per tensor", "handle per tensor")
+            for r in rows
+        ]
         y = list(range(len(rows)))
         left = [0.0] * len(rows)
         for key, name, color in parts:
@@ -239,16 +318,37 @@ def gpu_plot(doc: dict[str, Any], path: Path) -> None:
             left = [a + b for a, b in zip(left, vals, strict=True)]
         for i, r in enumerate(rows):
             ax.text(left[i], i, f" {wmed(r, 'total_ms'):.1f}", va="center", fontsize=8)
-        ax.axvline(lim["d2d_flat_ms"], color="k", ls="--", lw=1, label=f"limit: one device copy, {lim['d2d_flat_ms']:.1f} ms")
-        ax.axvline(1.15 * lim["d2d_flat_ms"] + 3, color="k", ls=":", lw=1, label="target for in place: 1.15 × limit + 3 ms")
+        ax.axvline(
+            lim["d2d_flat_ms"],
+            color="k",
+            ls="--",
+            lw=1,
+            label=f"limit: one device copy, {lim['d2d_flat_ms']:.1f} ms",
+        )
+        ax.axvline(
+            1.15 * lim["d2d_flat_ms"] + 3,
+            color="k",
+            ls=":",
+            lw=1,
+            label="target for in place: 1.15 × limit + 3 ms",
+        )
         if "peer_flat_ms" in lim:
-            ax.axvline(lim["peer_flat_ms"], color="g", ls="--", lw=1, label=f"limit for peer: NVLink copy, {lim['peer_flat_ms']:.1f} ms")
+            ax.axvline(
+                lim["peer_flat_ms"],
+                color="g",
+                ls="--",
+                lw=1,
+                label=f"limit for peer: NVLink copy, {lim['peer_flat_ms']:.1f} ms",
+            )
         ax.set_xlim(0, max(left) * 1.12)
         ax.set_yticks(y)
         ax.set_yticklabels(names, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("ms per update (median of warm updates)")
-        ax.set_title(f"{model} ({lim['bytes'] / GiB:.2f} GiB bf16): trainer and receiver in separate processes on one H200", fontsize=10)
+        ax.set_title(
+            f"{model} ({lim['bytes'] / GiB:.2f} GiB bf16): trainer and receiver in separate processes on one H200",
+            fontsize=10,
+        )
         ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -264,8 +364,10 @@ def cpu_shm_table(doc: dict[str, Any]) -> str:
     """Best (median) of each measure: the CPU machines are shared, so the best run is the one least
     disturbed; ratios compare best with best, and the copy limit is the faster of the flat and the
     per-tensor copy (torch's threaded flat copy is not always the faster one)."""
-    out = ["| model | MiB | memcpy (one flat copy) | per-tensor copies | pack + unpack | weightwire in place | in place ÷ best copy | weightwire packed | packed ÷ pack+unpack | exact |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = [
+        "| model | MiB | memcpy (one flat copy) | per-tensor copies | pack + unpack | weightwire in place | in place ÷ best copy | weightwire packed | packed ÷ pack+unpack | exact |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
 
     def cell(vals: list[float]) -> str:
         return f"{min(vals):.1f} ({med(vals):.1f}) ms" if vals else "–"
@@ -274,7 +376,11 @@ def cpu_shm_table(doc: dict[str, Any]) -> str:
         if rec.get("case") != "limit":
             continue
         model = rec["model"]
-        ww = {r["case"]: r for r in doc["cases"] if r.get("model") == model and r.get("bench") == "shm" and "updates" in r}
+        ww = {
+            r["case"]: r
+            for r in doc["cases"]
+            if r.get("model") == model and r.get("bench") == "shm" and "updates" in r
+        }
         ip = [u["total_ms"] for u in warm(ww["ww_inplace"])] if "ww_inplace" in ww else []
         pk = [u["total_ms"] for u in warm(ww["ww_packed"])] if "ww_packed" in ww else []
         ok = all(r.get("verified") for r in ww.values())
@@ -292,8 +398,10 @@ def scaling_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 def cpu_scaling_table(doc: dict[str, Any]) -> str:
     rows = scaling_rows(doc)
-    out = ["| model | workers are | mode | workers | ms per update, best (median) | GB into workers per update | aggregate GB/s (best) | slowest worker's load ms | control ms | exact |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = [
+        "| model | workers are | mode | workers | ms per update, best (median) | GB into workers per update | aggregate GB/s (best) | slowest worker's load ms | control ms | exact |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in sorted(rows, key=lambda r: (r["model"], r.get("layout", ""), r["case"], r["workers"])):
         total = min(u["total_ms"] for u in warm(r))
         tp = r.get("layout") == "tp"
@@ -326,7 +434,14 @@ def cpu_plots(docs: dict[str, dict[str, Any]], shm_path: Path, scaling_path: Pat
         for kind in ("ww_inplace", "ww_packed"):
             vals = []
             for r in lims:
-                m = [c for c in doc["cases"] if c.get("model") == r["model"] and c.get("bench") == "shm" and c["case"] == kind and "updates" in c]
+                m = [
+                    c
+                    for c in doc["cases"]
+                    if c.get("model") == r["model"]
+                    and c.get("bench") == "shm"
+                    and c["case"] == kind
+                    and "updates" in c
+                ]
                 vals.append(min(u["total_ms"] for u in warm(m[0])) if m else float("nan"))
             series[f"weightwire {kind.removeprefix('ww_').replace('inplace', 'in place')} (host shm)"] = vals
         for (label_, ys), style in zip(series.items(), ["k--", "k:", "k-.", "bo-", "rs-"], strict=True):
@@ -346,9 +461,16 @@ def cpu_plots(docs: dict[str, dict[str, Any]], shm_path: Path, scaling_path: Pat
         rows = scaling_rows(doc)
         groups = sorted({(r["model"], r.get("layout"), r["case"]) for r in rows})
         for model, layout, case in groups:
-            rs = sorted((r for r in rows if (r["model"], r.get("layout"), r["case"]) == (model, layout, case)), key=lambda r: r["workers"])
-            ax.plot([r["workers"] for r in rs], [min(u["total_ms"] for u in warm(r)) for r in rs], "o-",
-                    label=f"{model} {'replicas' if layout == 'dp' else 'TP shards'}, {case.removeprefix('ww_').replace('inplace', 'in place')}")
+            rs = sorted(
+                (r for r in rows if (r["model"], r.get("layout"), r["case"]) == (model, layout, case)),
+                key=lambda r: r["workers"],
+            )
+            ax.plot(
+                [r["workers"] for r in rs],
+                [min(u["total_ms"] for u in warm(r)) for r in rs],
+                "o-",
+                label=f"{model} {'replicas' if layout == 'dp' else 'TP shards'}, {case.removeprefix('ww_').replace('inplace', 'in place')}",
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks([1, 2, 4, 8, 16])
@@ -388,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
             env = doc["env"]
             name = f"{env.get('cpu_count')} cores"
             cpu_docs[name] = doc
-            print(f"\n## CPU ({folder.name}: {env.get('cpu_count')} × {env.get('cpu_model')}, {env.get('mem_total_gib')} GiB)\n")
+            print(
+                f"\n## CPU ({folder.name}: {env.get('cpu_count')} × {env.get('cpu_model')}, {env.get('mem_total_gib')} GiB)\n"
+            )
             print(cpu_shm_table(doc))
             print()
             print(cpu_scaling_table(doc))

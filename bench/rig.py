@@ -155,15 +155,22 @@ def flat_buckets(flat: torch.Tensor, specs: list[TensorSpec], bucket_bytes: int 
         end = s.offset_bytes + s.nbytes
         if group and end - start > bucket_bytes:
             stop = group[-1].offset_bytes + group[-1].nbytes
-            out.append(FlatBucket(flat[start:stop], [dataclasses.replace(g, offset_bytes=g.offset_bytes - start) for g in group]))
+            out.append(
+                FlatBucket(
+                    flat[start:stop],
+                    [dataclasses.replace(g, offset_bytes=g.offset_bytes - start) for g in group],
+                )
+            )
             group, start = [], s.offset_bytes
         group.append(s)
     if group:
         stop = group[-1].offset_bytes + group[-1].nbytes
-        out.append(FlatBucket(flat[start:stop], [dataclasses.replace(g, offset_bytes=g.offset_bytes - start) for g in group]))
+        out.append(
+            FlatBucket(
+                flat[start:stop], [dataclasses.replace(g, offset_bytes=g.offset_bytes - start) for g in group]
+            )
+        )
     return out
-
-
 
 
 def parse_size(text: str) -> int:

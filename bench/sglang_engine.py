@@ -50,8 +50,15 @@ GiB = 2**30
 
 def spec_for(size_gib: float) -> ModelSpec:
     """A Qwen2 of about ``size_gib`` GiB in float32: hidden 1024, vocabulary 8192, layers as needed."""
-    base = ModelSpec(QWEN2, vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_heads=16, kv_heads=4,
-                     num_layers=1)
+    base = ModelSpec(
+        QWEN2,
+        vocab_size=8192,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_heads=16,
+        kv_heads=4,
+        num_layers=1,
+    )
     per_layer = nbytes(ModelSpec(**{**base.__dict__, "num_layers": 2})) - nbytes(base)
     fixed = nbytes(base) - per_layer
     layers = max(1, round((size_gib * GiB - fixed) / per_layer))
@@ -71,7 +78,9 @@ class Bench:
 
         self.engine = engine
         self.spec = spec
-        self.pusher = WeightPusher(discover(socket_dir, count=1, timeout_s=60), transport="host_shm", timeout_s=600)
+        self.pusher = WeightPusher(
+            discover(socket_dir, count=1, timeout_s=60), transport="host_shm", timeout_s=600
+        )
         self.version = 0
         self.has_session = hasattr(engine, "begin_weight_update")
         # Each push as the trainer saw it, and the update's duration as the worker measured it.
@@ -131,9 +140,18 @@ def start_engine(model: str, socket_dir: str, *, sleep_on_idle: bool) -> Any:
 
     os.environ["WEIGHTWIRE_SGLANG_SOCKET_DIR"] = socket_dir
     return sglang.Engine(
-        model_path=model, device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
-        disable_cuda_graph=True, skip_tokenizer_init=True, max_total_tokens=2048, max_running_requests=4,
-        dtype="float32", random_seed=0, log_level="error", sleep_on_idle=sleep_on_idle,
+        model_path=model,
+        device="cpu",
+        attention_backend="torch_native",
+        sampling_backend="pytorch",
+        disable_cuda_graph=True,
+        skip_tokenizer_init=True,
+        max_total_tokens=2048,
+        max_running_requests=4,
+        dtype="float32",
+        random_seed=0,
+        log_level="error",
+        sleep_on_idle=sleep_on_idle,
     )
 
 
@@ -170,8 +188,14 @@ def run_size(size_gib: float, reps: int, work: Path) -> dict[str, Any]:
         engine.shutdown()
     med = {k: statistics.median(v) for k, v in samples.items()}
     return {
-        "size_gib": size_gib, "bytes": total, "layers": spec.num_layers, "tensors": len(a), "engine_start_s": start_s,
-        "median_s": med, "samples_s": samples, "weightwire_push_split": bench.push_split,
+        "size_gib": size_gib,
+        "bytes": total,
+        "layers": spec.num_layers,
+        "tensors": len(a),
+        "engine_start_s": start_s,
+        "median_s": med,
+        "samples_s": samples,
+        "weightwire_push_split": bench.push_split,
         "ratios": {
             "weightwire_over_memcpy": med["weightwire"] / med["memcpy"],
             "from_tensor_over_weightwire": med["from_tensor"] / med["weightwire"],
@@ -196,7 +220,10 @@ def run_sleep_on_idle(size_gib: float, reps: int, work: Path) -> dict[str, Any]:
         finally:
             bench.close()
             engine.shutdown()
-        out["sleep_on_idle" if sleep else "busy_polling"] = {"median_s": statistics.median(times), "samples_s": times}
+        out["sleep_on_idle" if sleep else "busy_polling"] = {
+            "median_s": statistics.median(times),
+            "samples_s": times,
+        }
     out["ratio_sleep_over_busy"] = out["sleep_on_idle"]["median_s"] / out["busy_polling"]["median_s"]
     return out
 
@@ -210,7 +237,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="0.1,0.25,0.5,1.0", help="model sizes in GiB, comma-separated")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--sleep-on-idle-size", type=float, default=0.1, help="size for the sleep_on_idle comparison (0: skip)")
+    ap.add_argument(
+        "--sleep-on-idle-size",
+        type=float,
+        default=0.1,
+        help="size for the sleep_on_idle comparison (0: skip)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sglang-cpu-2core"))
     args = ap.parse_args()
     import sglang
@@ -218,7 +250,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
         "versions": {"sglang": sglang.__version__, "torch": torch.__version__},
         "command": " ".join([os.path.relpath(sys.executable, ROOT), *sys.argv]),
         "sizes": [],
@@ -229,17 +265,22 @@ def main() -> None:
             r = run_size(size, args.reps, work)
             results["sizes"].append(r)
             m = r["median_s"]
-            print(f"{r['bytes'] / GiB:5.2f} GiB ({r['tensors']} tensors): weightwire {m['weightwire'] * 1e3:8.1f} ms  "
-                  f"from_tensor {m['from_tensor'] * 1e3:8.1f} ms ({r['ratios']['from_tensor_over_weightwire']:.2f}x)  "
-                  f"from_disk {m['from_disk'] * 1e3:8.1f} ms ({r['ratios']['from_disk_over_weightwire']:.2f}x)  "
-                  f"memcpy {m['memcpy'] * 1e3:7.1f} ms (weightwire {r['ratios']['weightwire_over_memcpy']:.2f}x of it)",
-                  flush=True)
+            print(
+                f"{r['bytes'] / GiB:5.2f} GiB ({r['tensors']} tensors): weightwire {m['weightwire'] * 1e3:8.1f} ms  "
+                f"from_tensor {m['from_tensor'] * 1e3:8.1f} ms ({r['ratios']['from_tensor_over_weightwire']:.2f}x)  "
+                f"from_disk {m['from_disk'] * 1e3:8.1f} ms ({r['ratios']['from_disk_over_weightwire']:.2f}x)  "
+                f"memcpy {m['memcpy'] * 1e3:7.1f} ms (weightwire {r['ratios']['weightwire_over_memcpy']:.2f}x of it)",
+                flush=True,
+            )
             (out / "sglang_engine.json").write_text(json.dumps(results, indent=1))
         if args.sleep_on_idle_size > 0:
             r = run_sleep_on_idle(args.sleep_on_idle_size, args.reps, work)
             results["sleep_on_idle"] = r
-            print(f"sleep_on_idle at {args.sleep_on_idle_size} GiB: {r['sleep_on_idle']['median_s'] * 1e3:.1f} ms vs "
-                  f"{r['busy_polling']['median_s'] * 1e3:.1f} ms busy-polling ({r['ratio_sleep_over_busy']:.2f}x)", flush=True)
+            print(
+                f"sleep_on_idle at {args.sleep_on_idle_size} GiB: {r['sleep_on_idle']['median_s'] * 1e3:.1f} ms vs "
+                f"{r['busy_polling']['median_s'] * 1e3:.1f} ms busy-polling ({r['ratio_sleep_over_busy']:.2f}x)",
+                flush=True,
+            )
     (out / "sglang_engine.json").write_text(json.dumps(results, indent=1))
 
 

@@ -143,7 +143,13 @@ def run_size(size_gib: float, tp: int, reps: int, work: Path) -> dict[str, Any]:
     engine = CpuEngine(path_a, tp=tp, pp=1, socket_dir=work / f"s-{size_gib}")
     start_s = time.perf_counter() - t0
     bench = Bench(engine)
-    samples: dict[str, list[float]] = {"weightwire": [], "in_place": [], "reload": [], "save": [], "memcpy": []}
+    samples: dict[str, list[float]] = {
+        "weightwire": [],
+        "in_place": [],
+        "reload": [],
+        "save": [],
+        "memcpy": [],
+    }
     try:
         tokens_a = engine.generate()
         bench.weightwire(b)  # warm-up: the first push creates the shared-memory segments
@@ -169,10 +175,18 @@ def run_size(size_gib: float, tp: int, reps: int, work: Path) -> dict[str, Any]:
         bench.close()
         engine.stop()
     med = {k: statistics.median(v) for k, v in samples.items()}
-    med["save+reload"] = statistics.median(s + r for s, r in zip(samples["save"], samples["reload"], strict=True))
+    med["save+reload"] = statistics.median(
+        s + r for s, r in zip(samples["save"], samples["reload"], strict=True)
+    )
     return {
-        "size_gib": size_gib, "tp": tp, "bytes": total, "layers": spec.layers, "tensors": len(a),
-        "engine_start_s": start_s, "median_s": med, "samples_s": samples,
+        "size_gib": size_gib,
+        "tp": tp,
+        "bytes": total,
+        "layers": spec.layers,
+        "tensors": len(a),
+        "engine_start_s": start_s,
+        "median_s": med,
+        "samples_s": samples,
         "ratios": {
             "weightwire_over_memcpy": med["weightwire"] / med["memcpy"],
             "in_place_over_memcpy": med["in_place"] / med["memcpy"],
@@ -184,7 +198,9 @@ def run_size(size_gib: float, tp: int, reps: int, work: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", default="0.125,0.5", help="comma-separated model sizes in GiB")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)
@@ -209,8 +225,13 @@ def main() -> None:
             )
     import vllm
 
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-               "torch": torch.__version__, "vllm": vllm.__version__}
+    machine = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+    }
     (out / "vllm_engine.json").write_text(json.dumps({"machine": machine, "results": results}, indent=2))
     print(f"wrote {out / 'vllm_engine.json'}")
 

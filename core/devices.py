@@ -104,7 +104,13 @@ class DeviceRef:
         return self.kind == pb.DEVICE_KIND_CUDA
 
     def __str__(self) -> str:
-        kind = "cuda" if self.kind == pb.DEVICE_KIND_CUDA else "host" if self.kind == pb.DEVICE_KIND_HOST else "?"
+        kind = (
+            "cuda"
+            if self.kind == pb.DEVICE_KIND_CUDA
+            else "host"
+            if self.kind == pb.DEVICE_KIND_HOST
+            else "?"
+        )
         return f"{kind}:{self.uuid}"
 
 

@@ -27,12 +27,15 @@ _FROM_TORCH: dict[torch.dtype, pb.DType.ValueType] = {t: p for p, t in _TABLE}
 def to_torch(dtype: int) -> torch.dtype:
     """Contract dtype -> torch dtype; DTYPE_UNSPECIFIED and unknown values are rejected."""
     if dtype == pb.DTYPE_UNSPECIFIED:
-        raise WeightwireError(Reason.DTYPE_UNSPECIFIED, "tensor dtype is DTYPE_UNSPECIFIED; set it explicitly")
+        raise WeightwireError(
+            Reason.DTYPE_UNSPECIFIED, "tensor dtype is DTYPE_UNSPECIFIED; set it explicitly"
+        )
     try:
         return _TO_TORCH[dtype]
     except KeyError:
         raise WeightwireError(
-            Reason.DTYPE_UNSPECIFIED, f"unknown dtype enum value {dtype}; this worker knows {sorted(_TO_TORCH)}"
+            Reason.DTYPE_UNSPECIFIED,
+            f"unknown dtype enum value {dtype}; this worker knows {sorted(_TO_TORCH)}",
         ) from None
 
 
@@ -52,4 +55,10 @@ def itemsize(dtype: int) -> int:
 def name(dtype: int) -> str:
     """Readable name for messages, e.g. 'bfloat16' (or 'DTYPE_UNSPECIFIED')."""
     t = _TO_TORCH.get(dtype)
-    return str(t).removeprefix("torch.") if t is not None else pb.DType.Name(dtype) if dtype in pb.DType.values() else f"dtype#{dtype}"
+    return (
+        str(t).removeprefix("torch.")
+        if t is not None
+        else pb.DType.Name(dtype)
+        if dtype in pb.DType.values()
+        else f"dtype#{dtype}"
+    )

@@ -115,7 +115,9 @@ class WeightwireError(Exception):
         **metadata: str,
     ) -> None:
         if not isinstance(reason, Reason):
-            reason = Reason.__members__.get(reason) or (Reason.for_code(code or "UNKNOWN") if not reason else reason)
+            reason = Reason.__members__.get(reason) or (
+                Reason.for_code(code or "UNKNOWN") if not reason else reason
+            )
         self.kind: Reason | None = reason if isinstance(reason, Reason) else None
         self.reason_name = reason.name if isinstance(reason, Reason) else reason
         self.code = code or (self.kind.code if self.kind is not None else "UNKNOWN")
@@ -133,7 +135,9 @@ class WeightwireError(Exception):
         return f"{where}{self.code}/{self.reason_name}: {self.message}"
 
 
-_BY_CODE_NAME = {r.name: r for r in (Reason.CANCELLED, Reason.DEADLINE_EXCEEDED, Reason.UNAVAILABLE, Reason.INTERNAL)}
+_BY_CODE_NAME = {
+    r.name: r for r in (Reason.CANCELLED, Reason.DEADLINE_EXCEEDED, Reason.UNAVAILABLE, Reason.INTERNAL)
+}
 
 
 class PushError(Exception):
@@ -143,7 +147,9 @@ class PushError(Exception):
     the workers that did commit (their result objects), so a caller can see the whole picture.
     """
 
-    def __init__(self, failures: Mapping[str, WeightwireError], results: Mapping[str, object] | None = None) -> None:
+    def __init__(
+        self, failures: Mapping[str, WeightwireError], results: Mapping[str, object] | None = None
+    ) -> None:
         self.failures = dict(failures)
         self.results = dict(results or {})
         lines = [f"weight update failed on {len(failures)} worker(s):"]

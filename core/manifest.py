@@ -29,7 +29,12 @@ class ParallelRank:
     sp_size: int = 1
 
     def __post_init__(self) -> None:
-        for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size"), ("dp_rank", "dp_size"), ("sp_rank", "sp_size")):
+        for rank, size in (
+            ("tp_rank", "tp_size"),
+            ("pp_rank", "pp_size"),
+            ("dp_rank", "dp_size"),
+            ("sp_rank", "sp_size"),
+        ):
             r, s = getattr(self, rank), getattr(self, size)
             if s < 1 or not 0 <= r < s:
                 raise ValueError(f"{rank}={r} out of range for {size}={s}")
@@ -40,8 +45,14 @@ class ParallelRank:
     @classmethod
     def from_proto(cls, msg: pb.ParallelRank) -> ParallelRank:
         return cls(
-            tp_rank=msg.tp_rank, tp_size=msg.tp_size or 1, pp_rank=msg.pp_rank, pp_size=msg.pp_size or 1,
-            dp_rank=msg.dp_rank, dp_size=msg.dp_size or 1, sp_rank=msg.sp_rank, sp_size=msg.sp_size or 1,
+            tp_rank=msg.tp_rank,
+            tp_size=msg.tp_size or 1,
+            pp_rank=msg.pp_rank,
+            pp_size=msg.pp_size or 1,
+            dp_rank=msg.dp_rank,
+            dp_size=msg.dp_size or 1,
+            sp_rank=msg.sp_rank,
+            sp_size=msg.sp_size or 1,
         )
 
     def worker_id(self) -> str:
@@ -110,9 +121,13 @@ class OwnedTensor:
                 )
             for q in seen:
                 if q.dim != p.dim:
-                    raise ValueError(f"{self.name}: pieces on dimensions {q.dim} and {p.dim}; one dimension per tensor")
+                    raise ValueError(
+                        f"{self.name}: pieces on dimensions {q.dim} and {p.dim}; one dimension per tensor"
+                    )
                 if p.offset < q.end and q.offset < p.end:
-                    raise ValueError(f"{self.name}: pieces [{q.offset}, {q.end}) and [{p.offset}, {p.end}) overlap")
+                    raise ValueError(
+                        f"{self.name}: pieces [{q.offset}, {q.end}) and [{p.offset}, {p.end}) overlap"
+                    )
             seen.append(p)
 
     @property
@@ -125,9 +140,7 @@ class OwnedTensor:
     @property
     def whole(self) -> bool:
         """Whether the worker keeps the whole tensor."""
-        return not self.pieces or (
-            sum(p.length for p in self.pieces) == self.shape[self.pieces[0].dim]
-        )
+        return not self.pieces or (sum(p.length for p in self.pieces) == self.shape[self.pieces[0].dim])
 
     @property
     def kept_bytes(self) -> int:
@@ -139,13 +152,19 @@ class OwnedTensor:
 
     def to_proto(self) -> pb.OwnedTensor:
         return pb.OwnedTensor(
-            name=self.name, dtype=self.dtype, shape=list(self.shape), pieces=[p.to_proto() for p in self.pieces]
+            name=self.name,
+            dtype=self.dtype,
+            shape=list(self.shape),
+            pieces=[p.to_proto() for p in self.pieces],
         )
 
     @classmethod
     def from_proto(cls, msg: pb.OwnedTensor) -> OwnedTensor:
         return cls(
-            msg.name, msg.dtype, tuple(msg.shape), tuple(TensorPiece(p.dim, p.offset, p.length) for p in msg.pieces)
+            msg.name,
+            msg.dtype,
+            tuple(msg.shape),
+            tuple(TensorPiece(p.dim, p.offset, p.length) for p in msg.pieces),
         )
 
 
@@ -173,7 +192,9 @@ class ShardManifest:
     imports_cuda_ipc_storages: bool = False
 
     @classmethod
-    def build(cls, device: DeviceRef, rank: ParallelRank, tensors: Iterable[OwnedTensor], **kw: object) -> ShardManifest:
+    def build(
+        cls, device: DeviceRef, rank: ParallelRank, tensors: Iterable[OwnedTensor], **kw: object
+    ) -> ShardManifest:
         by_name: dict[str, OwnedTensor] = {}
         for t in tensors:
             if t.name in by_name:
@@ -191,7 +212,9 @@ class ShardManifest:
         hashing a few hundred tensor entries each time cost ~0.5 ms per read on a 400-tensor model.
         """
         h = hashlib.sha256()
-        h.update(f"{self.device.kind}:{self.device.uuid}|{self.rank}|{self.layer_start}:{self.layer_end}:{self.num_layers}|{self.instance_id}".encode())
+        h.update(
+            f"{self.device.kind}:{self.device.uuid}|{self.rank}|{self.layer_start}:{self.layer_end}:{self.num_layers}|{self.instance_id}".encode()
+        )
         for name in sorted(self.tensors):
             t = self.tensors[name]
             h.update(f"\n{name}|{t.dtype}|{','.join(map(str, t.shape))}".encode())
@@ -213,7 +236,9 @@ class ShardManifest:
             device=self.device.to_proto(),
             rank=self.rank.to_proto(),
             tensors=[self.tensors[n].to_proto() for n in sorted(self.tensors)],
-            layer_range=pb.LayerRange(start_layer=self.layer_start, end_layer=self.layer_end, num_layers=self.num_layers),
+            layer_range=pb.LayerRange(
+                start_layer=self.layer_start, end_layer=self.layer_end, num_layers=self.num_layers
+            ),
             fingerprint=self.fingerprint,
             engine=self.engine,
             worker_id=self.worker_id,

@@ -99,8 +99,16 @@ def model_shapes(config: Mapping[str, Any]) -> ModelShapes:
     for n in range(layers):
         p = f"model.layers.{n}."
 
-        def add(name: str, shape: tuple[int, ...], split: str, *, expert: int | None = None, linear: bool = True,
-                layer: int = n, prefix: str = p) -> None:
+        def add(
+            name: str,
+            shape: tuple[int, ...],
+            split: str,
+            *,
+            expert: int | None = None,
+            linear: bool = True,
+            layer: int = n,
+            prefix: str = p,
+        ) -> None:
             out.append(ModelTensor(prefix + name, shape, split, layer, expert, linear))
 
         add("input_layernorm.weight", (hidden,), "replicated", linear=False)

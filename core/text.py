@@ -35,7 +35,11 @@ def clip(text: str, limit: int) -> str:
     or a message shows; what must fit a byte limit on the wire goes through ``clip_utf8``)."""
     if len(text) <= limit:
         return text
-    return text[: max(0, limit - len(_ELLIPSIS))] + _ELLIPSIS if limit > len(_ELLIPSIS) else text[: max(0, limit)]
+    return (
+        text[: max(0, limit - len(_ELLIPSIS))] + _ELLIPSIS
+        if limit > len(_ELLIPSIS)
+        else text[: max(0, limit)]
+    )
 
 
 def name_list(names: Iterable[str], limit: int = MAX_NAMES_IN_MESSAGE) -> str:

@@ -58,14 +58,21 @@ class InProcessWorker:
         return {k: v.detach().clone() for k, v in self.adapter.state().items()}
 
 
-def start_demo_worker(rank: ParallelRank | None = None, *, seed: int = 0, **serve_kw: object) -> InProcessWorker:
+def start_demo_worker(
+    rank: ParallelRank | None = None, *, seed: int = 0, **serve_kw: object
+) -> InProcessWorker:
     from weightwire.server import serve
 
     rank = rank or ParallelRank()
     config = DemoConfig()
     model = build_demo_model(config, rank, "cpu", seed)
     adapter = TorchAdapter(
-        model, rank=rank, device=torch.device("cpu"), own_device=None, tp_rules=DEMO_TP_RULES, num_layers=config.num_layers
+        model,
+        rank=rank,
+        device=torch.device("cpu"),
+        own_device=None,
+        tp_rules=DEMO_TP_RULES,
+        num_layers=config.num_layers,
     )
     server = serve(adapter, **serve_kw)  # type: ignore[arg-type]
     return InProcessWorker(server, adapter, rank, config)

@@ -72,7 +72,10 @@ def serve_command(*args: str) -> list[str]:
 
 
 def spawn_worker(
-    *args: str, timeout: float = 60.0, env: Mapping[str, str] | None = None, command: Sequence[str] | None = None
+    *args: str,
+    timeout: float = 60.0,
+    env: Mapping[str, str] | None = None,
+    command: Sequence[str] | None = None,
 ) -> WorkerProcess:
     """Start ``weightwire serve ARGS`` (or ``command``: a test's own worker script that prints the same
     ``listening`` line) and wait for its ``listening`` line (raises if it dies first)."""
@@ -105,10 +108,14 @@ def spawn_worker(
         except queue.Empty:
             proc.kill()
             proc.wait()
-            raise RuntimeError(f"worker did not report listening within {timeout}s: {cmd}\n{''.join(stderr_lines)}") from None
+            raise RuntimeError(
+                f"worker did not report listening within {timeout}s: {cmd}\n{''.join(stderr_lines)}"
+            ) from None
         if line is None:
             proc.wait()
-            raise RuntimeError(f"worker exited with {proc.returncode} before listening: {cmd}\n{''.join(stderr_lines)}")
+            raise RuntimeError(
+                f"worker exited with {proc.returncode} before listening: {cmd}\n{''.join(stderr_lines)}"
+            )
         if line.startswith(LISTENING_PREFIX):
             return WorkerProcess(proc, line[len(LISTENING_PREFIX) :].strip(), cmd, stderr_lines)
 
@@ -133,12 +140,31 @@ def spawn_workers(arg_lists: Sequence[Sequence[str]], timeout: float = 90.0) -> 
 
 
 def demo_args(
-    *, tp: tuple[int, int] = (0, 1), pp: tuple[int, int] = (0, 1), seed: int = 0, listen: str | None = None,
-    dump_dir: str | os.PathLike[str] | None = None, extra: Sequence[str] = (),
+    *,
+    tp: tuple[int, int] = (0, 1),
+    pp: tuple[int, int] = (0, 1),
+    seed: int = 0,
+    listen: str | None = None,
+    dump_dir: str | os.PathLike[str] | None = None,
+    extra: Sequence[str] = (),
 ) -> list[str]:
     """Arguments of ``weightwire serve`` for a demo worker of rank (tp, pp)."""
-    args = ["--model", "demo", "--tp-rank", str(tp[0]), "--tp-size", str(tp[1]), "--pp-rank", str(pp[0]),
-            "--pp-size", str(pp[1]), "--seed", str(seed), "--log-level", "WARNING"]
+    args = [
+        "--model",
+        "demo",
+        "--tp-rank",
+        str(tp[0]),
+        "--tp-size",
+        str(tp[1]),
+        "--pp-rank",
+        str(pp[0]),
+        "--pp-size",
+        str(pp[1]),
+        "--seed",
+        str(seed),
+        "--log-level",
+        "WARNING",
+    ]
     if listen:
         args += ["--listen", listen]
     if dump_dir is not None:
@@ -163,7 +189,9 @@ class ShmSegments:
     def __init__(self) -> None:
         self.segments: list[shared_memory.SharedMemory] = []
 
-    def create(self, data: bytes | bytearray | memoryview, *, size: int | None = None, name: str | None = None) -> shared_memory.SharedMemory:
+    def create(
+        self, data: bytes | bytearray | memoryview, *, size: int | None = None, name: str | None = None
+    ) -> shared_memory.SharedMemory:
         size = max(size if size is not None else len(data), 1)
         seg = shared_memory.SharedMemory(name=name or new_shm_name("test"), create=True, size=size)
         n = min(len(data), size)
@@ -188,7 +216,9 @@ class Packed:
     specs: list[pb.TensorSpec]
 
 
-def pack(named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], align: int = ALIGN) -> Packed:
+def pack(
+    named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], align: int = ALIGN
+) -> Packed:
     items = list(named.items()) if isinstance(named, Mapping) else list(named)
     specs: list[pb.TensorSpec] = []
     chunks: list[tuple[int, bytes]] = []
@@ -196,7 +226,11 @@ def pack(named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     for name, t in items:
         offset = (offset + align - 1) // align * align
         raw = t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        specs.append(pb.TensorSpec(name=name, dtype=dtypes.from_torch(t.dtype), shape=list(t.shape), offset_bytes=offset))  # type: ignore[arg-type]
+        specs.append(
+            pb.TensorSpec(
+                name=name, dtype=dtypes.from_torch(t.dtype), shape=list(t.shape), offset_bytes=offset
+            )
+        )  # type: ignore[arg-type]
         chunks.append((offset, raw))
         offset += len(raw)
     data = bytearray(offset)
@@ -225,12 +259,20 @@ def header(version: int, *, scope: int = pb.UPDATE_SCOPE_FULL, **kw: Any) -> pb.
     return pb.PushWeightsRequest(header=pb.UpdateHeader(version=version, scope=scope, **kw))  # type: ignore[arg-type]
 
 
-def shm_payload(seg: shared_memory.SharedMemory | str, size_bytes: int, device: pb.DeviceId | None = None) -> pb.Payload:
+def shm_payload(
+    seg: shared_memory.SharedMemory | str, size_bytes: int, device: pb.DeviceId | None = None
+) -> pb.Payload:
     name = seg if isinstance(seg, str) else seg.name
-    return pb.Payload(device=device if device is not None else host_device(), size_bytes=size_bytes, host_shm=pb.HostShmHandle(name=name))
+    return pb.Payload(
+        device=device if device is not None else host_device(),
+        size_bytes=size_bytes,
+        host_shm=pb.HostShmHandle(name=name),
+    )
 
 
-def inline_payload(data: bytes | bytearray, device: pb.DeviceId | None = None, size_bytes: int | None = None) -> pb.Payload:
+def inline_payload(
+    data: bytes | bytearray, device: pb.DeviceId | None = None, size_bytes: int | None = None
+) -> pb.Payload:
     return pb.Payload(
         device=device if device is not None else host_device(),
         size_bytes=len(data) if size_bytes is None else size_bytes,
@@ -238,8 +280,12 @@ def inline_payload(data: bytes | bytearray, device: pb.DeviceId | None = None, s
     )
 
 
-def bucket(index: int, specs: Sequence[pb.TensorSpec], payloads: Sequence[pb.Payload], **kw: Any) -> pb.PushWeightsRequest:
-    return pb.PushWeightsRequest(bucket=pb.Bucket(index=index, tensors=list(specs), payloads=list(payloads), **kw))
+def bucket(
+    index: int, specs: Sequence[pb.TensorSpec], payloads: Sequence[pb.Payload], **kw: Any
+) -> pb.PushWeightsRequest:
+    return pb.PushWeightsRequest(
+        bucket=pb.Bucket(index=index, tensors=list(specs), payloads=list(payloads), **kw)
+    )
 
 
 def commit(bucket_count: int) -> pb.PushWeightsRequest:
@@ -247,7 +293,12 @@ def commit(bucket_count: int) -> pb.PushWeightsRequest:
 
 
 def full_update_requests(
-    version: int, named: Mapping[str, torch.Tensor], segments: ShmSegments | None, *, buckets: int = 2, **header_kw: Any
+    version: int,
+    named: Mapping[str, torch.Tensor],
+    segments: ShmSegments | None,
+    *,
+    buckets: int = 2,
+    **header_kw: Any,
 ) -> list[pb.PushWeightsRequest]:
     """A complete update: header, ``buckets`` buckets (shm if ``segments`` else inline), commit."""
     reqs = [header(version, **header_kw)]
@@ -316,7 +367,11 @@ def push(
     responses: list[pb.PushWeightsResponse] = []
     try:
         if whole:
-            responses.extend(stub.PushUpdate(pb.PushUpdateRequest(messages=list(requests)), metadata=metadata, timeout=timeout).messages)
+            responses.extend(
+                stub.PushUpdate(
+                    pb.PushUpdateRequest(messages=list(requests)), metadata=metadata, timeout=timeout
+                ).messages
+            )
         else:
             for resp in stub.PushWeights(iter(list(requests)), metadata=metadata, timeout=timeout):
                 responses.append(resp)

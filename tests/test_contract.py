@@ -17,7 +17,12 @@ def test_package_and_service() -> None:
     service = FILE.services_by_name["WeightTransferService"]
     assert service.full_name == "weightwire.v1.WeightTransferService"
     assert sorted(m.name for m in service.methods) == [
-        "GetManifest", "GetStatus", "JoinTransferGroup", "LeaveTransferGroup", "PushUpdate", "PushWeights",
+        "GetManifest",
+        "GetStatus",
+        "JoinTransferGroup",
+        "LeaveTransferGroup",
+        "PushUpdate",
+        "PushWeights",
     ]
 
 
@@ -32,7 +37,9 @@ def test_package_and_service() -> None:
         ("LeaveTransferGroup", False, False, "LeaveTransferGroupRequest", "LeaveTransferGroupResponse"),
     ],
 )
-def test_rpc_kinds(method: str, client_streaming: bool, server_streaming: bool, request_type: str, response_type: str) -> None:
+def test_rpc_kinds(
+    method: str, client_streaming: bool, server_streaming: bool, request_type: str, response_type: str
+) -> None:
     m = FILE.services_by_name["WeightTransferService"].methods_by_name[method]
     assert m.client_streaming is client_streaming
     assert m.server_streaming is server_streaming
@@ -63,8 +70,12 @@ def test_enum_zero_is_unspecified(enum: descriptor.EnumDescriptor) -> None:
 
 
 def test_no_unsigned_integers() -> None:
-    unsigned = {descriptor.FieldDescriptor.TYPE_UINT32, descriptor.FieldDescriptor.TYPE_UINT64,
-                descriptor.FieldDescriptor.TYPE_FIXED32, descriptor.FieldDescriptor.TYPE_FIXED64}
+    unsigned = {
+        descriptor.FieldDescriptor.TYPE_UINT32,
+        descriptor.FieldDescriptor.TYPE_UINT64,
+        descriptor.FieldDescriptor.TYPE_FIXED32,
+        descriptor.FieldDescriptor.TYPE_FIXED64,
+    }
     for msg in FILE.message_types_by_name.values():
         for field in msg.fields:
             assert field.type not in unsigned, f"{msg.name}.{field.name} is unsigned"

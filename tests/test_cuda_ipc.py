@@ -128,7 +128,11 @@ class FakeCuda:
 
     def cache(self, capacity: int = 4) -> CudaIpcCache:
         return CudaIpcCache(
-            capacity, opener=self.open, release_counter=self.release, collect=self.collect, event_opener=self.open_event
+            capacity,
+            opener=self.open,
+            release_counter=self.release,
+            collect=self.collect,
+            event_opener=self.open_event,
         )
 
 
@@ -264,7 +268,9 @@ def test_importer_checks_fields_and_keys_by_storage() -> None:
     mod = importer_module()
     importer = mod.CudaIpcImporter(FakeCuda().cache())
     assert importer.reusable and importer.field_name == "cuda_ipc"
-    good = pb.Payload(device=DeviceRef.cuda("abc").to_proto(), size_bytes=10, cuda_ipc=make_fields().to_proto())
+    good = pb.Payload(
+        device=DeviceRef.cuda("abc").to_proto(), size_bytes=10, cuda_ipc=make_fields().to_proto()
+    )
     importer.check(good)
     assert importer.cache_key(good) == ("cuda_ipc", (HANDLE, 1024, 4096, b"/torch_1234_987654_0"))
     bad = pb.Payload(cuda_ipc=make_fields(ref_counter_handle=b"/x").to_proto())

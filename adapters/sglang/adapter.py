@@ -14,13 +14,13 @@ tensor is handed to ``load_weights`` on its own with the weight loaders of its t
 instrumented, and a tensor that no loader consumed is an error: SGLang's Qwen2/Llama loaders skip
 names they do not know with at most a log line.
 
-Tensors the worker serves again in later updates (a kept CUDA IPC mapping of the trainer's own
-parameters, a kept staging buffer) get a prepared load (``prepare_load``): its first call goes
-through ``load_weights`` as above and then checks that every region the manifest's slice geometry
-names (this rank's piece of the checkpoint tensor, at its shard's rows of the fused parameter)
-holds exactly what SGLang's loaders wrote there; from then on it copies those regions directly,
-in one grouped copy, without ``load_weights``' per-tensor Python. A region the geometry cannot
-state, or a check that fails, keeps that load on ``load_weights`` for good.
+The first load of a set of tensor names goes through ``load_weights`` as above and then checks
+that every region the manifest's slice geometry names (this rank's piece of the checkpoint
+tensor, at its shard's rows of the fused parameter) holds exactly what SGLang's loaders wrote
+there; later loads of the same names copy those regions directly, in one grouped copy, without
+``load_weights``' per-tensor Python. A region the geometry cannot state, or a check that fails,
+keeps those names on ``load_weights`` for good. ``prepare_load`` (views the worker serves again)
+works out the regions once.
 
 Built by ``weightwire.adapters.sglang.plugin`` inside each scheduler process; tests build it on a
 model constructed under SGLang's parallel state.
@@ -48,7 +48,9 @@ from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest, t
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_GROUP_COPY: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None = getattr(torch, "_foreach_copy_", None)
+_GROUP_COPY: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None = getattr(
+    torch, "_foreach_copy_", None
+)
 
 EngineGate = Callable[[], "str | None"]
 """Returns None when the engine may be written to now, else why not (a message for the trainer)."""
@@ -93,14 +95,15 @@ class LoaderWeightSession:
         DefaultModelLoader.postprocess_weights(self.model, self.device)
 
 
-
 @dataclasses.dataclass
 class UpdatePhases:
     """Where one update's time went on this worker (nanoseconds, summed over its steps).
 
     ``*_wait_ns``: from handing a step to the scheduler thread until that thread started it (the
     hand-off); ``load_ns``: the load steps' work (synchronizes, copies or ``load_weights``);
-    ``commit_ns``: ``on_committed`` (SGLang's version record and cache flush); ``total_ns``: from
+    ``commit_ns``: ``on_committed`` (SGLang's version record and cache flush); ``between_ns``: from
+    the end of one step to the hand-off of the next (the worker's gRPC thread receiving, opening
+    and checking the next bucket, acking the last); ``total_ns``: from
     ``begin_update`` until ``end_update`` returned, the time between steps (the gRPC threads
     receiving and opening buckets) included."""
 
@@ -113,6 +116,7 @@ class UpdatePhases:
     end_wait_ns: int = 0
     end_ns: int = 0
     commit_ns: int = 0
+    between_ns: int = 0
     total_ns: int = 0
     loads: int = 0
     tensors: int = 0
@@ -120,18 +124,17 @@ class UpdatePhases:
     gate_refusals: int = 0
 
     def as_ms(self) -> dict[str, float | int]:
-        return {k.removesuffix("_ns") + "_ms" if k.endswith("_ns") else k: (v / 1e6 if k.endswith("_ns") else v)
-                for k, v in dataclasses.asdict(self).items()}
+        return {
+            k.removesuffix("_ns") + "_ms" if k.endswith("_ns") else k: (v / 1e6 if k.endswith("_ns") else v)
+            for k, v in dataclasses.asdict(self).items()
+        }
 
 
 class _DirectCopy:
-    """The regions a prepared load writes, as (parameter view, source view) pairs, and whether
-    SGLang's own loaders were seen to write exactly those (``verified``)."""
+    """The regions a load writes, as (parameter view, source view) pairs."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.pairs = pairs
-        self.verified = False
-        self.refused = False
         same = [(d, s) for d, s in pairs if d.device == s.device]
         self._grouped = ([d for d, _ in same], [s for _, s in same]) if _GROUP_COPY is not None else ([], [])
         self._each = [(d, s) for d, s in pairs if _GROUP_COPY is None or d.device != s.device]
@@ -151,7 +154,7 @@ class _DirectCopy:
 class SGLangAdapter:
     """Publishes what one SGLang rank consumes and loads pushed tensors through SGLang."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - known; split when next changed
         self,
         model: torch.nn.Module,
         hf_config: Any,
@@ -183,15 +186,21 @@ class SGLangAdapter:
         self.worker_id = worker_id or default_worker_id(rank)
         self.layout: ModelLayout = model_layout(model, hf_config)
         self._queue = engine_queue
-        self._session = weight_session if weight_session is not None else LoaderWeightSession(model, self.device)
+        self._session = (
+            weight_session if weight_session is not None else LoaderWeightSession(model, self.device)
+        )
         self._gate = engine_gate
         self._idle_wait_s = idle_wait_s
         self._on_committed = on_committed
         self._params = dict(model.named_parameters())
         self._direct_copy = direct_copy
+        # Sets of names whose regions were checked against load_weights: True (copied directly
+        # from then on) or False (load_weights only); bounded by _MAX_DIRECT_KEYS.
+        self._direct_state: dict[tuple[str, ...], bool] = {}
         self._phase_log = phase_log
         self.phases: UpdatePhases | None = None
         self._t_begin = 0
+        self._t_step_done = 0
         self._version: int | None = None
         self._session_open = False
         # Whether this update (the last one, once it ended) wrote into the model: a load refused
@@ -204,7 +213,9 @@ class SGLangAdapter:
             self.own_device,
             rank,
             (
-                OwnedTensor(name, dtypes.from_torch(found[0].dtype), found[0].shape, self.layout.kept_pieces(name))
+                OwnedTensor(
+                    name, dtypes.from_torch(found[0].dtype), found[0].shape, self.layout.kept_pieces(name)
+                )
                 for name, found in self.layout.targets.items()
             ),
             layer_start=self.layout.layer_start,
@@ -215,6 +226,7 @@ class SGLangAdapter:
             transports=transports_for(self.own_device),
             instance_id=uuid.uuid4().hex,
         )
+        self._dst = self._destinations() if direct_copy else {}
 
     # --- EngineAdapter -------------------------------------------------------------------------
 
@@ -228,6 +240,7 @@ class SGLangAdapter:
 
         self._wrote = False
         self._t_begin = time.perf_counter_ns()
+        self._t_step_done = 0
         self.phases = UpdatePhases(version)
         self._gated(step, what=f"begin update {version}", phase="begin")
         self._version = version
@@ -240,116 +253,127 @@ class SGLangAdapter:
     def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named_tensors:
             self._check_tensor(name, tensor)
-        if not named_tensors:
+        if named_tensors:
+            self._load_checked(list(named_tensors), None)
+
+    def prepare_load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Callable[[], None]:
+        """``load``'s checks and the regions of a direct copy now; the returned function loads
+        what the tensors hold each time it is called (the worker keeps it for views it serves again)."""
+        named = list(named_tensors)
+        for name, tensor in named:
+            self._check_tensor(name, tensor)
+        pairs = self._direct_pairs(named) if self._direct_copy and named else None
+        return lambda: self._load_checked(named, pairs) if named else None
+
+    def _load_checked(self, named: list[tuple[str, torch.Tensor]], pairs: _DirectCopy | None) -> None:
+        """Load checked tensors: copied directly when this set of names was checked against
+        ``load_weights`` before, else through ``load_weights`` (checking the regions the first time)."""
+        key = tuple(name for name, _ in named)
+        state = self._direct_state.get(key) if self._direct_copy else False
+        if state is not False and pairs is None:
+            pairs = self._direct_pairs(named)
+            if pairs is None:
+                state = self._remember(key, False)
+        what = f"load {len(named)} tensor(s)"
+        if state is True and pairs is not None:
+            direct = pairs
+
+            def copy_step() -> None:
+                self._synchronize()  # a forward launched before the pause may still read the weights
+                self._wrote = True
+                with torch.no_grad():
+                    direct.copy()
+                self._synchronize()  # the service acks when we return; the sender may then reuse its buffer
+
+            self._count_load(len(named), direct=True)
+            self._gated(copy_step, what=what, phase="load")
             return
+        check = pairs if state is None else None
 
         def step() -> None:
             self._synchronize()  # a forward launched before the pause may still read the weights
             self._wrote = True
             with torch.no_grad():
-                for name, tensor in named_tensors:
-                    self._load_one(name, tensor)
-            self._synchronize()  # the service acks when we return; the sender may then reuse its buffer
-
-        self._count_load(len(named_tensors), direct=False)
-        self._gated(step, what=f"load {len(named_tensors)} tensor(s)", phase="load")
-
-    def prepare_load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Callable[[], None]:
-        """``load``'s checks now; the returned function loads what the tensors hold each time it is
-        called. Its first call goes through ``load_weights`` and checks the manifest's regions
-        against what SGLang wrote; later calls copy those regions directly (module docstring)."""
-        named = list(named_tensors)
-        for name, tensor in named:
-            self._check_tensor(name, tensor)
-        direct = self._direct_plan(named) if self._direct_copy else None
-        if direct is None or not named:
-            return lambda: self.load(named)
-        what = f"load {len(named)} tensor(s)"
-
-        def first(step_direct: _DirectCopy) -> None:
-            self._synchronize()
-            self._wrote = True
-            with torch.no_grad():
                 for name, tensor in named:
                     self._load_one(name, tensor)
-            self._synchronize()
-            if step_direct.matches():
-                step_direct.verified = True
-            else:
-                step_direct.refused = True
-                log.warning(
-                    "%s: SGLang's load_weights wrote other regions than the manifest's slice geometry names "
-                    "for %d tensor(s) starting at %s; these keep loading through load_weights",
-                    self.worker_id, len(named), named[0][0],
-                )
-
-        def copy_step() -> None:
-            self._synchronize()  # a forward launched before the pause may still read the weights
-            self._wrote = True
-            with torch.no_grad():
-                direct.copy()
             self._synchronize()  # the service acks when we return; the sender may then reuse its buffer
+            if check is not None:
+                ok = check.matches()
+                self._remember(key, ok)
+                if not ok:
+                    log.warning(
+                        "%s: SGLang's load_weights wrote other regions than the manifest's slice geometry names "
+                        "for %d tensor(s) starting at %s; these keep loading through load_weights",
+                        self.worker_id, len(named), named[0][0],
+                    )
 
-        def run() -> None:
-            if direct.refused:
-                self.load(named)
-            elif direct.verified:
-                self._count_load(len(named), direct=True)
-                self._gated(copy_step, what=what, phase="load")
-            else:
-                self._count_load(len(named), direct=False)
-                self._gated(lambda: first(direct), what=what, phase="load")
+        self._count_load(len(named), direct=False)
+        self._gated(step, what=what, phase="load")
 
-        return run
+    def _remember(self, key: tuple[str, ...], direct: bool) -> bool:
+        if len(self._direct_state) >= _MAX_DIRECT_KEYS:
+            self._direct_state.clear()
+        self._direct_state[key] = direct
+        return direct
 
-    def _direct_plan(self, named: Sequence[tuple[str, torch.Tensor]]) -> _DirectCopy | None:
-        """The (parameter region, source region) of every target of ``named`` from the layout's
-        slice geometry, or None when one cannot be stated (then ``load_weights`` does it all)."""
+    def _direct_pairs(self, named: Sequence[tuple[str, torch.Tensor]]) -> _DirectCopy | None:
+        """(parameter region, source region) for every target of ``named``, or None when the
+        geometry of one cannot be stated (``load_weights`` then does it all)."""
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name, tensor in named:
+        for name, full in named:
             for target in self.layout.targets[name]:
-                pair = self._region(target, tensor)
-                if pair is None:
+                dst = self._dst.get((target.param_name, target.shard_id, name))
+                if dst is None:
                     return None
-                pairs.append(pair)
+                src = full
+                for piece in target.pieces:
+                    src = src.narrow(piece.dim, piece.offset, piece.length)
+                if src.shape != dst.shape or src.dtype != dst.dtype:
+                    return None
+                pairs.append((dst, src))
         return _DirectCopy(pairs)
 
-    def _region(self, target: LoadTarget, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        param = self._params[target.param_name]
-        src = full
-        for piece in target.pieces:
-            src = src.narrow(piece.dim, piece.offset, piece.length)
-        if src.dtype != param.dtype or src.dim() != param.dim() or src.dim() == 0:
-            return None
-        # A fused parameter holds its shards' rows one after another, in the shard order of the
-        # layer (q, k, v; gate, up); an unfused one starts at row 0 (a vocabulary's padding rows
-        # past the checkpoint's stay as they are).
-        row = 0
-        if target.shard_id is not None:
-            siblings = self._shards_of(target.param_name)
-            if siblings is None:
-                return None
-            for sibling in siblings:
-                if sibling.shard_id == target.shard_id:
-                    break
-                rows = sibling.shape[0]
-                for piece in sibling.pieces:
-                    if piece.dim == 0:
-                        rows = piece.length
-                row += rows
-        if tuple(param.shape[1:]) != tuple(src.shape[1:]) or row + src.shape[0] > param.shape[0]:
-            return None
-        if target.shard_id is None and src.shape[0] != param.shape[0] and not self._is_vocab(target.param_name):
-            return None
-        return param.data.narrow(0, row, src.shape[0]), src
-
-    def _shards_of(self, param_name: str) -> list[LoadTarget] | None:
-        found = [t for ts in self.layout.targets.values() for t in ts if t.param_name == param_name]
-        if all(t.shard_id in _QKV_ORDER for t in found):
-            return sorted(found, key=lambda t: _QKV_ORDER.index(t.shard_id))  # type: ignore[arg-type]
-        if all(isinstance(t.shard_id, int) for t in found):
-            return sorted(found, key=lambda t: int(t.shard_id))  # type: ignore[arg-type]
-        return None
+    def _destinations(self) -> dict[tuple[str, str | int | None, str], torch.Tensor]:
+        """Where each target's rows lie in its parameter: a fused parameter holds its shards' rows
+        one after another in the layer's shard order (q, k, v; gate, up), an unfused one from row 0
+        (a vocabulary's padding rows past the checkpoint's are never written). Targets whose place
+        cannot be stated are left out (their loads go through ``load_weights``)."""
+        by_param: dict[str, list[LoadTarget]] = {}
+        for found in self.layout.targets.values():
+            for t in found:
+                by_param.setdefault(t.param_name, []).append(t)
+        out: dict[tuple[str, str | int | None, str], torch.Tensor] = {}
+        for param_name, targets in by_param.items():
+            param = self._params[param_name]
+            if param.dim() == 0:
+                continue
+            if all(t.shard_id is None for t in targets):
+                ordered = targets
+                fused = False
+            elif all(t.shard_id in _QKV_ORDER for t in targets):
+                ordered = sorted(targets, key=lambda t: _QKV_ORDER.index(t.shard_id))  # type: ignore[arg-type]
+                fused = True
+            elif all(isinstance(t.shard_id, int) for t in targets):
+                ordered = sorted(targets, key=lambda t: int(t.shard_id))  # type: ignore[arg-type]
+                fused = True
+            else:
+                continue
+            row = 0
+            for t in ordered:
+                local = list(t.shape)
+                for piece in t.pieces:
+                    local[piece.dim] = piece.length
+                start = row if fused else 0
+                if fused:
+                    row += local[0]
+                if t.dtype != param.dtype or len(local) != param.dim() or tuple(local[1:]) != tuple(param.shape[1:]):
+                    continue
+                if start + local[0] > param.shape[0]:
+                    continue
+                if not fused and local[0] != param.shape[0] and not self._is_vocab(param_name):
+                    continue
+                out[(param_name, t.shard_id, t.name)] = param.data.narrow(0, start, local[0])
+        return out
 
     def _is_vocab(self, param_name: str) -> bool:
         from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -407,13 +431,15 @@ class SGLangAdapter:
         if phases is None:
             return fn() if self._queue is None else self._queue.call(fn, what=what)
         submitted = time.perf_counter_ns()
+        if self._t_step_done:
+            phases.between_ns += submitted - self._t_step_done
 
         def timed() -> T:
             started = time.perf_counter_ns()
             try:
                 return fn()
             finally:
-                done = time.perf_counter_ns()
+                done = self._t_step_done = time.perf_counter_ns()
                 setattr(phases, f"{phase}_wait_ns", getattr(phases, f"{phase}_wait_ns") + started - submitted)
                 setattr(phases, f"{phase}_ns", getattr(phases, f"{phase}_ns") + done - started)
 
@@ -450,12 +476,15 @@ class SGLangAdapter:
         if found is None:
             # The service filters by manifest already; anything else reaching here is a bug upstream.
             raise WeightwireError(
-                Reason.LOAD_FAILED, f"{self.worker_id}: {name!r} is not in this worker's manifest; refusing to load it"
+                Reason.LOAD_FAILED,
+                f"{self.worker_id}: {name!r} is not in this worker's manifest; refusing to load it",
             )
         target = found[0]
         if tensor.dtype != target.dtype:
             raise WeightwireError(
-                Reason.DTYPE_MISMATCH, f"{name}: got {tensor.dtype}, this worker expects {target.dtype}", tensor=name
+                Reason.DTYPE_MISMATCH,
+                f"{name}: got {tensor.dtype}, this worker expects {target.dtype}",
+                tensor=name,
             )
         if tuple(tensor.shape) != target.shape:
             raise WeightwireError(
@@ -494,7 +523,9 @@ class SGLangAdapter:
 
         param = self._params[target.param_name]
         own = "weight_loader" in param.__dict__
-        original = param.__dict__["weight_loader"] if own else getattr(param, "weight_loader", default_weight_loader)
+        original = (
+            param.__dict__["weight_loader"] if own else getattr(param, "weight_loader", default_weight_loader)
+        )
         param_name = target.param_name
 
         def recording_loader(p: torch.Tensor, loaded: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -521,6 +552,7 @@ class SGLangAdapter:
 
 
 _QKV_ORDER = ("q", "k", "v")
+_MAX_DIRECT_KEYS = 1024
 
 
 def _describe(targets: Sequence[LoadTarget]) -> str:

@@ -23,10 +23,24 @@ def add_parser(subparsers: Any) -> None:
         "(dp, pp, tp) rank. Give the engine's WEIGHTWIRE_SGLANG_SOCKET_DIR, or --base-address with --count.",
     )
     p.add_argument("socket_dir", nargs="?", help="the engine's WEIGHTWIRE_SGLANG_SOCKET_DIR")
-    p.add_argument("--base-address", help="HOST:BASE_PORT of an engine started with WEIGHTWIRE_SGLANG_BASE_PORT")
-    p.add_argument("--count", type=cli_types.positive_int, help="expected number of workers (tp * pp * dp); required with --base-address")
-    p.add_argument("--wait", type=cli_types.seconds_or_zero, default=0.0, metavar="SECONDS", help="wait this long for --count live workers")
-    p.add_argument("--no-check", action="store_true", help="do not connect to check that each worker is listening")
+    p.add_argument(
+        "--base-address", help="HOST:BASE_PORT of an engine started with WEIGHTWIRE_SGLANG_BASE_PORT"
+    )
+    p.add_argument(
+        "--count",
+        type=cli_types.positive_int,
+        help="expected number of workers (tp * pp * dp); required with --base-address",
+    )
+    p.add_argument(
+        "--wait",
+        type=cli_types.seconds_or_zero,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long for --count live workers",
+    )
+    p.add_argument(
+        "--no-check", action="store_true", help="do not connect to check that each worker is listening"
+    )
     p.set_defaults(func=run)
 
 

@@ -99,7 +99,7 @@ def packed_modules_mapping(model: torch.nn.Module) -> dict[str, tuple[str, ...]]
     return dict(DEFAULT_PACKED_MODULES)
 
 
-def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
+def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa: C901 - known; split when next changed
     """Every checkpoint tensor this rank's ``model`` consumes (see module docstring)."""
     from sglang.srt.layers.linear import (
         ColumnParallelLinear,
@@ -122,16 +122,24 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
     targets: dict[str, list[LoadTarget]] = {}
 
     def add(
-        name: str, param_name: str, shard_id: str | int | None, param: torch.Tensor, shape: tuple[int, ...],
+        name: str,
+        param_name: str,
+        shard_id: str | int | None,
+        param: torch.Tensor,
+        shape: tuple[int, ...],
         pieces: tuple[TensorPiece, ...] = (),
     ) -> None:
         try:
             dtypes.from_torch(param.dtype)
         except ValueError as e:
             raise ManifestError(f"{param_name}: {e}") from None
-        targets.setdefault(name, []).append(LoadTarget(name, param_name, shard_id, param.dtype, shape, pieces))
+        targets.setdefault(name, []).append(
+            LoadTarget(name, param_name, shard_id, param.dtype, shape, pieces)
+        )
 
-    def add_feeds(param_name: str, param: torch.Tensor, names: tuple[str, ...], feeds: layer_geometry.LayerFeeds) -> None:
+    def add_feeds(
+        param_name: str, param: torch.Tensor, names: tuple[str, ...], feeds: layer_geometry.LayerFeeds
+    ) -> None:
         _check_local(param_name, local, feeds.local)
         for feed in feeds.feeds:
             add(names[feed.component], param_name, feed.shard_id, param, feed.shape, feed.pieces)
@@ -160,15 +168,25 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
         if isinstance(module, QKVParallelLinear):
             names = _fused_names(packed, attr, param_name, expected=3)
             tp_rank, kv_tp_rank = _tp_ranks(module)
-            add_feeds(param_name, param, tuple(_join(parent, n, leaf) for n in names),
-                      _geometry(param_name, layer_geometry.qkv, module, leaf, tp_rank, kv_tp_rank))
+            add_feeds(
+                param_name,
+                param,
+                tuple(_join(parent, n, leaf) for n in names),
+                _geometry(param_name, layer_geometry.qkv, module, leaf, tp_rank, kv_tp_rank),
+            )
         elif isinstance(module, MergedColumnParallelLinear):
             names = _fused_names(packed, attr, param_name, expected=len(module.output_sizes))
-            add_feeds(param_name, param, tuple(_join(parent, n, leaf) for n in names),
-                      _geometry(param_name, layer_geometry.merged_column, module, leaf, _tp_ranks(module)[0]))
+            add_feeds(
+                param_name,
+                param,
+                tuple(_join(parent, n, leaf) for n in names),
+                _geometry(param_name, layer_geometry.merged_column, module, leaf, _tp_ranks(module)[0]),
+            )
         elif isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
             if attr in packed:
-                raise ManifestError(f"{param_name}: {attr} is listed as fused but is a {type(module).__name__}")
+                raise ManifestError(
+                    f"{param_name}: {attr} is listed as fused but is a {type(module).__name__}"
+                )
             if isinstance(module, ColumnParallelLinear):
                 feeds = _geometry(param_name, layer_geometry.column, module, leaf, _tp_ranks(module)[0])
             elif isinstance(module, RowParallelLinear):
@@ -180,7 +198,9 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
             raise ManifestError(f"{param_name}: unsupported parallel layer {type(module).__name__}")
         elif isinstance(module, VocabParallelEmbedding):
             if not isinstance(module.quant_method, UnquantizedEmbeddingMethod):
-                raise ManifestError(f"{param_name}: embedding is quantized; only unquantized models are supported")
+                raise ManifestError(
+                    f"{param_name}: embedding is quantized; only unquantized models are supported"
+                )
             if local[-1:] != (module.embedding_dim,) or local[0] != module.num_embeddings_per_partition:
                 raise ManifestError(
                     f"{param_name}: holds {local}, expected ({module.num_embeddings_per_partition}, "
@@ -209,7 +229,9 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
     return ModelLayout(frozen, layer_start, layer_end, num_layers, tied)
 
 
-def _fused_names(packed: Mapping[str, tuple[str, ...]], attr: str, param_name: str, *, expected: int) -> tuple[str, ...]:
+def _fused_names(
+    packed: Mapping[str, tuple[str, ...]], attr: str, param_name: str, *, expected: int
+) -> tuple[str, ...]:
     names = packed.get(attr)
     if names is None:
         raise ManifestError(
@@ -217,7 +239,9 @@ def _fused_names(packed: Mapping[str, tuple[str, ...]], attr: str, param_name: s
             "checkpoint names it consumes are unknown"
         )
     if len(names) != expected:
-        raise ManifestError(f"{param_name}: {attr!r} packs {expected} outputs but the mapping lists {list(names)}")
+        raise ManifestError(
+            f"{param_name}: {attr!r} packs {expected} outputs but the mapping lists {list(names)}"
+        )
     return names
 
 
@@ -225,7 +249,9 @@ def _join(parent: str, module: str, leaf: str) -> str:
     return f"{parent}.{module}.{leaf}" if parent else f"{module}.{leaf}"
 
 
-def _geometry(param_name: str, rule: Callable[..., layer_geometry.LayerFeeds], *args: Any) -> layer_geometry.LayerFeeds:
+def _geometry(
+    param_name: str, rule: Callable[..., layer_geometry.LayerFeeds], *args: Any
+) -> layer_geometry.LayerFeeds:
     try:
         return rule(*args)
     except GeometryError as e:
@@ -236,8 +262,10 @@ def _tp_ranks(layer: Any) -> tuple[int, int]:
     """(tensor-parallel rank, k/v rank) a linear layer's weight loader slices by: SGLang 0.5.23 keeps
     the layer's groups (``tp_group``, ``kv_tp_group``; None: unsharded), 0.5.17 its ``tp_rank``."""
     if hasattr(layer, "tp_group"):
+
         def rank(group: Any) -> int:
             return 0 if group is None else int(group.rank_in_group)
+
         tp = rank(layer.tp_group)
         return tp, rank(layer.kv_tp_group) if hasattr(layer, "kv_tp_group") else tp
     if hasattr(layer, "tp_rank"):

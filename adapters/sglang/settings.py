@@ -79,7 +79,9 @@ class Settings:
         """Parse the environment; ``engine_port`` (SGLang's ``--port``) names the default directory."""
         env = os.environ if env is None else env
         enabled = env_flag(env, ENV_ENABLE, default=True)
-        endpoints = EndpointSettings.from_env(ENV_PREFIX, default_socket_dir=default_socket_dir(engine_port), env=env)
+        endpoints = EndpointSettings.from_env(
+            ENV_PREFIX, default_socket_dir=default_socket_dir(engine_port), env=env
+        )
         return cls(
             endpoints=endpoints,
             enabled=enabled,

@@ -117,7 +117,6 @@ def default_worker_id(rank: ParallelRank) -> str:
     return "-".join(parts)
 
 
-
 class TorchAdapter:
     """``EngineAdapter`` over an ``nn.Module``: publishes its parameters, copies full tensors in."""
 
@@ -136,7 +135,9 @@ class TorchAdapter:
         copy_streams: int = DEFAULT_COPY_STREAMS,
     ) -> None:
         if group_copy_max_bytes < 0:
-            raise ValueError(f"group_copy_max_bytes must be >= 0 (0: no grouped copies), got {group_copy_max_bytes}")
+            raise ValueError(
+                f"group_copy_max_bytes must be >= 0 (0: no grouped copies), got {group_copy_max_bytes}"
+            )
         if copy_streams < 1:
             raise ValueError(f"copy_streams must be >= 1, got {copy_streams}")
         self.module = module
@@ -152,7 +153,9 @@ class TorchAdapter:
         self.group_copy_max_bytes = group_copy_max_bytes
         # Side streams for the large copies (CUDA only), made once: see DEFAULT_COPY_STREAMS.
         self._side_streams = (
-            [torch.cuda.Stream(self.device) for _ in range(copy_streams - 1)] if self.device.type == "cuda" else []
+            [torch.cuda.Stream(self.device) for _ in range(copy_streams - 1)]
+            if self.device.type == "cuda"
+            else []
         )
         self._params: dict[str, torch.nn.Parameter] = {}
         # Each parameter's load plan, worked out once, so loading does no name matching per tensor.

@@ -14,7 +14,14 @@ from weightwire.adapters.torch import TPRule, shard_tensor
 from weightwire.core.manifest import ParallelRank
 from weightwire.core.topology import pp_layer_span, stage_owns
 
-__all__ = ["DEMO_TP_RULES", "DemoConfig", "DemoModel", "build_demo_model", "expected_shard", "full_checkpoint"]
+__all__ = [
+    "DEMO_TP_RULES",
+    "DemoConfig",
+    "DemoModel",
+    "build_demo_model",
+    "expected_shard",
+    "full_checkpoint",
+]
 
 # Column-parallel projections and the vocab-parallel embedding/lm_head split the output dim (0);
 # row-parallel o_proj/down_proj split the input dim (1). Norms are replicated.
@@ -81,7 +88,9 @@ def _owns(name: str, rank: ParallelRank, config: DemoConfig) -> bool:
     return stage_owns(name, span, rank.pp_rank, rank.pp_size)
 
 
-def expected_shard(full: dict[str, torch.Tensor], rank: ParallelRank, config: DemoConfig) -> dict[str, torch.Tensor]:
+def expected_shard(
+    full: dict[str, torch.Tensor], rank: ParallelRank, config: DemoConfig
+) -> dict[str, torch.Tensor]:
     """What ``rank``'s demo module must hold after loading ``full``: its stage's tensors, TP-sliced."""
     return {
         name: shard_tensor(name, t, rank, DEMO_TP_RULES).contiguous()
@@ -118,7 +127,9 @@ class DemoModel(torch.nn.Module):
             parent.add_module(path[-1], _Weight(shape, config.dtype, device))
 
 
-def build_demo_model(config: DemoConfig, rank: ParallelRank, device: torch.device | str, seed: int) -> DemoModel:
+def build_demo_model(
+    config: DemoConfig, rank: ParallelRank, device: torch.device | str, seed: int
+) -> DemoModel:
     """A demo module for ``rank`` holding the shard of ``full_checkpoint(config, seed)``."""
     model = DemoModel(config, rank, torch.device(device))
     shard = expected_shard(full_checkpoint(config, seed), rank, config)

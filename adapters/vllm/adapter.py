@@ -97,7 +97,10 @@ class VLLMAdapter:
         self._manifest = ShardManifest.build(
             self.own_device,
             rank,
-            (OwnedTensor(t.name, dtypes.from_torch(t.dtype), t.shape, t.pieces) for t in self.layout.targets.values()),
+            (
+                OwnedTensor(t.name, dtypes.from_torch(t.dtype), t.shape, t.pieces)
+                for t in self.layout.targets.values()
+            ),
             layer_start=self.layout.layer_start,
             layer_end=self.layout.layer_end,
             num_layers=self.layout.num_layers,
@@ -153,8 +156,12 @@ class VLLMAdapter:
     def begin_update(self, version: int) -> None:
         with self._cond:
             if not self._window_open or self._closing:
-                what = "vLLM is finishing its weight update on this worker" if self._closing else _NOT_IN_WINDOW
-                raise WeightwireError(Reason.ENGINE_NOT_PAUSED, f"{self.worker_id}: cannot begin update {version}: {what}")
+                what = (
+                    "vLLM is finishing its weight update on this worker" if self._closing else _NOT_IN_WINDOW
+                )
+                raise WeightwireError(
+                    Reason.ENGINE_NOT_PAUSED, f"{self.worker_id}: cannot begin update {version}: {what}"
+                )
             self._update_version = version
         self._open_layers = {}
         self._wrote = False
@@ -184,7 +191,8 @@ class VLLMAdapter:
         for name, _ in named_tensors:
             arriving.setdefault(self.layout.targets[name].layer_name, set()).add(name)
         stays_open = {
-            layer for layer, names in arriving.items()
+            layer
+            for layer, names in arriving.items()
             if self._open_layers.get(layer, self.layout.names_by_layer[layer]) - names
         }
         batch = [
@@ -202,13 +210,17 @@ class VLLMAdapter:
         try:
             incomplete = {layer: missing for layer, missing in self._open_layers.items() if missing}
             if incomplete:
-                self._restore(incomplete, why="committed without them" if success else f"update {version} failed")
+                self._restore(
+                    incomplete, why="committed without them" if success else f"update {version} failed"
+                )
             self._finalize(set(self._open_layers) - set(incomplete))
             if success and incomplete:
                 raise WeightwireError(
                     Reason.INCOMPLETE_UPDATE,
                     f"{self.worker_id}: vLLM reloads a layer only whole, and update {version} left "
-                    + "; ".join(f"{layer} without {', '.join(sorted(m))}" for layer, m in sorted(incomplete.items()))
+                    + "; ".join(
+                        f"{layer} without {', '.join(sorted(m))}" for layer, m in sorted(incomplete.items())
+                    )
                     + " (nothing of those layers was loaded; they keep their old weights); send every checkpoint "
                     "tensor of a fused layer (q/k/v, gate/up, their biases) in the same update",
                 )
@@ -239,11 +251,14 @@ class VLLMAdapter:
         if target is None:
             # The service filters by manifest already; anything else reaching here is a bug upstream.
             raise WeightwireError(
-                Reason.LOAD_FAILED, f"{self.worker_id}: {name!r} is not in this worker's manifest; refusing to load it"
+                Reason.LOAD_FAILED,
+                f"{self.worker_id}: {name!r} is not in this worker's manifest; refusing to load it",
             )
         if tensor.dtype != target.dtype:
             raise WeightwireError(
-                Reason.DTYPE_MISMATCH, f"{name}: got {tensor.dtype}, this worker expects {target.dtype}", tensor=name
+                Reason.DTYPE_MISMATCH,
+                f"{name}: got {tensor.dtype}, this worker expects {target.dtype}",
+                tensor=name,
             )
         if tuple(tensor.shape) != target.shape:
             raise WeightwireError(
@@ -271,7 +286,9 @@ class VLLMAdapter:
             # tensor sent to the layer is one more buffered load of it.
             reached = not info.can_load() or len(info.loaded_weights) == buffered_before[layer] + len(names)
             unreported = sorted(
-                n for n in names if isinstance(loaded, set) and self.layout.targets[n].param_name not in loaded
+                n
+                for n in names
+                if isinstance(loaded, set) and self.layout.targets[n].param_name not in loaded
             )
             if not reached or unreported:
                 first = unreported[0] if unreported else sorted(names)[0]
@@ -298,7 +315,10 @@ class VLLMAdapter:
             info.load_numel = 0
         log.warning(
             "weightwire %s: keeping the old weights of %d layer(s) that did not receive all their tensors (%s): %s",
-            self.worker_id, len(layers), why, ", ".join(sorted(layers)),
+            self.worker_id,
+            len(layers),
+            why,
+            ", ".join(sorted(layers)),
         )
 
     def _finalize(self, reloaded: set[str]) -> None:
@@ -327,4 +347,8 @@ class VLLMAdapter:
 
 def _names(names: set[str], limit: int = 10) -> str:
     items = sorted(names)
-    return ", ".join(items[:limit]) + (f" ... and {len(items) - limit} more" if len(items) > limit else "") if items else "nothing"
+    return (
+        ", ".join(items[:limit]) + (f" ... and {len(items) - limit} more" if len(items) > limit else "")
+        if items
+        else "nothing"
+    )

@@ -170,7 +170,9 @@ def parallel_rank(vllm_config: Any) -> ParallelRank:
     pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
     if pcp > 1:
         # Its ranks are a dimension of their own next to TP and PP; worker ids would collide.
-        raise RuntimeError(f"weightwire: prefill_context_parallel_size={pcp} is not supported (TP x PP x DP only)")
+        raise RuntimeError(
+            f"weightwire: prefill_context_parallel_size={pcp} is not supported (TP x PP x DP only)"
+        )
     tp, pp = get_tp_group(), get_pp_group()
     dp_size = int(parallel.data_parallel_size or 1)
     dp_rank = int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank) or 0)

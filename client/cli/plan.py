@@ -33,12 +33,19 @@ from weightwire.core.transports.transfer_plan_fleet import (
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("plan", help="plan one update of a described fleet and predict its time",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "plan",
+        help="plan one update of a described fleet and predict its time",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("topology", help="fleet description (.json or .toml)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--single-source", action="store_true",
-                   help="plan as if trainer rank 0 held every tensor whole (one source, the funnel)")
+    p.add_argument(
+        "--single-source",
+        action="store_true",
+        help="plan as if trainer rank 0 held every tensor whole (one source, the funnel)",
+    )
     p.set_defaults(func=run)
 
 
@@ -48,7 +55,9 @@ def load_description(path: Path) -> dict[str, Any]:
         try:
             import tomllib  # Python >= 3.11
         except ImportError:
-            raise FleetError(f"{path}: reading TOML needs Python 3.11 or later; give the description as JSON") from None
+            raise FleetError(
+                f"{path}: reading TOML needs Python 3.11 or later; give the description as JSON"
+            ) from None
     try:
         data = tomllib.loads(text.decode()) if path.suffix == ".toml" else json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
@@ -90,23 +99,37 @@ def summary(description: Mapping[str, Any], fp: FleetPlan, pred: Prediction) -> 
     per_rank = list(pred.bytes_from_rank.values())
     return {
         "name": description.get("name", ""),
-        "model": {"family": f.model.family, "parameters": f.model.parameters(), "tensors": len(f.model.tensors)},
+        "model": {
+            "family": f.model.family,
+            "parameters": f.model.parameters(),
+            "tensors": len(f.model.tensors),
+        },
         "trainer": dataclasses.asdict(f.trainer),
         "engine": dataclasses.asdict(f.engine),
         "network": dataclasses.asdict(f.network),
-        "plan": {"transfers": len(fp.plan.transfers), "tensor_classes": len(fp.counts),
-                 "fingerprint": fp.plan.fingerprint},
+        "plan": {
+            "transfers": len(fp.plan.transfers),
+            "tensor_classes": len(fp.counts),
+            "fingerprint": fp.plan.fingerprint,
+        },
         "total_bytes": pred.total_bytes,
         "bytes_per_worker": {"min": min(per_worker), "max": max(per_worker), "workers": len(per_worker)},
-        "bytes_per_source": {"min": min(per_rank, default=0), "max": max(per_rank, default=0),
-                             "sources": len(per_rank), "trainer_ranks": f.trainer.gpus},
+        "bytes_per_source": {
+            "min": min(per_rank, default=0),
+            "max": max(per_rank, default=0),
+            "sources": len(per_rank),
+            "trainer_ranks": f.trainer.gpus,
+        },
         "nic_tx": {"max": max(tx, default=0), "ports": len(tx)},
         "nic_rx": {"max": max(rx, default=0), "ports": len(rx)},
         "nvlink_bytes": sum(b for p, b in pred.port_bytes.items() if p.kind == "nvlink"),
         "bytes_per_nic": nic,
         "predicted_seconds": pred.seconds,
-        "bottleneck": {"port": str(pred.bottleneck), "bytes": pred.port_bytes.get(pred.bottleneck, 0),
-                       "messages": pred.port_messages.get(pred.bottleneck, 0)},
+        "bottleneck": {
+            "port": str(pred.bottleneck),
+            "bytes": pred.port_bytes.get(pred.bottleneck, 0),
+            "messages": pred.port_messages.get(pred.bottleneck, 0),
+        },
         "prediction_model": pred.model,
         "published": description.get("published"),
     }
@@ -144,8 +167,11 @@ def render(s: Mapping[str, Any]) -> str:
         f"  model     {s['model']['family']}, {_count(s['model']['parameters'])} parameters, "
         f"{s['model']['tensors']:,} tensors",
         f"  trainer   {t['gpus']} GPUs ({_nodes(t['gpus'], t['gpus_per_node'])} of {t['gpus_per_node']}), "
-        f"layout {t['layout']}" + (f", tp {t['tp']}" if t["tp"] > 1 else "") + (f", ep {t['ep']}" if t["ep"] > 1 else ""),
-        f"  engine    TP{e['tp']} x PP{e['pp']} x DP{e['dp']}" + (f" (EP{e['ep']})" if e["ep"] > 1 else "")
+        f"layout {t['layout']}"
+        + (f", tp {t['tp']}" if t["tp"] > 1 else "")
+        + (f", ep {t['ep']}" if t["ep"] > 1 else ""),
+        f"  engine    TP{e['tp']} x PP{e['pp']} x DP{e['dp']}"
+        + (f" (EP{e['ep']})" if e["ep"] > 1 else "")
         + f" = {engine_gpus} GPUs ({_nodes(engine_gpus, e['gpus_per_node'])}), serving {e['dtype']}",
         f"  network   {n['nics_per_node']} x {n['nic_gbit_per_s']:g} Gb/s NICs per node, NVLink "
         f"{n['nvlink_gbyte_per_s']:g} GB/s, {n['message_latency_us']:g} us per message, buckets of "

@@ -67,10 +67,14 @@ class PushProgressBar:
                 self._progress.start()
                 self._started = True
                 self._task = self._progress.add_task(
-                    self._description, total=max(p.bytes_total, 1), completed=p.bytes_done,
+                    self._description,
+                    total=max(p.bytes_total, 1),
+                    completed=p.bytes_done,
                     buckets=f"{p.buckets_done}/{p.buckets_total}",
                 )
-        self._progress.update(self._task, completed=p.bytes_done, buckets=f"{p.buckets_done}/{p.buckets_total}")
+        self._progress.update(
+            self._task, completed=p.bytes_done, buckets=f"{p.buckets_done}/{p.buckets_total}"
+        )
 
     def close(self) -> None:
         """Draw the last state and stop (idempotent)."""

@@ -39,7 +39,25 @@ if TYPE_CHECKING:
     from weightwire.core.manifest import ShardManifest
 
 # A push of a small model over shm is a few milliseconds, a large one over a slow path minutes.
-PUSH_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+PUSH_SECONDS_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 PHASES = ("plan", "transfer", "commit", "total")
 _GRPC_CODES = frozenset(code_pb2.Code.keys())
 
@@ -83,26 +101,41 @@ class TrainerMetrics:
     def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
         self.registry = registry
         self._pushes = Counter(
-            "weightwire_trainer_pushes", "Pushes that returned, by outcome (committed, failed).", ("outcome",), registry=registry,
+            "weightwire_trainer_pushes",
+            "Pushes that returned, by outcome (committed, failed).",
+            ("outcome",),
+            registry=registry,
         )
         self._push_seconds = Histogram(
-            "weightwire_trainer_push_duration_seconds", "Duration of each phase of a push (plan, transfer, commit, total).",
-            ("phase",), buckets=PUSH_SECONDS_BUCKETS, registry=registry,
+            "weightwire_trainer_push_duration_seconds",
+            "Duration of each phase of a push (plan, transfer, commit, total).",
+            ("phase",),
+            buckets=PUSH_SECONDS_BUCKETS,
+            registry=registry,
         )
         self._worker_seconds = Histogram(
             "weightwire_trainer_worker_push_duration_seconds",
             "Per worker: transfer (streams open to its last ack) and commit (commit sent to its result).",
-            ("worker", "phase"), buckets=PUSH_SECONDS_BUCKETS, registry=registry,
+            ("worker", "phase"),
+            buckets=PUSH_SECONDS_BUCKETS,
+            registry=registry,
         )
         self._failures = Counter(
-            "weightwire_trainer_worker_failures", "Workers that did not commit a push, by reason.", ("worker", "reason"),
+            "weightwire_trainer_worker_failures",
+            "Workers that did not commit a push, by reason.",
+            ("worker", "reason"),
             registry=registry,
         )
         self._bytes = Counter(
-            "weightwire_trainer_pushed_bytes", "Bytes each worker loaded from committed pushes.", ("worker",), registry=registry,
+            "weightwire_trainer_pushed_bytes",
+            "Bytes each worker loaded from committed pushes.",
+            ("worker",),
+            registry=registry,
         )
         self._version = Gauge(
-            "weightwire_trainer_weights_version", "The last weights version every worker committed.", registry=registry,
+            "weightwire_trainer_weights_version",
+            "The last weights version every worker committed.",
+            registry=registry,
         )
         for outcome in ("committed", "failed"):
             self._pushes.labels(outcome)
@@ -110,14 +143,24 @@ class TrainerMetrics:
             self._push_seconds.labels(phase)
 
     def record_session(
-        self, streams: Mapping[str, WorkerStream], manifests: Mapping[str, ShardManifest], *, version: int, started_at: float
+        self,
+        streams: Mapping[str, WorkerStream],
+        manifests: Mapping[str, ShardManifest],
+        *,
+        version: int,
+        started_at: float,
     ) -> None:
         """Record the push whose update streams these were (called by the pusher when it ends)."""
         self.record(push_timing(streams, manifests, version=version, started_at=started_at))
 
     def record(self, push: PushTiming) -> None:
         self._pushes.labels("committed" if push.committed else "failed").inc()
-        for phase, value in (("plan", push.plan_s), ("transfer", push.transfer_s), ("commit", push.commit_s), ("total", push.total_s)):
+        for phase, value in (
+            ("plan", push.plan_s),
+            ("transfer", push.transfer_s),
+            ("commit", push.commit_s),
+            ("total", push.total_s),
+        ):
             if value is not None:
                 self._push_seconds.labels(phase).observe(value)
         for w in push.workers:
@@ -134,7 +177,11 @@ class TrainerMetrics:
 
 
 def push_timing(
-    streams: Mapping[str, WorkerStream], manifests: Mapping[str, ShardManifest], *, version: int, started_at: float
+    streams: Mapping[str, WorkerStream],
+    manifests: Mapping[str, ShardManifest],
+    *,
+    version: int,
+    started_at: float,
 ) -> PushTiming:
     """The phases of one push from its streams' clocks (``time.monotonic``): the header sent at
     ``started``, the last ack at ``last_ack_at``, the commit sent at ``commit_sent_at`` and the end at
@@ -155,7 +202,9 @@ def push_timing(
             WorkerTiming(
                 worker=(manifest.worker_id if manifest is not None else "") or address,
                 transfer_s=s.last_ack_at - s.started if s.last_ack_at else None,
-                commit_s=s.finished - max(s.commit_sent_at, s.last_ack_at) if ok and s.commit_sent_at else None,
+                commit_s=s.finished - max(s.commit_sent_at, s.last_ack_at)
+                if ok and s.commit_sent_at
+                else None,
                 bytes_loaded=s.result.bytes_loaded if ok and s.result is not None else 0,
                 reason="" if ok else (s.error.reason if s.error is not None else "RPC_FAILED"),
             )

@@ -83,7 +83,9 @@ def collect_results(
             else:
                 why = f"at the {timeout_s:g} s deadline"
             cancelled[a] = WeightwireError(
-                Reason.CANCELLED, f"worker {name(a)}: update cancelled {why}; not committed here {_state_after(s)}", worker=a
+                Reason.CANCELLED,
+                f"worker {name(a)}: update cancelled {why}; not committed here {_state_after(s)}",
+                worker=a,
             )
         elif err is not None:
             root[a] = _named(err, wid)
@@ -136,8 +138,13 @@ def _result(address: str, worker_id: str, s: WorkerStream) -> PushResult:
         state=pb.WorkerState.Name(r.state).removeprefix("WORKER_STATE_"),
         peer_device_imports=sum(1 for a in s.acks if a.peer_device_import),
         source_devices=tuple(
-            sorted({str(DeviceRef(a.source_device.kind, a.source_device.uuid)) for a in s.acks if a.HasField("source_device")})
+            sorted(
+                {
+                    str(DeviceRef(a.source_device.kind, a.source_device.uuid))
+                    for a in s.acks
+                    if a.HasField("source_device")
+                }
+            )
         ),
         bytes_received=r.bytes_received,
     )
-

@@ -132,17 +132,23 @@ def exports_in_place(
         return False
     if not all(m.imports_cuda_ipc_storages for m in manifests.values()):
         return False
-    if options.cast_to is not None and any(target_dtype(t.dtype, options.cast_to) != t.dtype for _, t in items):
+    if options.cast_to is not None and any(
+        target_dtype(t.dtype, options.cast_to) != t.dtype for _, t in items
+    ):
         return False
     return exporter.can_export_tensors([t for _, t in items])
 
 
-def _packing_bucket_bytes(items: Sequence[tuple[str, torch.Tensor]], exporter: exp.Exporter, staging: Staging, align_bytes: int) -> int:
+def _packing_bucket_bytes(
+    items: Sequence[tuple[str, torch.Tensor]], exporter: exp.Exporter, staging: Staging, align_bytes: int
+) -> int:
     bucket_bytes = staging.bucket_size_bytes
     if not staging.bucket_size_given and exporter.TRANSPORT is transport_table.CUDA_IPC:
         # Large GPU buckets, but never staging larger than the update itself.
         total = sum(t.nbytes for _, t in items) + align_bytes * len(items)
-        bucket_bytes = max(1, min(planning.DEFAULT_CUDA_BUCKET_BYTES, planning.align_up(total, 2 * 1024 * 1024)))
+        bucket_bytes = max(
+            1, min(planning.DEFAULT_CUDA_BUCKET_BYTES, planning.align_up(total, 2 * 1024 * 1024))
+        )
     if exporter.bucket_bytes_limit is not None:
         bucket_bytes = min(bucket_bytes, exporter.bucket_bytes_limit)
     return bucket_bytes
@@ -167,7 +173,15 @@ def tensor_jobs(
         jobs = _in_place_jobs(items, manifests, exporter, staging, options, align_bytes)
         if jobs is not None:
             return jobs
-    return _packed_jobs(items, manifests, exporter, staging, options, align_bytes, _packing_bucket_bytes(items, exporter, staging, align_bytes))
+    return _packed_jobs(
+        items,
+        manifests,
+        exporter,
+        staging,
+        options,
+        align_bytes,
+        _packing_bucket_bytes(items, exporter, staging, align_bytes),
+    )
 
 
 def _in_place_jobs(
@@ -197,7 +211,14 @@ def _in_place_jobs(
             exported.specs_memo[id(p)] = (p, specs)
         else:
             specs = memo[1]
-        jobs.append(Job(specs, p.recipients, sum(s.nbytes for s in p.specs), in_place_job(exporter, exported, complete)))
+        jobs.append(
+            Job(
+                specs,
+                p.recipients,
+                sum(s.nbytes for s in p.specs),
+                in_place_job(exporter, exported, complete),
+            )
+        )
     return Jobs(jobs, [])
 
 
@@ -217,16 +238,25 @@ def _checked_plans(
     known = cache.get(key)
     if known is None:
         # With ``cast_to`` a spec carries the dtype sent; packing converts while it copies.
-        specs = [TensorSpec(name, target_dtype(t.dtype, options.cast_to), tuple(t.shape)) for name, t in items]
-        unknown = frozenset(planning.check_update(specs, manifests, scope=options.scope, allow_unowned=options.allow_unowned))
+        specs = [
+            TensorSpec(name, target_dtype(t.dtype, options.cast_to), tuple(t.shape)) for name, t in items
+        ]
+        unknown = frozenset(
+            planning.check_update(specs, manifests, scope=options.scope, allow_unowned=options.allow_unowned)
+        )
     else:
         unknown = known.unknown
     check_labels(manifests, [exporter.label] if exporter.label else None, "every bucket")
     if known is None:
         owners = planning.owners_by_name(manifests)
-        plans = tuple(planning.plan_buckets(
-            [s for s in specs if s.name not in unknown], owners, bucket_bytes=bucket_bytes, align_bytes=align_bytes
-        ))
+        plans = tuple(
+            planning.plan_buckets(
+                [s for s in specs if s.name not in unknown],
+                owners,
+                bucket_bytes=bucket_bytes,
+                align_bytes=align_bytes,
+            )
+        )
         cache.put(key, _TensorPlan(tuple(manifests.values()), unknown, plans))
     else:
         plans = known.plans
@@ -248,7 +278,12 @@ def _packed_jobs(
     check_transport_limit(exporter, [p.size_bytes for p in plans])
     pool = staging.pool(exporter, bucket_bytes)
     jobs = [
-        Job(list(p.specs), p.recipients, p.size_bytes, packer(pool, exporter, p, [kept[i] for i in p.items], options.verify_checksums))
+        Job(
+            list(p.specs),
+            p.recipients,
+            p.size_bytes,
+            packer(pool, exporter, p, [kept[i] for i in p.items], options.verify_checksums),
+        )
         for p in plans
     ]
     return Jobs(jobs, [pool])
@@ -282,7 +317,12 @@ def flat_jobs(
     check_transport_limit(exporter, sizes)
     pool = staging.pool(exporter)
     jobs = [
-        Job(list(b.specs), recipients, flat.numel(), flat_exporter_job(pool, exporter, flat, list(b.specs), options.verify_checksums))
+        Job(
+            list(b.specs),
+            recipients,
+            flat.numel(),
+            flat_exporter_job(pool, exporter, flat, list(b.specs), options.verify_checksums),
+        )
         for b, flat, recipients in zip(buckets, flats, routed, strict=True)
         if recipients
     ]
@@ -297,12 +337,21 @@ def gathered_jobs(
 ) -> Jobs:
     """One job per gathered bucket that some worker owns something in, carrying every payload of
     the bucket (the caller's, and the local buffers exported here with this process's labels)."""
-    planning.check_update([s for b in buckets for s in b.specs], manifests, scope=options.scope, allow_unowned=options.allow_unowned)
+    planning.check_update(
+        [s for b in buckets for s in b.specs],
+        manifests,
+        scope=options.scope,
+        allow_unowned=options.allow_unowned,
+    )
     owners = planning.owners_by_name(manifests)
     out = Jobs([], [])
     for i, b in enumerate(buckets):
         where = f"gathered bucket {i}"
-        size = b.size_bytes if b.size_bytes is not None else max((s.offset_bytes + s.nbytes for s in b.specs), default=0)
+        size = (
+            b.size_bytes
+            if b.size_bytes is not None
+            else max((s.offset_bytes + s.nbytes for s in b.specs), default=0)
+        )
         planning.check_flat_specs(b.specs, size, where)
         recipients = recipients_of(b.specs, owners, manifests)
         fixed: list[pb.Payload] = []
@@ -311,28 +360,47 @@ def gathered_jobs(
         for p in b.payloads:
             if isinstance(p, pb.Payload):
                 if p.size_bytes < size:
-                    raise PlanError(Reason.INVALID_SIZE, f"{where}: a payload labelled {label_str(p)} holds {p.size_bytes} bytes, the layout needs {size}")
+                    raise PlanError(
+                        Reason.INVALID_SIZE,
+                        f"{where}: a payload labelled {label_str(p)} holds {p.size_bytes} bytes, the layout needs {size}",
+                    )
                 fixed.append(p)
                 labels.append(DeviceRef(p.device.kind, p.device.uuid))
             else:
                 flat = flat_bytes(p, where)
                 if flat.numel() < size:
-                    raise PlanError(Reason.INVALID_SIZE, f"{where}: a local buffer holds {flat.numel()} bytes, the layout needs {size}")
+                    raise PlanError(
+                        Reason.INVALID_SIZE,
+                        f"{where}: a local buffer holds {flat.numel()} bytes, the layout needs {size}",
+                    )
                 exporter = staging.local_exporter(flat.device)
                 if exporter.label is None:
-                    raise PlanError(Reason.PAYLOAD_LABEL_MISSING, f"{where}: transport {exporter.name} cannot label a local payload")
+                    raise PlanError(
+                        Reason.PAYLOAD_LABEL_MISSING,
+                        f"{where}: transport {exporter.name} cannot label a local payload",
+                    )
                 local.append((exporter, flat))
                 labels.append(exporter.label)
         dupes = {str(lb) for lb in labels if labels.count(lb) > 1}
         if dupes:
-            raise PlanError(Reason.DUPLICATE_PAYLOAD_LABEL, f"{where}: more than one payload labelled {', '.join(sorted(dupes))}")
+            raise PlanError(
+                Reason.DUPLICATE_PAYLOAD_LABEL,
+                f"{where}: more than one payload labelled {', '.join(sorted(dupes))}",
+            )
         if options.precheck_labels and recipients:
-            check_labels({w: manifests[w] for w in recipients}, labels, where, options.allow_peer_device_import)
+            check_labels(
+                {w: manifests[w] for w in recipients}, labels, where, options.allow_peer_device_import
+            )
         if not recipients:
             continue
         job_pools = [staging.pool(e) for e, _ in local]
         out.pools.extend(job_pools)
         out.jobs.append(
-            Job(list(b.specs), recipients, size, gathered_job(fixed, list(zip(job_pools, local, strict=True)), size, options.verify_checksums))
+            Job(
+                list(b.specs),
+                recipients,
+                size,
+                gathered_job(fixed, list(zip(job_pools, local, strict=True)), size, options.verify_checksums),
+            )
         )
     return out

@@ -89,8 +89,10 @@ def owners_by_name(manifests: Mapping[str, ShardManifest]) -> dict[str, tuple[st
     global _owners_memo
     pairs = tuple(manifests.items())
     memo = _owners_memo
-    if memo is not None and len(memo[0]) == len(pairs) and all(
-        a == b and m is n for (a, m), (b, n) in zip(memo[0], pairs, strict=True)
+    if (
+        memo is not None
+        and len(memo[0]) == len(pairs)
+        and all(a == b and m is n for (a, m), (b, n) in zip(memo[0], pairs, strict=True))
     ):
         return dict(memo[1])
     result = _owners_by_name(manifests)
@@ -129,12 +131,16 @@ def check_update(
     seen = set(counts)
     dupes = {name for name, n in counts.items() if n > 1}
     if dupes:
-        raise PlanError(Reason.DUPLICATE_TENSOR, f"tensors pushed more than once in one update: {_listing(dupes)}")
+        raise PlanError(
+            Reason.DUPLICATE_TENSOR, f"tensors pushed more than once in one update: {_listing(dupes)}"
+        )
 
     owners = owners_by_name(manifests)
     unknown = [s.name for s in pushed if s.name not in owners]
     if unknown and not allow_unowned:
-        raise PlanError(Reason.UNKNOWN_TENSOR, _unknown_message(unknown, owners), unknown=",".join(unknown[:100]))
+        raise PlanError(
+            Reason.UNKNOWN_TENSOR, _unknown_message(unknown, owners), unknown=",".join(unknown[:100])
+        )
 
     problems: list[tuple[str, str]] = []  # (kind, message)
     for spec in pushed:
@@ -142,16 +148,20 @@ def check_update(
             want = manifests[worker].tensors[spec.name]
             got_dtype = dtypes.from_torch(spec.dtype)
             if want.dtype != got_dtype:
-                problems.append((
-                    "dtype",
-                    f"{spec.name}: pushed dtype {dtypes.name(got_dtype)}, {_worker_label(worker, manifests)} expects {dtypes.name(want.dtype)}",
-                ))
+                problems.append(
+                    (
+                        "dtype",
+                        f"{spec.name}: pushed dtype {dtypes.name(got_dtype)}, {_worker_label(worker, manifests)} expects {dtypes.name(want.dtype)}",
+                    )
+                )
                 break
             if tuple(want.shape) != tuple(spec.shape):
-                problems.append((
-                    "shape",
-                    f"{spec.name}: pushed shape {list(spec.shape)}, {_worker_label(worker, manifests)} expects the full checkpoint shape {list(want.shape)}",
-                ))
+                problems.append(
+                    (
+                        "shape",
+                        f"{spec.name}: pushed shape {list(spec.shape)}, {_worker_label(worker, manifests)} expects the full checkpoint shape {list(want.shape)}",
+                    )
+                )
                 break
     if problems:
         lines = [msg for _, msg in problems]
@@ -198,13 +208,16 @@ def _unknown_message(unknown: Sequence[str], owners: Mapping[str, object]) -> st
         msg += (
             " These look like parameter names of a wrapped module (FSDP '_fsdp_wrapped_module.', DDP "
             "'module.', torch.compile '_orig_mod.'); strip the wrapper segments (weightwire.client."
-            "strip_wrapper_prefixes) to get the checkpoint names:\n  " + "\n  ".join(hints[:_LIST_LIMIT])
+            "strip_wrapper_prefixes) to get the checkpoint names:\n  "
+            + "\n  ".join(hints[:_LIST_LIMIT])
             + (f"\n  ... and {len(hints) - _LIST_LIMIT} more" if len(hints) > _LIST_LIMIT else "")
             + "\n"
         )
     elif any(strip_wrapper_prefixes(n) != n for n in unknown):
         msg += " Some carry wrapper segments ('_fsdp_wrapped_module.', 'module.', '_orig_mod.'); workers expect checkpoint names."
-    msg += ("" if msg.endswith("\n") else " ") + "Pass allow_unowned=True to skip names no worker owns on purpose."
+    msg += (
+        "" if msg.endswith("\n") else " "
+    ) + "Pass allow_unowned=True to skip names no worker owns on purpose."
     return msg
 
 
@@ -257,7 +270,11 @@ def plan_buckets(
 
 
 def _fill_group(
-    tensors: Sequence[TensorSpec], indices: Sequence[int], recipients: tuple[str, ...], bucket_bytes: int, align_bytes: int
+    tensors: Sequence[TensorSpec],
+    indices: Sequence[int],
+    recipients: tuple[str, ...],
+    bucket_bytes: int,
+    align_bytes: int,
 ) -> list[BucketPlan]:
     out: list[BucketPlan] = []
     specs: list[TensorSpec] = []
@@ -329,7 +346,9 @@ def device_mismatches(
     for w in recipients:
         own = manifests[w].device
         if not any(is_own_device(lb, own) for lb in refs):
-            out[w] = f"{_worker_label(w, manifests)} is on {own}; the bucket carries payloads for {', '.join(map(str, refs)) or 'no device'}"
+            out[w] = (
+                f"{_worker_label(w, manifests)} is on {own}; the bucket carries payloads for {', '.join(map(str, refs)) or 'no device'}"
+            )
     return out
 
 

@@ -173,7 +173,9 @@ class WeightPusher:
         # Bytes over a torch.distributed group between machines (weightwire.client.transports.transfer_group):
         # formed at the first push, reused while every worker still holds it.
         self._group = (
-            GroupLink(transfer_group, self._workers, self._metadata, self.timeout_s) if transfer_group is not None else None
+            GroupLink(transfer_group, self._workers, self._metadata, self.timeout_s)
+            if transfer_group is not None
+            else None
         )
         if self._group is not None:
             # This pusher's group is the transfer-group transport's: its exporter routes over it.
@@ -181,7 +183,9 @@ class WeightPusher:
             if transport == "auto":
                 self.transport = "transfer_group"
         # Segments are unlinked even if the caller forgets close() (also at interpreter exit).
-        self._finalizer = weakref.finalize(self, _close_all, self._staging, list(self._workers.values()), self._readers)
+        self._finalizer = weakref.finalize(
+            self, _close_all, self._staging, list(self._workers.values()), self._readers
+        )
 
     @property
     def bucket_size_bytes(self) -> int:
@@ -309,8 +313,14 @@ class WeightPusher:
         """
         check_cast_to(cast_to)
         options = PushOptions(
-            version, scope_value(scope), allow_unowned=allow_unowned, verify_checksums=verify_checksums,
-            only_own_device=only_own_device, progress=progress, update_id=update_id, cast_to=cast_to,
+            version,
+            scope_value(scope),
+            allow_unowned=allow_unowned,
+            verify_checksums=verify_checksums,
+            only_own_device=only_own_device,
+            progress=progress,
+            update_id=update_id,
+            cast_to=cast_to,
         )
         items = named_items(named_tensors)
         if group is not None or has_dtensors(items):
@@ -330,8 +340,12 @@ class WeightPusher:
             from weightwire.client.ranks.dtensor_gather import default_group
 
             return collective_push.push_from_ranks(
-                self, items, options, group=group if group is not None else default_group(items),
-                routing=routing, sender_rank=sender_rank,
+                self,
+                items,
+                options,
+                group=group if group is not None else default_group(items),
+                routing=routing,
+                sender_rank=sender_rank,
             )
         source = source_device(items)
         setup, exporter = self._setup_exporting(source, options)
@@ -359,13 +373,22 @@ class WeightPusher:
         """Push already-flat buffers with their tensor specs (no packing copy; exported in place
         when the transport can). Each bucket goes to the workers owning something in it."""
         options = PushOptions(
-            version, scope_value(scope), allow_unowned=allow_unowned, verify_checksums=verify_checksums,
-            only_own_device=only_own_device, progress=progress, update_id=update_id,
+            version,
+            scope_value(scope),
+            allow_unowned=allow_unowned,
+            verify_checksums=verify_checksums,
+            only_own_device=only_own_device,
+            progress=progress,
+            update_id=update_id,
         )
-        source = next((b.buffer.device for b in buckets if b.buffer.device.type != "cpu"), torch.device("cpu"))
+        source = next(
+            (b.buffer.device for b in buckets if b.buffer.device.type != "cpu"), torch.device("cpu")
+        )
         setup, exporter = self._setup_exporting(source, options)
         with self._opened_early(setup, options, one_bucket=len(buckets) == 1) as opened:
-            jobs = job_builders.flat_jobs(buckets, setup.manifests, exporter, self._staging, options, self._checked)
+            jobs = job_builders.flat_jobs(
+                buckets, setup.manifests, exporter, self._staging, options, self._checked
+            )
             return self._run(setup, jobs, options, opened=opened)
 
     def push_gathered(
@@ -390,9 +413,14 @@ class WeightPusher:
         bucket (NO_PAYLOAD_FOR_DEVICE) and the push fails with its status.
         """
         options = PushOptions(
-            version, scope_value(scope), allow_unowned=allow_unowned, verify_checksums=verify_checksums,
-            allow_peer_device_import=allow_peer_device_import, precheck_labels=precheck_labels,
-            progress=progress, update_id=update_id,
+            version,
+            scope_value(scope),
+            allow_unowned=allow_unowned,
+            verify_checksums=verify_checksums,
+            allow_peer_device_import=allow_peer_device_import,
+            precheck_labels=precheck_labels,
+            progress=progress,
+            update_id=update_id,
         )
         setup = self._setup()
         with self._opened_early(setup, options, one_bucket=len(buckets) == 1) as opened:
@@ -401,7 +429,9 @@ class WeightPusher:
 
     # ---------------------------------------------------------------- shared setup and the update
 
-    def _setup(self, manifests: dict[str, ShardManifest] | None = None, exporter: exp.Exporter | None = None) -> _Setup:
+    def _setup(
+        self, manifests: dict[str, ShardManifest] | None = None, exporter: exp.Exporter | None = None
+    ) -> _Setup:
         manifests = self.manifests() if manifests is None else manifests
         # Started now so that it overlaps planning.
         needed = self.recheck_manifests and _recheck_needed(manifests, exporter)
@@ -474,8 +504,17 @@ class WeightPusher:
                 jobs = job_builders.Jobs(routed, jobs.pools)
             connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)
             session = UpdateSession(
-                jobs.jobs, setup.manifests, options, connections, self._fingerprints, self._templates, jobs.pools,
-                commit_gate, updating_before=_updating(statuses), opened=opened, whole_update=setup.exporter is None or not setup.exporter.routes_each_update,
+                jobs.jobs,
+                setup.manifests,
+                options,
+                connections,
+                self._fingerprints,
+                self._templates,
+                jobs.pools,
+                commit_gate,
+                updating_before=_updating(statuses),
+                opened=opened,
+                whole_update=setup.exporter is None or not setup.exporter.routes_each_update,
             )
             # Staging buffers hand workers an event to wait for instead of waiting for their own
             # writes, when every recipient says it waits for it. Not in a push of several ranks
@@ -542,7 +581,9 @@ class RankedPushDriver:
     ) -> dict[str, PushResult]:
         """This rank's streams to ``workers`` (a subset of ``setup``'s), committed only when
         ``commit_gate`` (every rank's agreement) lets them."""
-        sub = dataclasses.replace(setup, manifests={a: setup.manifests[a] for a in workers}, recheck=None, rechecked=True)
+        sub = dataclasses.replace(
+            setup, manifests={a: setup.manifests[a] for a in workers}, recheck=None, rechecked=True
+        )
         return self._pusher._run(sub, jobs, options, commit_gate=commit_gate)
 
 

@@ -84,7 +84,11 @@ def check_labels(
         return
     bad = planning.device_mismatches(manifests, labels, manifests)
     if allow_peer:
-        bad = {w: m for w, m in bad.items() if not (manifests[w].device.is_cuda and any(lb.is_cuda for lb in labels))}
+        bad = {
+            w: m
+            for w, m in bad.items()
+            if not (manifests[w].device.is_cuda and any(lb.is_cuda for lb in labels))
+        }
     if bad:
         raise PlanError(
             Reason.NO_PAYLOAD_FOR_DEVICE,
@@ -105,7 +109,9 @@ def manifest_changes(
     changed: dict[str, PlanError] = {}
     for a, planned in manifests.items():
         st = statuses[a]
-        if st.manifest_fingerprint != fingerprints[a] or (planned.instance_id and st.instance_id != planned.instance_id):
+        if st.manifest_fingerprint != fingerprints[a] or (
+            planned.instance_id and st.instance_id != planned.instance_id
+        ):
             changed[a] = PlanError(
                 Reason.MANIFEST_CHANGED,
                 f"worker {planned.worker_id or a} changed since its manifest was read (instance "
@@ -135,7 +141,11 @@ class CheckedLayouts:
 
     @staticmethod
     def key(
-        buckets: Sequence[FlatBucket], sizes: Sequence[int], manifests: Mapping[str, ShardManifest], scope: int, allow_unowned: bool
+        buckets: Sequence[FlatBucket],
+        sizes: Sequence[int],
+        manifests: Mapping[str, ShardManifest],
+        scope: int,
+        allow_unowned: bool,
     ) -> tuple[object, ...]:
         return (
             scope,
@@ -160,4 +170,3 @@ class CheckedLayouts:
             self._entries.clear()
         held: list[object] = [list(manifests.values()), *(list(b.specs) for b in buckets)]
         self._entries[key] = (held, recipients)
-

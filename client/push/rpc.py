@@ -32,7 +32,9 @@ def open_channel(address: str, *, tls_ca: bytes | None = None) -> grpc.Channel:
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
     if tls_ca is not None:
-        return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=options)
+        return grpc.secure_channel(
+            address, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=options
+        )
     return grpc.insecure_channel(address, options=options)
 
 
@@ -75,14 +77,26 @@ def close_workers(workers: Iterable[Worker], timeout_s: float = 5.0) -> None:
         return
     closer.join(timeout_s)
     if closer.is_alive():
-        log.warning("closing the channels to %d worker(s) did not finish within %.0f s; left to the process exit", len(pending), timeout_s)
+        log.warning(
+            "closing the channels to %d worker(s) did not finish within %.0f s; left to the process exit",
+            len(pending),
+            timeout_s,
+        )
 
 
 def start_unary(
-    workers: Mapping[str, Worker], method: str, request: object, *, timeout_s: float, metadata: tuple[tuple[str, str], ...]
+    workers: Mapping[str, Worker],
+    method: str,
+    request: object,
+    *,
+    timeout_s: float,
+    metadata: tuple[tuple[str, str], ...],
 ) -> dict[str, grpc.Future]:
     """Start the unary RPC ``method`` on every worker at once; ``collect_unary`` waits for the answers."""
-    return {a: getattr(w.stub, method).future(request, timeout=timeout_s, metadata=metadata) for a, w in workers.items()}
+    return {
+        a: getattr(w.stub, method).future(request, timeout=timeout_s, metadata=metadata)
+        for a, w in workers.items()
+    }
 
 
 def collect_unary(method: str, pending: Mapping[str, grpc.Future]) -> dict[str, object]:
@@ -140,7 +154,11 @@ def error_from_rpc(err: grpc.RpcError, *, worker: str | None = None, context: st
                 if (info.domain and info.domain != ERROR_DOMAIN) or not info.reason:
                     continue
                 return WeightwireError(
-                    info.reason, status.message or details, code=code.name, worker=worker, **dict(info.metadata)
+                    info.reason,
+                    status.message or details,
+                    code=code.name,
+                    worker=worker,
+                    **dict(info.metadata),
                 )
     hint = _FALLBACK_HINTS.get(code)
     message = details

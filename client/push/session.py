@@ -34,6 +34,7 @@ _GRACE_S = 2.0
 # How often a failed push asks a cancelled worker whether it has ended the update.
 _SETTLE_POLL_S = 0.02
 
+
 # Asked on the pushing thread once every bucket was sent and acked (argument None), or with what went
 # wrong here (a worker failed, the jobs stopped early, acks missing at the deadline): None lets the
 # session commit, a message aborts it with that reason. A multi-rank push
@@ -68,7 +69,9 @@ class SpecTemplates:
     def __init__(self) -> None:
         self._entries: dict[tuple[int, ...], tuple[list[TensorSpec], pb.Bucket]] = {}
 
-    def request(self, specs: list[TensorSpec], base_offset_bytes: int, into: pb.PushWeightsRequest) -> pb.PushWeightsRequest:
+    def request(
+        self, specs: list[TensorSpec], base_offset_bytes: int, into: pb.PushWeightsRequest
+    ) -> pb.PushWeightsRequest:
         """``into`` (an empty request), its bucket's ``tensors`` now ``specs`` shifted by
         ``base_offset_bytes`` (built in place: wrapping a finished Bucket in a request would copy
         every spec again)."""
@@ -84,14 +87,19 @@ class SpecTemplates:
 
 
 def open_streams(
-    manifests: Mapping[str, ShardManifest], options: PushOptions, connections: Connections, fingerprints: Mapping[str, str]
+    manifests: Mapping[str, ShardManifest],
+    options: PushOptions,
+    connections: Connections,
+    fingerprints: Mapping[str, str],
 ) -> dict[str, WorkerStream]:
     """Open one stream per worker now, sending nothing yet, for an ``UpdateSession`` to take over
     once the update is planned: gRPC's call set-up (a thread per call on this side, the call's
     handler on the worker's) then overlaps the planning and staging instead of following them. If
     the update is refused before its session runs, ``cancel`` each: a worker that got no header
     records nothing."""
-    streams = {a: WorkerStream(None, connections, a, options.header(fingerprints.get(a, ""))) for a in manifests}
+    streams = {
+        a: WorkerStream(None, connections, a, options.header(fingerprints.get(a, ""))) for a in manifests
+    }
     try:
         for s in streams.values():
             s.start()
@@ -223,7 +231,10 @@ class UpdateSession:
         finally:
             if self._options.metrics is not None:
                 self._options.metrics.record_session(
-                    self.streams, self._manifests, version=self._options.version, started_at=self._options.started_at,
+                    self.streams,
+                    self._manifests,
+                    version=self._options.version,
+                    started_at=self._options.started_at,
                 )
             self._forget_jobs()
 
@@ -250,7 +261,9 @@ class UpdateSession:
                 self._prepared[job_id] = prepared
             cache: dict[DeviceRef, pb.Payload] = {}
             for a in job.recipients:
-                request = self._templates.request(job.specs, prepared.base_offset_bytes, self.streams[a].new_request())
+                request = self._templates.request(
+                    job.specs, prepared.base_offset_bytes, self.streams[a].new_request()
+                )
                 request.bucket.payloads.extend(prepared.payloads_for(self._manifests[a].device, cache, a))
                 if prepared.checksum is not None:
                     request.bucket.checksum.CopyFrom(prepared.checksum)
@@ -289,13 +302,18 @@ class UpdateSession:
         if not sent_all:
             return SessionProblem(GateProblem.STOPPED_EARLY, "it stopped before its last bucket")
         if self._pending:
-            return SessionProblem(GateProblem.ACKS_MISSING, f"{len(self._pending)} bucket(s) were not acked before the deadline")
+            return SessionProblem(
+                GateProblem.ACKS_MISSING, f"{len(self._pending)} bucket(s) were not acked before the deadline"
+            )
         return None
 
     def _wait_for_acks(self, deadline: float) -> None:
         with self._cond:
             while self._pending and not self.failed:
-                if not self._cond.wait(max(0.0, min(deadline - time.monotonic(), 1.0))) and time.monotonic() >= deadline:
+                if (
+                    not self._cond.wait(max(0.0, min(deadline - time.monotonic(), 1.0)))
+                    and time.monotonic() >= deadline
+                ):
                     break
             if not self.failed and not self._pending:
                 self._commit_if_complete()
@@ -318,14 +336,21 @@ class UpdateSession:
         this one started, is not waited for. Each stream takes the last answer (``WorkerStream.settle``):
         a worker that had refused the update on its own is blamed for that, not reported CANCELLED."""
         waiting = [
-            s for s in self.streams.values() if s.cancelled_by_us and s.call is not None and s.address not in self._updating_before
+            s
+            for s in self.streams.values()
+            if s.cancelled_by_us and s.call is not None and s.address not in self._updating_before
         ]
         while waiting:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
             calls = [
-                (s, s.worker.stub.GetStatus.future(pb.GetStatusRequest(), timeout=remaining, metadata=self._metadata))
+                (
+                    s,
+                    s.worker.stub.GetStatus.future(
+                        pb.GetStatusRequest(), timeout=remaining, metadata=self._metadata
+                    ),
+                )
                 for s in waiting
             ]
             still: list[WorkerStream] = []
@@ -372,7 +397,9 @@ class UpdateSession:
                     prepared.release(True)
                 self._buckets_done += 1
                 self._bytes_done += self._jobs[job_id].size_bytes
-                report = PushProgress(self._buckets_done, self._buckets_total, self._bytes_done, self._bytes_total)
+                report = PushProgress(
+                    self._buckets_done, self._buckets_total, self._bytes_done, self._bytes_total
+                )
                 self._commit_if_complete()
                 self._cond.notify_all()
         if report is not None and self._options.progress is not None:

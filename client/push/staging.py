@@ -66,7 +66,9 @@ class StagingPool:
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError("no staging buffer came free before the deadline (workers did not ack)")
+                    raise TimeoutError(
+                        "no staging buffer came free before the deadline (workers did not ack)"
+                    )
                 self._cond.wait(min(remaining, 1.0))
         try:
             return self.exporter.allocate(max(nbytes, self.bucket_bytes))
@@ -108,7 +110,9 @@ class Staging:
     """One pusher's exporters (one per transport and source device) and their staging pools, kept
     across updates so segments and device buffers are reused; plus the caller's ``host_buffer``s."""
 
-    def __init__(self, bucket_size_bytes: int, pipeline_depth: int, *, bucket_size_given: bool = True) -> None:
+    def __init__(
+        self, bucket_size_bytes: int, pipeline_depth: int, *, bucket_size_given: bool = True
+    ) -> None:
         self.bucket_size_bytes = bucket_size_bytes
         self.pipeline_depth = pipeline_depth
         # False: the caller left the bucket size to the pusher, and ``push`` packs GPU buckets of
@@ -161,7 +165,8 @@ class Staging:
             )
         if staged.base_offset_bytes:
             raise PlanError(
-                Reason.INVALID_OFFSET, "export_payload needs a buffer that starts at its allocation's first byte"
+                Reason.INVALID_OFFSET,
+                "export_payload needs a buffer that starts at its allocation's first byte",
             )
         staged.ready()
         size = raw.numel() if size_bytes is None else int(size_bytes)
@@ -198,7 +203,9 @@ class PreparedBucket:
     # Called once the bucket message is queued on every recipient's stream (the transfer starts).
     on_sent: Callable[[], None] | None = None
 
-    def payloads_for(self, device: DeviceRef, cache: dict[DeviceRef, pb.Payload], worker: str = "") -> list[pb.Payload]:
+    def payloads_for(
+        self, device: DeviceRef, cache: dict[DeviceRef, pb.Payload], worker: str = ""
+    ) -> list[pb.Payload]:
         if self.per_recipient is not None:
             return [self.per_recipient(worker)]
         if self.per_worker is None:
@@ -229,7 +236,9 @@ def export_staged(
     buf.ready()
     checksum = crc32_checksum(buf.crc32(size)) if verify else None
     if exporter.label is not None:
-        return PreparedBucket([exporter.export(buf, size, exporter.label)], None, checksum, release, staged=buf)
+        return PreparedBucket(
+            [exporter.export(buf, size, exporter.label)], None, checksum, release, staged=buf
+        )
     return PreparedBucket([], lambda dev: exporter.export(buf, size, dev), checksum, release, staged=buf)
 
 
@@ -244,7 +253,11 @@ def pool_release(pool: StagingPool, buf: exp.StagingBuffer) -> Callable[[bool], 
 
 
 def packer(
-    pool: StagingPool, exporter: exp.Exporter, plan: planning.BucketPlan, tensors: list[torch.Tensor], verify: bool
+    pool: StagingPool,
+    exporter: exp.Exporter,
+    plan: planning.BucketPlan,
+    tensors: list[torch.Tensor],
+    verify: bool,
 ) -> Callable[[Callable[[], bool], float], PreparedBucket]:
     def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
         buf = pool.acquire(plan.size_bytes, stopped, deadline)
@@ -264,6 +277,7 @@ def in_place_job(
     """A bucket of the caller's own CUDA tensors, exported where they live (``CudaIpcExporter.
     export_tensors``): nothing staged, nothing to release; each worker's payload names its own
     shares of the storages and carries the event of the writes queued so far (or this waits for them)."""
+
     def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
         payloads = exporter.tensors_payloads(exported, complete=complete)
         return PreparedBucket([], None, None, lambda ok: None, per_recipient=payloads.__getitem__)
@@ -272,7 +286,11 @@ def in_place_job(
 
 
 def stage_flat(
-    pool: StagingPool, exporter: exp.Exporter, flat: torch.Tensor, stopped: Callable[[], bool], deadline: float
+    pool: StagingPool,
+    exporter: exp.Exporter,
+    flat: torch.Tensor,
+    stopped: Callable[[], bool],
+    deadline: float,
 ) -> tuple[exp.StagingBuffer, Callable[[bool], None]]:
     """``flat`` exported in place, or copied once into a pooled staging buffer."""
     wrapped = exporter.wrap(flat)
@@ -322,7 +340,10 @@ def gathered_job(
                     )
                 label = exporter.label
                 if label is None:
-                    raise PlanError(Reason.PAYLOAD_LABEL_MISSING, f"transport {exporter.name} cannot label a local payload")
+                    raise PlanError(
+                        Reason.PAYLOAD_LABEL_MISSING,
+                        f"transport {exporter.name} cannot label a local payload",
+                    )
                 payloads.append(exporter.export(buf, size, label))
                 if verify and checksum is None:
                     checksum = crc32_checksum(buf.crc32(size))
@@ -331,9 +352,14 @@ def gathered_job(
                 r(False)
             raise
         if verify and checksum is None:
-            inline = next((p.inline_data for p in fixed if p.WhichOneof("handle") == transports.INLINE.handle_field), None)
+            inline = next(
+                (p.inline_data for p in fixed if p.WhichOneof("handle") == transports.INLINE.handle_field),
+                None,
+            )
             if inline is not None:
-                checksum = crc32_checksum(exp.crc32_of(torch.frombuffer(bytearray(inline[:size]), dtype=torch.uint8)))
+                checksum = crc32_checksum(
+                    exp.crc32_of(torch.frombuffer(bytearray(inline[:size]), dtype=torch.uint8))
+                )
 
         def release_all(ok: bool) -> None:
             for r in releases:
@@ -342,4 +368,3 @@ def gathered_job(
         return PreparedBucket(payloads, None, checksum, release_all)
 
     return prepare
-

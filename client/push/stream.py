@@ -137,7 +137,9 @@ class WorkerStream:
         self._reading = True
         try:
             self._connections.readers.submit(self._read)
-        except RuntimeError:  # the pusher was closed meanwhile (its pool shut down): read on a thread of our own
+        except (
+            RuntimeError
+        ):  # the pusher was closed meanwhile (its pool shut down): read on a thread of our own
             threading.Thread(target=self._read, name=f"ww-push-{self.address}", daemon=True).start()
 
     def read_here(self) -> None:
@@ -215,7 +217,11 @@ class WorkerStream:
         recorded = e.time.seconds + e.time.nanos / 1e9
         # Its record of this update: this version, made after the header went out (an older one of
         # the same version is a previous attempt's), and not the cancellation itself.
-        if e.version == self._header.version and recorded >= self.header_sent_wall and e.reason not in ("CANCELLED", "DEADLINE_EXCEEDED"):
+        if (
+            e.version == self._header.version
+            and recorded >= self.header_sent_wall
+            and e.reason not in ("CANCELLED", "DEADLINE_EXCEEDED")
+        ):
             self.error = WeightwireError(e.reason, e.message, code=e.code or None, worker=self.address)
 
     def _responses(self) -> Iterable[pb.PushWeightsResponse]:
@@ -257,7 +263,9 @@ class WorkerStream:
                     break
             if self.result is None:
                 self.error = WeightwireError(
-                    Reason.RPC_FAILED, "the worker ended the stream without an UpdateResult", worker=self.address
+                    Reason.RPC_FAILED,
+                    "the worker ended the stream without an UpdateResult",
+                    worker=self.address,
                 )
         except grpc.RpcError as e:
             self.error = error_from_rpc(e, worker=self.address)

@@ -161,7 +161,9 @@ class _RankedUpdate:
             source = source_device(self.items)
             setup, exporter = self.driver.prepare(source, opts)
             manifests = setup.manifests
-            unknown = set(planning.check_update(specs, manifests, scope=opts.scope, allow_unowned=opts.allow_unowned))
+            unknown = set(
+                planning.check_update(specs, manifests, scope=opts.scope, allow_unowned=opts.allow_unowned)
+            )
         except Exception as e:
             local_error = e
         digest = None
@@ -193,12 +195,16 @@ class _RankedUpdate:
             RankFailure.of(local_error) if local_error is not None else None,
         )
         records = rank_records.exchange(self.ranks, own, "the update's plan")
-        failed = [(r, rec.error) for r, rec in enumerate(records) if rec.error is not None or rec.digest is None]
+        failed = [
+            (r, rec.error) for r, rec in enumerate(records) if rec.error is not None or rec.digest is None
+        ]
         if failed:
             if local_error is not None:
                 raise local_error
             r, error = failed[0]
-            raise peer_failed(r, (error or RankFailure("INTERNAL", "INTERNAL", "no plan")).to_json(), before_sending=True)
+            raise peer_failed(
+                r, (error or RankFailure("INTERNAL", "INTERNAL", "no plan")).to_json(), before_sending=True
+            )
         message = disagreement(rank_records.digests(records))
         if message:
             raise PlanError(Reason.TRAINER_RANKS_DISAGREE, message)
@@ -235,7 +241,10 @@ class _RankedUpdate:
             bucket_bytes = min(bucket_bytes, exporter.bucket_bytes_limit)
         kept = [(s, t) for s, (_, t) in zip(specs, items, strict=True) if s.name not in unknown]
         plans = planning.plan_buckets(
-            [s for s, _ in kept], planning.owners_by_name(manifests), bucket_bytes=bucket_bytes, align_bytes=pusher.align_bytes
+            [s for s, _ in kept],
+            planning.owners_by_name(manifests),
+            bucket_bytes=bucket_bytes,
+            align_bytes=pusher.align_bytes,
         )
         check_transport_limit(exporter, [p.size_bytes for p in plans])
         self.buckets = [
@@ -258,7 +267,11 @@ class _RankedUpdate:
                 self.exporters.append({owner[a] for a in b.recipients if owner[a] is not None})  # type: ignore[misc]
             else:
                 self.exporters.append(
-                    {r for a in b.recipients if (r := rank_for_device(manifests[a].device, labels, self.sender_rank)) is not None}
+                    {
+                        r
+                        for a in b.recipients
+                        if (r := rank_for_device(manifests[a].device, labels, self.sender_rank)) is not None
+                    }
                 )
         mine_set = set(mine)
 
@@ -271,7 +284,9 @@ class _RankedUpdate:
                     recipients = tuple(a for a in b.recipients if a in mine_set)
                     if recipients:
                         jobs.append(Job(list(b.specs), recipients, b.size_bytes, self._job(g)))
-                local_results = self.driver.run(setup, mine, Jobs(jobs, [self.pool]), self.options, self._gate)
+                local_results = self.driver.run(
+                    setup, mine, Jobs(jobs, [self.pool]), self.options, self._gate
+                )
             else:
                 self._finish_lockstep()
                 self._exchange_outcome(ok=self.problem is None and not self.stopped_all)
@@ -313,7 +328,7 @@ class _RankedUpdate:
     def _finish_lockstep(self) -> None:
         self._advance(len(self.buckets))
 
-    def _bucket_step(self, g: int, stopped: Callable[[], bool], deadline: float) -> PreparedBucket | None:
+    def _bucket_step(self, g: int, stopped: Callable[[], bool], deadline: float) -> PreparedBucket | None:  # noqa: C901 - known; split when next changed
         """Bucket ``g`` on this rank: gather (and pack, if this rank exports it), then the exchange
         that tells every rank whether to go on. Returns what this rank streams, if it streams ``g``."""
         b = self.buckets[g]
@@ -342,7 +357,11 @@ class _RankedUpdate:
                     payload = self._exported_bytes(buf, b.size_bytes)
                 else:
                     prepared = export_staged(
-                        self.exporter, buf, b.size_bytes, self.options.verify_checksums, self._releaser(g, buf)
+                        self.exporter,
+                        buf,
+                        b.size_bytes,
+                        self.options.verify_checksums,
+                        self._releaser(g, buf),
                     )
             except Exception as e:
                 self.problem = f"exporting bucket {g} failed: {type(e).__name__}: {e}"
@@ -404,7 +423,9 @@ class _RankedUpdate:
         head = bytes([1 if crc is not None else 0]) + (crc or 0).to_bytes(4, "big")
         data = head + self.exporter.export(buf, size, label).SerializeToString()
         if len(data) > STEP_SLOT_BYTES - 16:  # refused here, so the step exchange itself still happens
-            raise RuntimeError(f"a payload of {len(data)} bytes does not fit the ranks' {STEP_SLOT_BYTES}-byte step")
+            raise RuntimeError(
+                f"a payload of {len(data)} bytes does not fit the ranks' {STEP_SLOT_BYTES}-byte step"
+            )
         return data
 
     def _with_peer_payloads(
@@ -421,7 +442,9 @@ class _RankedUpdate:
             payload = pb.Payload.FromString(raw[5:])
             want = self.labels[r]
             if want is not None and DeviceRef(payload.device.kind, payload.device.uuid) != want:
-                raise RuntimeError(f"trainer rank {r} sent a payload labelled for another device than it agreed on")
+                raise RuntimeError(
+                    f"trainer rank {r} sent a payload labelled for another device than it agreed on"
+                )
             fixed.append(payload)
             if checksum is None and raw[0] == 1:
                 checksum = crc32_checksum(int.from_bytes(raw[1:5], "big"))
@@ -492,7 +515,9 @@ class _RankedUpdate:
         self.abort_reason = f"trainer rank {r} could not complete the update ({o.why or 'no reason given'})"
         return self.abort_reason
 
-    def _merge(self, results: dict[str, PushResult], failures: dict[str, WeightwireError]) -> dict[str, PushResult]:
+    def _merge(
+        self, results: dict[str, PushResult], failures: dict[str, WeightwireError]
+    ) -> dict[str, PushResult]:
         records = rank_records.exchange(self.ranks, RankResults(results, failures), "every rank's results")
         all_results: dict[str, PushResult] = {}
         root: dict[str, WeightwireError] = {}
@@ -528,9 +553,7 @@ def push_from_ranks(
 ) -> dict[str, PushResult]:
     """Run one multi-rank update from this rank (every rank of ``group`` calls it with the same
     arguments); every rank returns the same results or raises the same error."""
-    return _RankedUpdate(
-        pusher, items, options, group=group, routing=routing, sender_rank=sender_rank
-    ).run()
+    return _RankedUpdate(pusher, items, options, group=group, routing=routing, sender_rank=sender_rank).run()
 
 
 __all__ = ["ROUTINGS", "Routing", "push_from_ranks"]

@@ -28,6 +28,7 @@ from weightwire.core.errors import Reason, WeightwireError
 # the engine gets. Integer and bool tensors are never converted by the single-dtype form.
 CastTo = torch.dtype | Mapping[torch.dtype, torch.dtype] | None
 
+
 class RankLostError(WeightwireError):
     """A collective of the trainer's process group failed: a rank died, or did not take part in time.
 
@@ -63,7 +64,9 @@ def is_dtensor(t: object) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
-def named_items(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+def named_items(
+    named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+) -> list[tuple[str, torch.Tensor]]:
     """A mapping (``state_dict()``), ``(name, tensor)`` pairs or a generator (``named_parameters()``)
     as a list of pairs. Only references are kept: no tensor is copied or gathered here."""
     pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
@@ -76,7 +79,9 @@ def named_items(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str,
                 f"push takes a mapping of name -> tensor or (name, tensor) pairs; got an item of type {type(item).__name__}"
             ) from None
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
-            raise TypeError(f"push takes (name, tensor) pairs; got ({type(name).__name__}, {type(t).__name__})")
+            raise TypeError(
+                f"push takes (name, tensor) pairs; got ({type(name).__name__}, {type(t).__name__})"
+            )
         out.append((name, t))
     return out
 
@@ -99,14 +104,20 @@ def check_cast_to(cast_to: CastTo) -> None:
     if cast_to is None:
         return
     if not isinstance(cast_to, torch.dtype | Mapping):
-        raise TypeError(f"cast_to takes a torch.dtype or a mapping of torch.dtype -> torch.dtype, not {cast_to!r}")
+        raise TypeError(
+            f"cast_to takes a torch.dtype or a mapping of torch.dtype -> torch.dtype, not {cast_to!r}"
+        )
     targets = [cast_to] if isinstance(cast_to, torch.dtype) else list(cast_to.values())
     keys = [] if isinstance(cast_to, torch.dtype) else list(cast_to.keys())
     for d in [*targets, *keys]:
         if not isinstance(d, torch.dtype):
-            raise TypeError(f"cast_to takes a torch.dtype or a mapping of torch.dtype -> torch.dtype, not {d!r}")
+            raise TypeError(
+                f"cast_to takes a torch.dtype or a mapping of torch.dtype -> torch.dtype, not {d!r}"
+            )
     if isinstance(cast_to, torch.dtype) and not cast_to.is_floating_point:
-        raise ValueError(f"cast_to={cast_to} converts floating-point tensors, so it must be a floating-point dtype")
+        raise ValueError(
+            f"cast_to={cast_to} converts floating-point tensors, so it must be a floating-point dtype"
+        )
 
 
 def spec_of(name: str, t: torch.Tensor, cast_to: CastTo = None) -> TensorSpec:
@@ -148,7 +159,9 @@ def default_group(items: Iterable[tuple[str, torch.Tensor]]) -> Any:
     )
 
 
-def single_rank_items(items: list[tuple[str, torch.Tensor]], group: Any) -> list[tuple[str, torch.Tensor]] | None:
+def single_rank_items(
+    items: list[tuple[str, torch.Tensor]], group: Any
+) -> list[tuple[str, torch.Tensor]] | None:
     """The tensors as plain local tensors when the update has one trainer rank (``group`` of one
     member, or DTensors whose meshes all have one device), else None.
 
@@ -214,7 +227,9 @@ class FullTensorWriter:
         except RuntimeError as e:
             raise _lost(name, e) from e
 
-    def _write_gathered(self, name: str, t: Any, dst: torch.Tensor | None, dim: int | None, group: Any, world: int) -> None:
+    def _write_gathered(
+        self, name: str, t: Any, dst: torch.Tensor | None, dim: int | None, group: Any, world: int
+    ) -> None:
         import torch.distributed as dist
 
         local = t.to_local().detach()
@@ -233,7 +248,11 @@ class FullTensorWriter:
             if local.numel():
                 send.narrow(dim, 0, local.shape[dim]).copy_(local)
         direct = (
-            dst is not None and dim == 0 and n == chunk * world and dst.dtype == local.dtype and dst.is_contiguous()
+            dst is not None
+            and dim == 0
+            and n == chunk * world
+            and dst.dtype == local.dtype
+            and dst.is_contiguous()
         )
         out = dst if direct and dst is not None else local.new_empty((world, *padded_shape))
         try:

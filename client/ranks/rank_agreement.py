@@ -50,14 +50,20 @@ class RankGroup:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("a multi-rank push needs torch.distributed to be initialised (init_process_group)")
+            raise ValueError(
+                "a multi-rank push needs torch.distributed to be initialised (init_process_group)"
+            )
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         if self.rank < 0:
             raise ValueError("this process is not a member of the process group passed as group=")
         self.backend = str(dist.get_backend(group))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "nccl"
+            else torch.device("cpu")
+        )
         self.timeout = datetime.timedelta(seconds=max(0.001, float(timeout_s)))
 
     def _all_gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
@@ -91,7 +97,9 @@ class RankGroup:
     def step(self, ok: bool, payload: bytes, what: str) -> list[tuple[bool, bytes]]:
         """One fixed-size slot per rank (one collective): a flag and up to ``STEP_SLOT_BYTES`` bytes."""
         if len(payload) > STEP_SLOT_BYTES - 16:
-            raise ValueError(f"{what}: a payload of {len(payload)} bytes does not fit a {STEP_SLOT_BYTES}-byte step")
+            raise ValueError(
+                f"{what}: a payload of {len(payload)} bytes does not fit a {STEP_SLOT_BYTES}-byte step"
+            )
         slot = torch.zeros(STEP_SLOT_BYTES, dtype=torch.uint8)
         head = torch.tensor([1 if ok else 0, len(payload)], dtype=torch.int64)
         slot[:16] = head.view(torch.uint8)
@@ -104,7 +112,6 @@ class RankGroup:
             length = max(0, min(int(length), STEP_SLOT_BYTES - 16))
             out.append((bool(flag), bytes(rows[i, 16 : 16 + length].numpy().tobytes())))
         return out
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,7 +212,8 @@ def disagreement(digests: Sequence[Mapping[str, Any]]) -> str | None:
         return None
     return (
         "the trainer ranks are not pushing the same update (every rank must call push with the same version, "
-        "scope, endpoints, routing and the same tensors in the same order; nothing was sent):\n  " + "\n  ".join(lines)
+        "scope, endpoints, routing and the same tensors in the same order; nothing was sent):\n  "
+        + "\n  ".join(lines)
     )
 
 
@@ -221,7 +229,11 @@ def error_record(err: BaseException) -> dict[str, str]:
             "code": getattr(first, "code", "UNKNOWN"),
             "message": f"{worker}: {getattr(first, 'message', first)}"[:_MESSAGE_CHARS],
         }
-    return {"reason": Reason.INTERNAL.name, "code": "INTERNAL", "message": f"{type(err).__name__}: {err}"[:_MESSAGE_CHARS]}
+    return {
+        "reason": Reason.INTERNAL.name,
+        "code": "INTERNAL",
+        "message": f"{type(err).__name__}: {err}"[:_MESSAGE_CHARS],
+    }
 
 
 def peer_failed(rank: int, record: Mapping[str, str], before_sending: bool) -> WeightwireError:
@@ -252,7 +264,9 @@ def label_of(text: str | None) -> DeviceRef | None:
     return DeviceRef(int(kind), uuid)
 
 
-def rank_for_device(device: DeviceRef, labels: Sequence[DeviceRef | None], prefer: int | None = None) -> int | None:
+def rank_for_device(
+    device: DeviceRef, labels: Sequence[DeviceRef | None], prefer: int | None = None
+) -> int | None:
     """The rank whose payloads a worker on ``device`` imports: ``prefer`` when its label fits, else the
     lowest such rank. A rank without a label (inline bytes) fits every worker."""
     from weightwire.core.devices import is_own_device

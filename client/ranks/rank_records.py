@@ -111,7 +111,9 @@ class PlanRecord:
         f = _take(d, {"digest": (dict, _NONE), "label": (str, _NONE), "error": (dict, _NONE)})
         digest = None
         if f["digest"] is not None:
-            types = {fl.name: (int if fl.type in ("int", int) else str) for fl in dataclasses.fields(UpdateDigest)}
+            types = {
+                fl.name: (int if fl.type in ("int", int) else str) for fl in dataclasses.fields(UpdateDigest)
+            }
             digest = UpdateDigest(**_take(f["digest"], types))
         label = label_of(f["label"]) if f["label"] is not None else None
         error = RankFailure.from_json(f["error"]) if f["error"] is not None else None
@@ -166,7 +168,12 @@ class RankResults:
 
 
 # JSON types of PushResult's fields as its annotations name them (a float field may arrive as an int).
-_JSON_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (float, int), "str": str, "tuple[str, ...]": list}
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "int": int,
+    "float": (float, int),
+    "str": str,
+    "tuple[str, ...]": list,
+}
 _RESULT_FIELDS: dict[str, type | tuple[type, ...]] = {
     fl.name: _JSON_TYPES[str(fl.type)] for fl in dataclasses.fields(PushResult)
 }

@@ -162,7 +162,9 @@ class ExportedTensors:
     _payloads: dict[tuple[str, bool, bool], pb.Payload] = dataclasses.field(default_factory=dict)
     specs_memo: dict[int, tuple[object, list[object]]] = dataclasses.field(default_factory=dict)
 
-    def payload(self, recipient: str, label: DeviceRef, event_handle: bytes | None, complete: bool) -> pb.Payload:
+    def payload(
+        self, recipient: str, label: DeviceRef, event_handle: bytes | None, complete: bool
+    ) -> pb.Payload:
         """``recipient``'s payload (built once per event mode and completeness, then the same object)."""
         key = (recipient, event_handle is not None, complete)
         msg = self._payloads.get(key)
@@ -213,7 +215,9 @@ class CudaIpcExporter(Exporter):
         # every such payload carries.
         self._shares: dict[int, _StorageShare] = {}
         self._generation = 0
-        self._exported: collections.OrderedDict[tuple[object, ...], ExportedTensors] = collections.OrderedDict()
+        self._exported: collections.OrderedDict[tuple[object, ...], ExportedTensors] = (
+            collections.OrderedDict()
+        )
         self._tensor_event: ProducerEvent | None = None
         self.storages_shared = 0
 
@@ -260,7 +264,9 @@ class CudaIpcExporter(Exporter):
             # Share the whole storage once; every later view into it reuses the same handle (and a
             # worker its cached mapping). Only a weak reference is kept: the caller owns the buffer.
             shared = share_cuda_tensor(whole)
-            known = _WrapShare(weakref.ref(storage), shared.fields, shared.device, shared.device_index, self._new_event())
+            known = _WrapShare(
+                weakref.ref(storage), shared.fields, shared.device, shared.device_index, self._new_event()
+            )
             with self._lock:
                 self._wrapped[key] = known
                 while len(self._wrapped) > _WRAP_CACHE_SIZE:
@@ -282,14 +288,23 @@ class CudaIpcExporter(Exporter):
         if not tensors or len(tensors) > MAX_STORAGES_PER_PAYLOAD:
             return False
         # Whole-list checks (this runs every push): get_device is -1 for a CPU tensor.
-        return {t.get_device() for t in tensors} == {self.device.index} and all(map(torch.Tensor.is_contiguous, tensors))
+        return {t.get_device() for t in tensors} == {self.device.index} and all(
+            map(torch.Tensor.is_contiguous, tensors)
+        )
 
-    def export_tensors(self, tensors: Sequence[torch.Tensor], recipients: Sequence[str]) -> ExportedTensors | None:
+    def export_tensors(
+        self, tensors: Sequence[torch.Tensor], recipients: Sequence[str]
+    ) -> ExportedTensors | None:
         """``tensors`` as views into their own storages (no copy) for each of ``recipients``, or None
         when one cannot be shared (the caller packs them instead). The same tensors in the same
         storages for the same recipients give the same object."""
         storages = [t.untyped_storage() for t in tensors]
-        key = (self._generation, tuple(map(id, storages)), tuple([t.storage_offset() for t in tensors]), tuple(recipients))
+        key = (
+            self._generation,
+            tuple(map(id, storages)),
+            tuple([t.storage_offset() for t in tensors]),
+            tuple(recipients),
+        )
         with self._lock:
             known = self._exported.get(key)
             if known is not None:
@@ -400,7 +415,9 @@ class CudaIpcExporter(Exporter):
                 "holds the bytes",
             )
         if size_bytes > shared.fields.storage_size_bytes:
-            raise ValueError(f"payload of {size_bytes} bytes exceeds the CUDA storage of {shared.fields.storage_size_bytes}")
+            raise ValueError(
+                f"payload of {size_bytes} bytes exceeds the CUDA storage of {shared.fields.storage_size_bytes}"
+            )
         return pb.Payload(device=label.to_proto(), size_bytes=size_bytes, cuda_ipc=buffer.fields.to_proto())
 
     def close(self) -> None:
@@ -422,4 +439,3 @@ class CudaIpcExporter(Exporter):
 def cuda_auto_rule(devices: Sequence[DeviceRef], source: torch.device) -> bool:
     """``transport="auto"`` picks CUDA IPC for tensors on a GPU sent to CUDA workers only."""
     return source.type == "cuda" and bool(devices) and all(d.is_cuda for d in devices)
-

@@ -301,7 +301,9 @@ class HostShmExporter(Exporter):
         seg = buffer.segment if isinstance(buffer, _ShmView) else buffer
         if not isinstance(seg, ShmSegment):
             raise TypeError(f"{self.name} cannot export a {type(buffer).__name__}")
-        return pb.Payload(device=label.to_proto(), size_bytes=size_bytes, host_shm=pb.HostShmHandle(name=seg.name))
+        return pb.Payload(
+            device=label.to_proto(), size_bytes=size_bytes, host_shm=pb.HostShmHandle(name=seg.name)
+        )
 
     def close(self) -> None:
         with self._lock:

@@ -190,7 +190,9 @@ class _Sends:
     session, which discards it when the update fails)."""
 
     def __init__(self, on_failure: Callable[[WeightwireError], None]) -> None:
-        self._queue: queue.SimpleQueue[tuple[TransferGroup, list[Any], str, Callable[[], None]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[TransferGroup, list[Any], str, Callable[[], None]] | None] = (
+            queue.SimpleQueue()
+        )
         self._on_failure = on_failure
         self._thread = threading.Thread(target=self._run, name="ww-group-sends", daemon=True)
         self._thread.start()
@@ -258,7 +260,11 @@ class GroupLink:
     @property
     def device(self) -> torch.device:
         if self.options.backend_value == pb.TRANSFER_BACKEND_NCCL:
-            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
+            return (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cuda")
+            )
         return torch.device("cpu")
 
     @property
@@ -274,7 +280,10 @@ class GroupLink:
     # ---------------------------------------------------------------- forming
 
     def _needs_forming(
-        self, manifests: Mapping[str, ShardManifest], statuses: Mapping[str, pb.GetStatusResponse] | None, max_bytes: int
+        self,
+        manifests: Mapping[str, ShardManifest],
+        statuses: Mapping[str, pb.GetStatusResponse] | None,
+        max_bytes: int,
     ) -> str | None:
         formed = self._formed
         if formed is None or formed.group.closed:
@@ -334,7 +343,11 @@ class GroupLink:
         group: TransferGroup | None = None
         try:
             group = TransferGroup.form(
-                plan.spec, self.identity, listen_host=self.options.host, device=self.device, store=self._store.store
+                plan.spec,
+                self.identity,
+                listen_host=self.options.host,
+                device=self.device,
+                store=self._store.store,
             )
         except WeightwireError as err:
             mine = err
@@ -355,7 +368,12 @@ class GroupLink:
         self._failure = None
         self._sequence = 0
         self.formations += 1
-        log.info("transfer group %s formed: %d workers, %d broadcast subgroups", plan.group_id, len(manifests), len(plan.spec.subgroups))
+        log.info(
+            "transfer group %s formed: %d workers, %d broadcast subgroups",
+            plan.group_id,
+            len(manifests),
+            len(plan.spec.subgroups),
+        )
 
     # ---------------------------------------------------------------- tearing down
 
@@ -428,7 +446,9 @@ class GroupLink:
         if formed is None:
             raise WeightwireError(Reason.GROUP_NOT_JOINED, "the transfer group is not formed")
         return [
-            dataclasses.replace(job, prepare=self._routed_prepare(job, formed, manifests, sources, verify_checksums))
+            dataclasses.replace(
+                job, prepare=self._routed_prepare(job, formed, manifests, sources, verify_checksums)
+            )
             for job in jobs
         ]
 
@@ -451,19 +471,33 @@ class GroupLink:
             if direct is not None:
                 flats = dict(zip((sp.name for sp in job.specs), direct, strict=True))
                 return self._bucket(
-                    job, lambda specs: _direct_segments(specs, [flats[sp.name] for sp in specs]), formed, manifests,
-                    subgroup, 0, None, lambda ok: None,
+                    job,
+                    lambda specs: _direct_segments(specs, [flats[sp.name] for sp in specs]),
+                    formed,
+                    manifests,
+                    subgroup,
+                    0,
+                    None,
+                    lambda ok: None,
                 )
             prepared = inner(stopped, deadline)
             try:
                 staged = prepared.staged
                 if staged is None:
-                    raise WeightwireError(Reason.TRANSPORT_UNAVAILABLE, "a transfer-group bucket needs its staged buffer")
+                    raise WeightwireError(
+                        Reason.TRANSPORT_UNAVAILABLE, "a transfer-group bucket needs its staged buffer"
+                    )
                 base = prepared.base_offset_bytes
                 data = staged.tensor()
                 return self._bucket(
-                    job, lambda specs: _packed_segments(specs, data, base), formed, manifests, subgroup, base,
-                    prepared.checksum, prepared.release,
+                    job,
+                    lambda specs: _packed_segments(specs, data, base),
+                    formed,
+                    manifests,
+                    subgroup,
+                    base,
+                    prepared.checksum,
+                    prepared.release,
                 )
             except BaseException:
                 prepared.release(False)
@@ -510,11 +544,17 @@ class GroupLink:
         if subgroup is not None:
             segments = segments_of(job.specs)
             handle = pb.TransferGroupHandle(
-                group_id=gid, mode=pb.TRANSFER_MODE_BROADCAST, source_rank=group.rank, subgroup_id=subgroup,
-                sequence=seq, ranges=_byte_ranges([(g.offset, g.size) for g in segments]),
+                group_id=gid,
+                mode=pb.TRANSFER_MODE_BROADCAST,
+                source_rank=group.rank,
+                subgroup_id=subgroup,
+                sequence=seq,
+                ranges=_byte_ranges([(g.offset, g.size) for g in segments]),
             )
             for a in job.recipients:
-                payloads[a] = pb.Payload(device=manifests[a].device.to_proto(), size_bytes=size, transfer_group=handle)
+                payloads[a] = pb.Payload(
+                    device=manifests[a].device.to_proto(), size_bytes=size, transfer_group=handle
+                )
         else:
             # Only the tensors a worker owns travel to it (shard-aware, no padding); workers that
             # own the same tensors share one list of messages.
@@ -526,10 +566,15 @@ class GroupLink:
                     by_owned[names] = segments_of([sp for sp in job.specs if sp.name in owned])
                 mine = by_owned[names]
                 handle = pb.TransferGroupHandle(
-                    group_id=gid, mode=pb.TRANSFER_MODE_POINT_TO_POINT, source_rank=group.rank, sequence=seq,
+                    group_id=gid,
+                    mode=pb.TRANSFER_MODE_POINT_TO_POINT,
+                    source_rank=group.rank,
+                    sequence=seq,
                     ranges=_byte_ranges([(g.offset, g.size) for g in mine]),
                 )
-                payloads[a] = pb.Payload(device=manifests[a].device.to_proto(), size_bytes=size, transfer_group=handle)
+                payloads[a] = pb.Payload(
+                    device=manifests[a].device.to_proto(), size_bytes=size, transfer_group=handle
+                )
                 sends.append((a, mine))
         released = threading.Lock()
 
@@ -556,7 +601,9 @@ class GroupLink:
                 self._send_failed(err)
                 return
             except Exception as e:
-                self._send_failed(WeightwireError(Reason.TRANSFER_FAILED, f"posting the sends of bucket {seq}: {e!r}"))
+                self._send_failed(
+                    WeightwireError(Reason.TRANSFER_FAILED, f"posting the sends of bucket {seq}: {e!r}")
+                )
                 return
             self._sends.add(group, works, what, lambda: release_once(True))
 
@@ -567,7 +614,13 @@ class GroupLink:
             release_once(ok)
 
         return PreparedBucket(
-            [], None, checksum, release_routed, base_offset_bytes=base, per_recipient=payloads.__getitem__, on_sent=on_sent
+            [],
+            None,
+            checksum,
+            release_routed,
+            base_offset_bytes=base,
+            per_recipient=payloads.__getitem__,
+            on_sent=on_sent,
         )
 
 
@@ -595,7 +648,9 @@ def _packed_segments(specs: Sequence[TensorSpec], data: torch.Tensor, base: int)
         last = out[-1] if out else None
         if last is not None and last.offset + last.size == offset:
             size = last.size + spec.nbytes
-            out[-1] = _Segment(last.offset, size, (*last.names, spec.name), data[last.offset : last.offset + size])
+            out[-1] = _Segment(
+                last.offset, size, (*last.names, spec.name), data[last.offset : last.offset + size]
+            )
         else:
             out.append(_Segment(offset, spec.nbytes, (spec.name,), data[offset : offset + spec.nbytes]))
     return out
@@ -615,7 +670,9 @@ def _direct_segments(specs: Sequence[TensorSpec], flats: Sequence[torch.Tensor])
         start, end = first.offset_bytes, last.offset_bytes + last.nbytes
         buf = torch.empty(end - start, dtype=torch.uint8, device=flats[run[0]].device)
         for i in run:
-            buf[specs[i].offset_bytes - start : specs[i].offset_bytes - start + specs[i].nbytes].copy_(flats[i])
+            buf[specs[i].offset_bytes - start : specs[i].offset_bytes - start + specs[i].nbytes].copy_(
+                flats[i]
+            )
         out.append(_Segment(start, end - start, tuple(specs[i].name for i in run), buf))
         run.clear()
 

@@ -109,11 +109,13 @@ class CudaIpcFields:
             )
         if self.storage_offset_bytes < 0:
             raise WeightwireError(
-                Reason.INVALID_OFFSET, f"CUDA IPC storage_offset_bytes is negative ({self.storage_offset_bytes})"
+                Reason.INVALID_OFFSET,
+                f"CUDA IPC storage_offset_bytes is negative ({self.storage_offset_bytes})",
             )
         if self.storage_size_bytes <= 0:
             raise WeightwireError(
-                Reason.INVALID_SIZE, f"CUDA IPC storage_size_bytes must be positive, got {self.storage_size_bytes}"
+                Reason.INVALID_SIZE,
+                f"CUDA IPC storage_size_bytes must be positive, got {self.storage_size_bytes}",
             )
         if len(self.event_handle) > MAX_EVENT_HANDLE_BYTES:
             raise WeightwireError(
@@ -130,7 +132,12 @@ class CudaIpcFields:
         """Identity of the exported storage: same allocation, same place, same size, and the same
         producer (its counter file, named after its pid), so a restarted sender can never be
         served a mapping of the process before it."""
-        return (self.memory_handle, self.storage_offset_bytes, self.storage_size_bytes, self.ref_counter_handle)
+        return (
+            self.memory_handle,
+            self.storage_offset_bytes,
+            self.storage_size_bytes,
+            self.ref_counter_handle,
+        )
 
     @property
     def ref_counter(self) -> tuple[bytes, int]:
@@ -199,7 +206,9 @@ class SharedCudaBuffer:
 
     def payload(self) -> pb.Payload:
         """The labelled ``Payload`` for this buffer (the UUID label, never an index)."""
-        return pb.Payload(device=self.device.to_proto(), size_bytes=self.size_bytes, cuda_ipc=self.fields.to_proto())
+        return pb.Payload(
+            device=self.device.to_proto(), size_bytes=self.size_bytes, cuda_ipc=self.fields.to_proto()
+        )
 
 
 def share_cuda_tensor(tensor: torch.Tensor) -> SharedCudaBuffer:
@@ -445,7 +454,9 @@ class CudaIpcCache:
         self._release_counter = release_counter
         self._collect = collect
         self._lock = threading.Lock()
-        self._entries: collections.OrderedDict[tuple[bytes, int, int, bytes, int], _Entry] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[tuple[bytes, int, int, bytes, int], _Entry] = (
+            collections.OrderedDict()
+        )
         self.opens = 0
         self.evictions = 0
         self.event_opens = 0
@@ -479,7 +490,12 @@ class CudaIpcCache:
                     self._release_counter(fields)
                 event = self._event_of(entry, fields, device_index)
                 return OpenedStorage(
-                    entry.flat, device_index, opened=False, open_duration_ns=0, ready_event=event, view_memo=entry.view_memo
+                    entry.flat,
+                    device_index,
+                    opened=False,
+                    open_duration_ns=0,
+                    ready_event=event,
+                    view_memo=entry.view_memo,
                 )
             start = time.perf_counter_ns()
             flat = self._opener(fields, device_index)
@@ -505,7 +521,9 @@ class CudaIpcCache:
         if error is not None:
             del flat
             raise error
-        return OpenedStorage(flat, device_index, opened=True, open_duration_ns=took, ready_event=event, view_memo=memo)
+        return OpenedStorage(
+            flat, device_index, opened=True, open_duration_ns=took, ready_event=event, view_memo=memo
+        )
 
     def _event_of(self, entry: _Entry, fields: CudaIpcFields, device_index: int) -> ReadyEvent | None:
         key = fields.event_key

@@ -134,12 +134,20 @@ class CudaIpcStorageSet:
             offsets.append(at)
             end = at + fields.storage_size_bytes
         out = cls(
-            tuple(storages), tuple(offsets), bytes(msg.event_handle), bool(msg.event_sync_required), bool(msg.storages_complete)
+            tuple(storages),
+            tuple(offsets),
+            bytes(msg.event_handle),
+            bool(msg.event_sync_required),
+            bool(msg.storages_complete),
         )
         if len(out.event_handle) > MAX_EVENT_HANDLE_BYTES:
-            raise WeightwireError(Reason.HANDLE_MISSING, f"CUDA IPC event_handle is {len(out.event_handle)} bytes, too long")
+            raise WeightwireError(
+                Reason.HANDLE_MISSING, f"CUDA IPC event_handle is {len(out.event_handle)} bytes, too long"
+            )
         if out.event_sync_required and not out.event_handle:
-            raise WeightwireError(Reason.HANDLE_MISSING, "CUDA IPC payload requires an event sync but carries no event_handle")
+            raise WeightwireError(
+                Reason.HANDLE_MISSING, "CUDA IPC payload requires an event sync but carries no event_handle"
+            )
         return out
 
 
@@ -185,7 +193,9 @@ class StorageSetCache:
         event_opener: EventOpener = open_producer_event,
     ) -> None:
         if capacity < MAX_STORAGES_PER_PAYLOAD:
-            raise ValueError(f"storage capacity must hold one payload's storages ({MAX_STORAGES_PER_PAYLOAD})")
+            raise ValueError(
+                f"storage capacity must hold one payload's storages ({MAX_STORAGES_PER_PAYLOAD})"
+            )
         self._capacity = capacity
         self._opener = opener
         self._collect = collect
@@ -195,7 +205,9 @@ class StorageSetCache:
         self._last: tuple[pb.CudaIpcHandle, bytes, CudaIpcStorageSet] | None = None
         self._sets: collections.OrderedDict[tuple[bytes, int], OpenedStorageSet] = collections.OrderedDict()
         # One mapping per storage share and device, with the sets holding it.
-        self._flats: dict[tuple[tuple[bytes, int, int, bytes, int], int], tuple[torch.Tensor, set[tuple[bytes, int]]]] = {}
+        self._flats: dict[
+            tuple[tuple[bytes, int, int, bytes, int], int], tuple[torch.Tensor, set[tuple[bytes, int]]]
+        ] = {}
         self.opens = 0
         self.event_opens = 0
         self.dropped_storages = 0
@@ -284,7 +296,9 @@ class StorageSetCache:
         dropped: list[object] = []
         with self._lock:
             if self._sets.get(set_key) is not entry:
-                raise WeightwireError(Reason.HANDLE_OPEN_FAILED, "CUDA IPC storage set used after it was dropped")
+                raise WeightwireError(
+                    Reason.HANDLE_OPEN_FAILED, "CUDA IPC storage set used after it was dropped"
+                )
             known = self._flats.get(skey)
             if known is None:
                 while len(self._flats) >= self._capacity and len(self._sets) > 1:

@@ -158,7 +158,9 @@ def for_local_buffer(device_type: str) -> Transport:
     raise LookupError(f"no transport exports buffers on {device_type} in place")
 
 
-HOST_WORKER_TRANSPORTS: tuple[pb.TransportKind.ValueType, ...] = tuple(t.kind for t in TRANSPORTS if _HOST in t.worker_kinds)
+HOST_WORKER_TRANSPORTS: tuple[pb.TransportKind.ValueType, ...] = tuple(
+    t.kind for t in TRANSPORTS if _HOST in t.worker_kinds
+)
 
 
 __all__ = [

@@ -76,13 +76,20 @@ class StoreServer:
         except OSError as e:
             sock.close()
             raise WeightwireError(
-                Reason.GROUP_STORE_UNREACHABLE, f"cannot listen for the rendezvous store on {host}:{port}: {e.strerror or e}"
+                Reason.GROUP_STORE_UNREACHABLE,
+                f"cannot listen for the rendezvous store on {host}:{port}: {e.strerror or e}",
             ) from None
         self.host = host
         self.port: int = sock.getsockname()[1]
         try:
             self.store = torch.distributed.TCPStore(
-                host, self.port, None, True, _timedelta(timeout_s), wait_for_workers=False, master_listen_fd=sock.fileno()
+                host,
+                self.port,
+                None,
+                True,
+                _timedelta(timeout_s),
+                wait_for_workers=False,
+                master_listen_fd=sock.fileno(),
             )
         except BaseException:
             sock.close()
@@ -175,7 +182,12 @@ def store_sockets(address: str) -> set[int]:
             continue
         try:
             peer = probe.getpeername()
-            if probe.type == socket.SOCK_STREAM and isinstance(peer, tuple) and peer[1] == port and _same_host(peer[0], host):
+            if (
+                probe.type == socket.SOCK_STREAM
+                and isinstance(peer, tuple)
+                and peer[1] == port
+                and _same_host(peer[0], host)
+            ):
                 found.add(fd)
         except OSError:
             pass
@@ -216,7 +228,9 @@ def shut_down_sockets(fds: set[int]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _gloo(store: Any, rank: int, size: int, timeout: datetime.timedelta, listen_host: str, device: torch.device) -> Any:
+def _gloo(
+    store: Any, rank: int, size: int, timeout: datetime.timedelta, listen_host: str, device: torch.device
+) -> Any:
     opts = torch.distributed.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = timeout
     # The device decides the address gloo's own sockets bind to (ephemeral ports on that address).
@@ -244,10 +258,14 @@ def check_backend(backend: int, device: torch.device) -> None:
                 backend="nccl",
             )
     elif not torch.distributed.is_gloo_available():
-        raise WeightwireError(Reason.TRANSPORT_UNAVAILABLE, "this build of torch has no gloo backend", backend="gloo")
+        raise WeightwireError(
+            Reason.TRANSPORT_UNAVAILABLE, "this build of torch has no gloo backend", backend="gloo"
+        )
 
 
-def _nccl(store: Any, rank: int, size: int, timeout: datetime.timedelta, listen_host: str, device: torch.device) -> Any:
+def _nccl(
+    store: Any, rank: int, size: int, timeout: datetime.timedelta, listen_host: str, device: torch.device
+) -> Any:
     # NCCL picks its own interfaces (NCCL_SOCKET_IFNAME); listen_host does not apply.
     check_backend(pb.TRANSFER_BACKEND_NCCL, device)
     opts = torch.distributed.ProcessGroupNCCL.Options()
@@ -294,7 +312,9 @@ def _record(identity: MemberIdentity, rank: int) -> bytes:
 class _Rendezvous:
     """The store side of forming one group: claims, checks and the shared abort flag."""
 
-    def __init__(self, store: Any, spec: pb.TransferGroupSpec, rank: int, me: MemberIdentity, deadline: float) -> None:
+    def __init__(
+        self, store: Any, spec: pb.TransferGroupSpec, rank: int, me: MemberIdentity, deadline: float
+    ) -> None:
         self.store = store
         self.spec = spec
         self.rank = rank
@@ -338,7 +358,8 @@ class _Rendezvous:
                 ranks = [k.rpartition("/")[2] for k in missing]
                 described = ", ".join(
                     f"{r} ({MemberIdentity.from_proto(self.spec.members[int(r)]).describe()})"
-                    for r in ranks[:8] if r.isdigit() and int(r) < len(self.spec.members)
+                    for r in ranks[:8]
+                    if r.isdigit() and int(r) < len(self.spec.members)
                 )
                 raise self.refuse(
                     WeightwireError(
@@ -451,7 +472,12 @@ class TransferGroup:
     broadcast subgroups it is a member of. Build with ``form``; ``close`` destroys it."""
 
     def __init__(
-        self, spec: pb.TransferGroupSpec, rank: int, pg: Any, subgroups: dict[int, tuple[Any, dict[int, int]]], store: Any
+        self,
+        spec: pb.TransferGroupSpec,
+        rank: int,
+        pg: Any,
+        subgroups: dict[int, tuple[Any, dict[int, int]]],
+        store: Any,
     ) -> None:
         self.spec = spec
         self.rank = rank
@@ -510,13 +536,22 @@ class TransferGroup:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WeightwireError(
-                    Reason.GROUP_TIMEOUT, f"group {spec.group_id}: forming took longer than {timeout_s:g} s", group_id=spec.group_id
+                    Reason.GROUP_TIMEOUT,
+                    f"group {spec.group_id}: forming took longer than {timeout_s:g} s",
+                    group_id=spec.group_id,
                 )
             return _timedelta(left)
 
         stage = "connecting the process group"
         try:
-            pg = factory(torch.distributed.PrefixStore("pg", group_store), rank, spec.world_size, remaining(), listen_host, device)
+            pg = factory(
+                torch.distributed.PrefixStore("pg", group_store),
+                rank,
+                spec.world_size,
+                remaining(),
+                listen_host,
+                device,
+            )
             stage = "checking member identities over the group"
             buf_device = staging_device(spec.backend, device)
             mine = _identity_digest(me, rank).to(buf_device)
@@ -565,7 +600,11 @@ class TransferGroup:
     def _group(self) -> Any:
         pg = self._pg
         if pg is None:
-            raise WeightwireError(Reason.GROUP_NOT_JOINED, f"transfer group {self.group_id} was torn down", group_id=self.group_id)
+            raise WeightwireError(
+                Reason.GROUP_NOT_JOINED,
+                f"transfer group {self.group_id} was torn down",
+                group_id=self.group_id,
+            )
         return pg
 
     def subgroup_of(self, subgroup_id: int) -> tuple[Any, dict[int, int]]:
@@ -588,7 +627,9 @@ class TransferGroup:
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
         group = self._group()
-        return self._posted(lambda: group.recv([tensor], src, tag), f"posting a receive from group rank {src}")
+        return self._posted(
+            lambda: group.recv([tensor], src, tag), f"posting a receive from group rank {src}"
+        )
 
     def broadcast(self, tensor: torch.Tensor, subgroup_id: int) -> Any:
         """Post this member's part of a broadcast in ``subgroup_id`` from the subgroup's root."""
@@ -598,7 +639,9 @@ class TransferGroup:
         opts.rootRank = local[sg.root_rank]  # type: ignore[union-attr]
         opts.rootTensor = 0
         opts.timeout = self.timeout
-        return self._posted(lambda: pg.broadcast([tensor], opts), f"posting a broadcast in subgroup {subgroup_id}")
+        return self._posted(
+            lambda: pg.broadcast([tensor], opts), f"posting a broadcast in subgroup {subgroup_id}"
+        )
 
     def _posted(self, post: Callable[[], Any], what: str) -> Any:
         """``post()``'s work; TRANSFER_FAILED when posting itself fails (a peer that is already gone

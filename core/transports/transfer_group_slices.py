@@ -59,7 +59,11 @@ class GroupRanks:
 
 
 def messages(
-    plan: TransferPlan, source: int, worker: str, max_message_bytes: int, direct_min_bytes: int = DIRECT_MIN_BYTES
+    plan: TransferPlan,
+    source: int,
+    worker: str,
+    max_message_bytes: int,
+    direct_min_bytes: int = DIRECT_MIN_BYTES,
 ) -> list[list[Transfer]]:
     """The transfers ``source`` sends ``worker``, in plan order, grouped into messages. A transfer
     of whole rows (``Transfer.rows``) of at least ``direct_min_bytes`` is a message of its own, sent
@@ -125,13 +129,21 @@ def _buffer(staging: dict[Any, torch.Tensor] | None, key: Any, nbytes: int) -> t
 
 
 def _view(buf: torch.Tensor, offset: int, t: Transfer, dtype: torch.dtype) -> torch.Tensor:
-    return buf[offset:offset + t.nbytes].view(dtype).view([b - a for a, b in t.box])
+    return buf[offset : offset + t.nbytes].view(dtype).view([b - a for a, b in t.box])
 
 
 def send_slices(
-    pg: Any, plan: TransferPlan, ranks: GroupRanks, source: int, local: Mapping[str, torch.Tensor],
-    holdings: Mapping[str, Box], *, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    staging: dict[Any, torch.Tensor] | None = None, direct_min_bytes: int = DIRECT_MIN_BYTES,
+    pg: Any,
+    plan: TransferPlan,
+    ranks: GroupRanks,
+    source: int,
+    local: Mapping[str, torch.Tensor],
+    holdings: Mapping[str, Box],
+    *,
+    timeout_s: float,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    staging: dict[Any, torch.Tensor] | None = None,
+    direct_min_bytes: int = DIRECT_MIN_BYTES,
 ) -> int:
     """Send what the plan gives trainer rank ``source``: ``local[name]`` is its shard of tensor
     ``name``, the region ``holdings[name]`` of the full tensor. Each region is copied once, into its
@@ -143,16 +155,22 @@ def send_slices(
                 t = message[0]
                 shard = local[t.tensor]
                 view = _region(shard, t.box, [a for a, _ in holdings[t.tensor]]).contiguous()  # no copy: rows
-                works.append(_post(lambda v=view, w=worker: pg.send([v], ranks.of_worker(w), 0), f"send to {worker}"))
+                works.append(
+                    _post(lambda v=view, w=worker: pg.send([v], ranks.of_worker(w), 0), f"send to {worker}")
+                )
                 sent += t.nbytes
                 continue
             buf = _buffer(staging, (worker, index), sum(t.nbytes for t in message))
             offset = 0
             for t in message:
                 shard = local[t.tensor]
-                _view(buf, offset, t, shard.dtype).copy_(_region(shard, t.box, [a for a, _ in holdings[t.tensor]]))
+                _view(buf, offset, t, shard.dtype).copy_(
+                    _region(shard, t.box, [a for a, _ in holdings[t.tensor]])
+                )
                 offset += t.nbytes
-            works.append(_post(lambda b=buf, w=worker: pg.send([b], ranks.of_worker(w), 0), f"send to {worker}"))
+            works.append(
+                _post(lambda b=buf, w=worker: pg.send([b], ranks.of_worker(w), 0), f"send to {worker}")
+            )
             sent += buf.numel()
     for work in works:
         _wait(work, timeout_s, "a send")
@@ -195,9 +213,17 @@ def kept_region(kept: torch.Tensor, owned: OwnedTensor, box: Box) -> torch.Tenso
 
 
 def receive_slices(
-    pg: Any, plan: TransferPlan, ranks: GroupRanks, worker: str, kept: Mapping[str, torch.Tensor],
-    owned: Mapping[str, OwnedTensor], *, timeout_s: float, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    staging: dict[Any, torch.Tensor] | None = None, direct_min_bytes: int = DIRECT_MIN_BYTES,
+    pg: Any,
+    plan: TransferPlan,
+    ranks: GroupRanks,
+    worker: str,
+    kept: Mapping[str, torch.Tensor],
+    owned: Mapping[str, OwnedTensor],
+    *,
+    timeout_s: float,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    staging: dict[Any, torch.Tensor] | None = None,
+    direct_min_bytes: int = DIRECT_MIN_BYTES,
 ) -> int:
     """Receive every region the plan sends ``worker`` into ``kept`` (by tensor name). Returns the
     bytes received."""
@@ -205,13 +231,31 @@ def receive_slices(
     for source in range(ranks.trainers):
         for index, message in enumerate(messages(plan, source, worker, max_message_bytes, direct_min_bytes)):
             t = message[0]
-            if _direct(t, direct_min_bytes) and (region := kept_region(kept[t.tensor], owned[t.tensor], t.box)).is_contiguous():
-                posted.append((_post(lambda r=region, s=source: pg.recv([r], s, 0), f"receive from trainer rank {source}"),
-                               None, message))
+            if (
+                _direct(t, direct_min_bytes)
+                and (region := kept_region(kept[t.tensor], owned[t.tensor], t.box)).is_contiguous()
+            ):
+                posted.append(
+                    (
+                        _post(
+                            lambda r=region, s=source: pg.recv([r], s, 0),
+                            f"receive from trainer rank {source}",
+                        ),
+                        None,
+                        message,
+                    )
+                )
                 continue
             staged = _buffer(staging, (source, index), sum(t.nbytes for t in message))
-            posted.append((_post(lambda b=staged, s=source: pg.recv([b], s, 0), f"receive from trainer rank {source}"),
-                           staged, message))
+            posted.append(
+                (
+                    _post(
+                        lambda b=staged, s=source: pg.recv([b], s, 0), f"receive from trainer rank {source}"
+                    ),
+                    staged,
+                    message,
+                )
+            )
     received = 0
     for work, into, message in posted:
         _wait(work, timeout_s, f"a receive from trainer rank {message[0].source}")

@@ -56,7 +56,10 @@ Placement = Shard | Replicate
 
 
 def dtensor_box(
-    shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement], coordinate: Sequence[int]
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+    coordinate: Sequence[int],
 ) -> Box | None:
     """The box the rank at ``coordinate`` of a device mesh holds of a DTensor of global ``shape``,
     or None when its chunk is empty. Placements apply in mesh-dimension order, each splitting what
@@ -64,7 +67,9 @@ def dtensor_box(
     chunk, the last chunks short or empty). FSDP2 over TP uses ``_StridedShard`` for a tensor dimension
     sharded by both; that order is not this one, and such a trainer must state its boxes directly."""
     if not len(mesh_shape) == len(placements) == len(coordinate):
-        raise ValueError(f"mesh {tuple(mesh_shape)}, placements {tuple(placements)} and coordinate {tuple(coordinate)} differ in length")
+        raise ValueError(
+            f"mesh {tuple(mesh_shape)}, placements {tuple(placements)} and coordinate {tuple(coordinate)} differ in length"
+        )
     box = [(0, int(n)) for n in shape]
     for size, placement, index in zip(mesh_shape, placements, coordinate, strict=True):
         if not 0 <= index < size:
@@ -116,7 +121,7 @@ def byte_runs(box: Box, shape: Sequence[int], itemsize: int) -> list[tuple[int, 
     while split > 0 and box[split] == (0, shape[split]):
         split -= 1
     inner = itemsize
-    for n in shape[split + 1:]:
+    for n in shape[split + 1 :]:
         inner *= n
     run = (box[split][1] - box[split][0]) * inner
     strides = [0] * len(shape)
@@ -148,7 +153,12 @@ class TensorSpec:
 
     @classmethod
     def dtensor(
-        cls, name: str, shape: Sequence[int], dtype: int, mesh_shape: Sequence[int], placements: Sequence[Placement],
+        cls,
+        name: str,
+        shape: Sequence[int],
+        dtype: int,
+        mesh_shape: Sequence[int],
+        placements: Sequence[Placement],
         ranks: Sequence[int] | None = None,
     ) -> TensorSpec:
         """Holdings of a DTensor over a mesh whose coordinates, in row-major order, are ``ranks``
@@ -182,7 +192,9 @@ class Transfer:
         """Whether ``box`` is a range of rows (every dimension after the first whole): then it is
         one contiguous run in the full tensor, in a ``Shard(0)`` holding and in a worker's tensor
         kept as rows, so it can travel without packing."""
-        return len(self.shape) > 0 and all(iv == (0, n) for iv, n in zip(self.box[1:], self.shape[1:], strict=True))
+        return len(self.shape) > 0 and all(
+            iv == (0, n) for iv, n in zip(self.box[1:], self.shape[1:], strict=True)
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +231,9 @@ class _Grid:
     def __init__(self, spec: TensorSpec) -> None:
         self.cuts = [sorted({0, n}) for n in spec.shape]
         for rank, box in spec.holdings.items():
-            if len(box) != len(spec.shape) or any(not 0 <= a < b <= n for (a, b), n in zip(box, spec.shape, strict=False)):
+            if len(box) != len(spec.shape) or any(
+                not 0 <= a < b <= n for (a, b), n in zip(box, spec.shape, strict=False)
+            ):
                 raise TransferPlanError(
                     Reason.INVALID_SHAPE,
                     f"{spec.name}: trainer rank {rank} states it holds {box}, not a box of shape {spec.shape}",
@@ -241,8 +255,12 @@ class _Grid:
         """The cells ``box`` overlaps, each with its intersection with ``box``."""
         spans = [self._span(d, iv) for d, iv in enumerate(box)]
         for cell in itertools.product(*spans):
-            yield cell, tuple(
-                (max(self.cuts[d][i], box[d][0]), min(self.cuts[d][i + 1], box[d][1])) for d, i in enumerate(cell)
+            yield (
+                cell,
+                tuple(
+                    (max(self.cuts[d][i], box[d][0]), min(self.cuts[d][i + 1], box[d][1]))
+                    for d, i in enumerate(cell)
+                ),
             )
 
 

@@ -44,7 +44,12 @@ from weightwire.core.transports.transfer_plan import (
 )
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-DTYPES = {"bf16": pb.DTYPE_BFLOAT16, "fp16": pb.DTYPE_FLOAT16, "fp32": pb.DTYPE_FLOAT32, "fp8": pb.DTYPE_FLOAT8_E4M3FN}
+DTYPES = {
+    "bf16": pb.DTYPE_BFLOAT16,
+    "fp16": pb.DTYPE_FLOAT16,
+    "fp32": pb.DTYPE_FLOAT32,
+    "fp8": pb.DTYPE_FLOAT8_E4M3FN,
+}
 TRAINER_LAYOUTS = ("fsdp", "fsdp+tp", "single")
 
 
@@ -102,6 +107,7 @@ class Fleet:
 
 def fleet_from(description: Mapping[str, Any], model: ModelShapes) -> Fleet:
     """A ``Fleet`` from a parsed description (``trainer``, ``engine``, ``network`` tables)."""
+
     def table(cls: type, key: str, required: bool = True) -> Any:
         raw = description.get(key)
         if raw is None and not required:
@@ -117,8 +123,13 @@ def fleet_from(description: Mapping[str, Any], model: ModelShapes) -> Fleet:
         except TypeError as e:
             raise FleetError(f"{key}: {e}") from None
 
-    fleet = Fleet(model, table(Trainer, "trainer"), table(Engine, "engine"), table(Network, "network", False),
-                  str(description.get("model_dtype", "bf16")))
+    fleet = Fleet(
+        model,
+        table(Trainer, "trainer"),
+        table(Engine, "engine"),
+        table(Network, "network", False),
+        str(description.get("model_dtype", "bf16")),
+    )
     _check(fleet)
     return fleet
 
@@ -127,10 +138,18 @@ def _check(f: Fleet) -> None:
     t, e, m = f.trainer, f.engine, f.model
     if t.layout not in TRAINER_LAYOUTS:
         raise FleetError(f"trainer.layout {t.layout!r}: one of {TRAINER_LAYOUTS}")
-    for what, value in (("trainer.gpus", t.gpus), ("trainer.gpus_per_node", t.gpus_per_node), ("trainer.tp", t.tp),
-                        ("trainer.ep", t.ep), ("engine.tp", e.tp), ("engine.pp", e.pp), ("engine.dp", e.dp),
-                        ("engine.ep", e.ep), ("engine.gpus_per_node", e.gpus_per_node),
-                        ("network.nics_per_node", f.network.nics_per_node)):
+    for what, value in (
+        ("trainer.gpus", t.gpus),
+        ("trainer.gpus_per_node", t.gpus_per_node),
+        ("trainer.tp", t.tp),
+        ("trainer.ep", t.ep),
+        ("engine.tp", e.tp),
+        ("engine.pp", e.pp),
+        ("engine.dp", e.dp),
+        ("engine.ep", e.ep),
+        ("engine.gpus_per_node", e.gpus_per_node),
+        ("network.nics_per_node", f.network.nics_per_node),
+    ):
         if not isinstance(value, int) or value < 1:
             raise FleetError(f"{what} must be a positive integer, got {value!r}")
     if t.gpus % t.tp or t.gpus % t.ep:
@@ -147,6 +166,7 @@ def _check(f: Fleet) -> None:
 
 
 # --- workers: ids, places, slice geometry -----------------------------------------------------
+
 
 def workers(e: Engine) -> list[tuple[str, int, int]]:
     """(worker id, pipeline stage, TP rank) of every engine worker, in the order of their GPUs
@@ -215,9 +235,17 @@ def kept_pieces(t: ModelTensor, f: Fleet, tp_rank: int) -> tuple[TensorPiece, ..
         if (tp % kv if tp >= kv else kv % tp) or heads % tp:
             raise FleetError(f"{t.name}: {heads} heads and {kv} k/v heads do not split over {tp} ranks")
         replicas = tp // kv if tp >= kv else 1
-        sizes = _Sizes(out, inp, head_size=m.head_dim, v_head_size=m.head_dim, total_num_heads=heads,
-                       total_num_kv_heads=kv, num_heads=_divide(heads, tp, t.name),
-                       num_kv_heads=max(1, kv // tp), num_kv_head_replicas=replicas)
+        sizes = _Sizes(
+            out,
+            inp,
+            head_size=m.head_dim,
+            v_head_size=m.head_dim,
+            total_num_heads=heads,
+            total_num_kv_heads=kv,
+            num_heads=_divide(heads, tp, t.name),
+            num_kv_heads=max(1, kv // tp),
+            num_kv_head_replicas=replicas,
+        )
         feeds = layer_geometry.qkv(sizes, "weight" if len(t.shape) == 2 else "bias", rank, rank).feeds
         return feeds[0 if t.split == "q" else 1].pieces
     if t.split == "vocab":
@@ -231,6 +259,7 @@ def kept_pieces(t: ModelTensor, f: Fleet, tp_rank: int) -> tuple[TensorPiece, ..
 
 # --- trainer holdings ------------------------------------------------------------------------
 
+
 def _trainer_spec(t: ModelTensor, f: Fleet, dtype: int) -> TensorSpec:
     tr, m = f.trainer, f.model
     if tr.layout == "single":
@@ -243,12 +272,21 @@ def _trainer_spec(t: ModelTensor, f: Fleet, dtype: int) -> TensorSpec:
         ranks = range(tr.gpus)
     if tr.layout == "fsdp" or tr.tp == 1:
         return TensorSpec.dtensor(t.name, t.shape, dtype, (len(ranks),), [Shard(0)], list(ranks))
-    tp_dim = {"column": Shard(0), "q": Shard(0), "kv": Shard(0), "vocab": Shard(0), "row": Shard(len(t.shape) - 1)}
+    tp_dim = {
+        "column": Shard(0),
+        "q": Shard(0),
+        "kv": Shard(0),
+        "vocab": Shard(0),
+        "row": Shard(len(t.shape) - 1),
+    }
     placement = tp_dim.get(t.split, Replicate())
-    return TensorSpec.dtensor(t.name, t.shape, dtype, (len(ranks) // tr.tp, tr.tp), [Shard(0), placement], list(ranks))
+    return TensorSpec.dtensor(
+        t.name, t.shape, dtype, (len(ranks) // tr.tp, tr.tp), [Shard(0), placement], list(ranks)
+    )
 
 
 # --- the plan --------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class FleetPlan:
@@ -293,12 +331,14 @@ def plan_fleet(f: Fleet) -> FleetPlan:
                 owned[w].append(OwnedTensor(rep.name, dtype, rep.shape, pieces))
     host = DeviceRef.host("00000000-0000-0000-0000-000000000000")
     manifests = {
-        w: ShardManifest.build(host, ParallelRank(), tensors, worker_id=w, instance_id=w) for w, tensors in owned.items()
+        w: ShardManifest.build(host, ParallelRank(), tensors, worker_id=w, instance_id=w)
+        for w, tensors in owned.items()
     }
     return FleetPlan(f, plan_transfers(specs, manifests), counts)
 
 
 # --- the prediction --------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Port:

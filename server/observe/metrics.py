@@ -47,9 +47,44 @@ ENV_METRICS_HOST = "WEIGHTWIRE_METRICS_HOST"
 
 STATES = ("CONSISTENT", "UPDATING", "INCONSISTENT")
 # Whole updates: a few milliseconds (a small partial update) to minutes (a large model over a slow path).
-UPDATE_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+UPDATE_SECONDS_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 # One bucket's open or load: from a cached handle (microseconds) to a large copy (seconds).
-BUCKET_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BUCKET_SECONDS_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 _GRPC_CODES = frozenset(code_pb2.Code.keys())
 
@@ -83,56 +118,90 @@ class WorkerMetrics:
         self.registry = registry
         w = ("worker",)
         self._version = Gauge(
-            "weightwire_weights_version", "Weights version the worker's model holds (0: as loaded at start).", w,
-            multiprocess_mode="mostrecent", registry=registry,
+            "weightwire_weights_version",
+            "Weights version the worker's model holds (0: as loaded at start).",
+            w,
+            multiprocess_mode="mostrecent",
+            registry=registry,
         ).labels(worker_id)
         state = Gauge(
-            "weightwire_worker_state", "1 for the worker's current state (CONSISTENT, UPDATING, INCONSISTENT), 0 for the others.",
-            (*w, "state"), multiprocess_mode="mostrecent", registry=registry,
+            "weightwire_worker_state",
+            "1 for the worker's current state (CONSISTENT, UPDATING, INCONSISTENT), 0 for the others.",
+            (*w, "state"),
+            multiprocess_mode="mostrecent",
+            registry=registry,
         )
         self._state = {name: state.labels(worker_id, name) for name in STATES}
         self._open_mappings = Gauge(
-            "weightwire_open_mappings", "Payload mappings the worker holds open (shm segments of an update in progress, cached CUDA IPC handles).",
-            w, multiprocess_mode="mostrecent", registry=registry,
+            "weightwire_open_mappings",
+            "Payload mappings the worker holds open (shm segments of an update in progress, cached CUDA IPC handles).",
+            w,
+            multiprocess_mode="mostrecent",
+            registry=registry,
         ).labels(worker_id)
         self._last_commit = Gauge(
-            "weightwire_last_commit_timestamp_seconds", "Unix time of the worker's last committed update.",
-            w, multiprocess_mode="mostrecent", registry=registry,
+            "weightwire_last_commit_timestamp_seconds",
+            "Unix time of the worker's last committed update.",
+            w,
+            multiprocess_mode="mostrecent",
+            registry=registry,
         ).labels(worker_id)
         self._updates = Counter(
-            "weightwire_updates", "Updates that ended, by outcome (committed, refused, failed, cancelled) and reason (\"\" when committed).",
-            (*w, "outcome", "reason"), registry=registry,
+            "weightwire_updates",
+            'Updates that ended, by outcome (committed, refused, failed, cancelled) and reason ("" when committed).',
+            (*w, "outcome", "reason"),
+            registry=registry,
         )
         self._update_seconds = Histogram(
-            "weightwire_update_duration_seconds", "Duration of updates that began (header accepted), header to commit or failure, by outcome.",
-            (*w, "outcome"), buckets=UPDATE_SECONDS_BUCKETS, registry=registry,
+            "weightwire_update_duration_seconds",
+            "Duration of updates that began (header accepted), header to commit or failure, by outcome.",
+            (*w, "outcome"),
+            buckets=UPDATE_SECONDS_BUCKETS,
+            registry=registry,
         )
         self._open_seconds = Histogram(
-            "weightwire_bucket_open_duration_seconds", "Time to open (or find cached) the payload of each loaded bucket, by transport.",
-            (*w, "transport"), buckets=BUCKET_SECONDS_BUCKETS, registry=registry,
+            "weightwire_bucket_open_duration_seconds",
+            "Time to open (or find cached) the payload of each loaded bucket, by transport.",
+            (*w, "transport"),
+            buckets=BUCKET_SECONDS_BUCKETS,
+            registry=registry,
         )
         self._load_seconds = Histogram(
-            "weightwire_bucket_load_duration_seconds", "Time to copy each loaded bucket into the model (device synchronised), by transport.",
-            (*w, "transport"), buckets=BUCKET_SECONDS_BUCKETS, registry=registry,
+            "weightwire_bucket_load_duration_seconds",
+            "Time to copy each loaded bucket into the model (device synchronised), by transport.",
+            (*w, "transport"),
+            buckets=BUCKET_SECONDS_BUCKETS,
+            registry=registry,
         )
         self._buckets = Counter(
-            "weightwire_buckets", "Buckets acked, by transport (\"none\": nothing in it was this worker's).",
-            (*w, "transport"), registry=registry,
+            "weightwire_buckets",
+            'Buckets acked, by transport ("none": nothing in it was this worker\'s).',
+            (*w, "transport"),
+            registry=registry,
         )
         self._bytes = Counter(
-            "weightwire_loaded_bytes", "Bytes copied into the model (every acked bucket, also of updates that failed later).",
-            w, registry=registry,
+            "weightwire_loaded_bytes",
+            "Bytes copied into the model (every acked bucket, also of updates that failed later).",
+            w,
+            registry=registry,
         ).labels(worker_id)
         self._tensors = Counter(
-            "weightwire_loaded_tensors", "Tensors copied into the model.", w, registry=registry,
+            "weightwire_loaded_tensors",
+            "Tensors copied into the model.",
+            w,
+            registry=registry,
         ).labels(worker_id)
         self._handles = Counter(
-            "weightwire_handles_opened", "Payload handles opened (not found in a cache), by transport.",
-            (*w, "transport"), registry=registry,
+            "weightwire_handles_opened",
+            "Payload handles opened (not found in a cache), by transport.",
+            (*w, "transport"),
+            registry=registry,
         )
         self._peer = Counter(
-            "weightwire_peer_device_imports", "Buckets imported from another GPU of the host (allow_peer_device_import).",
-            w, registry=registry,
+            "weightwire_peer_device_imports",
+            "Buckets imported from another GPU of the host (allow_peer_device_import).",
+            w,
+            registry=registry,
         ).labels(worker_id)
         # Series a dashboard expects from the first scrape on, at zero.
         self._updates.labels(worker_id, "committed", "")
@@ -275,7 +344,10 @@ def engine_metrics(
         log.info(
             "weightwire: %s has no %s (its /metrics is not in multiprocess mode), so worker %s records no "
             "metrics; start the engine with metrics on (SGLang: --enable-metrics) or set %s=PORT",
-            engine, ENV_MULTIPROC_DIR, worker_id, ENV_METRICS_PORT,
+            engine,
+            ENV_MULTIPROC_DIR,
+            worker_id,
+            ENV_METRICS_PORT,
         )
         return None
     port: int | None = None
@@ -287,7 +359,9 @@ def engine_metrics(
         # 0: every worker picks a free port (logged below).
         port = base + port_offset if base else 0
         if not 0 <= port < 65536 or base < 0:
-            raise ValueError(f"{ENV_METRICS_PORT}={raw_port!r} + worker index {port_offset} is not a port number")
+            raise ValueError(
+                f"{ENV_METRICS_PORT}={raw_port!r} + worker index {port_offset} is not a port number"
+            )
     # In multiprocess mode the values live in files whatever the registry; a registry is only
     # needed for a port of our own.
     registry = CollectorRegistry() if port is not None else None
@@ -297,5 +371,9 @@ def engine_metrics(
     if port is not None and registry is not None:
         server = serve_metrics(registry, port, env.get(ENV_METRICS_HOST, "127.0.0.1"))
         where = server.url
-    log.info("weightwire: worker %s metrics: %s", worker_id, f"{engine}'s /metrics" if where == "multiprocess" else where)
+    log.info(
+        "weightwire: worker %s metrics: %s",
+        worker_id,
+        f"{engine}'s /metrics" if where == "multiprocess" else where,
+    )
     return EngineMetrics(metrics, where, server)

@@ -48,7 +48,12 @@ log = logging.getLogger(LOGGER_NAME)
 
 _BARE = re.compile(r"[A-Za-z0-9_.:/+\-]+")  # fullmatch: `$` would pass a value ending in a newline
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_LEVELS = {"committed": logging.INFO, "refused": logging.WARNING, "cancelled": logging.WARNING, "failed": logging.ERROR}
+_LEVELS = {
+    "committed": logging.INFO,
+    "refused": logging.WARNING,
+    "cancelled": logging.WARNING,
+    "failed": logging.ERROR,
+}
 
 
 def update_fields(outcome: UpdateOutcome) -> dict[str, str | int | float]:

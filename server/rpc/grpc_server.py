@@ -47,12 +47,14 @@ GROUP_CALL_SLOTS = 4
 
 def _busy(methods: str, what: str) -> Callable[[int], grpc.Status]:
     def refusal(slots: int) -> grpc.Status:
-        return to_rpc_status(WeightwireError(
-            Reason.UPDATE_IN_PROGRESS,
-            f"{slots} {methods} calls are already running on this worker (one of them {what} that is still "
-            "going on); this call was refused without waiting: retry once they ended",
-            busy_calls=str(slots),
-        ))
+        return to_rpc_status(
+            WeightwireError(
+                Reason.UPDATE_IN_PROGRESS,
+                f"{slots} {methods} calls are already running on this worker (one of them {what} that is still "
+                "going on); this call was refused without waiting: retry once they ended",
+                busy_calls=str(slots),
+            )
+        )
 
     return refusal
 
@@ -152,7 +154,9 @@ def serve(
     is_unix = listen.startswith("unix:")
     if is_unix:
         if tls_cert is not None:
-            raise ValueError("TLS is for TCP listeners; a unix socket is protected by its directory's permissions")
+            raise ValueError(
+                "TLS is for TCP listeners; a unix socket is protected by its directory's permissions"
+            )
         _check_unix_path(listen.removeprefix("unix:").removeprefix("//"))
     else:
         host, _ = split_host_port(listen)
@@ -165,7 +169,10 @@ def serve(
             log.warning("serving %s with a token but without TLS: the token travels in clear text", listen)
 
     service = WorkerService(
-        adapter, own_device=own_device or adapter.manifest().device, on_commit=on_commit, idle_timeout_s=idle_timeout_s
+        adapter,
+        own_device=own_device or adapter.manifest().device,
+        on_commit=on_commit,
+        idle_timeout_s=idle_timeout_s,
     )
     if service.transfer_group is not None:
         # Transfer-group sockets listen on this address only (docs/distributed.md).
@@ -175,17 +182,21 @@ def serve(
     # taken is refused at once, never queued behind idle streams or other slow calls.
     stream_pool = futures.ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="weightwire-push")
     update_pool = SlotPool(UPDATE_CALL_SLOTS, "weightwire-update", _busy("PushUpdate", "an update"))
-    group_pool = SlotPool(GROUP_CALL_SLOTS, "weightwire-group", _busy("JoinTransferGroup/LeaveTransferGroup", "a join"))
+    group_pool = SlotPool(
+        GROUP_CALL_SLOTS, "weightwire-group", _busy("JoinTransferGroup/LeaveTransferGroup", "a join")
+    )
     reflection_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightwire-reflection")
     service_prefix = f"/{SERVICE_NAME}/"
-    router = PoolRouter({
-        service_prefix + "PushWeights": stream_pool,
-        # An update (and the wait for an abandoned one) holds its thread for as long as its loads take.
-        service_prefix + "PushUpdate": update_pool,
-        service_prefix + "JoinTransferGroup": group_pool,
-        service_prefix + "LeaveTransferGroup": group_pool,
-        f"/{reflection.SERVICE_NAME}/ServerReflectionInfo": reflection_pool,
-    })
+    router = PoolRouter(
+        {
+            service_prefix + "PushWeights": stream_pool,
+            # An update (and the wait for an abandoned one) holds its thread for as long as its loads take.
+            service_prefix + "PushUpdate": update_pool,
+            service_prefix + "JoinTransferGroup": group_pool,
+            service_prefix + "LeaveTransferGroup": group_pool,
+            f"/{reflection.SERVICE_NAME}/ServerReflectionInfo": reflection_pool,
+        }
+    )
     # The router first: a call refused for its token still passes through its slot and gives it back.
     interceptors: list[grpc.ServerInterceptor] = [router]
     if token:
@@ -209,13 +220,16 @@ def serve(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
 
     def on_state(serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         health_servicer.set("", status)
         health_servicer.set(SERVICE_NAME, status)
 
     service.add_state_listener(on_state)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
     )
 
     if tls_cert is not None and tls_key is not None:
@@ -235,4 +249,6 @@ def serve(
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     server.start()
     log.info("worker %s serving on %s", adapter.manifest().worker_id, address)
-    return RunningServer(server, service, address, private_dir, (stream_pool, update_pool, group_pool, reflection_pool))
+    return RunningServer(
+        server, service, address, private_dir, (stream_pool, update_pool, group_pool, reflection_pool)
+    )

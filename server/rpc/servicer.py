@@ -59,7 +59,8 @@ def to_rpc_status(err: WeightwireError) -> grpc.Status:
     code = code_pb2.Code.Value(err.code) if err.code in code_pb2.Code.keys() else code_pb2.UNKNOWN
     message = clip_utf8(err.message, MAX_MESSAGE_BYTES)
     metadata = {
-        clip_utf8(k, _MAX_METADATA_KEY_BYTES): v for k, v in list(err.metadata.items())[:_MAX_METADATA_ENTRIES]
+        clip_utf8(k, _MAX_METADATA_KEY_BYTES): v
+        for k, v in list(err.metadata.items())[:_MAX_METADATA_ENTRIES]
     }
     status = _status_of(code, message, err.reason, metadata)
     while _trailer_bytes(status) > TRAILER_BUDGET_BYTES and (message or any(metadata.values())):
@@ -79,7 +80,9 @@ class WeightTransferServicer(pb_grpc.WeightTransferServiceServicer):
     def __init__(self, service: WorkerService) -> None:
         self.service = service
 
-    def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestResponse:
+    def GetManifest(
+        self, request: pb.GetManifestRequest, context: grpc.ServicerContext
+    ) -> pb.GetManifestResponse:
         return self.service.get_manifest()
 
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
@@ -122,7 +125,9 @@ class WeightTransferServicer(pb_grpc.WeightTransferServiceServicer):
         except Exception as e:
             _abort_unexpected(context, e)
 
-    def PushUpdate(self, request: pb.PushUpdateRequest, context: grpc.ServicerContext) -> pb.PushUpdateResponse:
+    def PushUpdate(
+        self, request: pb.PushUpdateRequest, context: grpc.ServicerContext
+    ) -> pb.PushUpdateResponse:
         # Every message is here already, so nothing waits for the client: whether it went away is
         # simply whether the call is still active.
         ended = threading.Event()
@@ -147,7 +152,9 @@ def _abort_unexpected(context: grpc.ServicerContext, e: Exception) -> None:
     if not context.is_active():
         return
     log.exception("push failed unexpectedly")
-    context.abort_with_status(to_rpc_status(WeightwireError(Reason.INTERNAL, f"internal error in the worker: {e!r}")))
+    context.abort_with_status(
+        to_rpc_status(WeightwireError(Reason.INTERNAL, f"internal error in the worker: {e!r}"))
+    )
 
 
 def _bearer(metadata: Any) -> str | None:
@@ -169,7 +176,9 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         self._expected = f"Bearer {token}".encode()
 
     def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], handler_call_details: grpc.HandlerCallDetails
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method or ""
         if not method.startswith(f"/{SERVICE_NAME}/"):
@@ -177,7 +186,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         received = _bearer(handler_call_details.invocation_metadata)
         if received is None:
             err = WeightwireError(
-                Reason.MISSING_TOKEN, "this worker requires 'authorization: Bearer <token>' metadata on every call"
+                Reason.MISSING_TOKEN,
+                "this worker requires 'authorization: Bearer <token>' metadata on every call",
             )
         elif hmac.compare_digest(received.encode(), self._expected):
             return continuation(handler_call_details)

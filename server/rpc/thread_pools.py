@@ -66,7 +66,11 @@ def _on_pool(handler: grpc.RpcMethodHandler, pool: futures.ThreadPoolExecutor) -
         return inner(request, context)
 
     setattr(behavior, "experimental_thread_pool", pool)  # noqa: B010 - a function attribute gRPC reads
-    return make(behavior, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    return make(
+        behavior,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def _on_slot(handler: grpc.RpcMethodHandler, pool: SlotPool) -> grpc.RpcMethodHandler:
@@ -83,7 +87,9 @@ def _on_slot(handler: grpc.RpcMethodHandler, pool: SlotPool) -> grpc.RpcMethodHa
                 return None
             if request is None:
                 if context.is_active():
-                    context.abort(grpc.StatusCode.UNIMPLEMENTED, "this method requires exactly one request message")
+                    context.abort(
+                        grpc.StatusCode.UNIMPLEMENTED, "this method requires exactly one request message"
+                    )
                 return None
             return inner(request, context)
         finally:
@@ -91,7 +97,9 @@ def _on_slot(handler: grpc.RpcMethodHandler, pool: SlotPool) -> grpc.RpcMethodHa
 
     setattr(behavior, "experimental_thread_pool", pool)  # noqa: B010 - a function attribute gRPC reads
     return grpc.stream_unary_rpc_method_handler(
-        behavior, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        behavior,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
     )
 
 
@@ -102,7 +110,9 @@ def _refusing(handler: grpc.RpcMethodHandler, status: grpc.Status) -> grpc.RpcMe
         context.abort_with_status(status)
 
     return grpc.stream_unary_rpc_method_handler(
-        behavior, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        behavior,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
     )
 
 

@@ -88,7 +88,9 @@ class BucketLayout:
 
 
 def duplicate_tensor(name: str) -> WeightwireError:
-    return WeightwireError(Reason.DUPLICATE_TENSOR, f"tensor {name!r} arrived twice in this update", tensor=name)
+    return WeightwireError(
+        Reason.DUPLICATE_TENSOR, f"tensor {name!r} arrived twice in this update", tensor=name
+    )
 
 
 def check_structure(msg: pb.Bucket, payloads: Sequence[pb.Payload], seen: Set[str]) -> list[CheckedSpec]:
@@ -110,7 +112,8 @@ def check_structure(msg: pb.Bucket, payloads: Sequence[pb.Payload], seen: Set[st
         check_payload_size(payload, i)
         if payload.WhichOneof("handle") is None:
             raise WeightwireError(
-                Reason.HANDLE_MISSING, f"payload {i} of bucket {msg.index} has no handle (cuda_ipc, host_shm or inline_data)"
+                Reason.HANDLE_MISSING,
+                f"payload {i} of bucket {msg.index} has no handle (cuda_ipc, host_shm or inline_data)",
             )
         for spec in specs:
             check_in_bounds(spec, payload.size_bytes)

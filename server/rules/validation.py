@@ -51,11 +51,15 @@ def check_spec(spec: pb.TensorSpec) -> CheckedSpec:
     torch_dtype = dtypes.to_torch(spec.dtype) if spec.dtype != pb.DTYPE_UNSPECIFIED else None
     if torch_dtype is None:
         raise WeightwireError(
-            Reason.DTYPE_UNSPECIFIED, f"tensor {spec.name!r} has dtype DTYPE_UNSPECIFIED; set it explicitly", tensor=spec.name
+            Reason.DTYPE_UNSPECIFIED,
+            f"tensor {spec.name!r} has dtype DTYPE_UNSPECIFIED; set it explicitly",
+            tensor=spec.name,
         )
     if len(spec.shape) > MAX_DIMS:
         raise WeightwireError(
-            Reason.INVALID_SHAPE, f"tensor {spec.name!r} has {len(spec.shape)} dimensions (at most {MAX_DIMS})", tensor=spec.name
+            Reason.INVALID_SHAPE,
+            f"tensor {spec.name!r} has {len(spec.shape)} dimensions (at most {MAX_DIMS})",
+            tensor=spec.name,
         )
     shape = tuple(int(d) for d in spec.shape)
     # The same verdict in any order of the dimensions: each is bounded, then the whole product is
@@ -79,7 +83,9 @@ def check_spec(spec: pb.TensorSpec) -> CheckedSpec:
         )
     if spec.offset_bytes < 0 or spec.offset_bytes > MAX_BYTES:
         raise WeightwireError(
-            Reason.INVALID_OFFSET, f"tensor {spec.name!r} has offset_bytes {spec.offset_bytes} (must be 0..{MAX_BYTES})", tensor=spec.name
+            Reason.INVALID_OFFSET,
+            f"tensor {spec.name!r} has offset_bytes {spec.offset_bytes} (must be 0..{MAX_BYTES})",
+            tensor=spec.name,
         )
     return CheckedSpec(spec.name, spec.dtype, torch_dtype, shape, spec.offset_bytes, nbytes)
 
@@ -87,7 +93,9 @@ def check_spec(spec: pb.TensorSpec) -> CheckedSpec:
 def check_payload_size(payload: pb.Payload, index: int) -> None:
     if payload.size_bytes < 0 or payload.size_bytes > MAX_BYTES:
         raise WeightwireError(
-            Reason.INVALID_SIZE, f"payload {index} has size_bytes {payload.size_bytes} (must be 0..{MAX_BYTES})", payload=str(index)
+            Reason.INVALID_SIZE,
+            f"payload {index} has size_bytes {payload.size_bytes} (must be 0..{MAX_BYTES})",
+            payload=str(index),
         )
 
 

@@ -116,7 +116,11 @@ def copy_plan(names: Sequence[str], items: Sequence[ViewItem], chunk_bytes: int)
         item = items[k]
         end = item.offset_bytes + item.nbytes
         last = segs[-1] if segs else None
-        if last is not None and item.offset_bytes - last.end <= MAX_GAP_BYTES and last.staging_at + (max(end, last.end) - last.start) <= chunk_bytes:
+        if (
+            last is not None
+            and item.offset_bytes - last.end <= MAX_GAP_BYTES
+            and last.staging_at + (max(end, last.end) - last.start) <= chunk_bytes
+        ):
             # Extend the last segment over the gap (and this tensor).
             grown = Segment(last.start, max(end, last.end), last.staging_at)
             segs[-1] = grown
@@ -198,7 +202,11 @@ def batch_views(mapping: _Fetches, batch: ReadBatch) -> list[torch.Tensor]:
     # A payload of several storages (CUDA IPC of a trainer's own parameters) places each tensor in
     # its own storage, and refuses rather than copies a misaligned one.
     places = isinstance(mapping, PlacesViews)
-    views = mapping.views_of(batch) if isinstance(mapping, PlacesViews) else views_over(base, batch.positions, batch.items)
+    views = (
+        mapping.views_of(batch)
+        if isinstance(mapping, PlacesViews)
+        else views_over(base, batch.positions, batch.items)
+    )
     memo = mapping.view_memo if isinstance(mapping, KeepsViews) else None
     if memo is None:
         return views
@@ -215,7 +223,9 @@ class _Loads(Protocol):
     def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None: ...
 
 
-def batch_load(mapping: object, batch: ReadBatch, views: list[torch.Tensor], adapter: _Loads) -> Callable[[], None]:
+def batch_load(
+    mapping: object, batch: ReadBatch, views: list[torch.Tensor], adapter: _Loads
+) -> Callable[[], None]:
     """The call that loads ``views`` (``batch_views(mapping, batch)``) into ``adapter``.
 
     For remembered views and an adapter with ``prepare_load`` (its checks and slicing up front, the

@@ -48,7 +48,9 @@ class CudaIpcMapping:
 
     def __init__(self, opened: OpenedStorage, source: DeviceRef, peer: bool) -> None:
         self._flat: torch.Tensor | None = opened.flat
-        self._wait_ready: Callable[[], None] | None = opened.wait_ready if opened.ready_event is not None else None
+        self._wait_ready: Callable[[], None] | None = (
+            opened.wait_ready if opened.ready_event is not None else None
+        )
         self.view_memo = opened.view_memo
         self.size_bytes = opened.size_bytes
         self.device_index = opened.device_index
@@ -208,7 +210,9 @@ class CudaIpcImporter(PayloadImporter):
     # (ShardManifest.imports_cuda_ipc_storages).
     imports_storages = True
 
-    def __init__(self, cache: CudaIpcCache | None = None, storage_sets: StorageSetCache | None = None) -> None:
+    def __init__(
+        self, cache: CudaIpcCache | None = None, storage_sets: StorageSetCache | None = None
+    ) -> None:
         self._cache = cache
         self._sets = storage_sets
         self._lock = threading.Lock()
@@ -296,4 +300,3 @@ class CudaIpcImporter(PayloadImporter):
     def release(self) -> None:
         self.cache.release_all()
         self.storage_sets.release_all()
-

@@ -58,8 +58,7 @@ class ImportedPayload(Protocol):
         """zlib CRC-32 of the first ``size_bytes`` bytes (only for verify_checksums)."""
         ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

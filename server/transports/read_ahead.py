@@ -28,6 +28,7 @@ class ReadsAhead(Protocol):
         """Start the transfer of ``payload``'s bytes; its import later finds them under way."""
         ...
 
+
 __all__ = ["MAX_AHEAD", "ReadsAhead", "read_ahead"]
 
 MAX_AHEAD = 4
@@ -50,7 +51,9 @@ def _wants_ahead(req: pb.PushWeightsRequest, importers: Mapping[str, Any]) -> bo
     )
 
 
-def read_ahead(requests: Iterator[pb.PushWeightsRequest], importers: Mapping[str, Any]) -> Iterator[pb.PushWeightsRequest]:
+def read_ahead(
+    requests: Iterator[pb.PushWeightsRequest], importers: Mapping[str, Any]
+) -> Iterator[pb.PushWeightsRequest]:
     """``requests``, read one thread ahead once a bucket needs it (see the module docstring)."""
     for req in requests:
         if not _wants_ahead(req, importers):

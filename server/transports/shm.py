@@ -85,7 +85,9 @@ def _reader_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _READER_POOL
     with _READER_POOL_LOCK:
         if _READER_POOL is None:
-            _READER_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ww-shm-read")
+            _READER_POOL = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="ww-shm-read"
+            )
         return _READER_POOL
 
 
@@ -129,7 +131,9 @@ class _HostShmFile:
 
     def _open_fd(self) -> int:
         if self._fd is None:
-            raise WeightwireError(Reason.HANDLE_OPEN_FAILED, f"shared memory {self.name!r} was already closed")
+            raise WeightwireError(
+                Reason.HANDLE_OPEN_FAILED, f"shared memory {self.name!r} was already closed"
+            )
         return self._fd
 
     def _read(self, dst: torch.Tensor, offset: int) -> None:
@@ -146,7 +150,9 @@ class _HostShmFile:
 
     def fetch(self, batch: ReadBatch) -> torch.Tensor:
         base = self._staging.get(batch.size_bytes)
-        pieces = [(base[seg.staging_at : seg.staging_at + seg.end - seg.start], seg.start) for seg in batch.segments]
+        pieces = [
+            (base[seg.staging_at : seg.staging_at + seg.end - seg.start], seg.start) for seg in batch.segments
+        ]
         if batch.size_bytes < _SPLIT_READ_BYTES:
             self._read_all(pieces)
             return base
@@ -207,7 +213,9 @@ class HostShmImporter(PayloadImporter):
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise WeightwireError(
-                    Reason.HANDLE_OPEN_FAILED, f"shared memory {bare!r} is not a regular file (a segment is one)", name=bare
+                    Reason.HANDLE_OPEN_FAILED,
+                    f"shared memory {bare!r} is not a regular file (a segment is one)",
+                    name=bare,
                 )
             if info.st_size == 0:
                 raise WeightwireError(Reason.INVALID_SIZE, f"shared memory {bare!r} is empty", name=bare)

@@ -79,7 +79,9 @@ class _Received:
     def _buffer(self) -> torch.Tensor:
         recv = self._recv
         if recv is None or recv.buffer is None:
-            raise WeightwireError(Reason.HANDLE_OPEN_FAILED, "the received transfer-group bytes were already released")
+            raise WeightwireError(
+                Reason.HANDLE_OPEN_FAILED, "the received transfer-group bytes were already released"
+            )
         return recv.buffer
 
     def _covered(self, start: int, end: int) -> bool:
@@ -108,7 +110,6 @@ class _Received:
         recv, self._recv = self._recv, None
         if recv is not None:
             self._member.release_buffer(recv)
-
 
 
 class GroupImporter(PayloadImporter):

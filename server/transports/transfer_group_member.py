@@ -130,9 +130,13 @@ class JoinedGroup:
                 f"the bucket names transfer group {clip(h.group_id, 80)!r}, but this worker is in group {spec.group_id}; form the group again",
                 group_id=clip(h.group_id, 80),
             )
-        if not 0 <= h.source_rank < spec.world_size or spec.members[h.source_rank].role != pb.TRANSFER_ROLE_TRAINER:
+        if (
+            not 0 <= h.source_rank < spec.world_size
+            or spec.members[h.source_rank].role != pb.TRANSFER_ROLE_TRAINER
+        ):
             raise WeightwireError(
-                Reason.INVALID_GROUP_SPEC, f"source rank {h.source_rank} is not a trainer member of group {spec.group_id}"
+                Reason.INVALID_GROUP_SPEC,
+                f"source rank {h.source_rank} is not a trainer member of group {spec.group_id}",
             )
         if h.mode == pb.TRANSFER_MODE_BROADCAST:
             sg = self.group.subgroup_spec(h.subgroup_id)
@@ -143,9 +147,13 @@ class JoinedGroup:
                     f"(group rank {self.group.rank}) in group {spec.group_id}",
                 )
         elif h.mode != pb.TRANSFER_MODE_POINT_TO_POINT:
-            raise WeightwireError(Reason.INVALID_GROUP_SPEC, f"transfer mode {h.mode} is unspecified or unknown")
+            raise WeightwireError(
+                Reason.INVALID_GROUP_SPEC, f"transfer mode {h.mode} is unspecified or unknown"
+            )
         if h.sequence <= 0:
-            raise WeightwireError(Reason.INVALID_GROUP_SPEC, f"transfer sequence {h.sequence} must be positive")
+            raise WeightwireError(
+                Reason.INVALID_GROUP_SPEC, f"transfer sequence {h.sequence} must be positive"
+            )
         if payload.size_bytes > self.max_bytes:
             raise WeightwireError(
                 Reason.INVALID_SIZE,
@@ -186,9 +194,12 @@ class JoinedGroup:
             queued = next((r for r in self.queue if r.sequence == seq and not r.opened), None)
         recv = queued if queued is not None else self.enqueue(payload)
         if (recv.handle.SerializeToString(deterministic=True), recv.size_bytes) != (
-            payload.transfer_group.SerializeToString(deterministic=True), payload.size_bytes
+            payload.transfer_group.SerializeToString(deterministic=True),
+            payload.size_bytes,
         ):
-            raise WeightwireError(Reason.MALFORMED_STREAM, f"transfer sequence {seq} arrived twice with different contents")
+            raise WeightwireError(
+                Reason.MALFORMED_STREAM, f"transfer sequence {seq} arrived twice with different contents"
+            )
         deadline = time.monotonic() + self.group.timeout.total_seconds() + _VERDICT_GRACE_S
         with self.cond:
             while True:
@@ -205,7 +216,8 @@ class JoinedGroup:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     recv.error = WeightwireError(
-                        Reason.TRANSFER_FAILED, f"bucket sequence {seq}: no verdict from the receive within the group's timeout"
+                        Reason.TRANSFER_FAILED,
+                        f"bucket sequence {seq}: no verdict from the receive within the group's timeout",
                     )
                     break
                 # Woken by the receive thread; with a call to watch, also often enough to notice its end.
@@ -283,7 +295,9 @@ class JoinedGroup:
             except WeightwireError as e:
                 err = e
             except Exception as e:  # a bug must not leave the service thread waiting
-                err = WeightwireError(Reason.TRANSFER_FAILED, f"receiving bucket sequence {recv.sequence}: {e!r}")
+                err = WeightwireError(
+                    Reason.TRANSFER_FAILED, f"receiving bucket sequence {recv.sequence}: {e!r}"
+                )
             with self.cond:
                 recv.done = True
                 recv.error = recv.error or err
@@ -320,5 +334,3 @@ class JoinedGroup:
                 works.append(group.broadcast(view, h.subgroup_id))
         for work in works:
             group.wait(work, what)
-
-

@@ -50,16 +50,22 @@ _FORM_GRACE_S = 5.0
 class _Formation:
     """One ``TransferGroup.form`` running on its own thread, for a join that waits for it with a bound."""
 
-    def __init__(self, spec: pb.TransferGroupSpec, me: MemberIdentity, listen_host: str, device: torch.device) -> None:
+    def __init__(
+        self, spec: pb.TransferGroupSpec, me: MemberIdentity, listen_host: str, device: torch.device
+    ) -> None:
         self.done = threading.Event()
         self._lock = threading.Lock()
         self._abandoned = False
         self._group: TransferGroup | None = None
         self._error: BaseException | None = None
         args = (spec, me, listen_host, device)
-        threading.Thread(target=self._run, args=args, name=f"ww-group-form-{spec.group_id[:16]}", daemon=True).start()
+        threading.Thread(
+            target=self._run, args=args, name=f"ww-group-form-{spec.group_id[:16]}", daemon=True
+        ).start()
 
-    def _run(self, spec: pb.TransferGroupSpec, me: MemberIdentity, listen_host: str, device: torch.device) -> None:
+    def _run(
+        self, spec: pb.TransferGroupSpec, me: MemberIdentity, listen_host: str, device: torch.device
+    ) -> None:
         try:
             group = TransferGroup.form(spec, me, listen_host=listen_host, device=device)
         except BaseException as e:  # handed to the join
@@ -121,7 +127,9 @@ class GroupMembership:
 
     # --- joining and leaving -------------------------------------------------------------------
 
-    def join(self, spec: pb.TransferGroupSpec, me: MemberIdentity, device: torch.device) -> pb.JoinTransferGroupResponse:
+    def join(
+        self, spec: pb.TransferGroupSpec, me: MemberIdentity, device: torch.device
+    ) -> pb.JoinTransferGroupResponse:
         """Form ``spec`` as ``me`` (leaving the current group first); returns once formed and checked."""
         check_spec(spec)
         own_rank(spec, me)
@@ -141,18 +149,26 @@ class GroupMembership:
             except WeightwireError as err:
                 with self._lock:
                     self._forming = None
-                    self._last_teardown = f"forming {spec.group_id} failed: {err.reason}: {clip(err.message, 200)}"
+                    self._last_teardown = (
+                        f"forming {spec.group_id} failed: {err.reason}: {clip(err.message, 200)}"
+                    )
                 raise
             member = JoinedGroup(group, device, min(spec.max_bucket_bytes, self.max_staging_bytes))
             with self._lock:
                 self._forming = None
                 self._member = member
         log.info(
-            "joined transfer group %s (%s) as rank %d of %d", spec.group_id, backend_name(spec.backend), group.rank, spec.world_size
+            "joined transfer group %s (%s) as rank %d of %d",
+            spec.group_id,
+            backend_name(spec.backend),
+            group.rank,
+            spec.world_size,
         )
         return pb.JoinTransferGroupResponse(group_rank=group.rank, group=self.status())
 
-    def _form_within_timeout(self, spec: pb.TransferGroupSpec, me: MemberIdentity, device: torch.device) -> TransferGroup:
+    def _form_within_timeout(
+        self, spec: pb.TransferGroupSpec, me: MemberIdentity, device: torch.device
+    ) -> TransferGroup:
         """``TransferGroup.form`` on a thread of its own, given the group's timeout (and a grace).
 
         Every step of forming has a deadline of its own, but a step that does not return (a store
@@ -195,13 +211,16 @@ class GroupMembership:
             member.close(wait_s)
             log.info("left transfer group %s: %s", member.group.group_id, why)
 
-
     def current(self) -> JoinedGroup:
         """The group an arriving bucket travels over, or GROUP_NOT_JOINED saying why there is none."""
         with self._lock:
             member, forming = self._member, self._forming
         if member is None:
-            state = f"group {forming.group_id} is still forming" if forming is not None else "this worker is in no transfer group"
+            state = (
+                f"group {forming.group_id} is still forming"
+                if forming is not None
+                else "this worker is in no transfer group"
+            )
             raise WeightwireError(
                 Reason.GROUP_NOT_JOINED,
                 f"a bucket arrived over a transfer group, but {state}"
@@ -230,7 +249,11 @@ class GroupMembership:
         if member is not None:
             spec = member.group.spec
             with member.cond:
-                buffers, nbytes, received = member.staging.buffers, member.staging.nbytes, member.bytes_received
+                buffers, nbytes, received = (
+                    member.staging.buffers,
+                    member.staging.nbytes,
+                    member.bytes_received,
+                )
             out.group_id = spec.group_id
             out.state = pb.TRANSFER_GROUP_STATE_READY
             out.backend = spec.backend
@@ -247,7 +270,6 @@ class GroupMembership:
         return out
 
 
-
 def default_group_host(listen: str | None) -> str:
     """Where a worker's transfer-group sockets listen unless told: the host of its TCP listener,
     or loopback for a unix socket or a wildcard address (a trainer on another machine then needs
@@ -256,4 +278,3 @@ def default_group_host(listen: str | None) -> str:
         return "127.0.0.1"
     host = listen.rpartition(":")[0].strip("[]")
     return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
-

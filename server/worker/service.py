@@ -67,8 +67,10 @@ class WorkerService:
         self.idle_timeout_s = idle_timeout_s
         self.own_device = own_device
         self.host_device = host_device if host_device is not None else DeviceRef.host()
-        self.target_device = target_device if target_device is not None else torch.device(
-            "cuda" if own_device.is_cuda else "cpu"
+        self.target_device = (
+            target_device
+            if target_device is not None
+            else torch.device("cuda" if own_device.is_cuda else "cpu")
         )
         self.importers = importers if importers is not None else make_importers()
         # This worker's transfer-group membership (joins, leaves, status), owned here; the group
@@ -80,7 +82,9 @@ class WorkerService:
         self.on_commit = on_commit
         self._manifest: ShardManifest = adapter.manifest()
         cuda_importer = self.importers.get(transports.CUDA_IPC.handle_field)
-        self._waits_for_cuda_ipc_events = cuda_importer is not None and cuda_importer.waits_for_producer_events
+        self._waits_for_cuda_ipc_events = (
+            cuda_importer is not None and cuda_importer.waits_for_producer_events
+        )
         self._imports_cuda_ipc_storages = cuda_importer is not None and cuda_importer.imports_storages
         self.layouts = LayoutCache()
         self._update_context = UpdateContext(
@@ -199,7 +203,9 @@ class WorkerService:
     def join_transfer_group(self, request: pb.JoinTransferGroupRequest) -> pb.JoinTransferGroupResponse:
         """Form the group of ``request.spec`` as this worker (its manifest's identity); blocks until
         every member has joined and checked it, or raises with the reason."""
-        return self._group_or_refuse().join(request.spec, MemberIdentity.of_worker(self._manifest), self.target_device)
+        return self._group_or_refuse().join(
+            request.spec, MemberIdentity.of_worker(self._manifest), self.target_device
+        )
 
     def leave_transfer_group(self, request: pb.LeaveTransferGroupRequest) -> pb.LeaveTransferGroupResponse:
         return pb.LeaveTransferGroupResponse(left=self._group_or_refuse().leave(request.group_id))
@@ -222,7 +228,9 @@ class WorkerService:
         # Bounded: the message may quote what a client sent (names, labels), and every later
         # GetStatus carries it.
         message = clip_utf8(err.message, MAX_MESSAGE_BYTES)
-        detail = pb.ErrorDetail(code=err.code, reason=err.reason, message=message, time=now_timestamp(), version=version)
+        detail = pb.ErrorDetail(
+            code=err.code, reason=err.reason, message=message, time=now_timestamp(), version=version
+        )
         self._last_error = detail
         self._failed += 1
 
@@ -257,7 +265,11 @@ class WorkerService:
                 refused = err
             else:
                 update = Update(
-                    self._update_context, self, header, prior_state=self._state, previous_version=self._version,
+                    self._update_context,
+                    self,
+                    header,
+                    prior_state=self._state,
+                    previous_version=self._version,
                     rpc_ended=rpc_ended,
                 )
                 self._active = update
@@ -265,8 +277,13 @@ class WorkerService:
         if refused is not None:
             # Observers run outside the lock (one may ask for the status).
             self._events.failed(
-                self._manifest.worker_id, header, refused, tally=None, prior_state=self._state,
-                new_state=self._state, weights_version=self._version,
+                self._manifest.worker_id,
+                header,
+                refused,
+                tally=None,
+                prior_state=self._state,
+                new_state=self._state,
+                weights_version=self._version,
             )
             raise refused
         self._events.started(header.version)
@@ -275,8 +292,12 @@ class WorkerService:
             self.adapter.begin_update(header.version)
         except Exception as e:
             # An adapter's own WeightwireError already names its reason (e.g. ENGINE_NOT_PAUSED).
-            refused = e if isinstance(e, WeightwireError) else WeightwireError(
-                Reason.LOAD_FAILED, f"the engine refused to begin update {header.version}: {e!r}"
+            refused = (
+                e
+                if isinstance(e, WeightwireError)
+                else WeightwireError(
+                    Reason.LOAD_FAILED, f"the engine refused to begin update {header.version}: {e!r}"
+                )
             )
             update.fail(refused)
             raise refused from e
@@ -300,10 +321,13 @@ class WorkerService:
     def _check_header(self, header: pb.UpdateHeader) -> None:
         if header.scope not in (pb.UPDATE_SCOPE_FULL, pb.UPDATE_SCOPE_PARTIAL):
             raise WeightwireError(
-                Reason.SCOPE_UNSPECIFIED, f"update scope is {header.scope} (unspecified or unknown); set UPDATE_SCOPE_FULL or UPDATE_SCOPE_PARTIAL"
+                Reason.SCOPE_UNSPECIFIED,
+                f"update scope is {header.scope} (unspecified or unknown); set UPDATE_SCOPE_FULL or UPDATE_SCOPE_PARTIAL",
             )
         if header.version <= 0:
-            raise WeightwireError(Reason.INVALID_VERSION, f"version must be a positive integer, got {header.version}")
+            raise WeightwireError(
+                Reason.INVALID_VERSION, f"version must be a positive integer, got {header.version}"
+            )
         id_bytes = len(header.update_id.encode())
         if id_bytes > MAX_UPDATE_ID_BYTES:
             # It is echoed in the result and kept for GetStatus: bounded like everything stored.
@@ -359,8 +383,13 @@ class WorkerService:
                 importer.release()
         self._notify()
         self._events.failed(
-            self._manifest.worker_id, update.header, err, tally=update.tally, prior_state=update.prior_state,
-            new_state=new_state, weights_version=self._version,
+            self._manifest.worker_id,
+            update.header,
+            err,
+            tally=update.tally,
+            prior_state=update.prior_state,
+            new_state=new_state,
+            weights_version=self._version,
         )
         self._release(update)
 
@@ -421,14 +450,21 @@ class WorkerService:
                     return
                 if first is None or first.WhichOneof("message") != "header":
                     what = "nothing" if first is None else (first.WhichOneof("message") or "an empty message")
-                    raise WeightwireError(Reason.MALFORMED_STREAM, f"an update must start with a header; received {what}")
+                    raise WeightwireError(
+                        Reason.MALFORMED_STREAM, f"an update must start with a header; received {what}"
+                    )
             except WeightwireError as err:
                 # Refused before any update began: no header, or none in time.
                 with self._mu:
                     self._record_failure(err, 0)
                 self._events.failed(
-                    self._manifest.worker_id, None, err, tally=None, prior_state=self._state,
-                    new_state=self._state, weights_version=self._version,
+                    self._manifest.worker_id,
+                    None,
+                    err,
+                    tally=None,
+                    prior_state=self._state,
+                    new_state=self._state,
+                    weights_version=self._version,
                 )
                 raise
             update = self.begin_update(first.header, rpc_ended=rpc_ended)
@@ -438,11 +474,13 @@ class WorkerService:
                 kind = req.WhichOneof("message")
                 if commit is not None:
                     what = f"a {kind}" if kind else "an empty message"
-                    raise update.fail(WeightwireError(
-                        Reason.MALFORMED_STREAM,
-                        f"{what} arrived after the commit; the commit must be the last message of an update "
-                        "(nothing was committed)",
-                    ))
+                    raise update.fail(
+                        WeightwireError(
+                            Reason.MALFORMED_STREAM,
+                            f"{what} arrived after the commit; the commit must be the last message of an update "
+                            "(nothing was committed)",
+                        )
+                    )
                 if kind == "bucket":
                     ack = update.bucket(req.bucket)
                     self._events.bucket_acked(ack)
@@ -455,14 +493,18 @@ class WorkerService:
                     reader.hint = "; close the stream (half-close) right after sending the commit"
                 else:
                     what = "a second header" if kind == "header" else "an empty message"
-                    raise update.fail(WeightwireError(Reason.MALFORMED_STREAM, f"received {what} inside an update"))
+                    raise update.fail(
+                        WeightwireError(Reason.MALFORMED_STREAM, f"received {what} inside an update")
+                    )
             if commit is not None:
                 yield pb.PushWeightsResponse(result=update.commit(commit))
                 return
             if client_gone is not None and client_gone():
                 raise update.fail(cancelled_error())
             raise update.fail(
-                WeightwireError(Reason.MALFORMED_STREAM, "the stream ended before a commit; the update was not applied")
+                WeightwireError(
+                    Reason.MALFORMED_STREAM, "the stream ended before a commit; the update was not applied"
+                )
             )
         except WeightwireError as refused:
             # Raised by the reader too (an idle stream): the update ends with that reason.
@@ -473,7 +515,11 @@ class WorkerService:
             # The request stream broke (client gone) or a bug: never leave the update half-open.
             if update is not None and not update.finished:
                 gone = client_gone is not None and client_gone()
-                failure = cancelled_error() if gone else WeightwireError(Reason.INTERNAL, f"internal error in the worker: {e!r}")
+                failure = (
+                    cancelled_error()
+                    if gone
+                    else WeightwireError(Reason.INTERNAL, f"internal error in the worker: {e!r}")
+                )
                 update.fail(failure)
             raise
         finally:

@@ -180,7 +180,9 @@ class Update:
         new_state = pb.WORKER_STATE_INCONSISTENT if wrote else self.prior_state
         shown = clip_utf8(str(err), MAX_MESSAGE_BYTES)  # it may quote what the client sent
         if wrote:
-            log.error("update %d failed after loading tensors; worker is INCONSISTENT: %s", self.version, shown)
+            log.error(
+                "update %d failed after loading tensors; worker is INCONSISTENT: %s", self.version, shown
+            )
         else:
             log.warning("update %d failed: %s", self.version, shown)
         self._owner.update_failed(self, err, new_state)
@@ -248,9 +250,15 @@ class Update:
         if msg.index < 0:
             raise WeightwireError(Reason.MALFORMED_STREAM, f"bucket index {msg.index} is negative")
         if msg.index in self._bucket_indices:
-            raise WeightwireError(Reason.DUPLICATE_BUCKET, f"bucket {msg.index} arrived twice in this update", bucket=str(msg.index))
+            raise WeightwireError(
+                Reason.DUPLICATE_BUCKET,
+                f"bucket {msg.index} arrived twice in this update",
+                bucket=str(msg.index),
+            )
         if len(self._bucket_indices) >= MAX_BUCKETS_PER_UPDATE:
-            raise WeightwireError(Reason.MALFORMED_STREAM, f"more than {MAX_BUCKETS_PER_UPDATE} buckets in one update")
+            raise WeightwireError(
+                Reason.MALFORMED_STREAM, f"more than {MAX_BUCKETS_PER_UPDATE} buckets in one update"
+            )
         # The count first, before any work per spec (serializing, keying or checking a bucket of
         # 2^20 specs takes seconds of CPU): the limit is known from the message's length alone.
         if len(msg.tensors) > MAX_TENSORS_PER_UPDATE - len(self._names_seen):
@@ -286,7 +294,9 @@ class Update:
             raise duplicate_tensor(repeated)
         checksum = self._checked_checksum(msg)
         if len(self._names_seen) + len(layout.names) > MAX_TENSORS_PER_UPDATE:
-            raise WeightwireError(Reason.MALFORMED_STREAM, f"more than {MAX_TENSORS_PER_UPDATE} tensor specs in one update")
+            raise WeightwireError(
+                Reason.MALFORMED_STREAM, f"more than {MAX_TENSORS_PER_UPDATE} tensor specs in one update"
+            )
         self._names_seen |= layout.names
         return layout, checksum
 
@@ -299,7 +309,10 @@ class Update:
                 f"bucket {msg.index}: checksum algorithm {msg.checksum.algorithm} is unspecified or unknown; use CHECKSUM_ALGORITHM_CRC32",
             )
         if not 0 <= msg.checksum.value < 2**32:
-            raise WeightwireError(Reason.INVALID_CHECKSUM, f"bucket {msg.index}: CRC-32 value {msg.checksum.value} is out of range")
+            raise WeightwireError(
+                Reason.INVALID_CHECKSUM,
+                f"bucket {msg.index}: CRC-32 value {msg.checksum.value} is out of range",
+            )
         return msg.checksum.value
 
     def _select(self, payloads: Sequence[pb.Payload]) -> tuple[Selection, PayloadImporter]:
@@ -343,7 +356,12 @@ class Update:
                 importer.check(payload)
 
     def _import(
-        self, index: int, layout: BucketLayout, sel: Selection, importer: PayloadImporter, checksum: int | None
+        self,
+        index: int,
+        layout: BucketLayout,
+        sel: Selection,
+        importer: PayloadImporter,
+        checksum: int | None,
     ) -> _Loaded:
         """Open the payload (once per handle per update), check its real size, verify, load."""
         t_open = time.perf_counter_ns()
@@ -370,7 +388,12 @@ class Update:
             if mapping not in self._mappings.values():
                 # Not shared within this update: done with it (a reusable importer keeps its cache).
                 mapping.close()
-        return _Loaded(opened=opened, open_ns=open_ns, load_ns=load_ns, received=mapping.bytes_received if isinstance(mapping, ReceivesBytes) else 0)
+        return _Loaded(
+            opened=opened,
+            open_ns=open_ns,
+            load_ns=load_ns,
+            received=mapping.bytes_received if isinstance(mapping, ReceivesBytes) else 0,
+        )
 
     def _load(self, index: int, layout: BucketLayout, mapping: ImportedPayload) -> None:
         for batch in layout.read_plan(mapping.copy_chunk_bytes):
@@ -387,10 +410,16 @@ class Update:
             finally:
                 del views
 
-    def _open(self, importer: PayloadImporter, sel: Selection, layout: BucketLayout) -> tuple[ImportedPayload, bool]:
+    def _open(
+        self, importer: PayloadImporter, sel: Selection, layout: BucketLayout
+    ) -> tuple[ImportedPayload, bool]:
         ctx = ImportContext(
-            own_device=self._ctx.own_device, source=sel.device, peer=sel.peer, target=self._ctx.target_device,
-            owned=layout.owned, call_ended=self._rpc_ended,
+            own_device=self._ctx.own_device,
+            source=sel.device,
+            peer=sel.peer,
+            target=self._ctx.target_device,
+            owned=layout.owned,
+            call_ended=self._rpc_ended,
         )
         key = None if importer.reusable else importer.cache_key(sel.payload)
         if key is not None and key in self._mappings:
@@ -400,7 +429,10 @@ class Update:
         except WeightwireError:
             raise
         except Exception as e:
-            raise WeightwireError(Reason.HANDLE_OPEN_FAILED, f"opening the {transport_name(importer.field_name)} payload failed: {e!r}") from e
+            raise WeightwireError(
+                Reason.HANDLE_OPEN_FAILED,
+                f"opening the {transport_name(importer.field_name)} payload failed: {e!r}",
+            ) from e
         if key is not None:
             self._mappings[key] = mapping
         return mapping, opened
@@ -452,7 +484,9 @@ class Update:
             raise
         except Exception as e:
             self._loaded_any = True  # the engine may have half-finished post-processing
-            raise WeightwireError(Reason.LOAD_FAILED, f"the engine failed to finish update {self.version}: {e!r}") from e
+            raise WeightwireError(
+                Reason.LOAD_FAILED, f"the engine failed to finish update {self.version}: {e!r}"
+            ) from e
         if self.call_ended:
             # The deadline passed inside the engine's own finishing step: the new weights are in the
             # model, but the client was told the update failed, so the version stays and the worker

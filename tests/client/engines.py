@@ -61,7 +61,9 @@ class Engine:
 
 
 def _spawn(spec: WorkerSpec, dump_dir: str) -> WorkerProcess:
-    return spawn_worker(*demo_args(tp=spec.tp, pp=spec.pp, listen=spec.listen, dump_dir=dump_dir, extra=spec.extra))
+    return spawn_worker(
+        *demo_args(tp=spec.tp, pp=spec.pp, listen=spec.listen, dump_dir=dump_dir, extra=spec.extra)
+    )
 
 
 def start_engine(specs: Sequence[WorkerSpec], dump_dir: str | os.PathLike[str]) -> Engine:
@@ -92,7 +94,9 @@ def shard_mismatches(
     for m in manifests.values():
         got = load_dump(dump_dir, m.worker_id, version)
         want = expected_shard(dict(full), m.rank, CONFIG)
-        bad = sorted(set(got) ^ set(want)) + [n for n in want if n in got and not torch.equal(got[n], want[n])]
+        bad = sorted(set(got) ^ set(want)) + [
+            n for n in want if n in got and not torch.equal(got[n], want[n])
+        ]
         if bad:
             out[m.worker_id] = bad
     return out
@@ -102,4 +106,13 @@ def dump_exists(dump_dir: str, worker_id: str, version: int) -> bool:
     return os.path.exists(os.path.join(dump_dir, f"{worker_id}-v{version}.safetensors"))
 
 
-__all__ = ["CONFIG", "Engine", "ParallelRank", "WorkerSpec", "dump_exists", "layout", "shard_mismatches", "start_engine"]
+__all__ = [
+    "CONFIG",
+    "Engine",
+    "ParallelRank",
+    "WorkerSpec",
+    "dump_exists",
+    "layout",
+    "shard_mismatches",
+    "start_engine",
+]

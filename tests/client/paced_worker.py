@@ -54,8 +54,13 @@ def main() -> int:
     args = p.parse_args()
     config, rank = DemoConfig(), ParallelRank()
     inner = TorchAdapter(
-        build_demo_model(config, rank, "cpu", 0), rank=rank, device=torch.device("cpu"), own_device=DeviceRef.host(),
-        tp_rules=DEMO_TP_RULES, num_layers=config.num_layers, worker_id=args.worker_id,
+        build_demo_model(config, rank, "cpu", 0),
+        rank=rank,
+        device=torch.device("cpu"),
+        own_device=DeviceRef.host(),
+        tp_rules=DEMO_TP_RULES,
+        num_layers=config.num_layers,
+        worker_id=args.worker_id,
     )
     server = serve(PacedAdapter(inner, args.load_delay_s, args.fail_loads), own_device=DeviceRef.host())  # type: ignore[arg-type]
     stop = threading.Event()

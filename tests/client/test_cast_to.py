@@ -21,8 +21,12 @@ BF16 = DemoConfig(dtype=torch.bfloat16)
 @pytest.fixture
 def bf16_worker() -> Iterator[tuple[str, TorchAdapter]]:
     adapter = TorchAdapter(
-        build_demo_model(BF16, ParallelRank(), "cpu", 0), rank=ParallelRank(), device=torch.device("cpu"),
-        own_device=None, tp_rules=DEMO_TP_RULES, num_layers=BF16.num_layers,
+        build_demo_model(BF16, ParallelRank(), "cpu", 0),
+        rank=ParallelRank(),
+        device=torch.device("cpu"),
+        own_device=None,
+        tp_rules=DEMO_TP_RULES,
+        num_layers=BF16.num_layers,
     )
     server = serve(adapter)
     yield server.address, adapter
@@ -36,14 +40,20 @@ def test_fp32_into_bf16_only_when_asked(bf16_worker: tuple[str, TorchAdapter]) -
         with pytest.raises(PlanError) as refused:
             pusher.push(fp32, version=1)
         assert refused.value.kind is Reason.DTYPE_MISMATCH
-        assert "never converted silently" in refused.value.message and "cast_to=torch.bfloat16" in refused.value.message
+        assert (
+            "never converted silently" in refused.value.message
+            and "cast_to=torch.bfloat16" in refused.value.message
+        )
         assert pusher.status()[address].weights_version == 0
 
         # A generator of pairs, converted while packing.
         results = pusher.push(((n, t) for n, t in fp32.items()), version=1, cast_to=torch.bfloat16)
         assert results[address].version == 1
         state = adapter.state()
-        assert all(state[n].dtype == torch.bfloat16 and torch.equal(state[n], t.to(torch.bfloat16)) for n, t in fp32.items())
+        assert all(
+            state[n].dtype == torch.bfloat16 and torch.equal(state[n], t.to(torch.bfloat16))
+            for n, t in fp32.items()
+        )
 
         # The mapping form converts only the dtypes it names; bf16 tensors pass as they are.
         bf16 = {n: t.to(torch.bfloat16) for n, t in full_checkpoint(DemoConfig(), seed=4).items()}

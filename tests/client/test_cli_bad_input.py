@@ -48,15 +48,21 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "random.safetensors").write_bytes(bytes(range(256)) * 3)
     shards = d / "sharded"
     shards.mkdir()
-    save_file({"model.embed_tokens.weight": torch.ones(4, 4)}, str(shards / "model-00001-of-00002.safetensors"))
-    (shards / "model-00002-of-00002.safetensors").write_bytes(good[:24])  # a header that lies about its length
+    save_file(
+        {"model.embed_tokens.weight": torch.ones(4, 4)}, str(shards / "model-00001-of-00002.safetensors")
+    )
+    (shards / "model-00002-of-00002.safetensors").write_bytes(
+        good[:24]
+    )  # a header that lies about its length
     (d / "empty-token").write_text("\n")
     (d / "token").write_text("s3cret\n")
     return d
 
 
 @pytest.mark.parametrize("name", ["notes.txt", "truncated.safetensors", "random.safetensors", "sharded"])
-def test_push_from_something_that_is_not_a_checkpoint(name: str, files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_push_from_something_that_is_not_a_checkpoint(
+    name: str, files: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     line = _refused(["push", "--from", str(files / name), "--to", NOWHERE, "--version", "1"], capsys)
     bad = "model-00002-of-00002.safetensors" if name == "sharded" else name
     assert bad in line and "is not a readable .safetensors file" in line
@@ -64,7 +70,20 @@ def test_push_from_something_that_is_not_a_checkpoint(name: str, files: Path, ca
 
 @pytest.mark.parametrize("value", ["nan", "inf", "1e400"])
 def test_push_bucket_mb_must_be_finite(value: str, files: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    line = _refused(["push", "--from", str(files / "good.safetensors"), "--to", NOWHERE, "--version", "1", "--bucket-mb", value], capsys)
+    line = _refused(
+        [
+            "push",
+            "--from",
+            str(files / "good.safetensors"),
+            "--to",
+            NOWHERE,
+            "--version",
+            "1",
+            "--bucket-mb",
+            value,
+        ],
+        capsys,
+    )
     assert "--bucket-mb" in line and "finite" in line
 
 
@@ -78,7 +97,9 @@ def test_push_bucket_mb_must_be_finite(value: str, files: Path, capsys: pytest.C
     ],
     ids=["push", "status", "status-watch", "manifest"],
 )
-def test_connection_files_are_checked_before_anything_runs(command: list[str], files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_connection_files_are_checked_before_anything_runs(
+    command: list[str], files: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = [str(files / "good.safetensors") if a == "CKPT" else a for a in command]
     missing = str(files / "no-such-file")
     line = _refused([*argv, "--token-file", missing], capsys)
@@ -95,7 +116,10 @@ def test_connection_files_are_checked_before_anything_runs(command: list[str], f
 
 def test_a_worker_named_twice_is_refused(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
     twice = "unix:/nonexistent/a.sock"
-    line = _refused(["push", "--from", str(files / "good.safetensors"), "--to", twice, NOWHERE, twice, "--version", "1"], capsys)
+    line = _refused(
+        ["push", "--from", str(files / "good.safetensors"), "--to", twice, NOWHERE, twice, "--version", "1"],
+        capsys,
+    )
     assert twice in line and "more than once" in line
     line = _refused(["status", twice, twice], capsys)
     assert twice in line and "more than once" in line
@@ -121,11 +145,25 @@ def _serve_all(cases: dict[str, list[str]], root: Path) -> dict[str, tuple[int, 
     for name, extra in cases.items():
         tmp = root / f"tmp-{name}"
         tmp.mkdir()
-        procs[name] = (tmp, subprocess.Popen(
-            [sys.executable, "-m", "weightwire.client.cli.main", "serve", "--log-level", "WARNING", *extra],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "TMPDIR": str(tmp)},
-        ))
+        procs[name] = (
+            tmp,
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "weightwire.client.cli.main",
+                    "serve",
+                    "--log-level",
+                    "WARNING",
+                    *extra,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "TMPDIR": str(tmp)},
+            ),
+        )
     out = {}
     for name, (tmp, proc) in procs.items():
         try:
@@ -198,28 +236,57 @@ _PUSH = ["push", "--from", "CKPT", "--to", NOWHERE]
         (["demo", "--versions=-1"], "--versions: '-1' must be at least 1"),
         (["demo", "--bucket-kb", "0"], "--bucket-kb: '0' must be > 0"),
         (["discover", "--base-address", "127.0.0.1:1", "--count=-1"], "--count: '-1' must be at least 1"),
-        (["discover", "--base-address", "127.0.0.1:1", "--count", "1", "--wait", "nan"], "--wait: 'nan' is not a finite number"),
+        (
+            ["discover", "--base-address", "127.0.0.1:1", "--count", "1", "--wait", "nan"],
+            "--wait: 'nan' is not a finite number",
+        ),
     ],
 )
-def test_values_a_command_cannot_honour_are_refused(argv: list[str], says: str, files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_values_a_command_cannot_honour_are_refused(
+    argv: list[str], says: str, files: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # Parsing only: a value that got through would otherwise start a server in this process.
-    line = _refused([str(files / "good.safetensors") if a == "CKPT" else a for a in argv], capsys, parse_only=True)
+    line = _refused(
+        [str(files / "good.safetensors") if a == "CKPT" else a for a in argv], capsys, parse_only=True
+    )
     assert says in line, line
 
 
 @pytest.mark.parametrize(
     ("tp", "pp", "says"),
-    [("2", "8", "cannot run as TP=2 x PP=8: 4 layers cannot be split over 8 pipeline stages"), ("3", "2", "cannot run as TP=3 x PP=2")],
+    [
+        ("2", "8", "cannot run as TP=2 x PP=8: 4 layers cannot be split over 8 pipeline stages"),
+        ("3", "2", "cannot run as TP=3 x PP=2"),
+    ],
 )
-def test_demo_refuses_a_layout_of_its_model_before_starting_workers(tp: str, pp: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_refuses_a_layout_of_its_model_before_starting_workers(
+    tp: str, pp: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     line = _refused(["demo", "--tp", tp, "--pp", pp], capsys)
     assert says in line, line
 
 
 def test_the_limits_themselves_are_accepted() -> None:
     parser = build_parser()
-    serve = parser.parse_args(["serve", "--listen", "[::1]:65535", "--idle-timeout-s", "1e7", "--metrics-port", "0", "--seed", str(2**63 - 1)])
-    assert (serve.listen, serve.idle_timeout_s, serve.metrics_port, serve.seed) == ("[::1]:65535", 1e7, 0, 2**63 - 1)
+    serve = parser.parse_args(
+        [
+            "serve",
+            "--listen",
+            "[::1]:65535",
+            "--idle-timeout-s",
+            "1e7",
+            "--metrics-port",
+            "0",
+            "--seed",
+            str(2**63 - 1),
+        ]
+    )
+    assert (serve.listen, serve.idle_timeout_s, serve.metrics_port, serve.seed) == (
+        "[::1]:65535",
+        1e7,
+        0,
+        2**63 - 1,
+    )
     push = parser.parse_args([*_PUSH, "--version", str(2**63 - 1), "--bucket-mb", "0.5", "--timeout", "0.25"])
     assert (push.version, push.bucket_bytes, push.timeout) == (2**63 - 1, 512 * 1024, 0.25)
     assert parser.parse_args(["discover", "--base-address", "h:1", "--count", "1", "--wait", "0"]).wait == 0.0

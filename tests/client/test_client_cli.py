@@ -39,7 +39,9 @@ def test_manifest_table_and_json(engine: Engine, capsys: pytest.CaptureFixture[s
     assert len(data["tensors"]) == len(full_checkpoint(CONFIG, seed=0))
 
 
-def test_push_checkpoint_directory_then_status(engine: Engine, tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_push_checkpoint_directory_then_status(
+    engine: Engine, tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     with WeightPusher(engine.addresses) as p:
         v = max(s.weights_version for s in p.status().values()) + 1
         manifests = p.manifests()
@@ -48,9 +50,15 @@ def test_push_checkpoint_directory_then_status(engine: Engine, tmp_path: os.Path
     ckpt = os.path.join(tmp_path, "ckpt")
     os.makedirs(ckpt)
     # A sharded checkpoint, as Hugging Face writes them.
-    save_file({n: full[n] for n in names[: len(names) // 2]}, os.path.join(ckpt, "model-00001-of-00002.safetensors"))
-    save_file({n: full[n] for n in names[len(names) // 2 :]}, os.path.join(ckpt, "model-00002-of-00002.safetensors"))
-    code = main(["push", "--from", ckpt, "--to", *engine.addresses, "--version", str(v), "--bucket-mb", "0.05"])
+    save_file(
+        {n: full[n] for n in names[: len(names) // 2]}, os.path.join(ckpt, "model-00001-of-00002.safetensors")
+    )
+    save_file(
+        {n: full[n] for n in names[len(names) // 2 :]}, os.path.join(ckpt, "model-00002-of-00002.safetensors")
+    )
+    code = main(
+        ["push", "--from", ckpt, "--to", *engine.addresses, "--version", str(v), "--bucket-mb", "0.05"]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "buckets" not in captured.err  # no progress bar: stderr is not a terminal here
@@ -65,15 +73,22 @@ def test_push_checkpoint_directory_then_status(engine: Engine, tmp_path: os.Path
     assert {int(s["weights_version"]) for s in statuses.values()} == {v}
 
 
-def test_push_refuses_wrapped_names_with_a_hint(engine: Engine, tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_push_refuses_wrapped_names_with_a_hint(
+    engine: Engine, tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     path = os.path.join(tmp_path, "fsdp.safetensors")
     save_file({f"_fsdp_wrapped_module.{n}": t for n, t in full_checkpoint(CONFIG, seed=1).items()}, path)
     assert main(["push", "--from", path, "--to", *engine.addresses, "--version", "1000"]) == 1
     err = capsys.readouterr().err
-    assert "UNKNOWN_TENSOR" in err and "_fsdp_wrapped_module.model.embed_tokens.weight -> model.embed_tokens.weight" in err
+    assert (
+        "UNKNOWN_TENSOR" in err
+        and "_fsdp_wrapped_module.model.embed_tokens.weight -> model.embed_tokens.weight" in err
+    )
 
 
-def test_status_of_an_unreachable_worker(engine: Engine, tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_of_an_unreachable_worker(
+    engine: Engine, tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     gone = f"unix:{tmp_path}/nobody.sock"
     assert main(["status", "--timeout", "5", engine.addresses[0], gone]) == 1
     out = capsys.readouterr().out
@@ -96,7 +111,10 @@ def _processes_mentioning(text: str) -> list[int]:
 def _demo(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "weightwire.client.cli.main", "demo", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
 
 

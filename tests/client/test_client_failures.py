@@ -124,9 +124,14 @@ def test_hung_worker_hits_the_deadline(engine: Engine) -> None:
         with WeightPusher(engine.addresses, bucket_size_bytes=8 * 1024, timeout_s=2.0) as p:
             v0 = _version(p)
             with pytest.raises(PushError) as e:
-                p.push(full_checkpoint(CONFIG, seed=v0 + 1), version=v0 + 1, progress=freeze_after_first_bucket)
+                p.push(
+                    full_checkpoint(CONFIG, seed=v0 + 1), version=v0 + 1, progress=freeze_after_first_bucket
+                )
             failures = e.value.failures
-            assert failures[a1].code == "DEADLINE_EXCEEDED" and "did not answer within the deadline" in failures[a1].message
+            assert (
+                failures[a1].code == "DEADLINE_EXCEEDED"
+                and "did not answer within the deadline" in failures[a1].message
+            )
             assert failures[a0].reason == "CANCELLED"
             assert not e.value.results
             # Unary calls have the deadline too.
@@ -210,7 +215,10 @@ def test_single_worker_single_bucket_push_hits_the_deadline(engine: Engine) -> N
                 p.push(full_checkpoint(CONFIG, seed=v0 + 1), version=v0 + 1)
             failures = e.value.failures
             assert list(failures) == [a1]
-            assert failures[a1].code == "DEADLINE_EXCEEDED" and "did not answer within the deadline" in failures[a1].message
+            assert (
+                failures[a1].code == "DEADLINE_EXCEEDED"
+                and "did not answer within the deadline" in failures[a1].message
+            )
             assert not e.value.results
     finally:
         victim.proc.send_signal(signal.SIGCONT)

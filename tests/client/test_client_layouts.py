@@ -21,7 +21,9 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Engine]]:
+def engine(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Engine]]:
     eng = start_engine(LAYOUTS[request.param], tmp_path_factory.mktemp(request.param))
     yield request.param, eng
     eng.stop()
@@ -31,7 +33,10 @@ def test_layout_full_then_partial(engine: tuple[str, Engine]) -> None:
     name, eng = engine
     with WeightPusher(eng.addresses, bucket_size_bytes=32 * 1024) as pusher:
         manifests = pusher.manifests()
-        ranks = sorted((m.rank.tp_rank, m.rank.tp_size, m.rank.pp_rank, m.rank.pp_size, m.rank.sp_rank, m.rank.sp_size) for m in manifests.values())
+        ranks = sorted(
+            (m.rank.tp_rank, m.rank.tp_size, m.rank.pp_rank, m.rank.pp_size, m.rank.sp_rank, m.rank.sp_size)
+            for m in manifests.values()
+        )
         if name == "tp2":
             assert ranks == [(0, 2, 0, 1, 0, 1), (1, 2, 0, 1, 0, 1)]
         elif name == "pp2":

@@ -31,7 +31,9 @@ FULL = pb.UPDATE_SCOPE_FULL
 PARTIAL = pb.UPDATE_SCOPE_PARTIAL
 
 
-def manifest(worker_id: str, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], **rank: int) -> ShardManifest:
+def manifest(
+    worker_id: str, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], **rank: int
+) -> ShardManifest:
     return ShardManifest.build(
         DeviceRef.host(),
         ParallelRank(**rank),
@@ -43,10 +45,42 @@ def manifest(worker_id: str, tensors: dict[str, tuple[torch.dtype, tuple[int, ..
 F32 = torch.float32
 # Two pipeline stages, each with two tensor-parallel ranks; "shared" lives on both stages.
 MANIFESTS = {
-    "w00": manifest("tp0-pp0", {"model.embed_tokens.weight": (F32, (8, 4)), "model.layers.0.w": (F32, (4, 4)), "shared": (F32, (2,))}, tp_size=2, pp_size=2),
-    "w10": manifest("tp1-pp0", {"model.embed_tokens.weight": (F32, (8, 4)), "model.layers.0.w": (F32, (4, 4)), "shared": (F32, (2,))}, tp_rank=1, tp_size=2, pp_size=2),
-    "w01": manifest("tp0-pp1", {"model.layers.1.w": (F32, (4, 4)), "lm_head.weight": (F32, (8, 4)), "shared": (F32, (2,))}, tp_size=2, pp_rank=1, pp_size=2),
-    "w11": manifest("tp1-pp1", {"model.layers.1.w": (F32, (4, 4)), "lm_head.weight": (F32, (8, 4)), "shared": (F32, (2,))}, tp_rank=1, tp_size=2, pp_rank=1, pp_size=2),
+    "w00": manifest(
+        "tp0-pp0",
+        {
+            "model.embed_tokens.weight": (F32, (8, 4)),
+            "model.layers.0.w": (F32, (4, 4)),
+            "shared": (F32, (2,)),
+        },
+        tp_size=2,
+        pp_size=2,
+    ),
+    "w10": manifest(
+        "tp1-pp0",
+        {
+            "model.embed_tokens.weight": (F32, (8, 4)),
+            "model.layers.0.w": (F32, (4, 4)),
+            "shared": (F32, (2,)),
+        },
+        tp_rank=1,
+        tp_size=2,
+        pp_size=2,
+    ),
+    "w01": manifest(
+        "tp0-pp1",
+        {"model.layers.1.w": (F32, (4, 4)), "lm_head.weight": (F32, (8, 4)), "shared": (F32, (2,))},
+        tp_size=2,
+        pp_rank=1,
+        pp_size=2,
+    ),
+    "w11": manifest(
+        "tp1-pp1",
+        {"model.layers.1.w": (F32, (4, 4)), "lm_head.weight": (F32, (8, 4)), "shared": (F32, (2,))},
+        tp_rank=1,
+        tp_size=2,
+        pp_rank=1,
+        pp_size=2,
+    ),
 }
 ALL = [
     TensorSpec("model.embed_tokens.weight", F32, (8, 4)),
@@ -121,7 +155,10 @@ def test_name_pushed_twice_is_refused() -> None:
 
 
 def test_strip_wrapper_prefixes() -> None:
-    assert strip_wrapper_prefixes("_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.mlp.w") == "model.layers.0.mlp.w"
+    assert (
+        strip_wrapper_prefixes("_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.mlp.w")
+        == "model.layers.0.mlp.w"
+    )
     assert strip_wrapper_prefixes("module._orig_mod.lm_head.weight") == "lm_head.weight"
     assert strip_wrapper_prefixes("model.norm.weight") == "model.norm.weight"
 
@@ -152,7 +189,9 @@ def test_buckets_are_bounded_aligned_and_big_tensors_get_their_own() -> None:
         spans = sorted((s.offset_bytes, s.offset_bytes + s.nbytes) for s in p.specs)
         assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
     assert sorted(n for p in plans for n in (s.name for s in p.specs)) == sorted(s.name for s in specs)
-    assert sum(1 for p in plans if len(p.specs) == 2) == 5  # 400 B tensors: two per 1 KiB bucket (256-aligned)
+    assert (
+        sum(1 for p in plans if len(p.specs) == 2) == 5
+    )  # 400 B tensors: two per 1 KiB bucket (256-aligned)
 
 
 def test_unowned_tensors_are_not_planned() -> None:

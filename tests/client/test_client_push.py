@@ -68,7 +68,9 @@ def test_full_push_lands_every_shard_exactly(engine: Engine, pusher: WeightPushe
         v = next_version(pusher)
         full = full_checkpoint(CONFIG, seed=v)
         seen: list[int] = []
-        results = pusher.push(full.items(), version=v, progress=lambda p, seen=seen: seen.append(p.buckets_done))
+        results = pusher.push(
+            full.items(), version=v, progress=lambda p, seen=seen: seen.append(p.buckets_done)
+        )
         assert set(results) == set(engine.addresses)
         for addr, r in results.items():
             m = manifests[addr]
@@ -85,7 +87,11 @@ def test_buckets_go_only_to_owning_stage(engine: Engine, pusher: WeightPusher) -
     pusher.push(full_checkpoint(CONFIG, seed=base), version=base)
     v = next_version(pusher)
     new = full_checkpoint(CONFIG, seed=v)
-    first_stage = {n: t for n, t in new.items() if n.startswith(("model.embed_tokens.", "model.layers.0.", "model.layers.1."))}
+    first_stage = {
+        n: t
+        for n, t in new.items()
+        if n.startswith(("model.embed_tokens.", "model.layers.0.", "model.layers.1."))
+    }
     results = pusher.push(first_stage, version=v, scope="partial")
     manifests = pusher.manifests()
     for addr, r in results.items():
@@ -117,12 +123,16 @@ def test_tensor_larger_than_a_bucket_gets_its_own(engine: Engine) -> None:
         assert shard_mismatches(engine.dump_dir, p.manifests(), full, v) == {}
 
 
-def _flat_stage(full: dict[str, torch.Tensor], manifests: dict[str, ShardManifest], pp_rank: int) -> list[tuple[str, torch.Tensor]]:
+def _flat_stage(
+    full: dict[str, torch.Tensor], manifests: dict[str, ShardManifest], pp_rank: int
+) -> list[tuple[str, torch.Tensor]]:
     owned = {n for m in manifests.values() if m.rank.pp_rank == pp_rank for n in m.tensors}
     return [(n, t) for n, t in full.items() if n in owned]
 
 
-def test_push_flat_from_shared_memory_without_copy_and_from_plain_memory(engine: Engine, pusher: WeightPusher) -> None:
+def test_push_flat_from_shared_memory_without_copy_and_from_plain_memory(
+    engine: Engine, pusher: WeightPusher
+) -> None:
     manifests = pusher.manifests()
     v = next_version(pusher)
     full = full_checkpoint(CONFIG, seed=v)
@@ -145,7 +155,9 @@ def test_push_flat_from_shared_memory_without_copy_and_from_plain_memory(engine:
     assert shard_mismatches(engine.dump_dir, manifests, full, v) == {}
 
 
-def test_push_flat_of_the_same_buckets_again_is_checked_for_what_changed(engine: Engine, pusher: WeightPusher) -> None:
+def test_push_flat_of_the_same_buckets_again_is_checked_for_what_changed(
+    engine: Engine, pusher: WeightPusher
+) -> None:
     # The client remembers which exact spec objects, manifests, scope and sizes already passed its
     # checks; new contents go through, and a change in scope, size or specs is still refused.
     manifests = pusher.manifests()
@@ -167,14 +179,21 @@ def test_push_flat_of_the_same_buckets_again_is_checked_for_what_changed(engine:
     assert incomplete.value.reason == "INCOMPLETE_UPDATE"
     specs0 = buckets[0].specs
     with pytest.raises(PlanError) as bounds:
-        pusher.push_flat([FlatBucket(buckets[0].buffer[:-1], specs0), buckets[1]], version=next_version(pusher))
+        pusher.push_flat(
+            [FlatBucket(buckets[0].buffer[:-1], specs0), buckets[1]], version=next_version(pusher)
+        )
     assert bounds.value.reason == "TENSOR_OUT_OF_BOUNDS"
-    wrong = [dataclasses.replace(specs0[0], shape=(*specs0[0].shape[:-1], specs0[0].shape[-1] + 1)), *specs0[1:]]
+    wrong = [
+        dataclasses.replace(specs0[0], shape=(*specs0[0].shape[:-1], specs0[0].shape[-1] + 1)),
+        *specs0[1:],
+    ]
     with pytest.raises(PlanError) as shape:
         pusher.push_flat([FlatBucket(buckets[0].buffer, wrong), buckets[1]], version=next_version(pusher))
     assert shape.value.reason == "SHAPE_MISMATCH"
     after = counters(pusher)
-    assert {a: c[1:] for a, c in after.items()} == {a: (c[1] + 1, c[2]) for a, c in before.items()}  # only the partial push ran
+    assert {a: c[1:] for a, c in after.items()} == {
+        a: (c[1] + 1, c[2]) for a, c in before.items()
+    }  # only the partial push ran
 
 
 def test_gathered_payloads_each_worker_picks_its_own(engine: Engine, pusher: WeightPusher) -> None:
@@ -196,7 +215,9 @@ def test_gathered_payloads_each_worker_picks_its_own(engine: Engine, pusher: Wei
     other_gpu = pb.Payload(
         device=DeviceRef.cuda("GPU-6a4c1c0e-0000-4000-8000-00000000beef").to_proto(),
         size_bytes=size,
-        cuda_ipc=pb.CudaIpcHandle(memory_handle=b"\x01" * 64, storage_size_bytes=size, ref_counter_handle=b"/torch_1_elsewhere"),
+        cuda_ipc=pb.CudaIpcHandle(
+            memory_handle=b"\x01" * 64, storage_size_bytes=size, ref_counter_handle=b"/torch_1_elsewhere"
+        ),
     )
     results = pusher.push_gathered([GatheredBucket(specs, [other_gpu, other_host, mine], size)], version=v)
     for addr, r in results.items():
@@ -279,7 +300,9 @@ def test_wrapper_prefix_is_refused_with_the_stripped_name(pusher: WeightPusher, 
 
 def test_dtype_mismatch_is_refused(pusher: WeightPusher) -> None:
     full = full_checkpoint(CONFIG, seed=1)
-    full["model.layers.2.mlp.down_proj.weight"] = full["model.layers.2.mlp.down_proj.weight"].to(torch.bfloat16)
+    full["model.layers.2.mlp.down_proj.weight"] = full["model.layers.2.mlp.down_proj.weight"].to(
+        torch.bfloat16
+    )
     err = _refused(pusher, full)
     assert err.reason == "DTYPE_MISMATCH" and "model.layers.2.mlp.down_proj.weight" in err.message
 
@@ -289,7 +312,9 @@ def test_shape_mismatch_is_refused(pusher: WeightPusher) -> None:
     manifests = pusher.manifests()
     tp0 = next(m for m in manifests.values() if m.rank.tp_rank == 0 and m.rank.pp_rank == 0)
     # The trainer pushes a TP shard where the full checkpoint tensor is expected.
-    full["model.layers.0.self_attn.q_proj.weight"] = expected_shard(full, tp0.rank, CONFIG)["model.layers.0.self_attn.q_proj.weight"]
+    full["model.layers.0.self_attn.q_proj.weight"] = expected_shard(full, tp0.rank, CONFIG)[
+        "model.layers.0.self_attn.q_proj.weight"
+    ]
     err = _refused(pusher, full)
     assert err.reason == "SHAPE_MISMATCH" and "model.layers.0.self_attn.q_proj.weight" in err.message
 

@@ -25,12 +25,18 @@ def test_client_refusals_carry_reason_members(inproc_worker) -> None:
         norm = full["model.norm.weight"]
         strided = torch.zeros(norm.numel(), 2)[:, 0]  # the right size, but every other float
         with pytest.raises(PlanError) as flat:
-            pusher.push_flat([FlatBucket(strided, [TensorSpec("model.norm.weight", norm.dtype, tuple(norm.shape))])], version=1, scope="partial")
+            pusher.push_flat(
+                [FlatBucket(strided, [TensorSpec("model.norm.weight", norm.dtype, tuple(norm.shape))])],
+                version=1,
+                scope="partial",
+            )
         assert flat.value.kind is Reason.BUFFER_NOT_CONTIGUOUS and flat.value.code == "INVALID_ARGUMENT"
         assert pusher.status()[worker.address].weights_version == 0
 
 
-def test_an_unexpected_error_in_a_push_is_internal_with_an_error_info(inproc_worker, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unexpected_error_in_a_push_is_internal_with_an_error_info(
+    inproc_worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
     worker = inproc_worker()
     importer = worker.service.importers["host_shm"]  # type: ignore[attr-defined]
 
@@ -70,6 +76,10 @@ def test_no_error_is_without_a_reason() -> None:
     assert WeightwireError("", "bug", code="INTERNAL").kind is Reason.INTERNAL
     assert WeightwireError("", "odd", code="RESOURCE_EXHAUSTED").reason == "RPC_FAILED"
     newer = WeightwireError("A_REASON_OF_A_NEWER_WORKER", "kept as sent", code="FAILED_PRECONDITION")
-    assert (newer.reason, newer.kind, newer.code) == ("A_REASON_OF_A_NEWER_WORKER", None, "FAILED_PRECONDITION")
+    assert (newer.reason, newer.kind, newer.code) == (
+        "A_REASON_OF_A_NEWER_WORKER",
+        None,
+        "FAILED_PRECONDITION",
+    )
     for reason in Reason:
         assert reason.name and WeightwireError(reason, "m").code == reason.code

@@ -27,10 +27,21 @@ ATTEMPTS = 6
 
 @pytest.fixture(scope="module")
 def slow_and_failing() -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
-    slow = spawn_worker(command=[sys.executable, _SCRIPT, "--load-delay-s", str(SLOW_LOAD_S), "--worker-id", "slow"], timeout=90)
+    slow = spawn_worker(
+        command=[sys.executable, _SCRIPT, "--load-delay-s", str(SLOW_LOAD_S), "--worker-id", "slow"],
+        timeout=90,
+    )
     try:
         failing = spawn_worker(
-            command=[sys.executable, _SCRIPT, "--load-delay-s", str(FAILING_LOAD_S), "--fail-loads", "--worker-id", "failing"],
+            command=[
+                sys.executable,
+                _SCRIPT,
+                "--load-delay-s",
+                str(FAILING_LOAD_S),
+                "--fail-loads",
+                "--worker-id",
+                "failing",
+            ],
             timeout=90,
         )
     except BaseException:
@@ -41,7 +52,9 @@ def slow_and_failing() -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     slow.stop()
 
 
-def test_an_immediate_retry_is_never_refused_by_its_own_cancelled_update(slow_and_failing: tuple[WorkerProcess, WorkerProcess]) -> None:
+def test_an_immediate_retry_is_never_refused_by_its_own_cancelled_update(
+    slow_and_failing: tuple[WorkerProcess, WorkerProcess],
+) -> None:
     slow, failing = slow_and_failing
     full = full_checkpoint(CONFIG, seed=1)
     with WeightPusher([slow.address, failing.address], timeout_s=60) as pusher:

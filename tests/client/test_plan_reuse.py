@@ -22,7 +22,11 @@ def test_same_push_again_skips_the_checks_and_a_change_is_checked(
     worker = inproc_worker(ParallelRank())
     checked: list[int] = []
     full_check = planning.check_update
-    monkeypatch.setattr(planning, "check_update", lambda specs, *a, **k: (checked.append(len(specs)), full_check(specs, *a, **k))[1])
+    monkeypatch.setattr(
+        planning,
+        "check_update",
+        lambda specs, *a, **k: (checked.append(len(specs)), full_check(specs, *a, **k))[1],
+    )
     with WeightPusher([worker.address], bucket_size_bytes=32 * 1024) as pusher:
         for version in (1, 2, 3):
             full = full_checkpoint(worker.config, seed=version)

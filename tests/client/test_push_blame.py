@@ -53,7 +53,9 @@ def test_every_stale_worker_reports_its_own_stale_version(engine: Engine) -> Non
                 assert err.worker == address
                 if status.updates_failed == failed_before[address] + 1:  # it recorded this update
                     assert status.last_error.version == current + 2
-                    assert (err.code, err.reason) == (status.last_error.code, status.last_error.reason), str(e.value)
+                    assert (err.code, err.reason) == (status.last_error.code, status.last_error.reason), str(
+                        e.value
+                    )
                     own_reasons += err.kind is Reason.STALE_VERSION
                 else:
                     assert err.kind is Reason.CANCELLED, str(e.value)
@@ -61,8 +63,13 @@ def test_every_stale_worker_reports_its_own_stale_version(engine: Engine) -> Non
         assert _versions(pusher) == dict.fromkeys(engine.addresses, current + 5)
     # The trainer's failure counter carries the same reasons as the errors.
     counted = {
-        reason: sum(registry.get_sample_value("weightwire_trainer_worker_failures_total", {"worker": w, "reason": reason}) or 0
-                    for w in ("tp0-pp0", "tp1-pp0"))
+        reason: sum(
+            registry.get_sample_value(
+                "weightwire_trainer_worker_failures_total", {"worker": w, "reason": reason}
+            )
+            or 0
+            for w in ("tp0-pp0", "tp1-pp0")
+        )
         for reason in ("STALE_VERSION", "CANCELLED")
     }
     assert counted == {"STALE_VERSION": own_reasons, "CANCELLED": 2 * _ROUNDS - own_reasons}

@@ -47,7 +47,9 @@ class EntryCounts:
         service.push_update = counted_push_update  # type: ignore[method-assign]
 
 
-def flat_buckets(pusher: WeightPusher, full: dict[str, torch.Tensor], owned: list[str], parts: int) -> list[FlatBucket]:
+def flat_buckets(
+    pusher: WeightPusher, full: dict[str, torch.Tensor], owned: list[str], parts: int
+) -> list[FlatBucket]:
     """The owned tensors in ``parts`` flat buckets in the pusher's shared memory."""
     names = sorted(owned)
     step = -(-len(names) // parts)

@@ -94,12 +94,16 @@ def main() -> None:
                 if group is not None:
                     group.close()
                 group = None
-                group = TransferGroup.form(spec, identity_of(cmd), listen_host=cmd.get("listen_host", "127.0.0.1"))
+                group = TransferGroup.form(
+                    spec, identity_of(cmd), listen_host=cmd.get("listen_host", "127.0.0.1")
+                )
                 answer["rank"] = group.rank
             elif op == "recv":
                 assert group is not None
                 buf = torch.zeros(int(cmd["nbytes"]), dtype=torch.uint8)
-                group.wait(group.recv(buf, int(cmd["src"]), message_tag(int(cmd["sequence"]), 0)), "receiving")
+                group.wait(
+                    group.recv(buf, int(cmd["src"]), message_tag(int(cmd["sequence"]), 0)), "receiving"
+                )
                 answer["sha"] = digest(buf)
             elif op == "send":
                 assert group is not None

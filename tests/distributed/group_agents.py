@@ -28,7 +28,11 @@ class Agent:
     def __init__(self, worker_id: str, rank: ParallelRank) -> None:
         self.identity = MemberIdentity(pb.TRANSFER_ROLE_WORKER, uuid.uuid4().hex, worker_id, rank)
         self.proc = subprocess.Popen(
-            [sys.executable, AGENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            [sys.executable, AGENT],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
             env={**os.environ, **QUIET_ENV},
         )
         self._answers: queue.Queue[str | None] = queue.Queue()
@@ -64,7 +68,10 @@ class Agent:
             spec=base64.b64encode(spec.SerializeToString()).decode(),
             instance_id=fields.pop("instance_id", ident.instance_id),
             worker_id=ident.worker_id,
-            rank={f: getattr(ident.rank, f) for f in ("tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size")},
+            rank={
+                f: getattr(ident.rank, f)
+                for f in ("tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size")
+            },
             **fields,
         )
 
@@ -101,7 +108,10 @@ def spec_of(
         store_address=store_address,
         world_size=world_size if world_size is not None else len(members),
         members=[m.to_proto(i) for i, m in enumerate(members)],
-        subgroups=[pb.TransferSubgroup(subgroup_id=i, member_ranks=ranks, root_rank=0) for i, ranks in enumerate(subgroups)],
+        subgroups=[
+            pb.TransferSubgroup(subgroup_id=i, member_ranks=ranks, root_rank=0)
+            for i, ranks in enumerate(subgroups)
+        ],
         timeout_ms=timeout_ms,
         max_bucket_bytes=1 << 20,
     )

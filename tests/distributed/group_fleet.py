@@ -50,14 +50,21 @@ class Fleet:
         self.dump_dir = dump_dir
         ranks = [
             ParallelRank(tp_rank=t, tp_size=2, pp_rank=p, pp_size=2, dp_rank=d, dp_size=replicas)
-            for d in range(replicas) for p in range(2) for t in range(2)
+            for d in range(replicas)
+            for p in range(2)
+            for t in range(2)
         ]
         arg_lists = []
         for r in ranks:
             sock = os.path.join(socket_dir, f"{default_worker_id(r)}.sock")
             arg_lists.append(
-                demo_args(tp=(r.tp_rank, 2), pp=(r.pp_rank, 2), dump_dir=dump_dir, listen=f"unix:{sock}",
-                          extra=["--dp-rank", str(r.dp_rank), "--dp-size", str(replicas)])
+                demo_args(
+                    tp=(r.tp_rank, 2),
+                    pp=(r.pp_rank, 2),
+                    dump_dir=dump_dir,
+                    listen=f"unix:{sock}",
+                    extra=["--dp-rank", str(r.dp_rank), "--dp-size", str(replicas)],
+                )
             )
         os.environ.update(QUIET_ENV)
         processes = spawn_workers(arg_lists)
@@ -98,15 +105,27 @@ class Trainer:
 
     def __init__(self, addresses: list[str], version: int, *extra: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "group_trainer.py"), "--version", str(version), *extra, *addresses],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                os.path.join(HERE, "group_trainer.py"),
+                "--version",
+                str(version),
+                *extra,
+                *addresses,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
             env={**os.environ, **QUIET_ENV},
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
             self.proc.kill()
-            raise RuntimeError(f"trainer did not start: {line!r} {self.proc.stderr.read() if self.proc.stderr else ''}")
+            raise RuntimeError(
+                f"trainer did not start: {line!r} {self.proc.stderr.read() if self.proc.stderr else ''}"
+            )
 
     def go(self) -> None:
         assert self.proc.stdin is not None

@@ -38,19 +38,29 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     options = TransferGroupOptions(host="127.0.0.1", trainer_rank=args.trainer_rank)
-    with WeightPusher(args.endpoints, transfer_group=options, timeout_s=args.timeout_s, bucket_size_bytes=args.bucket_bytes) as pusher:
+    with WeightPusher(
+        args.endpoints, transfer_group=options, timeout_s=args.timeout_s, bucket_size_bytes=args.bucket_bytes
+    ) as pusher:
         pusher.manifests()
         print("ready", flush=True)
         sys.stdin.readline()
         out: dict[str, object] = {}
         try:
-            results = pusher.push(full_checkpoint(DemoConfig(), args.version), version=args.version, progress=progress)
+            results = pusher.push(
+                full_checkpoint(DemoConfig(), args.version), version=args.version, progress=progress
+            )
             out["results"] = {
-                r.worker_id: {"state": r.state, "bytes_loaded": r.bytes_loaded, "bytes_received": r.bytes_received}
+                r.worker_id: {
+                    "state": r.state,
+                    "bytes_loaded": r.bytes_loaded,
+                    "bytes_received": r.bytes_received,
+                }
                 for r in results.values()
             }
         except PushError as e:
-            out["failures"] = {a: {"reason": err.reason, "message": err.message} for a, err in e.failures.items()}
+            out["failures"] = {
+                a: {"reason": err.reason, "message": err.message} for a, err in e.failures.items()
+            }
         out["group_id"] = pusher.transfer_group_id
         print(json.dumps(out), flush=True)
 

@@ -57,8 +57,14 @@ def engine(tp: int, pp: int, dp: int) -> dict[str, tuple[ParallelRank, TorchAdap
             for t in range(tp):
                 rank = ParallelRank(tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, dp_rank=d, dp_size=dp)
                 model = build_demo_model(CONFIG, rank, "cpu", 0)
-                adapter = TorchAdapter(model, rank=rank, device=torch.device("cpu"), own_device=HOST,
-                                       tp_rules=DEMO_TP_RULES, num_layers=CONFIG.num_layers)
+                adapter = TorchAdapter(
+                    model,
+                    rank=rank,
+                    device=torch.device("cpu"),
+                    own_device=HOST,
+                    tp_rules=DEMO_TP_RULES,
+                    num_layers=CONFIG.num_layers,
+                )
                 out[adapter.worker_id] = (rank, adapter)
     return out
 
@@ -86,8 +92,9 @@ def main() -> None:
         name = next(n for n, t in sorted(m.tensors.items()) if t.pieces)
         tensors = dict(m.tensors)
         tensors[name] = OwnedTensor(name, m.tensors[name].dtype, m.tensors[name].shape)
-        manifests[first] = ShardManifest.build(m.device, m.rank, tensors.values(), worker_id=m.worker_id,
-                                               instance_id=m.instance_id)
+        manifests[first] = ShardManifest.build(
+            m.device, m.rank, tensors.values(), worker_id=m.worker_id, instance_id=m.instance_id
+        )
     full = full_checkpoint(CONFIG, args.seed)
     specs = [
         TensorSpec.dtensor(name, tuple(t.shape), dtypes.from_torch(t.dtype), (args.trainers,), [Shard(0)])
@@ -111,24 +118,44 @@ def main() -> None:
             os._exit(3)  # killed between the plan check and its first send
         if args.rank < args.trainers:
             # Only this rank's shards survive: the full checkpoint is gone before a byte moves.
-            local = {s.name: full[s.name][tuple(slice(a, b) for a, b in s.holdings[args.rank])].clone()
-                     for s in specs if args.rank in s.holdings}
+            local = {
+                s.name: full[s.name][tuple(slice(a, b) for a, b in s.holdings[args.rank])].clone()
+                for s in specs
+                if args.rank in s.holdings
+            }
             holdings = {s.name: s.holdings[args.rank] for s in specs if args.rank in s.holdings}
             del full
-            result["sent"] = send_slices(pg, plan, ranks, args.rank, local, holdings, timeout_s=TIMEOUT_S,
-                                         direct_min_bytes=args.direct_min_bytes)
+            result["sent"] = send_slices(
+                pg,
+                plan,
+                ranks,
+                args.rank,
+                local,
+                holdings,
+                timeout_s=TIMEOUT_S,
+                direct_min_bytes=args.direct_min_bytes,
+            )
             result["planned"] = sum(t.nbytes * len(t.destinations) for t in plan.for_source(args.rank))
         else:
             worker = ranks.workers[args.rank - args.trainers]
             rank, adapter = workers[worker]
             params = adapter.state()
             with torch.no_grad():
-                received = receive_slices(pg, plan, ranks, worker, params, manifests[worker].tensors,
-                                          timeout_s=TIMEOUT_S, direct_min_bytes=args.direct_min_bytes)
+                received = receive_slices(
+                    pg,
+                    plan,
+                    ranks,
+                    worker,
+                    params,
+                    manifests[worker].tensors,
+                    timeout_s=TIMEOUT_S,
+                    direct_min_bytes=args.direct_min_bytes,
+                )
             want = expected_shard(full, rank, CONFIG)
             in_place = sum(
-                1 for src in range(args.trainers) for m in messages(plan, src, worker, DEFAULT_MAX_MESSAGE_BYTES,
-                                                                     args.direct_min_bytes)
+                1
+                for src in range(args.trainers)
+                for m in messages(plan, src, worker, DEFAULT_MAX_MESSAGE_BYTES, args.direct_min_bytes)
                 if len(m) == 1 and m[0].rows and m[0].nbytes >= args.direct_min_bytes
             )
             result.update(

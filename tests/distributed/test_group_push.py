@@ -55,7 +55,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 def pusher_for(fleet: Fleet, members: list[Member] | None = None, **options: object) -> WeightPusher:
     return WeightPusher(
-        fleet.addresses(members), transfer_group=TransferGroupOptions(host=HOST, **options), timeout_s=30,  # type: ignore[arg-type]
+        fleet.addresses(members),
+        transfer_group=TransferGroupOptions(host=HOST, **options),
+        timeout_s=30,  # type: ignore[arg-type]
     )
 
 
@@ -130,7 +132,9 @@ def test_leaving_on_request_tears_the_group_down_everywhere(fleet: Fleet) -> Non
         assert pusher.transfer_group_id is None
         for m in members:
             st = m.status().transfer_group
-            assert st.state == pb.TRANSFER_GROUP_STATE_NONE and st.last_teardown == f"{first}: left on request"
+            assert (
+                st.state == pb.TRANSFER_GROUP_STATE_NONE and st.last_teardown == f"{first}: left on request"
+            )
         # The next push forms a new group by itself.
         full = full_checkpoint(CONFIG, version + 1)
         pusher.push(full, version=version + 1)
@@ -143,8 +147,12 @@ def test_small_buckets_use_both_staging_buffers_and_no_more(fleet: Fleet) -> Non
     members = fleet.replica(1)
     version = fleet.next_version(members)
     full = full_checkpoint(CONFIG, version)
-    with WeightPusher(fleet.addresses(members), transfer_group=TransferGroupOptions(host=HOST), timeout_s=30,
-                      bucket_size_bytes=32 << 10) as pusher:
+    with WeightPusher(
+        fleet.addresses(members),
+        transfer_group=TransferGroupOptions(host=HOST),
+        timeout_s=30,
+        bucket_size_bytes=32 << 10,
+    ) as pusher:
         pusher.push(full, version=version)
         largest = max(t.numel() * t.element_size() for t in full.values())
         for m in members:
@@ -154,10 +162,18 @@ def test_small_buckets_use_both_staging_buffers_and_no_more(fleet: Fleet) -> Non
             assert 1 <= st.staging_buffers <= 2 and st.staging_bytes <= 2 * max(largest, 32 << 10)
 
 
-def _stage_local_spec(store: StoreServer, group_id: str, trainer: MemberIdentity, stage_first: list[ShardManifest]) -> pb.TransferGroupSpec:
+def _stage_local_spec(
+    store: StoreServer, group_id: str, trainer: MemberIdentity, stage_first: list[ShardManifest]
+) -> pb.TransferGroupSpec:
     plan = plan_group(
-        {m.worker_id: m for m in stage_first}, trainer=trainer, group_id=group_id, backend=pb.TRANSFER_BACKEND_GLOO,
-        store_address=store.address, timeout_ms=10_000, max_bucket_bytes=1 << 20, broadcast=False,
+        {m.worker_id: m for m in stage_first},
+        trainer=trainer,
+        group_id=group_id,
+        backend=pb.TRANSFER_BACKEND_GLOO,
+        store_address=store.address,
+        timeout_ms=10_000,
+        max_bucket_bytes=1 << 20,
+        broadcast=False,
     )
     # The field bug: ranks 1.. in the order this stage sees the workers (its own first).
     spec = plan.spec
@@ -169,7 +185,10 @@ def _stage_local_spec(store: StoreServer, group_id: str, trainer: MemberIdentity
 
 def test_two_workers_claiming_one_group_rank_are_refused_before_any_byte(fleet: Fleet) -> None:
     members = fleet.replica(0)
-    manifests = {m.worker_id: ShardManifest.from_proto(m.stub().GetManifest(pb.GetManifestRequest()).manifest) for m in members}
+    manifests = {
+        m.worker_id: ShardManifest.from_proto(m.stub().GetManifest(pb.GetManifestRequest()).manifest)
+        for m in members
+    }
     stage0 = [manifests[m.worker_id] for m in members if m.rank.pp_rank == 0]
     stage1 = [manifests[m.worker_id] for m in members if m.rank.pp_rank == 1]
     before = {m.worker_id: m.status() for m in members}
@@ -184,7 +203,9 @@ def test_two_workers_claiming_one_group_rank_are_refused_before_any_byte(fleet: 
             mine = pool.submit(TransferGroup.form, spec0, trainer, listen_host=HOST, store=store.store)
             calls = {
                 m.worker_id: pool.submit(
-                    m.stub().JoinTransferGroup, pb.JoinTransferGroupRequest(spec=spec0 if m.rank.pp_rank == 0 else spec1), timeout=60
+                    m.stub().JoinTransferGroup,
+                    pb.JoinTransferGroupRequest(spec=spec0 if m.rank.pp_rank == 0 else spec1),
+                    timeout=60,
                 )
                 for m in members
             }
@@ -201,7 +222,9 @@ def test_two_workers_claiming_one_group_rank_are_refused_before_any_byte(fleet: 
         st = m.status()
         # Nothing moved: same version, no group, no byte received.
         assert st.weights_version == before[m.worker_id].weights_version
-        assert st.transfer_group.state == pb.TRANSFER_GROUP_STATE_NONE and st.transfer_group.bytes_received == 0
+        assert (
+            st.transfer_group.state == pb.TRANSFER_GROUP_STATE_NONE and st.transfer_group.bytes_received == 0
+        )
         assert "GROUP_DUPLICATE_RANK" in st.transfer_group.last_teardown
 
 
@@ -210,20 +233,35 @@ def test_join_needs_the_workers_token_and_an_answering_store(worker_process) -> 
 
     worker = worker_process(*demo_args(listen="127.0.0.1:0", extra=["--token", "tok-1"]))
     stub = worker.stub()
-    manifest = stub.GetManifest(pb.GetManifestRequest(), metadata=[("authorization", "Bearer tok-1")]).manifest
+    manifest = stub.GetManifest(
+        pb.GetManifestRequest(), metadata=[("authorization", "Bearer tok-1")]
+    ).manifest
     dead = StoreServer(HOST)
     address = dead.address
     dead.close()  # nothing listens there any more
     spec = plan_group(
-        {"w": ShardManifest.from_proto(manifest)}, trainer=MemberIdentity.of_trainer(0, uuid.uuid4().hex), group_id="g-dead",
-        backend=pb.TRANSFER_BACKEND_GLOO, store_address=address, timeout_ms=1000, max_bucket_bytes=1 << 20,
+        {"w": ShardManifest.from_proto(manifest)},
+        trainer=MemberIdentity.of_trainer(0, uuid.uuid4().hex),
+        group_id="g-dead",
+        backend=pb.TRANSFER_BACKEND_GLOO,
+        store_address=address,
+        timeout_ms=1000,
+        max_bucket_bytes=1 << 20,
     ).spec
     with pytest.raises(grpc.RpcError) as no_token:
         stub.JoinTransferGroup(pb.JoinTransferGroupRequest(spec=spec), timeout=30)
-    assert (no_token.value.code(), error_info(no_token.value)[0]) == (grpc.StatusCode.UNAUTHENTICATED, "MISSING_TOKEN")
+    assert (no_token.value.code(), error_info(no_token.value)[0]) == (
+        grpc.StatusCode.UNAUTHENTICATED,
+        "MISSING_TOKEN",
+    )
     with pytest.raises(grpc.RpcError) as unreachable:
-        stub.JoinTransferGroup(pb.JoinTransferGroupRequest(spec=spec), timeout=60, metadata=[("authorization", "Bearer tok-1")])
-    assert (unreachable.value.code(), error_info(unreachable.value)[0]) == (grpc.StatusCode.UNAVAILABLE, "GROUP_STORE_UNREACHABLE")
+        stub.JoinTransferGroup(
+            pb.JoinTransferGroupRequest(spec=spec), timeout=60, metadata=[("authorization", "Bearer tok-1")]
+        )
+    assert (unreachable.value.code(), error_info(unreachable.value)[0]) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "GROUP_STORE_UNREACHABLE",
+    )
     assert address in unreachable.value.details()
 
 
@@ -249,8 +287,16 @@ def _settled(member: Member) -> bool:
 def test_trainer_killed_mid_bucket(fleet: Fleet) -> None:
     members = fleet.replica(1)
     before = fleet.next_version(members) - 1
-    trainer = Trainer(fleet.addresses(members), before + 1, "--bucket-bytes", str(16 << 10), "--die-after-acks", "2",
-                      "--timeout-s", "60")
+    trainer = Trainer(
+        fleet.addresses(members),
+        before + 1,
+        "--bucket-bytes",
+        str(16 << 10),
+        "--die-after-acks",
+        "2",
+        "--timeout-s",
+        "60",
+    )
     trainer.go()
     assert trainer.wait() == -signal.SIGKILL
     # Every worker ends the update with a reason, well before the 60 s group timeout: the dead
@@ -282,8 +328,12 @@ def test_worker_killed_mid_update_is_named_and_the_group_reforms_after_its_resta
         if p.buckets_done == 1:
             victim.process.proc.send_signal(signal.SIGKILL)
 
-    with WeightPusher(fleet.addresses(members), transfer_group=TransferGroupOptions(host=HOST), timeout_s=30,
-                      bucket_size_bytes=16 << 10) as pusher:
+    with WeightPusher(
+        fleet.addresses(members),
+        transfer_group=TransferGroupOptions(host=HOST),
+        timeout_s=30,
+        bucket_size_bytes=16 << 10,
+    ) as pusher:
         pusher.push(full_checkpoint(CONFIG, version), version=version)
         first_group = pusher.transfer_group_id
         with pytest.raises(PushError) as failed:
@@ -292,7 +342,10 @@ def test_worker_killed_mid_update_is_named_and_the_group_reforms_after_its_resta
         assert failures[victim.address].reason in ("UNAVAILABLE", "TRANSFER_FAILED"), failures
         for m in members:
             if m is not victim:
-                assert failures[m.address].reason == "CANCELLED" and victim.worker_id in failures[m.address].message
+                assert (
+                    failures[m.address].reason == "CANCELLED"
+                    and victim.worker_id in failures[m.address].message
+                )
                 assert wait_until(lambda m=m: _settled(m), timeout=30)
                 assert m.status().weights_version == version
         fleet.restart(victim)

@@ -26,17 +26,35 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def run_group(
-    trainers: int, engine: tuple[int, int, int], *, variant_rank: int | None = None, in_place: bool = False,
+    trainers: int,
+    engine: tuple[int, int, int],
+    *,
+    variant_rank: int | None = None,
+    in_place: bool = False,
     die_rank: int | None = None,
 ) -> list[dict]:
     tp, pp, dp = engine
     world = trainers + tp * pp * dp
-    store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
+    )
     group = uuid.uuid4().hex
     procs = []
     for rank in range(world):
-        cmd = [sys.executable, os.path.join(HERE, "slice_member.py"), "--store", f"127.0.0.1:{store.port}",
-               "--group", group, "--trainers", str(trainers), "--engine", f"{tp},{pp},{dp}", "--rank", str(rank)]
+        cmd = [
+            sys.executable,
+            os.path.join(HERE, "slice_member.py"),
+            "--store",
+            f"127.0.0.1:{store.port}",
+            "--group",
+            group,
+            "--trainers",
+            str(trainers),
+            "--engine",
+            f"{tp},{pp},{dp}",
+            "--rank",
+            str(rank),
+        ]
         if rank == variant_rank:
             cmd.append("--plan-variant")
         if in_place:

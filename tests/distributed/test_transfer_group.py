@@ -57,7 +57,9 @@ def new_id() -> str:
     return f"test-{uuid.uuid4().hex[:12]}"
 
 
-def form_trainer(spec: pb.TransferGroupSpec, me: MemberIdentity, store: StoreServer) -> concurrent.futures.Future[TransferGroup]:
+def form_trainer(
+    spec: pb.TransferGroupSpec, me: MemberIdentity, store: StoreServer
+) -> concurrent.futures.Future[TransferGroup]:
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     fut = pool.submit(TransferGroup.form, spec, me, listen_host=HOST, store=store.store)
     pool.shutdown(wait=False)
@@ -161,7 +163,12 @@ def test_wrong_world_size_is_refused(agents: list[Agent], store: StoreServer) ->
 def test_unknown_member_is_refused(agents: list[Agent], store: StoreServer) -> None:
     """A process of another plan takes the rank the plan gives to a worker that did not come."""
     me = trainer()
-    absent = MemberIdentity(pb.TRANSFER_ROLE_WORKER, uuid.uuid4().hex, "tp1-pp0-dp1", ParallelRank(tp_rank=1, tp_size=2, dp_rank=1, dp_size=2))
+    absent = MemberIdentity(
+        pb.TRANSFER_ROLE_WORKER,
+        uuid.uuid4().hex,
+        "tp1-pp0-dp1",
+        ParallelRank(tp_rank=1, tp_size=2, dp_rank=1, dp_size=2),
+    )
     group_id = new_id()
     spec = spec_of(group_id, store.address, [me, agents[0].identity, absent])
     intruder = spec_of(group_id, store.address, [me, agents[0].identity, agents[1].identity])
@@ -272,7 +279,9 @@ def test_nccl_needs_a_gpu(agents: list[Agent], store: StoreServer) -> None:
     assert answer["reason"] == "TRANSPORT_UNAVAILABLE" and "NCCL" in answer["message"]
 
 
-def test_a_member_whose_address_does_not_answer_gives_a_reason(agents: list[Agent], store: StoreServer) -> None:
+def test_a_member_whose_address_does_not_answer_gives_a_reason(
+    agents: list[Agent], store: StoreServer
+) -> None:
     """A worker told to listen on an address that is not this machine's (192.0.2.1, TEST-NET-1)
     cannot open its group sockets: it refuses, and so does everyone waiting for it."""
     me = trainer()

@@ -98,7 +98,10 @@ def error_json(e: BaseException) -> dict[str, Any]:
     if isinstance(e, WeightwireError):
         out.update(reason=e.reason, code=e.code, message=e.message, metadata=e.metadata)
     if isinstance(e, PushError):
-        out["failures"] = {a: {"reason": err.reason, "code": err.code, "message": err.message} for a, err in e.failures.items()}
+        out["failures"] = {
+            a: {"reason": err.reason, "code": err.code, "message": err.message}
+            for a, err in e.failures.items()
+        }
         out["results"] = sorted(e.results)
     return out
 
@@ -116,7 +119,9 @@ def run_push(rank: int, world: int, sc: dict[str, Any]) -> dict[str, Any]:
         if rank in sc["skip_ranks"]:
             return {"ok": True, "skipped": True}
     pusher = WeightPusher(
-        sc["endpoints"], transport=sc.get("transport", "auto"), bucket_size_bytes=int(sc.get("bucket_size_bytes", 1 << 16)),
+        sc["endpoints"],
+        transport=sc.get("transport", "auto"),
+        bucket_size_bytes=int(sc.get("bucket_size_bytes", 1 << 16)),
         timeout_s=float(sc.get("timeout_s", 120)),
     )
     if sc.get("stand_in_gpu"):
@@ -146,11 +151,18 @@ def run_push(rank: int, world: int, sc: dict[str, Any]) -> dict[str, Any]:
             # The control: every DTensor's full value at once, as plain tensors (what the per-bucket
             # gather avoids), pushed with group= so the ranks still push together.
             full = {n: t.full_tensor() for n, t in model.state_dict().items()}
-            results = pusher.push(full, version=version, group=dist.group.WORLD, routing=sc.get("routing", "own_device"))
+            results = pusher.push(
+                full, version=version, group=dist.group.WORLD, routing=sc.get("routing", "own_device")
+            )
         else:
             results = pusher.push(
-                tensors, version=version, routing=sc.get("routing", "own_device"), sender_rank=int(sc.get("sender_rank", 0)),
-                cast_to=getattr(torch, sc["cast_to"]) if sc.get("cast_to") else None, group=group, progress=progress,
+                tensors,
+                version=version,
+                routing=sc.get("routing", "own_device"),
+                sender_rank=int(sc.get("sender_rank", 0)),
+                cast_to=getattr(torch, sc["cast_to"]) if sc.get("cast_to") else None,
+                group=group,
+                progress=progress,
             )
         record.update(ok=True, results={a: dataclasses.asdict(r) for a, r in results.items()})
     except (PushError, WeightwireError) as e:
@@ -181,8 +193,14 @@ def run_flat_dtensor(sc: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with WeightPusher(sc["endpoints"]) as pusher:
         for what, call in (
-            ("push_flat", lambda: pusher.push_flat(
-                [FlatBucket(shard, [TensorSpec("model.norm.weight", shard.dtype, tuple(shard.shape))])], version=int(sc["version"]), scope="partial")),
+            (
+                "push_flat",
+                lambda: pusher.push_flat(
+                    [FlatBucket(shard, [TensorSpec("model.norm.weight", shard.dtype, tuple(shard.shape))])],
+                    version=int(sc["version"]),
+                    scope="partial",
+                ),
+            ),
             ("export_payload", lambda: pusher.export_payload(shard)),
         ):
             try:
@@ -229,7 +247,9 @@ def run_gather_checks(rank: int, world: int) -> dict[str, Any]:
     dt = distribute_tensor(torch.arange(4.0 * world).reshape(world, 4), mesh, [Shard(0)])
     dst = torch.empty((world, 4)) if rank == 0 else None
     writer.write("only_rank0_writes", dt, dst)
-    out["only_rank0_writes"] = dst is None or bool(torch.equal(dst, torch.arange(4.0 * world).reshape(world, 4)))
+    out["only_rank0_writes"] = dst is None or bool(
+        torch.equal(dst, torch.arange(4.0 * world).reshape(world, 4))
+    )
     return {"ok": all(out.values()), "cases": out}
 
 
@@ -254,7 +274,9 @@ def main() -> int:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(done, f)
         os.replace(tmp, out_path)
-        if not sc.get("skip_ranks") and not any(r.get("error", {}).get("reason") == "TRAINER_RANK_LOST" for r in done.values()):
+        if not sc.get("skip_ranks") and not any(
+            r.get("error", {}).get("reason") == "TRAINER_RANK_LOST" for r in done.values()
+        ):
             dist.barrier()  # the next scenario starts together (its model build is collective-free anyway)
     if any(r.get("error", {}).get("reason") == "TRAINER_RANK_LOST" for r in done.values()):
         os._exit(0)  # the group lost a rank: tearing it down could wait on the dead peer

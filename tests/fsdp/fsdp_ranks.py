@@ -41,7 +41,10 @@ class RankRun:
         return [r.get(scenario, {"missing": True}) for r in self.records]
 
     def explain(self) -> str:
-        return "\n".join(f"--- rank {i} (exit {rc}) ---\n{err[-4000:]}" for i, (rc, err) in enumerate(zip(self.returncodes, self.stderr, strict=True)))
+        return "\n".join(
+            f"--- rank {i} (exit {rc}) ---\n{err[-4000:]}"
+            for i, (rc, err) in enumerate(zip(self.returncodes, self.stderr, strict=True))
+        )
 
 
 def free_port() -> int:
@@ -51,7 +54,12 @@ def free_port() -> int:
 
 
 def run_ranks(
-    world: int, scenarios: Sequence[dict[str, Any]], out_dir: str, *, timeout_s: float = 600.0, env: dict[str, str] | None = None
+    world: int,
+    scenarios: Sequence[dict[str, Any]],
+    out_dir: str,
+    *,
+    timeout_s: float = 600.0,
+    env: dict[str, str] | None = None,
 ) -> RankRun:
     """Run ``fsdp_rank.py`` on ``world`` ranks over the scenarios; kill every rank still running at
     ``timeout_s`` (a hang is then visible as exit code -9 in ``returncodes``)."""
@@ -64,12 +72,25 @@ def run_ranks(
     err_paths = [os.path.join(out_dir, f"rank{r}.stderr") for r in range(world)]
     for r in range(world):
         rank_env = dict(
-            os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}),
+            os.environ,
+            RANK=str(r),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(r),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS="1",
+            **(env or {}),
         )
         with open(err_paths[r], "w", encoding="utf-8") as err:
             procs.append(
-                subprocess.Popen([sys.executable, RANK_SCRIPT, path, out_dir], env=rank_env, stdout=err, stderr=subprocess.STDOUT, text=True)
+                subprocess.Popen(
+                    [sys.executable, RANK_SCRIPT, path, out_dir],
+                    env=rank_env,
+                    stdout=err,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
             )
     codes: list[int] = []
     try:
@@ -139,7 +160,9 @@ class Fleet:
             want = expected_shard(full, rank, self.config)
             assert sorted(got) == sorted(want), wid
             for name, t in want.items():
-                assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"{wid}: {name} differs after v{version}"
+                assert got[name].dtype == t.dtype and torch.equal(got[name], t), (
+                    f"{wid}: {name} differs after v{version}"
+                )
 
 
 def grid(tp: int, pp: int) -> list[ParallelRank]:
@@ -149,20 +172,43 @@ def grid(tp: int, pp: int) -> list[ParallelRank]:
 def serve_fleet(tp: int, pp: int, dump_dir: str) -> Fleet:
     """Real ``weightwire serve --model demo`` workers (host devices of this machine)."""
     ranks = grid(tp, pp)
-    workers = spawn_workers([demo_args(tp=(r.tp_rank, tp), pp=(r.pp_rank, pp), dump_dir=dump_dir) for r in ranks])
+    workers = spawn_workers(
+        [demo_args(tp=(r.tp_rank, tp), pp=(r.pp_rank, pp), dump_dir=dump_dir) for r in ranks]
+    )
     return Fleet(workers, ranks, dump_dir)
 
 
 def labelled_fleet(
-    tp: int, pp: int, dump_dir: str, *, labels: Sequence[str | None], config_args: Sequence[str] = (), config: DemoConfig | None = None
+    tp: int,
+    pp: int,
+    dump_dir: str,
+    *,
+    labels: Sequence[str | None],
+    config_args: Sequence[str] = (),
+    config: DemoConfig | None = None,
 ) -> Fleet:
     """``labelled_worker.py`` workers, worker i (tp-major within a stage) on device ``labels[i]``
     (a stand-in GPU label, or None for this host)."""
     ranks = grid(tp, pp)
     commands = []
     for r, label in zip(ranks, labels, strict=True):
-        cmd = [sys.executable, LABELLED_WORKER, "--tp-rank", str(r.tp_rank), "--tp-size", str(tp), "--pp-rank", str(r.pp_rank),
-               "--pp-size", str(pp), "--worker-id", f"tp{r.tp_rank}-pp{r.pp_rank}", "--dump-dir", dump_dir, *config_args]
+        cmd = [
+            sys.executable,
+            LABELLED_WORKER,
+            "--tp-rank",
+            str(r.tp_rank),
+            "--tp-size",
+            str(tp),
+            "--pp-rank",
+            str(r.pp_rank),
+            "--pp-size",
+            str(pp),
+            "--worker-id",
+            f"tp{r.tp_rank}-pp{r.pp_rank}",
+            "--dump-dir",
+            dump_dir,
+            *config_args,
+        ]
         if label is not None:
             cmd += ["--label", label]
         commands.append(cmd)

@@ -33,8 +33,11 @@ from weightwire.server.cli import _dump
 
 def config_of(args: argparse.Namespace) -> DemoConfig:
     return DemoConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-        vocab_size=args.vocab_size, dtype=getattr(torch, args.dtype),
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        vocab_size=args.vocab_size,
+        dtype=getattr(torch, args.dtype),
     )
 
 
@@ -49,7 +52,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--label", default=None, help="UUID of the stand-in GPU this worker is on (default: this host)")
+    parser.add_argument(
+        "--label", default=None, help="UUID of the stand-in GPU this worker is on (default: this host)"
+    )
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--dump-dir", default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -58,13 +63,21 @@ def main() -> int:
         parser.add_argument(f"--{axis}-size", type=int, default=1)
     add_config_args(parser)
     args = parser.parse_args()
-    rank = ParallelRank(tp_rank=args.tp_rank, tp_size=args.tp_size, pp_rank=args.pp_rank, pp_size=args.pp_size)
+    rank = ParallelRank(
+        tp_rank=args.tp_rank, tp_size=args.tp_size, pp_rank=args.pp_rank, pp_size=args.pp_size
+    )
     own_device = DeviceRef.host(args.label) if args.label else DeviceRef.host()
     config = config_of(args)
     device = torch.device("cpu")
     adapter = TorchAdapter(
-        build_demo_model(config, rank, device, args.seed), rank=rank, device=device, own_device=own_device,
-        tp_rules=DEMO_TP_RULES, num_layers=config.num_layers, engine="torch-demo", worker_id=args.worker_id,
+        build_demo_model(config, rank, device, args.seed),
+        rank=rank,
+        device=device,
+        own_device=own_device,
+        tp_rules=DEMO_TP_RULES,
+        num_layers=config.num_layers,
+        engine="torch-demo",
+        worker_id=args.worker_id,
     )
     dump_dir = args.dump_dir
     if dump_dir:

@@ -39,7 +39,11 @@ class Fleets:
         self.gpus = labelled_fleet(2, 2, f"{base}/gpus", labels=STAND_IN)
         self.bf16 = labelled_fleet(1, 1, f"{base}/bf16", labels=[None], config_args=["--dtype", "bfloat16"])
         self.odd = labelled_fleet(
-            1, 1, f"{base}/odd", labels=[None], config_args=["--vocab-size", "257", "--intermediate-size", "131"],
+            1,
+            1,
+            f"{base}/odd",
+            labels=[None],
+            config_args=["--vocab-size", "257", "--intermediate-size", "131"],
             config=DemoConfig(**ODD),
         )
 
@@ -65,7 +69,13 @@ class Launch:
     """One run of N ranks over some scenarios, with the version each scenario pushed and every
     fleet's versions before and after."""
 
-    def __init__(self, run: RankRun, versions: dict[str, int], before: dict[str, list[int]], after: dict[str, list[int]]) -> None:
+    def __init__(
+        self,
+        run: RankRun,
+        versions: dict[str, int],
+        before: dict[str, list[int]],
+        after: dict[str, list[int]],
+    ) -> None:
         self.run = run
         self.versions = versions
         self.before = before
@@ -73,7 +83,9 @@ class Launch:
 
     def records(self, scenario: str) -> list[dict[str, Any]]:
         recs = self.run.of(scenario)
-        assert all("missing" not in r for r in recs), f"{scenario}: a rank did not report\n{self.run.explain()}"
+        assert all("missing" not in r for r in recs), (
+            f"{scenario}: a rank did not report\n{self.run.explain()}"
+        )
         return recs
 
     def ok(self, scenario: str) -> dict[str, Any]:
@@ -83,42 +95,84 @@ class Launch:
             assert r["ok"], f"{scenario}: {r.get('error')}\n{self.run.explain()}"
         first = recs[0]["results"]
         for r in recs[1:]:
-            assert _comparable(r["results"]) == _comparable(first), f"{scenario}: ranks returned different results"
+            assert _comparable(r["results"]) == _comparable(first), (
+                f"{scenario}: ranks returned different results"
+            )
         return first  # type: ignore[no-any-return]
 
 
 def _comparable(results: dict[str, Any]) -> dict[str, Any]:
     # Client-side timings differ between ranks; everything the workers reported must not.
-    return {a: {k: v for k, v in r.items() if k not in ("duration_s", "server_duration_s")} for a, r in results.items()}
+    return {
+        a: {k: v for k, v in r.items() if k not in ("duration_s", "server_duration_s")}
+        for a, r in results.items()
+    }
 
 
 def scenario(name: str, fleet: Fleet, version: int, **kw: Any) -> dict[str, Any]:
-    return {"name": name, "kind": "push", "endpoints": fleet.endpoints, "version": version, "seed": version,
-            "bucket_size_bytes": 16 * 1024, "timeout_s": 120, **kw}
+    return {
+        "name": name,
+        "kind": "push",
+        "endpoints": fleet.endpoints,
+        "version": version,
+        "seed": version,
+        "bucket_size_bytes": 16 * 1024,
+        "timeout_s": 120,
+        **kw,
+    }
 
 
 @pytest.fixture(scope="module")
 def two_ranks(fleets: Fleets, tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    v = {"tp2": fleets.tp2.next_version(), "tp2pp2": fleets.tp2pp2.next_version(), "gpus": fleets.gpus.next_version(),
-         "bf16": fleets.bf16.next_version(), "odd": fleets.odd.next_version()}
+    v = {
+        "tp2": fleets.tp2.next_version(),
+        "tp2pp2": fleets.tp2pp2.next_version(),
+        "gpus": fleets.gpus.next_version(),
+        "bf16": fleets.bf16.next_version(),
+        "odd": fleets.odd.next_version(),
+    }
     versions = {
         "odd_shapes": v["odd"],
-        "tp2_own_device": v["tp2"], "tp2_named_parameters_gathered": v["tp2"] + 1, "tp2pp2_gathered": v["tp2pp2"],
-        "bf16_without_cast": v["bf16"], "bf16_cast": v["bf16"], "gpus_unreachable": v["gpus"],
-        "disagree": v["tp2"] + 2, "not_pushing": v["tp2"] + 2,
+        "tp2_own_device": v["tp2"],
+        "tp2_named_parameters_gathered": v["tp2"] + 1,
+        "tp2pp2_gathered": v["tp2pp2"],
+        "bf16_without_cast": v["bf16"],
+        "bf16_cast": v["bf16"],
+        "gpus_unreachable": v["gpus"],
+        "disagree": v["tp2"] + 2,
+        "not_pushing": v["tp2"] + 2,
     }
     scenarios = [
         {"name": "gather_checks", "kind": "gather_checks"},
-        {"name": "flat_dtensor", "kind": "flat_dtensor", "endpoints": fleets.tp2.endpoints, "version": versions["tp2_own_device"]},
+        {
+            "name": "flat_dtensor",
+            "kind": "flat_dtensor",
+            "endpoints": fleets.tp2.endpoints,
+            "version": versions["tp2_own_device"],
+        },
         scenario("tp2_own_device", fleets.tp2, versions["tp2_own_device"]),
-        scenario("tp2_named_parameters_gathered", fleets.tp2, versions["tp2_named_parameters_gathered"],
-                 source="named_parameters", routing="gathered", sender_rank=1),
+        scenario(
+            "tp2_named_parameters_gathered",
+            fleets.tp2,
+            versions["tp2_named_parameters_gathered"],
+            source="named_parameters",
+            routing="gathered",
+            sender_rank=1,
+        ),
         scenario("tp2pp2_gathered", fleets.tp2pp2, versions["tp2pp2_gathered"], routing="gathered"),
         scenario("odd_shapes", fleets.odd, versions["odd_shapes"], config=ODD),
         scenario("bf16_without_cast", fleets.bf16, versions["bf16_without_cast"]),
         scenario("bf16_cast", fleets.bf16, versions["bf16_cast"], cast_to="bfloat16"),
-        scenario("gpus_unreachable", fleets.gpus, versions["gpus_unreachable"], stand_in_gpu=True, transport="host_shm"),
-        scenario("disagree", fleets.tp2, versions["disagree"], version_by_rank={"1": versions["disagree"] + 1}),
+        scenario(
+            "gpus_unreachable",
+            fleets.gpus,
+            versions["gpus_unreachable"],
+            stand_in_gpu=True,
+            transport="host_shm",
+        ),
+        scenario(
+            "disagree", fleets.tp2, versions["disagree"], version_by_rank={"1": versions["disagree"] + 1}
+        ),
         # Last: rank 1 never calls push, so rank 0's agreement times out on a group of its own.
         scenario("not_pushing", fleets.tp2, versions["not_pushing"], skip_ranks=[1], timeout_s=3),
     ]
@@ -130,28 +184,61 @@ def two_ranks(fleets: Fleets, tmp_path_factory: pytest.TempPathFactory) -> Launc
 
 @pytest.fixture(scope="module")
 def four_ranks(fleets: Fleets, two_ranks: Launch, tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    v = {"tp2": fleets.tp2.next_version(), "tp2pp2": fleets.tp2pp2.next_version(), "gpus": fleets.gpus.next_version(),
-         "odd": fleets.odd.next_version()}
+    v = {
+        "tp2": fleets.tp2.next_version(),
+        "tp2pp2": fleets.tp2pp2.next_version(),
+        "gpus": fleets.gpus.next_version(),
+        "odd": fleets.odd.next_version(),
+    }
     versions = {
         "odd_shapes": v["odd"],
-        "tp2_own_device": v["tp2"], "tp2pp2_gathered": v["tp2pp2"], "tp2pp2_own_device": v["tp2pp2"] + 1,
-        "gpus_own_device": v["gpus"], "gpus_gathered": v["gpus"] + 1,
-        "gpus_one_worker_refuses": v["gpus"] + 2, "raised": v["gpus"] + 10,
+        "tp2_own_device": v["tp2"],
+        "tp2pp2_gathered": v["tp2pp2"],
+        "tp2pp2_own_device": v["tp2pp2"] + 1,
+        "gpus_own_device": v["gpus"],
+        "gpus_gathered": v["gpus"] + 1,
+        "gpus_one_worker_refuses": v["gpus"] + 2,
+        "raised": v["gpus"] + 10,
     }
     scenarios = [
         {"name": "gather_checks", "kind": "gather_checks"},
         scenario("tp2_own_device", fleets.tp2, versions["tp2_own_device"]),
         scenario("tp2pp2_gathered", fleets.tp2pp2, versions["tp2pp2_gathered"], routing="gathered"),
-        scenario("tp2pp2_own_device", fleets.tp2pp2, versions["tp2pp2_own_device"], source="named_parameters"),
+        scenario(
+            "tp2pp2_own_device", fleets.tp2pp2, versions["tp2pp2_own_device"], source="named_parameters"
+        ),
         scenario("odd_shapes", fleets.odd, versions["odd_shapes"], config=ODD, routing="gathered"),
-        scenario("gpus_own_device", fleets.gpus, versions["gpus_own_device"], stand_in_gpu=True, transport="host_shm"),
-        scenario("gpus_gathered", fleets.gpus, versions["gpus_gathered"], stand_in_gpu=True, transport="host_shm",
-                 routing="gathered", sender_rank=2),
+        scenario(
+            "gpus_own_device",
+            fleets.gpus,
+            versions["gpus_own_device"],
+            stand_in_gpu=True,
+            transport="host_shm",
+        ),
+        scenario(
+            "gpus_gathered",
+            fleets.gpus,
+            versions["gpus_gathered"],
+            stand_in_gpu=True,
+            transport="host_shm",
+            routing="gathered",
+            sender_rank=2,
+        ),
         # The worker on GPU 1 is moved past the next version, so it refuses it (STALE_VERSION) while
         # the workers of the other ranks accept every bucket: none of them may commit.
-        {"name": "raise", "kind": "raise_version", "endpoint": fleets.gpus.endpoints[1], "version": versions["raised"]},
-        scenario("gpus_one_worker_refuses", fleets.gpus, versions["gpus_one_worker_refuses"], stand_in_gpu=True,
-                 transport="host_shm"),
+        {
+            "name": "raise",
+            "kind": "raise_version",
+            "endpoint": fleets.gpus.endpoints[1],
+            "version": versions["raised"],
+        },
+        scenario(
+            "gpus_one_worker_refuses",
+            fleets.gpus,
+            versions["gpus_one_worker_refuses"],
+            stand_in_gpu=True,
+            transport="host_shm",
+        ),
     ]
     before = fleets.versions()
     run = run_ranks(4, scenarios, str(tmp_path_factory.mktemp("four-ranks")))
@@ -174,15 +261,18 @@ def test_full_values_of_every_dtensor_layout(request: pytest.FixtureRequest, wor
         assert rec["ok"], rec["cases"]
 
 
-@pytest.mark.parametrize(("world", "name", "fleet_name"), [
-    (2, "tp2_own_device", "tp2"),
-    (2, "tp2pp2_gathered", "tp2pp2"),
-    (4, "tp2_own_device", "tp2"),
-    (4, "tp2pp2_gathered", "tp2pp2"),
-    (4, "tp2pp2_own_device", "tp2pp2"),
-    (2, "odd_shapes", "odd"),
-    (4, "odd_shapes", "odd"),
-])
+@pytest.mark.parametrize(
+    ("world", "name", "fleet_name"),
+    [
+        (2, "tp2_own_device", "tp2"),
+        (2, "tp2pp2_gathered", "tp2pp2"),
+        (4, "tp2_own_device", "tp2"),
+        (4, "tp2pp2_gathered", "tp2pp2"),
+        (4, "tp2pp2_own_device", "tp2pp2"),
+        (2, "odd_shapes", "odd"),
+        (4, "odd_shapes", "odd"),
+    ],
+)
 def test_fsdp2_into_real_serve_fleets_bit_exact(
     request: pytest.FixtureRequest, fleets: Fleets, world: int, name: str, fleet_name: str
 ) -> None:
@@ -237,7 +327,9 @@ def test_no_worker_commits_a_version_another_ranks_worker_refused(four_ranks: La
         assert next(iter(failures)) == refused and failures[refused]["reason"] == "STALE_VERSION"
         for a in fleets.gpus.endpoints:
             if a != refused:
-                assert failures[a]["reason"] == "CANCELLED" and "trainer rank 1" in failures[a]["message"], failures[a]
+                assert failures[a]["reason"] == "CANCELLED" and "trainer rank 1" in failures[a]["message"], (
+                    failures[a]
+                )
         assert rec["error"]["results"] == []
     raised, last_good = four_ranks.versions["raised"], four_ranks.versions["gpus_gathered"]
     assert four_ranks.after["gpus"] == [last_good, raised, last_good, last_good]
@@ -263,7 +355,10 @@ def test_explicit_dtype_conversion(two_ranks: Launch, fleets: Fleets) -> None:
 def test_two_ranks_cannot_serve_four_gpus(two_ranks: Launch) -> None:
     for rec in two_ranks.records("gpus_unreachable"):
         assert not rec["ok"] and rec["error"]["reason"] == "NO_PAYLOAD_FOR_DEVICE"
-        assert "host:stand-in-gpu-2" in rec["error"]["message"] and "host:stand-in-gpu-3" in rec["error"]["message"]
+        assert (
+            "host:stand-in-gpu-2" in rec["error"]["message"]
+            and "host:stand-in-gpu-3" in rec["error"]["message"]
+        )
     assert two_ranks.after["gpus"] == two_ranks.before["gpus"]
 
 
@@ -298,17 +393,33 @@ def test_a_rank_that_does_not_push_fails_the_others_with_a_reason(two_ranks: Lau
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("world", "fleet_name", "routing", "dying"), [(4, "gpus", "own_device", 3), (2, "tp2", "gathered", 0)])
+@pytest.mark.parametrize(
+    ("world", "fleet_name", "routing", "dying"), [(4, "gpus", "own_device", 3), (2, "tp2", "gathered", 0)]
+)
 def test_a_rank_dying_mid_push_fails_the_update_everywhere(
-    four_ranks: Launch, fleets: Fleets, tmp_path_factory: pytest.TempPathFactory, world: int, fleet_name: str, routing: str, dying: int
+    four_ranks: Launch,
+    fleets: Fleets,
+    tmp_path_factory: pytest.TempPathFactory,
+    world: int,
+    fleet_name: str,
+    routing: str,
+    dying: int,
 ) -> None:
     """A rank exits once its first bucket was acked: every other rank fails with TRAINER_RANK_LOST
     (no hang: every process ended by itself), and no worker commits the version."""
     fleet = fleets.named()[fleet_name]
     before = [s.weights_version for s in fleet.statuses()]
     version = max(before) + 1
-    sc = scenario("dies", fleet, version, routing=routing, die_rank=dying, die_after_buckets=1,
-                  stand_in_gpu=fleet_name == "gpus", transport="host_shm")
+    sc = scenario(
+        "dies",
+        fleet,
+        version,
+        routing=routing,
+        die_rank=dying,
+        die_after_buckets=1,
+        stand_in_gpu=fleet_name == "gpus",
+        transport="host_shm",
+    )
     run = run_ranks(world, [sc], str(tmp_path_factory.mktemp(f"dies-{world}")), timeout_s=600)
     assert run.returncodes == [17 if r == dying else 0 for r in range(world)], run.explain()
     for r, rec in enumerate(run.of("dies")):

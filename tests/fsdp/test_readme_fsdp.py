@@ -32,13 +32,22 @@ def test_readme_fsdp2_example_runs_as_written(tmp_path: pytest.TempPathFactory) 
     script.write_text(source)
     dump_dir = str(tmp_path / "dumps")  # type: ignore[operator]
     sockets = [str(tmp_path / f"tp{t}.sock") for t in range(2)]  # type: ignore[operator]
-    workers = spawn_workers([demo_args(tp=(t, 2), listen=f"unix:{sockets[t]}", dump_dir=dump_dir) for t in range(2)])
+    workers = spawn_workers(
+        [demo_args(tp=(t, 2), listen=f"unix:{sockets[t]}", dump_dir=dump_dir) for t in range(2)]
+    )
     fleet = Fleet(workers, grid(2, 1), dump_dir)
     try:
         # The command line of the example's first line, with this test's socket paths.
         command = source.splitlines()[0].removeprefix(MARKER).split()
         assert command[:4] == ["torchrun", "--standalone", "--nproc-per-node", "2"]
-        args = [sys.executable, "-m", "torch.distributed.run", *command[1:4], str(script), *(f"unix:{s}" for s in sockets)]
+        args = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *command[1:4],
+            str(script),
+            *(f"unix:{s}" for s in sockets),
+        ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         out = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, check=False)
         assert out.returncode == 0, out.stdout + out.stderr

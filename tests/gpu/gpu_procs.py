@@ -101,7 +101,9 @@ class LineProcess:
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline()
         if not answer:
-            raise RuntimeError(f"process exited (rc={self.proc.wait()}) while answering {line!r}:\n{self.stderr_tail()}")
+            raise RuntimeError(
+                f"process exited (rc={self.proc.wait()}) while answering {line!r}:\n{self.stderr_tail()}"
+            )
         return answer.strip()
 
     def close(self) -> None:
@@ -157,8 +159,12 @@ class WorkerSpec:
         from weightwire.core.manifest import ParallelRank
 
         return ParallelRank(
-            tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
-            sp_rank=self.sp_rank, sp_size=self.sp_size,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+            sp_rank=self.sp_rank,
+            sp_size=self.sp_size,
         )
 
 
@@ -180,7 +186,9 @@ def _first_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
 
 
 @contextlib.contextmanager
-def workers(specs: list[WorkerSpec], workdir: Path, *, dump_dir: Path | None = None) -> Iterator[list[RunningWorker]]:
+def workers(
+    specs: list[WorkerSpec], workdir: Path, *, dump_dir: Path | None = None
+) -> Iterator[list[RunningWorker]]:
     """Start every worker (concurrently), wait for each one's 'listening' line, stop them after."""
     started: list[tuple[WorkerSpec, subprocess.Popen[str], Path]] = []
     running: list[RunningWorker] = []
@@ -188,22 +196,47 @@ def workers(specs: list[WorkerSpec], workdir: Path, *, dump_dir: Path | None = N
         for spec in specs:
             log = workdir / f"{spec.worker_id}.log"
             cmd = [
-                sys.executable, "-m", "weightwire.client.cli.main", "serve", "--model", "demo", "--device", "cuda",
-                "--listen", "127.0.0.1:0", "--worker-id", spec.worker_id, "--seed", str(spec.seed),
-                "--tp-rank", str(spec.tp_rank), "--tp-size", str(spec.tp_size),
-                "--pp-rank", str(spec.pp_rank), "--pp-size", str(spec.pp_size),
-                "--sp-rank", str(spec.sp_rank), "--sp-size", str(spec.sp_size),
+                sys.executable,
+                "-m",
+                "weightwire.client.cli.main",
+                "serve",
+                "--model",
+                "demo",
+                "--device",
+                "cuda",
+                "--listen",
+                "127.0.0.1:0",
+                "--worker-id",
+                spec.worker_id,
+                "--seed",
+                str(spec.seed),
+                "--tp-rank",
+                str(spec.tp_rank),
+                "--tp-size",
+                str(spec.tp_size),
+                "--pp-rank",
+                str(spec.pp_rank),
+                "--pp-size",
+                str(spec.pp_size),
+                "--sp-rank",
+                str(spec.sp_rank),
+                "--sp-size",
+                str(spec.sp_size),
             ]
             if dump_dir is not None:
                 cmd += ["--dump-dir", str(dump_dir)]
             with open(log, "w") as errf:
-                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, text=True, env=gpu_env(spec.visible))
+                proc = subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=errf, text=True, env=gpu_env(spec.visible)
+                )
             started.append((spec, proc, log))
         for spec, proc, log in started:
             line = _first_line(proc, 120.0)
             prefix = "weightwire-serve listening "
             if not line.startswith(prefix):
-                raise RuntimeError(f"worker {spec.worker_id} did not start (got {line!r}):\n{log.read_text()[-4000:]}")
+                raise RuntimeError(
+                    f"worker {spec.worker_id} did not start (got {line!r}):\n{log.read_text()[-4000:]}"
+                )
             running.append(RunningWorker(spec, proc, line[len(prefix) :].strip(), log))
         yield running
     finally:
@@ -224,8 +257,14 @@ def trainer(visible: str, endpoints: list[str], bucket_size_bytes: int = 128 * 1
     errlog = Path(tempfile.mkstemp(prefix="ww-trainer-", suffix=".log")[1])
     with open(errlog, "w") as errf:
         proc = subprocess.Popen(
-            [sys.executable, str(HERE / "trainer.py"), "--endpoints", ",".join(endpoints),
-             "--bucket-size-bytes", str(bucket_size_bytes)],
+            [
+                sys.executable,
+                str(HERE / "trainer.py"),
+                "--endpoints",
+                ",".join(endpoints),
+                "--bucket-size-bytes",
+                str(bucket_size_bytes),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=errf,
@@ -265,4 +304,6 @@ def expect_dump(dump_dir: Path, spec: WorkerSpec, version: int) -> None:
         raise AssertionError(f"{spec.worker_id}: dumped names differ: {sorted(set(got) ^ set(want))}")
     for name, t in want.items():
         if not torch.equal(got[name], t):
-            raise AssertionError(f"{spec.worker_id} v{version}: {name} differs from the weights of that version")
+            raise AssertionError(
+                f"{spec.worker_id} v{version}: {name} differs from the weights of that version"
+            )

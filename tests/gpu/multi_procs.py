@@ -128,24 +128,50 @@ def start_workers(placed: list[Placed], workdir: Path, dump_dir: Path) -> Iterat
     try:
         for w in placed:
             r = w.rank
-            ranks = ["--tp-rank", str(r.tp_rank), "--tp-size", str(r.tp_size), "--pp-rank", str(r.pp_rank),
-                     "--pp-size", str(r.pp_size), "--sp-rank", str(r.sp_rank), "--sp-size", str(r.sp_size)]
+            ranks = [
+                "--tp-rank",
+                str(r.tp_rank),
+                "--tp-size",
+                str(r.tp_size),
+                "--pp-rank",
+                str(r.pp_rank),
+                "--pp-size",
+                str(r.pp_size),
+                "--sp-rank",
+                str(r.sp_rank),
+                "--sp-size",
+                str(r.sp_size),
+            ]
             if w.gpu.sim:
                 cmd = [sys.executable, str(HERE / "multi_sim_worker.py"), "--label", w.gpu.uuid]
             else:
-                cmd = [sys.executable, "-m", "weightwire.client.cli.main", "serve", "--model", "demo", "--device", "cuda",
-                       "--listen", "127.0.0.1:0"]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "weightwire.client.cli.main",
+                    "serve",
+                    "--model",
+                    "demo",
+                    "--device",
+                    "cuda",
+                    "--listen",
+                    "127.0.0.1:0",
+                ]
             cmd += ["--worker-id", w.worker_id, "--dump-dir", str(dump_dir), *ranks]
             log = workdir / f"{w.worker_id}.log"
             with open(log, "w") as errf:
-                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, text=True, env=gpu_env(w.gpu.visible))
+                proc = subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=errf, text=True, env=gpu_env(w.gpu.visible)
+                )
             started.append((w, proc, log))
         out: dict[str, Placed] = {}
         prefix = "weightwire-serve listening "
         for w, proc, log in started:
             line = _readline(proc, 120.0)
             if not line.startswith(prefix):
-                raise RuntimeError(f"worker {w.worker_id} did not start (got {line!r}):\n{log.read_text()[-4000:]}")
+                raise RuntimeError(
+                    f"worker {w.worker_id} did not start (got {line!r}):\n{log.read_text()[-4000:]}"
+                )
             out[line[len(prefix) :].strip()] = w
         yield out
     finally:
@@ -171,7 +197,11 @@ def start_ranks(
                 errlog = workdir / f"rank{index}.log"
                 with open(errlog, "w") as errf:
                     proc = subprocess.Popen(
-                        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf, text=True,
+                        cmd,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=errf,
+                        text=True,
                         env=gpu_env(g.visible),
                     )
                 ranks.append(RankProc(index, g, local, JsonProcess(proc, errlog)))
@@ -188,7 +218,11 @@ def bucket_count(per_gpu: int) -> int:
 
 
 def gather(
-    ranks: list[RankProc], version: int, nb: int, *, seed_of: Callable[[Gpu], int] | None = None,
+    ranks: list[RankProc],
+    version: int,
+    nb: int,
+    *,
+    seed_of: Callable[[Gpu], int] | None = None,
     on: set[int] | None = None,
 ) -> list[list[str]]:
     """Every rank (on the GPUs ``on``, default all) packs and exports its copy; bucket j carries, for
@@ -219,7 +253,9 @@ def expect_dump(dump_dir: Path, w: Placed, version: int, seed: int | None = None
         raise AssertionError(f"{w.worker_id}: dumped names differ: {sorted(set(got) ^ set(want))}")
     for name, t in want.items():
         if not torch.equal(got[name], t):
-            raise AssertionError(f"{w.worker_id} v{version}: {name} differs from its slice of checkpoint seed {seed or version}")
+            raise AssertionError(
+                f"{w.worker_id} v{version}: {name} differs from its slice of checkpoint seed {seed or version}"
+            )
 
 
 def expected(rank: ParallelRank, seed: int) -> dict[str, torch.Tensor]:
@@ -239,7 +275,11 @@ def check_manifests(manifests: dict[str, Any], workers: dict[str, Placed]) -> No
 
 
 def check_results(
-    results: dict[str, Any], workers: dict[str, Placed], manifests: dict[str, Any], version: int, *,
+    results: dict[str, Any],
+    workers: dict[str, Placed],
+    manifests: dict[str, Any],
+    version: int,
+    *,
     handles: Callable[[str], int],
 ) -> None:
     """Committed at ``version`` over the expected transport, with every owned tensor loaded once:
@@ -248,13 +288,18 @@ def check_results(
     for a, r in results.items():
         w, m = workers[a], manifests[a]
         transport = "host_shm" if w.gpu.sim else "cuda_ipc"
-        assert (r["version"], r["state"], r["transport"]) == (version, "CONSISTENT", transport), (w.worker_id, r)
+        assert (r["version"], r["state"], r["transport"]) == (version, "CONSISTENT", transport), (
+            w.worker_id,
+            r,
+        )
         assert r["tensors_loaded"] == len(m["names"]), (w.worker_id, r)
         assert r["bytes_loaded"] == m["total_bytes"], (w.worker_id, r["bytes_loaded"], m["total_bytes"])
         assert r["handles_opened"] == handles(a), (w.worker_id, r["handles_opened"], handles(a))
 
 
-def handles_per_update(workers: dict[str, Placed], manifests: dict[str, Any], nb: int, per_gpu: int) -> dict[str, int]:
+def handles_per_update(
+    workers: dict[str, Placed], manifests: dict[str, Any], nb: int, per_gpu: int
+) -> dict[str, int]:
     """How many distinct payloads (ranks' buffers) each worker imports in one update: one per local
     rank that feeds a bucket holding some of its tensors."""
     from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint

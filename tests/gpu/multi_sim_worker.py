@@ -37,15 +37,25 @@ def main() -> int:
         parser.add_argument(f"--{axis}-size", type=int, default=1)
     args = parser.parse_args()
     rank = ParallelRank(
-        tp_rank=args.tp_rank, tp_size=args.tp_size, pp_rank=args.pp_rank, pp_size=args.pp_size,
-        sp_rank=args.sp_rank, sp_size=args.sp_size,
+        tp_rank=args.tp_rank,
+        tp_size=args.tp_size,
+        pp_rank=args.pp_rank,
+        pp_size=args.pp_size,
+        sp_rank=args.sp_rank,
+        sp_size=args.sp_size,
     )
     own_device = DeviceRef.host(args.label)
     config = DemoConfig()
     device = torch.device("cpu")
     adapter = TorchAdapter(
-        build_demo_model(config, rank, device, args.seed), rank=rank, device=device, own_device=own_device,
-        tp_rules=DEMO_TP_RULES, num_layers=config.num_layers, engine="torch-demo", worker_id=args.worker_id,
+        build_demo_model(config, rank, device, args.seed),
+        rank=rank,
+        device=device,
+        own_device=own_device,
+        tp_rules=DEMO_TP_RULES,
+        num_layers=config.num_layers,
+        engine="torch-demo",
+        worker_id=args.worker_id,
     )
     dump_dir = args.dump_dir
 

@@ -89,7 +89,9 @@ class Rank:
                 self.flat = torch.empty(self.size, dtype=torch.uint8, device=self.device)
                 self.buffer = self.exporter.wrap(self.flat)
                 if self.buffer is None or self.buffer.base_offset_bytes != 0:
-                    raise RuntimeError("the flat GPU buffer could not be exported in place from its first byte")
+                    raise RuntimeError(
+                        "the flat GPU buffer could not be exported in place from its first byte"
+                    )
         assert self.flat is not None
         pack_into(self.flat, self.specs, tensors)
         self.buffer.ready()
@@ -139,7 +141,10 @@ class Rank:
             except WeightwireError as e:  # a plan error: nothing was sent
                 answers[name] = {"ok": False, "plan_error": error_json(e)}
             else:
-                answers[name] = {"ok": True, "results": {a: dataclasses.asdict(r) for a, r in results.items()}}
+                answers[name] = {
+                    "ok": True,
+                    "results": {a: dataclasses.asdict(r) for a, r in results.items()},
+                }
 
         threads = [threading.Thread(target=one, args=(n,), name=f"push-{n}") for n in names]
         for t in threads:
@@ -155,14 +160,18 @@ class Rank:
         requests = [
             pb.PushWeightsRequest(
                 header=pb.UpdateHeader(
-                    version=version, scope=pb.UPDATE_SCOPE_FULL, manifest_fingerprint=manifest.fingerprint,
+                    version=version,
+                    scope=pb.UPDATE_SCOPE_FULL,
+                    manifest_fingerprint=manifest.fingerprint,
                     update_id=f"raw-v{version}",
                 )
             )
         ]
         for j, (specs, payloads) in enumerate(buckets):
             requests.append(
-                pb.PushWeightsRequest(bucket=pb.Bucket(index=j, tensors=[s.to_proto() for s in specs], payloads=payloads))
+                pb.PushWeightsRequest(
+                    bucket=pb.Bucket(index=j, tensors=[s.to_proto() for s in specs], payloads=payloads)
+                )
             )
         requests.append(pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=len(buckets))))
         bucket_names = [[s.name for s in specs] for specs, _ in buckets]
@@ -228,7 +237,9 @@ class Rank:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--engine", action="append", default=[], metavar="NAME=ADDR,ADDR", help="an engine to push to")
+    parser.add_argument(
+        "--engine", action="append", default=[], metavar="NAME=ADDR,ADDR", help="an engine to push to"
+    )
     parser.add_argument("--sim-label", default=None, help="simulated GPU UUID (host shared memory, no CUDA)")
     parser.add_argument("--bucket-size-bytes", type=int, default=1 << 20)
     args = parser.parse_args()

@@ -58,7 +58,11 @@ def test_colocated_tp2_pp2_on_one_gpu_reuses_handles(tmp_path: Path) -> None:
                 assert set(results) == set(addr)
                 assert answer["storages_shared"] > 0  # exported where they live, from the first push
                 for a, r in results.items():
-                    assert r["version"] == version and r["transport"] == "cuda_ipc" and r["state"] == "CONSISTENT"
+                    assert (
+                        r["version"] == version
+                        and r["transport"] == "cuda_ipc"
+                        and r["state"] == "CONSISTENT"
+                    )
                     assert r["tensors_loaded"] > 0
                     if version == 1:
                         assert r["handles_opened"] >= 1  # the payloads of the stage's storages
@@ -146,7 +150,9 @@ def test_no_leak_over_20_updates(tmp_path: Path) -> None:
         st = tr.call("status")[a]
         used = nvml_used_bytes(0)
         # The growth after each update shows whether memory creeps per update or settles once.
-        print(f"GPU 0 used: baseline {base_used} B, after 20 more updates {used} B; mappings {st['open_mappings']}")
+        print(
+            f"GPU 0 used: baseline {base_used} B, after 20 more updates {used} B; mappings {st['open_mappings']}"
+        )
         print(f"GPU 0 growth over the baseline after each update (B): {readings}")
         print(f"GPU 0 per process (pid, B): {nvml_used_by_process(0)}")
         assert st["version"] == 22 and st["open_mappings"] == base_mappings
@@ -197,7 +203,10 @@ def test_demo_runs_on_cuda(tmp_path: Path) -> None:
 
 def two_gpu_engine(kind: str) -> list[WorkerSpec]:
     if kind == "tp2":
-        return [WorkerSpec("0", "tp0-pp0", tp_rank=0, tp_size=2), WorkerSpec("1", "tp1-pp0", tp_rank=1, tp_size=2)]
+        return [
+            WorkerSpec("0", "tp0-pp0", tp_rank=0, tp_size=2),
+            WorkerSpec("1", "tp1-pp0", tp_rank=1, tp_size=2),
+        ]
     # SP-style: one TP rank, sequence parallel over two GPUs; both workers own every tensor.
     return [WorkerSpec("0", "sp0", sp_rank=0, sp_size=2), WorkerSpec("1", "sp1", sp_rank=1, sp_size=2)]
 

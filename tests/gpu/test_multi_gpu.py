@@ -67,7 +67,10 @@ def test_tp2_pp2_engine_gathered_from_colocated_ranks(tmp_path: Path, n: int) ->
                 assert [len(b) for b in buckets] == [n] * nb
                 results = ok(leader.call("gathered", version, {"buckets": buckets})["engine"])
                 check_results(
-                    results, workers, manifests, version,
+                    results,
+                    workers,
+                    manifests,
+                    version,
                     handles=lambda a, v=version: per_update[a] if v == 1 or not cached else 0,
                 )
                 lines += timing_lines(f"engine-{n}gpu", results, workers)
@@ -79,7 +82,9 @@ def test_tp2_pp2_engine_gathered_from_colocated_ranks(tmp_path: Path, n: int) ->
             def seed_of(g: Any) -> int:
                 return 1000 * (g.index + 1) + 3
 
-            results = ok(leader.call("gathered", 3, {"buckets": gather(ranks, 3, nb, seed_of=seed_of)})["engine"])
+            results = ok(
+                leader.call("gathered", 3, {"buckets": gather(ranks, 3, nb, seed_of=seed_of)})["engine"]
+            )
             check_results(results, workers, manifests, 3, handles=lambda a: 0 if cached else per_update[a])
             for w in workers.values():
                 expect_dump(dumps, w, 3, seed=seed_of(w.gpu))
@@ -103,9 +108,17 @@ def test_tp2_pp2_engine_gathered_from_colocated_ranks(tmp_path: Path, n: int) ->
                 for ack, names in zip(acks, done["bucket_names"], strict=True):
                     mine = owned & set(names)
                     assert mine, "every bucket holds some of every worker's tensors"
-                    assert ack["source_uuid"] == w.gpu.uuid and ack["peer_device_import"] is False, (w.worker_id, ack)
-                    assert ack["transport"] == ("TRANSPORT_KIND_HOST_SHM" if w.gpu.sim else "TRANSPORT_KIND_CUDA_IPC")
-                    assert (ack["tensors_loaded"], ack["tensors_skipped"]) == (len(mine), len(names) - len(mine)), ack
+                    assert ack["source_uuid"] == w.gpu.uuid and ack["peer_device_import"] is False, (
+                        w.worker_id,
+                        ack,
+                    )
+                    assert ack["transport"] == (
+                        "TRANSPORT_KIND_HOST_SHM" if w.gpu.sim else "TRANSPORT_KIND_CUDA_IPC"
+                    )
+                    assert (ack["tensors_loaded"], ack["tensors_skipped"]) == (
+                        len(mine),
+                        len(names) - len(mine),
+                    ), ack
                     # Bucket j comes from local rank j % per_gpu: a rank's buffer is opened at most
                     # once per update, and not at all while the worker holds its CUDA mapping.
                     source = ack["index"] % per_gpu
@@ -113,13 +126,16 @@ def test_tp2_pp2_engine_gathered_from_colocated_ranks(tmp_path: Path, n: int) ->
                     opened.add(source)
                 sent = sum(len(names) for names in done["bucket_names"])
                 assert sum(k["tensors_skipped"] for k in acks) == sent - len(owned) > 0
-                assert sum(k["bytes_loaded"] for k in acks) == done["result"]["bytes_loaded"] == m["total_bytes"]
+                assert (
+                    sum(k["bytes_loaded"] for k in acks) == done["result"]["bytes_loaded"] == m["total_bytes"]
+                )
                 assert done["result"]["version"] == 4
                 lines.append(
                     f"timing engine-{n}gpu {w.worker_id} gpu{w.gpu.index} v4 raw: "
                     f"bytes_loaded={done['result']['bytes_loaded']} duration_ns={done['result']['duration_ns']} "
                     + " ".join(
-                        f"b{k['index']}(open_ns={k['open_duration_ns']} load_ns={k['load_duration_ns']})" for k in acks
+                        f"b{k['index']}(open_ns={k['open_duration_ns']} load_ns={k['load_duration_ns']})"
+                        for k in acks
                     )
                 )
                 expect_dump(dumps, w, 4)
@@ -173,7 +189,9 @@ def test_two_replicas_one_push(tmp_path: Path, n: int) -> None:
             for a, err in failed["failures"].items():
                 w = b_workers[a]
                 assert w.worker_id in err["message"], err
-                lines.append(f"replica B v1 refused: {w.worker_id} gpu{w.gpu.index}: {err['code']}/{err['reason']}")
+                lines.append(
+                    f"replica B v1 refused: {w.worker_id} gpu{w.gpu.index}: {err['code']}/{err['reason']}"
+                )
                 if err["reason"] == "NO_PAYLOAD_FOR_DEVICE":
                     assert err["code"] == "FAILED_PRECONDITION" and w.gpu.uuid in err["message"], err
                     refused += 1
@@ -196,7 +214,9 @@ def test_two_replicas_one_push(tmp_path: Path, n: int) -> None:
             # Version 2: every GPU's payloads; both replicas commit (B straight from version 0).
             answer = leader.call("gathered", 2, {"buckets": gather(ranks, 2, nb)})
             results_a, results_b = ok(answer["A"]), ok(answer["B"])
-            check_results(results_a, a_workers, manifests, 2, handles=lambda a: 0 if cached else per_update[a])
+            check_results(
+                results_a, a_workers, manifests, 2, handles=lambda a: 0 if cached else per_update[a]
+            )
             check_results(results_b, b_workers, manifests, 2, handles=lambda a: per_update[a])
             assert {r["previous_version"] for r in results_a.values()} == {1}
             assert {r["previous_version"] for r in results_b.values()} == {0}

@@ -36,8 +36,10 @@ def test_parameters_go_where_they_live_and_a_replaced_one_is_let_go(
         for version in (1, 2, 3):
             answer = tr.call("push", version, {})
             results = ok(answer)
-            print(f"{alloc_conf or 'default allocator'}: v{version} storages shared {answer['storages_shared']}, "
-                  f"handles opened {[r['handles_opened'] for r in results.values()]}")
+            print(
+                f"{alloc_conf or 'default allocator'}: v{version} storages shared {answer['storages_shared']}, "
+                f"handles opened {[r['handles_opened'] for r in results.values()]}"
+            )
             if not alloc_conf:
                 assert answer["storages_shared"] > 0
             elif answer["storages_shared"] == 0:
@@ -53,7 +55,9 @@ def test_parameters_go_where_they_live_and_a_replaced_one_is_let_go(
                 expect_dump(dumps, w.spec, version)
         shared = answer["storages_shared"]
         if shared == 0:
-            pytest.skip(f"torch did not share parameters under PYTORCH_CUDA_ALLOC_CONF={alloc_conf} (packed instead)")
+            pytest.skip(
+                f"torch did not share parameters under PYTORCH_CUDA_ALLOC_CONF={alloc_conf} (packed instead)"
+            )
         replaced = tr.call("replace", 4)
         results = ok(replaced)
         print(f"replace: allocated before {replaced['allocated_before']} after {replaced['allocated_after']}")

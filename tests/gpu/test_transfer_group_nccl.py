@@ -29,7 +29,9 @@ def test_push_over_nccl_into_a_worker_on_another_gpu(tmp_path: Path) -> None:
     from weightwire.core.manifest import ParallelRank
 
     dumps = tmp_path / "dumps"
-    worker = spawn_worker(*demo_args(dump_dir=dumps, extra=["--device", "cuda"]), env={"CUDA_VISIBLE_DEVICES": "1"})
+    worker = spawn_worker(
+        *demo_args(dump_dir=dumps, extra=["--device", "cuda"]), env={"CUDA_VISIBLE_DEVICES": "1"}
+    )
     try:
         torch.cuda.set_device(0)
         options = TransferGroupOptions(host="127.0.0.1", backend="nccl")

@@ -46,7 +46,9 @@ def error_json(err: WeightwireError) -> dict[str, str]:
 class Trainer:
     def __init__(self, endpoints: list[str], bucket_size_bytes: int) -> None:
         self.endpoints = endpoints
-        self.pusher = WeightPusher(endpoints, transport="cuda_ipc", bucket_size_bytes=bucket_size_bytes, timeout_s=120)
+        self.pusher = WeightPusher(
+            endpoints, transport="cuda_ipc", bucket_size_bytes=bucket_size_bytes, timeout_s=120
+        )
         self.exporter = CudaIpcExporter(DEVICE)
         self.flat: torch.Tensor | None = None
         self.lead_buffer: torch.Tensor | None = None
@@ -203,7 +205,11 @@ class Trainer:
                 else:
                     return {"ok": True, "acks": acks, "version": resp.result.version}
         except grpc.RpcError as e:
-            return {"ok": False, "acks": acks, "error": error_json(error_from_rpc(e, worker=opts["endpoint"]))}
+            return {
+                "ok": False,
+                "acks": acks,
+                "error": error_json(error_from_rpc(e, worker=opts["endpoint"])),
+            }
         finally:
             worker.close()
         return {"ok": False, "acks": acks, "error": {"reason": "NO_RESULT", "code": "", "message": ""}}

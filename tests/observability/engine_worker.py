@@ -24,8 +24,14 @@ def main() -> int:
     rank = ParallelRank(tp_rank=int(sys.argv[1]), tp_size=int(sys.argv[2]))
     config = DemoConfig()
     model = build_demo_model(config, rank, "cpu", 0)
-    adapter = TorchAdapter(model, rank=rank, device=torch.device("cpu"), own_device=None, tp_rules=DEMO_TP_RULES,
-                           num_layers=config.num_layers)
+    adapter = TorchAdapter(
+        model,
+        rank=rank,
+        device=torch.device("cpu"),
+        own_device=None,
+        tp_rules=DEMO_TP_RULES,
+        num_layers=config.num_layers,
+    )
     server = serve(adapter)
     metrics = engine_metrics(server.service, engine="test-engine", port_offset=rank.tp_rank)
     stop = threading.Event()

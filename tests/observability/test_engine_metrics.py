@@ -50,11 +50,20 @@ class EngineProcess:
                 self.proc.wait()
 
 
-def spawn(tp_rank: int, tp_size: int, env: Mapping[str, str], *, want_url: bool, timeout: float = 90.0) -> EngineProcess:
-    proc_env = {k: v for k, v in os.environ.items() if not k.startswith(("PROMETHEUS_", "WEIGHTWIRE_METRICS"))}
+def spawn(
+    tp_rank: int, tp_size: int, env: Mapping[str, str], *, want_url: bool, timeout: float = 90.0
+) -> EngineProcess:
+    proc_env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("PROMETHEUS_", "WEIGHTWIRE_METRICS"))
+    }
     proc_env.update(env, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, SCRIPT, str(tp_rank), str(tp_size)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=proc_env)
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, str(tp_rank), str(tp_size)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=proc_env,
+    )
     lines: queue.Queue[str | None] = queue.Queue()
     errors: list[str] = []
 
@@ -136,7 +145,10 @@ def test_multiprocess_mode_records_for_the_engines_metrics(tmp_path: pathlib.Pat
         assert value(samples, "weightwire_worker_state", worker_id, state="CONSISTENT") == 1
         assert value(samples, "weightwire_worker_state", worker_id, state="UPDATING") == 0
         assert value(samples, "weightwire_updates_total", worker_id, outcome="committed", reason="") == 2
-        assert value(samples, "weightwire_updates_total", worker_id, outcome="refused", reason="STALE_VERSION") == 1
+        assert (
+            value(samples, "weightwire_updates_total", worker_id, outcome="refused", reason="STALE_VERSION")
+            == 1
+        )
         assert value(samples, "weightwire_update_duration_seconds_count", worker_id, outcome="committed") == 2
         assert value(samples, "weightwire_loaded_bytes_total", worker_id) == sum(loaded[w.address])
     # TP halves: the two workers loaded different byte counts, each counted under its own label.
@@ -153,14 +165,21 @@ def test_a_port_per_worker_when_asked(tmp_path: pathlib.Path) -> None:
     finally:
         worker.stop()
     assert value(samples, "weightwire_weights_version", "tp0-pp0") == 2
-    assert value(samples, "weightwire_updates_total", "tp0-pp0", outcome="refused", reason="STALE_VERSION") == 1
+    assert (
+        value(samples, "weightwire_updates_total", "tp0-pp0", outcome="refused", reason="STALE_VERSION") == 1
+    )
     assert value(samples, "weightwire_loaded_bytes_total", "tp0-pp0") == sum(loaded[worker.address])
 
 
 def test_off_unless_the_engine_exports_or_a_port_is_asked(inproc_worker: Callable[..., object]) -> None:
     service = inproc_worker().service  # type: ignore[attr-defined]
     assert engine_metrics(service, engine="test-engine", env={}) is None
-    assert engine_metrics(service, engine="test-engine", env={"WEIGHTWIRE_METRICS": "0", "WEIGHTWIRE_METRICS_PORT": "9"}) is None
+    assert (
+        engine_metrics(
+            service, engine="test-engine", env={"WEIGHTWIRE_METRICS": "0", "WEIGHTWIRE_METRICS_PORT": "9"}
+        )
+        is None
+    )
     with pytest.raises(ValueError, match="WEIGHTWIRE_METRICS_PORT='http' is not a port number"):
         engine_metrics(service, engine="test-engine", env={"WEIGHTWIRE_METRICS_PORT": "http"})
     with pytest.raises(ValueError, match=r"\+ worker index 3 is not a port number"):

@@ -31,7 +31,7 @@ def engine() -> Iterator[list[WorkerProcess]]:
 
 
 def _last_frame(text: str) -> str:
-    return text[text.rfind("weightwire fleet:"):]
+    return text[text.rfind("weightwire fleet:") :]
 
 
 def test_watch_redraws_in_place_and_shows_a_push(engine: list[WorkerProcess]) -> None:
@@ -46,7 +46,9 @@ def test_watch_redraws_in_place_and_shows_a_push(engine: list[WorkerProcess]) ->
         config = DemoConfig()
         with WeightPusher(addrs) as pusher:
             pusher.push(full_checkpoint(config, seed=v0 + 1), version=v0 + 1)
-            term.read_until(lambda t: f"weights v{v0 + 1} " in _last_frame(t) and _last_frame(t).count(f"v{v0 + 1} ") >= 3)
+            term.read_until(
+                lambda t: f"weights v{v0 + 1} " in _last_frame(t) and _last_frame(t).count(f"v{v0 + 1} ") >= 3
+            )
         # The same version again, to each worker on its own (one push would cancel the others at the
         # first refusal, and a cancelled stream may end before its worker read the header).
         for a in addrs:
@@ -66,8 +68,12 @@ def test_watch_json_lines(engine: list[WorkerProcess]) -> None:
     addrs = [w.address for w in engine]
     with WeightPusher(addrs) as p:
         expected = {a: s.weights_version for a, s in p.status().items()}
-    out = subprocess.run([*CLI, *addrs, "--watch", "--json", "--count", "2", "--interval", "0.2"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [*CLI, *addrs, "--watch", "--json", "--count", "2", "--interval", "0.2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) == 2
@@ -83,16 +89,27 @@ def test_watch_json_lines(engine: list[WorkerProcess]) -> None:
 
 def test_watch_not_a_terminal_prints_each_refresh(engine: list[WorkerProcess]) -> None:
     addrs = [w.address for w in engine]
-    out = subprocess.run([*CLI, *addrs, "--watch", "--count", "2", "--interval", "0.2"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [*CLI, *addrs, "--watch", "--count", "2", "--interval", "0.2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("weightwire fleet: 2 workers") == 2
     assert "\x1b[" not in out.stdout  # plain text in a pipe
 
 
-def test_unreachable_worker_is_shown_with_the_others(engine: list[WorkerProcess], tmp_path: pathlib.Path) -> None:
+def test_unreachable_worker_is_shown_with_the_others(
+    engine: list[WorkerProcess], tmp_path: pathlib.Path
+) -> None:
     gone = f"unix:{tmp_path}/nobody.sock"
-    out = subprocess.run([*CLI, engine[0].address, gone, "--watch", "--json", "--count", "1"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [*CLI, engine[0].address, gone, "--watch", "--json", "--count", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1
     snapshot = json.loads(out.stdout)
     assert snapshot["workers"][gone]["error"]["reason"] == "UNAVAILABLE"

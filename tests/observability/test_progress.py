@@ -24,7 +24,11 @@ _MIB = 1024 * 1024
 
 def _feed(bar: PushProgressBar) -> None:
     for done in range(1, 5):
-        bar(PushProgress(buckets_done=done, buckets_total=4, bytes_done=done * 8 * _MIB, bytes_total=32 * _MIB))
+        bar(
+            PushProgress(
+                buckets_done=done, buckets_total=4, bytes_done=done * 8 * _MIB, bytes_total=32 * _MIB
+            )
+        )
 
 
 def test_silent_when_not_a_terminal() -> None:
@@ -79,8 +83,22 @@ def test_weightwire_push_draws_the_bar_on_a_terminal(tmp_path: pathlib.Path) -> 
     try:
         ckpt = tmp_path / "model.safetensors"
         save_file(full_checkpoint(DemoConfig(), seed=5), str(ckpt))
-        term = Terminal([sys.executable, "-m", "weightwire.client.cli.main", "push", "--from", str(ckpt),
-                         "--to", worker.address, "--version", "5", "--bucket-mb", "0.25"])
+        term = Terminal(
+            [
+                sys.executable,
+                "-m",
+                "weightwire.client.cli.main",
+                "push",
+                "--from",
+                str(ckpt),
+                "--to",
+                worker.address,
+                "--version",
+                "5",
+                "--bucket-mb",
+                "0.25",
+            ]
+        )
         try:
             text = term.read_until(lambda t: "GB/s" in t and "tp0-pp0" in t)  # the results table came
         finally:

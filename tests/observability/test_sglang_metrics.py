@@ -87,7 +87,7 @@ def test_weightwire_series_in_sglangs_metrics(engine: tuple[EngineHost, str, str
         assert value("weightwire_updates_total", r.worker_id, outcome="committed", reason="") == 1
         assert value("weightwire_updates_total", r.worker_id, outcome="refused", reason="STALE_VERSION") == 1
         assert value("weightwire_update_duration_seconds_count", r.worker_id, outcome="committed") == 1
-        assert value("weightwire_update_duration_seconds_sum", r.worker_id, outcome="committed") == pytest.approx(
-            r.server_duration_s, rel=1e-9
-        )
+        assert value(
+            "weightwire_update_duration_seconds_sum", r.worker_id, outcome="committed"
+        ) == pytest.approx(r.server_duration_s, rel=1e-9)
         assert value("weightwire_loaded_bytes_total", r.worker_id) == r.bytes_loaded

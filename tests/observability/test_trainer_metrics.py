@@ -50,16 +50,29 @@ def test_pushes_recorded_by_phase_and_worker(engine: list[WorkerProcess]) -> Non
     for phase, count in (("plan", 3), ("total", 3), ("transfer", 2), ("commit", 2)):
         assert sample("weightwire_trainer_push_duration_seconds_count", phase=phase) == count
     # The phases of a committed push add up to its total (one clock, consecutive intervals).
-    parts = sum(sample("weightwire_trainer_push_duration_seconds_sum", phase=p) for p in ("plan", "transfer", "commit"))
+    parts = sum(
+        sample("weightwire_trainer_push_duration_seconds_sum", phase=p)
+        for p in ("plan", "transfer", "commit")
+    )
     assert parts <= sample("weightwire_trainer_push_duration_seconds_sum", phase="total") + 1e-9
     ids = {a: results[0][a].worker_id for a in addrs}
     assert set(ids.values()) == {"tp0-pp0", "tp1-pp0"}
     for a, worker in ids.items():
-        assert sample("weightwire_trainer_worker_push_duration_seconds_count", worker=worker, phase="transfer") == 2
-        assert sample("weightwire_trainer_worker_push_duration_seconds_count", worker=worker, phase="commit") == 2
-        assert sample("weightwire_trainer_pushed_bytes_total", worker=worker) == sum(r[a].bytes_loaded for r in results)
+        assert (
+            sample("weightwire_trainer_worker_push_duration_seconds_count", worker=worker, phase="transfer")
+            == 2
+        )
+        assert (
+            sample("weightwire_trainer_worker_push_duration_seconds_count", worker=worker, phase="commit")
+            == 2
+        )
+        assert sample("weightwire_trainer_pushed_bytes_total", worker=worker) == sum(
+            r[a].bytes_loaded for r in results
+        )
         # Each worker's failure is counted under the reason its stream ended with.
-        assert sample("weightwire_trainer_worker_failures_total", worker=worker, reason=failures[a].reason) == 1
+        assert (
+            sample("weightwire_trainer_worker_failures_total", worker=worker, reason=failures[a].reason) == 1
+        )
 
 
 def test_a_second_recorder_on_one_registry_is_refused() -> None:

@@ -19,9 +19,21 @@ from weightwire.server.observe.update_log import (
 
 def _outcome(**kw: object) -> UpdateOutcome:
     base: dict[str, object] = dict(
-        worker_id="tp0-pp1", version=7, outcome="refused", reason="SHAPE_MISMATCH", code="FAILED_PRECONDITION",
-        scope="full", update_id="v7", duration_s=0.0123456, buckets=2, tensors_loaded=0, bytes_loaded=0,
-        handles_opened=0, weights_version=6, state="CONSISTENT", message="tensor 'a' has shape [2, 3], expected [3, 2]",
+        worker_id="tp0-pp1",
+        version=7,
+        outcome="refused",
+        reason="SHAPE_MISMATCH",
+        code="FAILED_PRECONDITION",
+        scope="full",
+        update_id="v7",
+        duration_s=0.0123456,
+        buckets=2,
+        tensors_loaded=0,
+        bytes_loaded=0,
+        handles_opened=0,
+        weights_version=6,
+        state="CONSISTENT",
+        message="tensor 'a' has shape [2, 3], expected [3, 2]",
     )
     base.update(kw)
     return UpdateOutcome(**base)  # type: ignore[arg-type]
@@ -64,6 +76,11 @@ def test_levels_and_record_fields(caplog: pytest.LogCaptureFixture) -> None:
         log.update_finished(_outcome(outcome="cancelled", reason="CANCELLED", code="CANCELLED"))
     records = [r for r in caplog.records if r.name == LOGGER_NAME]
     assert [r.levelno for r in records] == [logging.INFO, logging.WARNING, logging.ERROR, logging.WARNING]
-    assert [parse_update_line(r.getMessage())["outcome"] for r in records] == ["committed", "refused", "failed", "cancelled"]
+    assert [parse_update_line(r.getMessage())["outcome"] for r in records] == [
+        "committed",
+        "refused",
+        "failed",
+        "cancelled",
+    ]
     assert records[0].weightwire_update["bytes"] == 0  # type: ignore[attr-defined]
     assert records[2].weightwire_update["state"] == "INCONSISTENT"  # type: ignore[attr-defined]

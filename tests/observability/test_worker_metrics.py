@@ -58,8 +58,21 @@ class MetricsWorker:
 
 def spawn_metrics_worker(*extra: str, timeout: float = 90.0) -> MetricsWorker:
     """``weightwire serve --metrics-port 0``: wait for its listening and metrics lines."""
-    cmd = [sys.executable, "-m", "weightwire.client.cli.main", "serve", "--model", "demo", "--seed", "0",
-           "--metrics-port", "0", "--log-level", "INFO", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "weightwire.client.cli.main",
+        "serve",
+        "--model",
+        "demo",
+        "--seed",
+        "0",
+        "--metrics-port",
+        "0",
+        "--log-level",
+        "INFO",
+        *extra,
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -82,14 +95,16 @@ def spawn_metrics_worker(*extra: str, timeout: float = 90.0) -> MetricsWorker:
         except queue.Empty:
             proc.kill()
             proc.wait()
-            raise RuntimeError(f"worker did not print its addresses within {timeout}s\n{''.join(stderr_lines)}") from None
+            raise RuntimeError(
+                f"worker did not print its addresses within {timeout}s\n{''.join(stderr_lines)}"
+            ) from None
         if line is None:
             proc.wait()
             raise RuntimeError(f"worker exited with {proc.returncode}\n{''.join(stderr_lines)}")
         if line.startswith(LISTENING):
-            address = line[len(LISTENING):].strip()
+            address = line[len(LISTENING) :].strip()
         elif line.startswith(METRICS):
-            url = line[len(METRICS):].strip()
+            url = line[len(METRICS) :].strip()
     return MetricsWorker(proc, address, url, stderr_lines)
 
 
@@ -106,12 +121,16 @@ def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
 
 def update_lines(worker: MetricsWorker) -> list[dict[str, str]]:
-    return [parse_update_line(line) for line in list(worker.stderr_lines) if "event=weightwire.update" in line]
+    return [
+        parse_update_line(line) for line in list(worker.stderr_lines) if "event=weightwire.update" in line
+    ]
 
 
 def value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
     key = (name, frozenset({"worker": WORKER, **labels}.items()))
-    assert key in samples, f"no sample {name}{labels}; have {sorted(n for n, _ in samples if n.startswith(name))}"
+    assert key in samples, (
+        f"no sample {name}{labels}; have {sorted(n for n, _ in samples if n.startswith(name))}"
+    )
     return samples[key]
 
 
@@ -131,7 +150,9 @@ def scenario() -> Iterator[Scenario]:
         # Small buckets: several per update, so per-bucket histograms count more than updates.
         with WeightPusher([worker.address], bucket_size_bytes=64 * 1024, timeout_s=60) as pusher:
             for version in (1, 2):
-                results.append(pusher.push(full_checkpoint(config, seed=version), version=version)[worker.address])
+                results.append(
+                    pusher.push(full_checkpoint(config, seed=version), version=version)[worker.address]
+                )
             partial = {"lm_head.weight": full_checkpoint(config, seed=3)["lm_head.weight"]}
             results.append(pusher.push(partial, version=3, scope="partial")[worker.address])
             # Refused at the header: version 2 is not newer than 3.
@@ -141,9 +162,17 @@ def scenario() -> Iterator[Scenario]:
         # Refused at its bucket: the worker's manifest says lm_head.weight is [vocab, hidden].
         stub = pb_grpc.WeightTransferServiceStub(grpc.insecure_channel(worker.address))
         wrong = torch.zeros(config.hidden_size, config.vocab_size, dtype=torch.float32)
-        spec = pb.TensorSpec(name="lm_head.weight", dtype=dtypes.from_torch(wrong.dtype), shape=list(wrong.shape), offset_bytes=0)
+        spec = pb.TensorSpec(
+            name="lm_head.weight",
+            dtype=dtypes.from_torch(wrong.dtype),
+            shape=list(wrong.shape),
+            offset_bytes=0,
+        )
         data = wrong.view(-1).view(torch.uint8).numpy().tobytes()
-        refused = push(stub, [header(4, scope=pb.UPDATE_SCOPE_PARTIAL), bucket(0, [spec], [inline_payload(data)]), commit(1)])
+        refused = push(
+            stub,
+            [header(4, scope=pb.UPDATE_SCOPE_PARTIAL), bucket(0, [spec], [inline_payload(data)]), commit(1)],
+        )
         assert refused.code == grpc.StatusCode.FAILED_PRECONDITION and refused.reason == "SHAPE_MISMATCH"
         samples = scrape(worker.metrics_url)
         # Logged before each answer was sent; the pipe to this process may still hold them.
@@ -176,11 +205,17 @@ def test_update_durations(scenario: Scenario) -> None:
     assert value(s, "weightwire_update_duration_seconds_count", outcome="committed") == 3
     # The histogram sums exactly the durations the worker reported in its UpdateResults.
     expected = sum(r.server_duration_s for r in scenario.results)
-    assert value(s, "weightwire_update_duration_seconds_sum", outcome="committed") == pytest.approx(expected, rel=1e-9)
+    assert value(s, "weightwire_update_duration_seconds_sum", outcome="committed") == pytest.approx(
+        expected, rel=1e-9
+    )
     assert value(s, "weightwire_update_duration_seconds_bucket", outcome="committed", le="+Inf") == 3
     # The SHAPE_MISMATCH update began (its header was accepted); the stale one never did.
     assert value(s, "weightwire_update_duration_seconds_count", outcome="refused") == 1
-    assert not [k for k in s if k[0].startswith("weightwire_update_duration_seconds") and ("outcome", "failed") in k[1]]
+    assert not [
+        k
+        for k in s
+        if k[0].startswith("weightwire_update_duration_seconds") and ("outcome", "failed") in k[1]
+    ]
 
 
 def test_bytes_buckets_and_handles(scenario: Scenario) -> None:
@@ -194,7 +229,9 @@ def test_bytes_buckets_and_handles(scenario: Scenario) -> None:
     assert value(s, "weightwire_buckets_total", transport="host_shm") == buckets
     assert value(s, "weightwire_bucket_load_duration_seconds_count", transport="host_shm") == buckets
     assert value(s, "weightwire_bucket_open_duration_seconds_count", transport="host_shm") == buckets
-    assert value(s, "weightwire_handles_opened_total", transport="host_shm") == sum(r.handles_opened for r in results)
+    assert value(s, "weightwire_handles_opened_total", transport="host_shm") == sum(
+        r.handles_opened for r in results
+    )
 
 
 def test_one_update_line_per_update(scenario: Scenario) -> None:

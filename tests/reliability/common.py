@@ -98,7 +98,9 @@ def push_raw(
     responses: list[pb.PushWeightsResponse] = []
     if whole:
         try:
-            reply = stub.PushUpdate(pb.PushUpdateRequest(messages=list(requests)), timeout=timeout, metadata=metadata)
+            reply = stub.PushUpdate(
+                pb.PushUpdateRequest(messages=list(requests)), timeout=timeout, metadata=metadata
+            )
         except grpc.RpcError as err:
             return failed_outcome(err)
         return Outcome(list(reply.messages), grpc.StatusCode.OK, "", None, 0)
@@ -125,7 +127,9 @@ def assert_weightwire_error(outcome: Outcome, reasons: Iterable[str] | str) -> s
     assert outcome.info is not None and outcome.error_infos == 1, f"no single ErrorInfo: {outcome.describe()}"
     assert outcome.info.domain == ERROR_DOMAIN, outcome.describe()
     assert outcome.info.reason in want, f"expected {sorted(want)}, got {outcome.describe()}"
-    assert outcome.code.name == Reason[outcome.info.reason].code, f"code does not match reason: {outcome.describe()}"
+    assert outcome.code.name == Reason[outcome.info.reason].code, (
+        f"code does not match reason: {outcome.describe()}"
+    )
     assert outcome.message, "an error must carry a message a person can act on"
     return outcome.info.reason
 
@@ -144,7 +148,9 @@ def rpc_error_of(fn: object, *args: object, **kw: object) -> grpc.RpcError:
 # ---------------------------------------------------------------------------------------------
 
 
-def inline_update(named: Mapping[str, torch.Tensor], version: int, **header_kw: object) -> list[pb.PushWeightsRequest]:
+def inline_update(
+    named: Mapping[str, torch.Tensor], version: int, **header_kw: object
+) -> list[pb.PushWeightsRequest]:
     """A complete valid update in one inline bucket (header, bucket, commit)."""
     return helpers.full_update_requests(version, named, None, buckets=1, **header_kw)
 
@@ -154,8 +160,12 @@ def demo_adapter(seed: int = 0) -> TorchAdapter:
     config = DemoConfig()
     rank = ParallelRank()
     return TorchAdapter(
-        build_demo_model(config, rank, "cpu", seed), rank=rank, device=torch.device("cpu"),
-        own_device=DeviceRef.host(), tp_rules=DEMO_TP_RULES, num_layers=config.num_layers,
+        build_demo_model(config, rank, "cpu", seed),
+        rank=rank,
+        device=torch.device("cpu"),
+        own_device=DeviceRef.host(),
+        tp_rules=DEMO_TP_RULES,
+        num_layers=config.num_layers,
     )
 
 
@@ -165,11 +175,17 @@ def demo_adapter(seed: int = 0) -> TorchAdapter:
 
 
 def serve_args(
-    *, tp: tuple[int, int] = (0, 1), pp: tuple[int, int] = (0, 1), listen: str | None = None,
-    dump_dir: str | os.PathLike[str] | None = None, extra: Sequence[str] = (),
+    *,
+    tp: tuple[int, int] = (0, 1),
+    pp: tuple[int, int] = (0, 1),
+    listen: str | None = None,
+    dump_dir: str | os.PathLike[str] | None = None,
+    extra: Sequence[str] = (),
 ) -> list[str]:
     """`weightwire serve` arguments of a CPU demo worker (helpers.demo_args plus the device)."""
-    return helpers.demo_args(tp=tp, pp=pp, listen=listen, dump_dir=dump_dir, extra=["--device", "cpu", *extra])
+    return helpers.demo_args(
+        tp=tp, pp=pp, listen=listen, dump_dir=dump_dir, extra=["--device", "cpu", *extra]
+    )
 
 
 def serve_command(**kw: Any) -> list[str]:

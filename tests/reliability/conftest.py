@@ -27,6 +27,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if CASES_RUN:
         total = sum(CASES_RUN.values())
-        terminalreporter.write_line(f"weightwire adversarial: {total} hostile streams/messages ran ({len(CASES_RUN)} kinds)")
+        terminalreporter.write_line(
+            f"weightwire adversarial: {total} hostile streams/messages ran ({len(CASES_RUN)} kinds)"
+        )
     for line in LOAD_REPORTS:
         terminalreporter.write_line(f"weightwire load: {line}")

@@ -29,22 +29,47 @@ NEGATIVE = st.one_of(st.just(-1), st.just(INT64_MIN), st.integers(min_value=INT6
 
 KNOWN_DTYPES = tuple(v for v in pb.DType.values() if v != pb.DTYPE_UNSPECIFIED)
 UNKNOWN_DTYPES = st.one_of(
-    st.integers(min_value=max(KNOWN_DTYPES) + 1, max_value=INT32_MAX), st.integers(min_value=INT32_MIN, max_value=-1)
+    st.integers(min_value=max(KNOWN_DTYPES) + 1, max_value=INT32_MAX),
+    st.integers(min_value=INT32_MIN, max_value=-1),
 )
 
 # Path tricks and near misses of the "ww-" rule, plus generated text that the rule refuses.
 SHM_NAME_TRICKS = (
-    "../x", "/ww-../../etc/passwd", "ww-../../etc/passwd", "ww-a/../../etc/shadow", "/dev/shm/ww-a",
-    "//ww-a", "ww-", "", "/", "ww", "xx-123", "WW-123", "ww-a\x00b", "ww-é", "ww-a b", "ww-a\nb",
-    " ww-a", "ww-..", "ww-a..b", "ww-" + "a" * 201, "/../ww-a", "~/ww-a", "ww-a/", "./ww-a",
-    "ww-a\n", "/ww-a\n",
+    "../x",
+    "/ww-../../etc/passwd",
+    "ww-../../etc/passwd",
+    "ww-a/../../etc/shadow",
+    "/dev/shm/ww-a",
+    "//ww-a",
+    "ww-",
+    "",
+    "/",
+    "ww",
+    "xx-123",
+    "WW-123",
+    "ww-a\x00b",
+    "ww-é",
+    "ww-a b",
+    "ww-a\nb",
+    " ww-a",
+    "ww-..",
+    "ww-a..b",
+    "ww-" + "a" * 201,
+    "/../ww-a",
+    "~/ww-a",
+    "ww-a/",
+    "./ww-a",
+    "ww-a\n",
+    "/ww-a\n",
 )
 _SHM_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
 def _refused_shm_name(name: str) -> bool:
     bare = name[1:] if name.startswith("/") else name
-    return not (bare.startswith("ww-") and 4 <= len(bare) <= 203 and set(bare) <= _SHM_OK and ".." not in bare)
+    return not (
+        bare.startswith("ww-") and 4 <= len(bare) <= 203 and set(bare) <= _SHM_OK and ".." not in bare
+    )
 
 
 BAD_SHM_NAMES = st.one_of(
@@ -71,7 +96,9 @@ class Target:
     shm_name: str
 
     @classmethod
-    def build(cls, manifest: ShardManifest, values: dict[str, torch.Tensor], shm_name: str, count: int = 4) -> Target:
+    def build(
+        cls, manifest: ShardManifest, values: dict[str, torch.Tensor], shm_name: str, count: int = 4
+    ) -> Target:
         chosen = tuple(sorted(manifest.tensors.values(), key=lambda t: (t.nbytes, t.name))[:count])
         layout: dict[str, int] = {}
         parts: list[bytes] = []
@@ -84,14 +111,24 @@ class Target:
             pad = -offset % 64  # keep every tensor aligned for any element size
             parts.append(b"\0" * pad)
             offset += pad
-        return cls(manifest, manifest.device, chosen, {t.name: values[t.name] for t in chosen}, layout, b"".join(parts), shm_name)
+        return cls(
+            manifest,
+            manifest.device,
+            chosen,
+            {t.name: values[t.name] for t in chosen},
+            layout,
+            b"".join(parts),
+            shm_name,
+        )
 
     @property
     def fingerprint(self) -> str:
         return self.manifest.fingerprint
 
     def spec(self, t: OwnedTensor) -> pb.TensorSpec:
-        return pb.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), offset_bytes=self.layout[t.name])  # type: ignore[arg-type]
+        return pb.TensorSpec(
+            name=t.name, dtype=t.dtype, shape=list(t.shape), offset_bytes=self.layout[t.name]
+        )  # type: ignore[arg-type]
 
     def payload(self, kind: str) -> pb.Payload:
         p = pb.Payload(device=self.own_device.to_proto(), size_bytes=len(self.blob))
@@ -136,13 +173,21 @@ def commit(count: int) -> pb.PushWeightsRequest:
 VERSION = 1_000_000
 
 
-def _case(label: str, msgs: Sequence[pb.PushWeightsRequest], reasons: set[str] | str, acks: int = 0, loaded: Sequence[str] = ()) -> Case:
+def _case(
+    label: str,
+    msgs: Sequence[pb.PushWeightsRequest],
+    reasons: set[str] | str,
+    acks: int = 0,
+    loaded: Sequence[str] = (),
+) -> Case:
     rs = {reasons} if isinstance(reasons, str) else reasons
     return Case(label, tuple(msgs), frozenset(rs), acks, tuple(loaded))
 
 
 @st.composite
-def _prefix(draw: st.DrawFn, target: Target) -> tuple[list[pb.PushWeightsRequest], list[str], OwnedTensor, str]:
+def _prefix(
+    draw: st.DrawFn, target: Target
+) -> tuple[list[pb.PushWeightsRequest], list[str], OwnedTensor, str]:
     """A valid header and 0-2 valid buckets, plus the tensor and payload kind the hostile bucket uses.
 
     The valid buckets load real tensors first, so a later refusal must leave the worker
@@ -171,11 +216,25 @@ def _mutated_spec_cases(target: Target) -> st.SearchStrategy[Case]:
         b = target.bucket(index, [t], kind)
         spec = b.tensors[0]
         itemsize = dtypes.itemsize(t.dtype)
-        what = draw(st.sampled_from([
-            "dtype_unspecified", "dtype_unknown", "dtype_other", "shape_other", "shape_negative", "shape_huge",
-            "offset_negative", "offset_huge", "offset_misaligned", "offset_past_end", "name_empty",
-            "duplicate_in_bucket", "duplicate_across_buckets",
-        ]))
+        what = draw(
+            st.sampled_from(
+                [
+                    "dtype_unspecified",
+                    "dtype_unknown",
+                    "dtype_other",
+                    "shape_other",
+                    "shape_negative",
+                    "shape_huge",
+                    "offset_negative",
+                    "offset_huge",
+                    "offset_misaligned",
+                    "offset_past_end",
+                    "name_empty",
+                    "duplicate_in_bucket",
+                    "duplicate_across_buckets",
+                ]
+            )
+        )
         reasons: set[str]
         acks = index
         if what == "dtype_unspecified":
@@ -189,7 +248,11 @@ def _mutated_spec_cases(target: Target) -> st.SearchStrategy[Case]:
             # a wider dtype may also run past the buffer or be misaligned; either refusal is right
             reasons = {"DTYPE_MISMATCH", "TENSOR_OUT_OF_BOUNDS", "INVALID_OFFSET"}
         elif what == "shape_other":
-            shape = draw(st.lists(st.integers(min_value=0, max_value=300), min_size=0, max_size=4).filter(lambda s: tuple(s) != t.shape))
+            shape = draw(
+                st.lists(st.integers(min_value=0, max_value=300), min_size=0, max_size=4).filter(
+                    lambda s: tuple(s) != t.shape
+                )
+            )
             spec.ClearField("shape")
             spec.shape.extend(shape)
             reasons = {"SHAPE_MISMATCH", "TENSOR_OUT_OF_BOUNDS"}
@@ -213,7 +276,11 @@ def _mutated_spec_cases(target: Target) -> st.SearchStrategy[Case]:
         elif what == "offset_misaligned":
             # an unaligned offset is allowed (the worker copies); one that also runs past the end is not
             lo = len(target.blob) - t.nbytes + 1
-            spec.offset_bytes = draw(st.integers(min_value=lo, max_value=lo + 10**6).filter(lambda o: o % itemsize != 0 or itemsize == 1))
+            spec.offset_bytes = draw(
+                st.integers(min_value=lo, max_value=lo + 10**6).filter(
+                    lambda o: o % itemsize != 0 or itemsize == 1
+                )
+            )
             reasons = {"TENSOR_OUT_OF_BOUNDS"}
         elif what == "offset_past_end":
             # aligned, but the tensor's end lies beyond the payload: the classic out-of-bounds read
@@ -248,12 +315,33 @@ def _mutated_payload_cases(target: Target) -> st.SearchStrategy[Case]:
         index = len(loaded)
         b = target.bucket(index, [t], kind)
         p = b.payloads[0]
-        what = draw(st.sampled_from([
-            "no_payloads", "no_label", "kind_unspecified", "kind_unknown", "uuid_empty", "uuid_not_a_device", "foreign_host",
-            "foreign_cuda", "foreign_cuda_peer", "own_label_twice", "handle_missing", "size_negative",
-            "size_huge", "size_too_small", "inline_size_differs", "shm_size_beyond_segment", "shm_bad_name",
-            "shm_missing", "cuda_handle_on_host", "checksum_wrong", "checksum_algorithm",
-        ]))
+        what = draw(
+            st.sampled_from(
+                [
+                    "no_payloads",
+                    "no_label",
+                    "kind_unspecified",
+                    "kind_unknown",
+                    "uuid_empty",
+                    "uuid_not_a_device",
+                    "foreign_host",
+                    "foreign_cuda",
+                    "foreign_cuda_peer",
+                    "own_label_twice",
+                    "handle_missing",
+                    "size_negative",
+                    "size_huge",
+                    "size_too_small",
+                    "inline_size_differs",
+                    "shm_size_beyond_segment",
+                    "shm_bad_name",
+                    "shm_missing",
+                    "cuda_handle_on_host",
+                    "checksum_wrong",
+                    "checksum_algorithm",
+                ]
+            )
+        )
         if what == "no_payloads":
             b.ClearField("payloads")
             reasons = {"NO_PAYLOAD_FOR_DEVICE", "PAYLOAD_COUNT_MISMATCH"}
@@ -264,7 +352,12 @@ def _mutated_payload_cases(target: Target) -> st.SearchStrategy[Case]:
             p.device.kind = pb.DEVICE_KIND_UNSPECIFIED
             reasons = {"DEVICE_KIND_UNSPECIFIED"}
         elif what == "kind_unknown":
-            p.device.kind = draw(st.one_of(st.integers(min_value=3, max_value=INT32_MAX), st.integers(min_value=INT32_MIN, max_value=-1)))  # type: ignore[assignment]
+            p.device.kind = draw(
+                st.one_of(
+                    st.integers(min_value=3, max_value=INT32_MAX),
+                    st.integers(min_value=INT32_MIN, max_value=-1),
+                )
+            )  # type: ignore[assignment]
             reasons = {"DEVICE_KIND_UNSPECIFIED"}
         elif what == "uuid_empty":
             p.device.uuid = draw(st.sampled_from(["", " ", "GPU-", "mig-", "\t"]))
@@ -356,12 +449,26 @@ def _stream_cases(target: Target) -> st.SearchStrategy[Case]:
         kind = draw(st.sampled_from(["inline", "shm"]))
         t = draw(st.sampled_from(target.tensors))
         good_bucket = bucket_msg(target.bucket(0, [t], kind))
-        what = draw(st.sampled_from([
-            "bucket_first", "commit_first", "empty_first", "two_headers", "empty_after_header",
-            "version_not_positive", "scope_unspecified", "scope_unknown", "fingerprint_other",
-            "bucket_count_wrong", "incomplete_full", "duplicate_bucket_index", "unowned_only",
-            "no_commit",
-        ]))
+        what = draw(
+            st.sampled_from(
+                [
+                    "bucket_first",
+                    "commit_first",
+                    "empty_first",
+                    "two_headers",
+                    "empty_after_header",
+                    "version_not_positive",
+                    "scope_unspecified",
+                    "scope_unknown",
+                    "fingerprint_other",
+                    "bucket_count_wrong",
+                    "incomplete_full",
+                    "duplicate_bucket_index",
+                    "unowned_only",
+                    "no_commit",
+                ]
+            )
+        )
         h = header(VERSION)
         if what == "bucket_first":
             return _case(what, [good_bucket, commit(1)], "MALFORMED_STREAM")
@@ -374,18 +481,33 @@ def _stream_cases(target: Target) -> st.SearchStrategy[Case]:
         if what == "empty_after_header":
             return _case(what, [h, pb.PushWeightsRequest()], "MALFORMED_STREAM")
         if what == "version_not_positive":
-            return _case(what, [header(draw(st.one_of(st.just(0), NEGATIVE))), commit(0)], {"INVALID_VERSION", "STALE_VERSION"})
+            return _case(
+                what,
+                [header(draw(st.one_of(st.just(0), NEGATIVE))), commit(0)],
+                {"INVALID_VERSION", "STALE_VERSION"},
+            )
         if what == "scope_unspecified":
             return _case(what, [header(VERSION, pb.UPDATE_SCOPE_UNSPECIFIED), commit(0)], "SCOPE_UNSPECIFIED")
         if what == "scope_unknown":
-            scope = draw(st.one_of(st.integers(min_value=3, max_value=INT32_MAX), st.integers(min_value=INT32_MIN, max_value=-1)))
+            scope = draw(
+                st.one_of(
+                    st.integers(min_value=3, max_value=INT32_MAX),
+                    st.integers(min_value=INT32_MIN, max_value=-1),
+                )
+            )
             return _case(what, [header(VERSION, scope), commit(0)], "SCOPE_UNSPECIFIED")
         if what == "fingerprint_other":
             fp = draw(st.text(min_size=1, max_size=64).filter(lambda s: s != target.fingerprint))
             return _case(what, [header(VERSION, manifest_fingerprint=fp), commit(0)], "MANIFEST_CHANGED")
         if what == "bucket_count_wrong":
             n = draw(st.one_of(NEGATIVE, st.just(0), st.integers(min_value=2, max_value=INT64_MAX)))
-            return _case(what, [header(VERSION, pb.UPDATE_SCOPE_PARTIAL), good_bucket, commit(n)], "BUCKET_COUNT_MISMATCH", 1, [t.name])
+            return _case(
+                what,
+                [header(VERSION, pb.UPDATE_SCOPE_PARTIAL), good_bucket, commit(n)],
+                "BUCKET_COUNT_MISMATCH",
+                1,
+                [t.name],
+            )
         if what == "incomplete_full":
             return _case(what, [h, good_bucket, commit(1)], "INCOMPLETE_UPDATE", 1, [t.name])
         if what == "duplicate_bucket_index":
@@ -394,8 +516,24 @@ def _stream_cases(target: Target) -> st.SearchStrategy[Case]:
             return _case(what, [h, good_bucket, again, commit(2)], "DUPLICATE_BUCKET", 1, [t.name])
         if what == "unowned_only":
             # names nobody owns are skipped without opening the handle (a missing segment proves it)
-            names = draw(st.lists(st.text(min_size=1, max_size=30).filter(lambda s: s not in target.manifest.tensors), min_size=1, max_size=4, unique=True))
-            b = pb.Bucket(index=0, payloads=[pb.Payload(device=target.own_device.to_proto(), size_bytes=4, host_shm=pb.HostShmHandle(name="ww-0-never-created"))])
+            names = draw(
+                st.lists(
+                    st.text(min_size=1, max_size=30).filter(lambda s: s not in target.manifest.tensors),
+                    min_size=1,
+                    max_size=4,
+                    unique=True,
+                )
+            )
+            b = pb.Bucket(
+                index=0,
+                payloads=[
+                    pb.Payload(
+                        device=target.own_device.to_proto(),
+                        size_bytes=4,
+                        host_shm=pb.HostShmHandle(name="ww-0-never-created"),
+                    )
+                ],
+            )
             for n in names:
                 b.tensors.add(name=n, dtype=pb.DTYPE_FLOAT32, shape=[1], offset_bytes=0)
             return _case(what, [h, bucket_msg(b), commit(1)], "INCOMPLETE_UPDATE", 1)
@@ -418,8 +556,12 @@ def hostile_cases(target: Target) -> st.SearchStrategy[Case]:
 
 def random_streams(target: Target) -> st.SearchStrategy[list[pb.PushWeightsRequest]]:
     names = st.one_of(st.sampled_from(sorted(target.manifest.tensors)), st.text(max_size=20))
-    ints = st.one_of(st.integers(min_value=-3, max_value=3), st.integers(min_value=INT64_MIN, max_value=INT64_MAX))
-    enums = st.one_of(st.integers(min_value=-1, max_value=14), st.integers(min_value=INT32_MIN, max_value=INT32_MAX))
+    ints = st.one_of(
+        st.integers(min_value=-3, max_value=3), st.integers(min_value=INT64_MIN, max_value=INT64_MAX)
+    )
+    enums = st.one_of(
+        st.integers(min_value=-1, max_value=14), st.integers(min_value=INT32_MIN, max_value=INT32_MAX)
+    )
     devices = st.builds(
         pb.DeviceId,
         kind=enums,
@@ -429,7 +571,9 @@ def random_streams(target: Target) -> st.SearchStrategy[list[pb.PushWeightsReque
     @st.composite
     def spec(draw: st.DrawFn) -> pb.TensorSpec:
         return pb.TensorSpec(
-            name=draw(names), dtype=draw(enums), shape=draw(st.lists(ints, max_size=4)),
+            name=draw(names),
+            dtype=draw(enums),
+            shape=draw(st.lists(ints, max_size=4)),
             offset_bytes=draw(st.one_of(st.sampled_from(list(target.layout.values())), ints)),
         )
 
@@ -455,13 +599,21 @@ def random_streams(target: Target) -> st.SearchStrategy[list[pb.PushWeightsReque
         which = draw(st.sampled_from(["header", "bucket", "commit", "empty"]))
         if which == "header":
             return header(
-                draw(ints), draw(enums),
-                manifest_fingerprint=draw(st.one_of(st.just(""), st.just(target.fingerprint), st.text(max_size=40))),
-                verify_checksums=draw(st.booleans()), allow_peer_device_import=draw(st.booleans()),
+                draw(ints),
+                draw(enums),
+                manifest_fingerprint=draw(
+                    st.one_of(st.just(""), st.just(target.fingerprint), st.text(max_size=40))
+                ),
+                verify_checksums=draw(st.booleans()),
+                allow_peer_device_import=draw(st.booleans()),
                 update_id=draw(st.text(max_size=20)),
             )
         if which == "bucket":
-            b = pb.Bucket(index=draw(ints), tensors=draw(st.lists(spec(), max_size=3)), payloads=draw(st.lists(payload(), max_size=3)))
+            b = pb.Bucket(
+                index=draw(ints),
+                tensors=draw(st.lists(spec(), max_size=3)),
+                payloads=draw(st.lists(payload(), max_size=3)),
+            )
             if draw(st.booleans()):
                 b.checksum.algorithm = draw(enums)
                 b.checksum.value = draw(ints)
@@ -471,4 +623,3 @@ def random_streams(target: Target) -> st.SearchStrategy[list[pb.PushWeightsReque
         return pb.PushWeightsRequest()
 
     return st.lists(message(), min_size=1, max_size=5)
-

@@ -83,7 +83,9 @@ def layout_for(n: int) -> list[ParallelRank]:
         tp, pp, dp = 1, 1, n
     return [
         ParallelRank(tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, dp_rank=d, dp_size=dp)
-        for d in range(dp) for p in range(pp) for t in range(tp)
+        for d in range(dp)
+        for p in range(pp)
+        for t in range(tp)
     ]
 
 
@@ -91,7 +93,9 @@ def _rank_args(rank: ParallelRank) -> list[str]:
     return ["--dp-rank", str(rank.dp_rank), "--dp-size", str(rank.dp_size)] if rank.dp_size > 1 else []
 
 
-def run_load(workers: int, seconds: float, *, bucket_bytes: int = BUCKET_BYTES, root: pathlib.Path | None = None) -> LoadReport:
+def run_load(
+    workers: int, seconds: float, *, bucket_bytes: int = BUCKET_BYTES, root: pathlib.Path | None = None
+) -> LoadReport:
     """Start the workers, push for ``seconds``, verify every update, stop everything; raise
     AssertionError on the first wrong result, status or byte."""
     own_root = root is None
@@ -100,7 +104,9 @@ def run_load(workers: int, seconds: float, *, bucket_bytes: int = BUCKET_BYTES, 
     config = DemoConfig()
     ranks = layout_for(workers)
     arg_lists = [
-        serve_args(tp=(r.tp_rank, r.tp_size), pp=(r.pp_rank, r.pp_size), dump_dir=dump_dir, extra=_rank_args(r))
+        serve_args(
+            tp=(r.tp_rank, r.tp_size), pp=(r.pp_rank, r.pp_size), dump_dir=dump_dir, extra=_rank_args(r)
+        )
         for r in ranks
     ]
     segments_before = segments_of([os.getpid()])
@@ -116,7 +122,9 @@ def run_load(workers: int, seconds: float, *, bucket_bytes: int = BUCKET_BYTES, 
             def push_and_verify(version: int) -> tuple[float, int]:
                 full = full_checkpoint(config, seed=version)
                 t0 = time.perf_counter()
-                results = pusher.push(full, version=version, verify_checksums=True, update_id=f"load-{version}")
+                results = pusher.push(
+                    full, version=version, verify_checksums=True, update_id=f"load-{version}"
+                )
                 push_s = time.perf_counter() - t0
                 assert sorted(results) == sorted(addresses), results.keys()
                 for a, r in results.items():
@@ -127,7 +135,9 @@ def run_load(workers: int, seconds: float, *, bucket_bytes: int = BUCKET_BYTES, 
                     path = dump_dir / f"{m.worker_id}-v{version}.safetensors"
                     held = helpers.load_dump(dump_dir, m.worker_id, version)
                     want = expected_shard(full, m.rank, config)
-                    if sorted(held) != sorted(want) or not all(torch.equal(held[k], v) for k, v in want.items()):
+                    if sorted(held) != sorted(want) or not all(
+                        torch.equal(held[k], v) for k, v in want.items()
+                    ):
                         raise AssertionError(f"{m.worker_id} does not hold the weights of version {version}")
                     path.unlink()
                     checked += 1

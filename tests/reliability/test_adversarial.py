@@ -63,7 +63,12 @@ class RecordingAdapter:
         for name, t in named_tensors:
             self.loaded.append(name)
             ref = self.reference.get(name)
-            if ref is None or t.dtype != ref.dtype or tuple(t.shape) != tuple(ref.shape) or not torch.equal(t, ref):
+            if (
+                ref is None
+                or t.dtype != ref.dtype
+                or tuple(t.shape) != tuple(ref.shape)
+                or not torch.equal(t, ref)
+            ):
                 self.wrong_bytes.append(name)
         self.inner.load(named_tensors)
 
@@ -127,8 +132,12 @@ def test_hostile_streams_get_the_documented_reason(harness: Harness, rpc: str) -
     seen = {"state": pb.WORKER_STATE_CONSISTENT}
     whole = rpc == "whole"
 
-    @settings(max_examples=STRUCTURED_EXAMPLES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @settings(
+        max_examples=STRUCTURED_EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
     @given(case=hostile.hostile_cases(harness.target))
     def run(case: hostile.Case) -> None:
         CASES_RUN["structured:" + case.label] += 1
@@ -159,8 +168,12 @@ def test_random_streams_never_crash_the_worker(harness: Harness, rpc: str) -> No
     current = {"version": 0}
     whole = rpc == "whole"
 
-    @settings(max_examples=RANDOM_EXAMPLES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @settings(
+        max_examples=RANDOM_EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
     @given(requests=hostile.random_streams(harness.target))
     def run(requests: list[pb.PushWeightsRequest]) -> None:
         CASES_RUN["random"] += 1
@@ -174,7 +187,9 @@ def test_random_streams_never_crash_the_worker(harness: Harness, rpc: str) -> No
             assert outcome.info is not None, outcome.describe()
             assert_weightwire_error(outcome, Reason.__members__)
         else:
-            assert outcome.result is not None, f"a stream ended OK without an UpdateResult: {outcome.describe()}"
+            assert outcome.result is not None, (
+                f"a stream ended OK without an UpdateResult: {outcome.describe()}"
+            )
         status = harness.status()
         assert status.weights_version == current["version"]
         assert status.open_mappings == 0
@@ -194,11 +209,17 @@ def test_message_over_64_mib_is_refused_and_the_worker_goes_on(harness: Harness,
     blob = b"\0" * (MAX_MESSAGE_BYTES + 4096)
     requests = [
         pb.PushWeightsRequest(header=pb.UpdateHeader(version=3, scope=pb.UPDATE_SCOPE_PARTIAL)),
-        pb.PushWeightsRequest(bucket=pb.Bucket(
-            index=0,
-            tensors=[pb.TensorSpec(name=name, dtype=pb.DTYPE_FLOAT32, shape=[harness.config.hidden_size])],
-            payloads=[pb.Payload(device=DeviceRef.host().to_proto(), size_bytes=len(blob), inline_data=blob)],
-        )),
+        pb.PushWeightsRequest(
+            bucket=pb.Bucket(
+                index=0,
+                tensors=[
+                    pb.TensorSpec(name=name, dtype=pb.DTYPE_FLOAT32, shape=[harness.config.hidden_size])
+                ],
+                payloads=[
+                    pb.Payload(device=DeviceRef.host().to_proto(), size_bytes=len(blob), inline_data=blob)
+                ],
+            )
+        ),
         pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=1)),
     ]
     outcome = push_raw(harness.stub, requests, whole=rpc == "whole")
@@ -218,7 +239,9 @@ def test_shm_names_with_path_tricks_are_refused_before_opening(harness: Harness,
     t = harness.target.tensors[0]
     b = harness.target.bucket(0, [t], "shm")
     b.payloads[0].host_shm.name = name
-    outcome = push_raw(harness.stub, [hostile.header(1, pb.UPDATE_SCOPE_PARTIAL), hostile.bucket_msg(b), hostile.commit(1)])
+    outcome = push_raw(
+        harness.stub, [hostile.header(1, pb.UPDATE_SCOPE_PARTIAL), hostile.bucket_msg(b), hostile.commit(1)]
+    )
     assert_weightwire_error(outcome, "INVALID_SHM_NAME")
     assert outcome.info is not None and outcome.info.metadata.get("name") == name
     assert harness.status().weights_version == 0

@@ -104,8 +104,12 @@ def worker() -> Iterator[Worker]:
     config = DemoConfig()
     rank = ParallelRank()
     adapter = HeldAdapter(
-        build_demo_model(config, rank, "cpu", 0), rank=rank, device=torch.device("cpu"),
-        own_device=DeviceRef.host(), tp_rules=DEMO_TP_RULES, num_layers=config.num_layers,
+        build_demo_model(config, rank, "cpu", 0),
+        rank=rank,
+        device=torch.device("cpu"),
+        own_device=DeviceRef.host(),
+        tp_rules=DEMO_TP_RULES,
+        num_layers=config.num_layers,
     )
     adapter.hold = Hold()
     server = serve(adapter, idle_timeout_s=IDLE_TIMEOUT_S)
@@ -174,7 +178,9 @@ def test_a_call_that_ended_never_commits(worker: Worker, hold: Hold, rpc: str, a
     _call_ending(worker, hold, rpc, how, partial_update(version))
     # Once the worker learned that the call is over (or the update already ended, a deadline
     # that passed before the engine was reached), let the engine go.
-    assert wait_until(lambda: call_ended_on_worker(worker) or worker.status().state != pb.WORKER_STATE_UPDATING)
+    assert wait_until(
+        lambda: call_ended_on_worker(worker) or worker.status().state != pb.WORKER_STATE_UPDATING
+    )
     hold.release.set()
     assert wait_until(lambda: worker.status().state != pb.WORKER_STATE_UPDATING)
     st = worker.status()
@@ -199,7 +205,9 @@ def test_update_calls_are_not_queued_behind_idle_streams(worker: Worker, hold: H
     feeds = [RequestFeed() for _ in range(12)]
     calls = [worker.stub.PushWeights(iter(f), timeout=IDLE_TIMEOUT_S) for f in feeds]
     try:
-        assert wait_until(lambda: sum(t.name.startswith("weightwire-push") for t in threading.enumerate()) >= 8)
+        assert wait_until(
+            lambda: sum(t.name.startswith("weightwire-push") for t in threading.enumerate()) >= 8
+        )
         version = worker.next_version()
         full = full_checkpoint(DemoConfig(), version)
         out = push(worker.stub, full_update_requests(version, full, None), timeout=10, whole=True)
@@ -229,10 +237,15 @@ def test_an_update_call_without_a_slot_is_refused_at_once(
     stuck.cancel()
     feed.end()
     assert wait_until(lambda: call_ended_on_worker(worker))
-    waiting = [worker.stub.PushUpdate.future(pb.PushUpdateRequest(messages=partial_update(version)), timeout=60) for _ in range(4)]
+    waiting = [
+        worker.stub.PushUpdate.future(pb.PushUpdateRequest(messages=partial_update(version)), timeout=60)
+        for _ in range(4)
+    ]
     try:
         # The four retries are inside the worker (each holds a slot) once each logged its wait.
-        assert wait_until(lambda: caplog.text.count(f"waits for update {version}, cancelled by its client") >= 4)
+        assert wait_until(
+            lambda: caplog.text.count(f"waits for update {version}, cancelled by its client") >= 4
+        )
         try:
             worker.stub.PushUpdate(pb.PushUpdateRequest(messages=partial_update(version)), timeout=10)
             raise AssertionError("a fifth update call was accepted while four held every slot")

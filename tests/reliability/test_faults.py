@@ -113,7 +113,11 @@ class Cluster:
         full = full_checkpoint(self.config, seed=self.seed)
         for i, rank in enumerate(self.ranks):
             st = self.status(i)
-            assert (st.weights_version, st.state, st.open_mappings) == (self.version, pb.WORKER_STATE_CONSISTENT, 0), st
+            assert (st.weights_version, st.state, st.open_mappings) == (
+                self.version,
+                pb.WORKER_STATE_CONSISTENT,
+                0,
+            ), st
             assert self.health(i) == health_pb2.HealthCheckResponse.SERVING
             dump = helpers.load_dump(self.dump_dir, st.worker_id, self.version)
             want = expected_shard(full, rank, self.config)
@@ -123,7 +127,9 @@ class Cluster:
 
     def expect_inconsistent(self, i: int, version: int) -> pb.GetStatusResponse:
         """After a failed update that had loaded tensors: version kept, INCONSISTENT, mappings released."""
-        assert wait_until(lambda: self.status(i).state != pb.WORKER_STATE_UPDATING and self.status(i).open_mappings == 0)
+        assert wait_until(
+            lambda: self.status(i).state != pb.WORKER_STATE_UPDATING and self.status(i).open_mappings == 0
+        )
         st = self.status(i)
         assert st.weights_version == version, st
         assert st.state == pb.WORKER_STATE_INCONSISTENT, st
@@ -171,8 +177,18 @@ def own_segments() -> Iterator[set[int]]:
 
 def test_trainer_killed_mid_update(cluster: Cluster, own_segments: set[int]) -> None:
     version = cluster.version + 1
-    cmd = [sys.executable, TRAINER, "--version", str(version), "--seed", str(version),
-           "--bucket-bytes", str(BUCKET_BYTES), "--sleep-s", "0.2"]
+    cmd = [
+        sys.executable,
+        TRAINER,
+        "--version",
+        str(version),
+        "--seed",
+        str(version),
+        "--bucket-bytes",
+        str(BUCKET_BYTES),
+        "--sleep-s",
+        "0.2",
+    ]
     for a in cluster.addresses:
         cmd += ["--endpoint", a]
     trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -186,7 +202,9 @@ def test_trainer_killed_mid_update(cluster: Cluster, own_segments: set[int]) -> 
                 break
             assert event["event"] in ("ready", "progress"), event
         else:
-            pytest.fail(f"trainer ended before 3 buckets: {trainer.wait()} {trainer.stderr.read() if trainer.stderr else ''}")
+            pytest.fail(
+                f"trainer ended before 3 buckets: {trainer.wait()} {trainer.stderr.read() if trainer.stderr else ''}"
+            )
         assert segments_of([trainer.pid]), "the trainer stages its buckets in ww-<pid>- segments"
     finally:
         trainer.send_signal(signal.SIGKILL)
@@ -291,7 +309,9 @@ def test_stream_cancelled_by_the_client(cluster: Cluster, own_segments: set[int]
     before = cluster.version
     stub = cluster.stub(0)
     full = full_checkpoint(cluster.config, seed=99)
-    owned = sorted(stub.GetManifest(pb.GetManifestRequest(), timeout=30).manifest.tensors, key=lambda t: t.name)
+    owned = sorted(
+        stub.GetManifest(pb.GetManifestRequest(), timeout=30).manifest.tensors, key=lambda t: t.name
+    )
     segments = helpers.ShmSegments()
     try:
         packed = helpers.pack({t.name: full[t.name] for t in owned[:3]})
@@ -350,13 +370,18 @@ def test_concurrent_pushes_are_aborted(cluster: Cluster, own_segments: set[int])
 
     def first_trainer() -> None:
         with WeightPusher(cluster.addresses, bucket_size_bytes=BUCKET_BYTES) as p:
-            outcome["results"] = p.push(full_checkpoint(cluster.config, seed=version), version=version, progress=hold)
+            outcome["results"] = p.push(
+                full_checkpoint(cluster.config, seed=version), version=version, progress=hold
+            )
 
     t = threading.Thread(target=first_trainer)
     t.start()
     try:
         assert blocked.wait(60)
-        with WeightPusher(cluster.addresses, bucket_size_bytes=BUCKET_BYTES) as p2, pytest.raises(PushError) as exc:
+        with (
+            WeightPusher(cluster.addresses, bucket_size_bytes=BUCKET_BYTES) as p2,
+            pytest.raises(PushError) as exc,
+        ):
             p2.push(full_checkpoint(cluster.config, seed=version + 1), version=version + 1)
         reasons = {a: f.reason for a, f in exc.value.failures.items()}
         assert "UPDATE_IN_PROGRESS" in reasons.values(), reasons

@@ -39,7 +39,9 @@ class Worker:
         self.channel = grpc.insecure_channel(self.proc.address)
         self.stub = pb_grpc.WeightTransferServiceStub(self.channel)
         self.config = DemoConfig()
-        self.owned = [t.name for t in self.stub.GetManifest(pb.GetManifestRequest(), timeout=30).manifest.tensors]
+        self.owned = [
+            t.name for t in self.stub.GetManifest(pb.GetManifestRequest(), timeout=30).manifest.tensors
+        ]
 
     def close(self) -> None:
         self.channel.close()
@@ -63,16 +65,24 @@ class Worker:
         assert self.alive(), self.proc.stderr_text()
         assert helpers.wait_until(lambda: self.status().state != pb.WORKER_STATE_UPDATING)
         st = self.status()
-        assert (st.weights_version, st.state, st.open_mappings) == (before.weights_version, before.state, 0), st
+        assert (st.weights_version, st.state, st.open_mappings) == (
+            before.weights_version,
+            before.state,
+            0,
+        ), st
         return st
 
     def push_good(self, segments: helpers.ShmSegments) -> None:
         """A good FULL update over shared memory lands (the worker still serves)."""
         version = self.next_version()
-        outcome = push_raw(self.stub, helpers.full_update_requests(version, self.checkpoint(version), segments, buckets=2))
+        outcome = push_raw(
+            self.stub, helpers.full_update_requests(version, self.checkpoint(version), segments, buckets=2)
+        )
         assert outcome.code == grpc.StatusCode.OK, outcome.describe()
         st = self.status()
-        assert (st.weights_version, st.state, st.open_mappings) == (version, pb.WORKER_STATE_CONSISTENT, 0), st
+        assert (st.weights_version, st.state, st.open_mappings) == (version, pb.WORKER_STATE_CONSISTENT, 0), (
+            st
+        )
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +115,9 @@ def test_shm_name_with_a_trailing_newline_is_refused(worker: Worker, segments: h
     packed = helpers.pack(worker.checkpoint(version))
     name = new_shm_name("nl") + "\n"
     with _raw_segment(name, bytes(packed.data)):
-        outcome = push_raw(worker.stub, _one_bucket(version, packed, helpers.shm_payload(name, len(packed.data))))
+        outcome = push_raw(
+            worker.stub, _one_bucket(version, packed, helpers.shm_payload(name, len(packed.data)))
+        )
     assert_weightwire_error(outcome, "INVALID_SHM_NAME")
     worker.expect_unchanged(before)
     worker.push_good(segments)
@@ -144,7 +156,9 @@ def test_shm_name_of_something_not_a_regular_file_is_refused_at_once(
         target = segments.create(packed.data)
         os.symlink(os.path.join(SHM_DIR, target.name), path)
     try:
-        outcome = push_raw(worker.stub, _one_bucket(version, packed, helpers.shm_payload(name, len(packed.data))), timeout=30)
+        outcome = push_raw(
+            worker.stub, _one_bucket(version, packed, helpers.shm_payload(name, len(packed.data))), timeout=30
+        )
     finally:
         os.rmdir(path) if kind == "directory" else os.unlink(path)
     assert_weightwire_error(outcome, "HANDLE_OPEN_FAILED")
@@ -182,7 +196,11 @@ def test_segment_shrunk_while_the_worker_reads_it_costs_the_update_not_the_worke
     assert_weightwire_error(outcome, "INVALID_SIZE")
     assert worker.alive(), worker.proc.stderr_text()
     st = worker.status()
-    assert (st.weights_version, st.state, st.open_mappings) == (before.weights_version, pb.WORKER_STATE_INCONSISTENT, 0), st
+    assert (st.weights_version, st.state, st.open_mappings) == (
+        before.weights_version,
+        pb.WORKER_STATE_INCONSISTENT,
+        0,
+    ), st
     assert st.last_error.reason == "INVALID_SIZE" and "shrank" in st.last_error.message
     worker.push_good(segments)
 
@@ -203,7 +221,9 @@ def test_doubly_prefixed_own_label_is_not_the_worker_s_own(worker: Worker) -> No
         helpers.inline_payload(decoy, device=_label("GPU-GPU-" + own)),
         helpers.inline_payload(packed.data, device=_label(own)),
     ]
-    outcome = push_raw(worker.stub, [helpers.header(version), helpers.bucket(0, packed.specs, payloads), helpers.commit(1)])
+    outcome = push_raw(
+        worker.stub, [helpers.header(version), helpers.bucket(0, packed.specs, payloads), helpers.commit(1)]
+    )
     assert_weightwire_error(outcome, "PAYLOAD_LABEL_MISSING")
     assert "prefix twice" in outcome.message
     worker.expect_unchanged(before)
@@ -214,15 +234,22 @@ def test_nvml_form_of_the_own_label_is_the_own_device_in_canonical_form(worker: 
     version = worker.next_version()
     packed = helpers.pack(worker.checkpoint(version))
     nvml = helpers.inline_payload(packed.data, device=_label("GPU-" + own.upper()))
-    outcome = push_raw(worker.stub, [helpers.header(version), helpers.bucket(0, packed.specs, [nvml]), helpers.commit(1)])
+    outcome = push_raw(
+        worker.stub, [helpers.header(version), helpers.bucket(0, packed.specs, [nvml]), helpers.commit(1)]
+    )
     assert outcome.code == grpc.StatusCode.OK, outcome.describe()
     assert outcome.acks[0].source_device == pb.DeviceId(kind=pb.DEVICE_KIND_HOST, uuid=own)
     # The same device twice, once in each form, is one label twice.
     before = worker.status()
     version += 1
     packed = helpers.pack(worker.checkpoint(version))
-    twice = [helpers.inline_payload(packed.data, device=_label("GPU-" + own)), helpers.inline_payload(packed.data, device=_label(own))]
-    outcome = push_raw(worker.stub, [helpers.header(version), helpers.bucket(0, packed.specs, twice), helpers.commit(1)])
+    twice = [
+        helpers.inline_payload(packed.data, device=_label("GPU-" + own)),
+        helpers.inline_payload(packed.data, device=_label(own)),
+    ]
+    outcome = push_raw(
+        worker.stub, [helpers.header(version), helpers.bucket(0, packed.specs, twice), helpers.commit(1)]
+    )
     assert_weightwire_error(outcome, "DUPLICATE_PAYLOAD_LABEL")
     worker.expect_unchanged(before)
 
@@ -240,7 +267,10 @@ def test_a_malformed_payload_is_refused_even_when_another_one_is_selected(worker
     bad_name = helpers.shm_payload("/ww-../../etc/passwd", len(packed.data), device=FOREIGN_HOST)
     for broken, reason in ((short, "INVALID_SIZE"), (bad_name, "INVALID_SHM_NAME")):
         own = helpers.inline_payload(packed.data)
-        outcome = push_raw(worker.stub, [helpers.header(version), helpers.bucket(0, packed.specs, [own, broken]), helpers.commit(1)])
+        outcome = push_raw(
+            worker.stub,
+            [helpers.header(version), helpers.bucket(0, packed.specs, [own, broken]), helpers.commit(1)],
+        )
         assert_weightwire_error(outcome, reason)
         worker.expect_unchanged(before)
 
@@ -250,9 +280,14 @@ def test_a_malformed_payload_is_refused_in_a_bucket_the_worker_owns_nothing_of(w
     version = before.weights_version + 1
     packed = helpers.pack({"not.owned.by.this.worker": torch.zeros(4)})
     bad_name = helpers.shm_payload("ww-a/../../etc/shadow", len(packed.data))
-    outcome = push_raw(worker.stub, [
-        helpers.header(version, scope=pb.UPDATE_SCOPE_PARTIAL), helpers.bucket(0, packed.specs, [bad_name]), helpers.commit(1),
-    ])
+    outcome = push_raw(
+        worker.stub,
+        [
+            helpers.header(version, scope=pb.UPDATE_SCOPE_PARTIAL),
+            helpers.bucket(0, packed.specs, [bad_name]),
+            helpers.commit(1),
+        ],
+    )
     assert_weightwire_error(outcome, "INVALID_SHM_NAME")
     worker.expect_unchanged(before)
 
@@ -297,7 +332,10 @@ def test_megabytes_of_client_text_are_neither_stored_nor_echoed(worker: Worker, 
 def test_an_update_id_is_echoed_up_to_its_bound(worker: Worker) -> None:
     version = worker.next_version()
     label = "é" * 128  # 256 bytes: the most an update_id may carry
-    outcome = push_raw(worker.stub, helpers.full_update_requests(version, worker.checkpoint(version), None, buckets=1, update_id=label))
+    outcome = push_raw(
+        worker.stub,
+        helpers.full_update_requests(version, worker.checkpoint(version), None, buckets=1, update_id=label),
+    )
     assert outcome.code == grpc.StatusCode.OK, outcome.describe()
     assert outcome.result is not None and outcome.result.update_id == label
     assert worker.status().last_result.update_id == label
@@ -310,9 +348,20 @@ def test_non_ascii_text_in_an_error_still_fits_the_status(worker: Worker, name: 
     before = worker.status()
     version = before.weights_version + 1
     spec = pb.TensorSpec(name=name, dtype=pb.DTYPE_UNSPECIFIED, shape=[1])
-    outcome = push_raw(worker.stub, [helpers.header(version), helpers.bucket(0, [spec], [helpers.inline_payload(b"\0" * 4)]), helpers.commit(1)])
+    outcome = push_raw(
+        worker.stub,
+        [
+            helpers.header(version),
+            helpers.bucket(0, [spec], [helpers.inline_payload(b"\0" * 4)]),
+            helpers.commit(1),
+        ],
+    )
     assert_weightwire_error(outcome, "DTYPE_UNSPECIFIED")
-    assert outcome.info is not None and outcome.info.metadata["tensor"] and name.startswith(outcome.info.metadata["tensor"].removesuffix("..."))
+    assert (
+        outcome.info is not None
+        and outcome.info.metadata["tensor"]
+        and name.startswith(outcome.info.metadata["tensor"].removesuffix("..."))
+    )
     worker.expect_unchanged(before)
 
 
@@ -321,7 +370,9 @@ def test_an_error_listing_hundreds_of_labels_still_fits_the_status(worker: Worke
     version = before.weights_version + 1
     packed = helpers.pack({"model.norm.weight": worker.checkpoint(version)["model.norm.weight"]})
     foreign = [
-        helpers.inline_payload(packed.data, device=pb.DeviceId(kind=pb.DEVICE_KIND_HOST, uuid=f"{i:08x}-" + "0" * 100))
+        helpers.inline_payload(
+            packed.data, device=pb.DeviceId(kind=pb.DEVICE_KIND_HOST, uuid=f"{i:08x}-" + "0" * 100)
+        )
         for i in range(300)
     ]
     head = helpers.header(version, scope=pb.UPDATE_SCOPE_PARTIAL)
@@ -354,13 +405,17 @@ def test_idle_streams_do_not_starve_status_manifest_or_health() -> None:
         calls = [stub.PushWeights(iter(feed), timeout=120) for feed in feeds]
         # The worker has taken the streams on (one thread each, or more).
         assert helpers.wait_until(lambda: _thread_count(proc.proc.pid) >= base + 8, timeout=60)
-        assert helpers.wait_until(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=30).state == pb.WORKER_STATE_UPDATING)
+        assert helpers.wait_until(
+            lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=30).state == pb.WORKER_STATE_UPDATING
+        )
         assert stub.GetManifest(pb.GetManifestRequest(), timeout=30).manifest.tensors
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         for call in calls:
             call.cancel()
-        assert helpers.wait_until(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=30).state == pb.WORKER_STATE_CONSISTENT)
+        assert helpers.wait_until(
+            lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=30).state == pb.WORKER_STATE_CONSISTENT
+        )
     finally:
         for feed in feeds:
             feed.end()
@@ -377,7 +432,9 @@ def _worker_deadline(call: object, worker: Worker) -> object:
     return outcome
 
 
-def test_a_stream_that_sends_nothing_ends_with_a_reason(worker: Worker, segments: helpers.ShmSegments) -> None:
+def test_a_stream_that_sends_nothing_ends_with_a_reason(
+    worker: Worker, segments: helpers.ShmSegments
+) -> None:
     before = worker.status()
     feed = helpers.RequestFeed()
     try:
@@ -390,7 +447,9 @@ def test_a_stream_that_sends_nothing_ends_with_a_reason(worker: Worker, segments
     worker.push_good(segments)
 
 
-def test_a_header_then_silence_does_not_hold_the_update(worker: Worker, segments: helpers.ShmSegments) -> None:
+def test_a_header_then_silence_does_not_hold_the_update(
+    worker: Worker, segments: helpers.ShmSegments
+) -> None:
     before = worker.status()
     feed = helpers.RequestFeed()
     feed.send(helpers.header(before.weights_version + 1))
@@ -419,11 +478,17 @@ def test_a_message_after_the_commit_is_malformed_and_nothing_commits(
     assert "after the commit" in outcome.message and outcome.result is None
     st = worker.status()
     # Not committed: version kept; the bucket had loaded, so the worker is INCONSISTENT.
-    assert (st.weights_version, st.state, st.open_mappings) == (before.weights_version, pb.WORKER_STATE_INCONSISTENT, 0), st
+    assert (st.weights_version, st.state, st.open_mappings) == (
+        before.weights_version,
+        pb.WORKER_STATE_INCONSISTENT,
+        0,
+    ), st
     worker.push_good(segments)
 
 
-def test_a_commit_the_client_does_not_close_after_is_not_applied(worker: Worker, segments: helpers.ShmSegments) -> None:
+def test_a_commit_the_client_does_not_close_after_is_not_applied(
+    worker: Worker, segments: helpers.ShmSegments
+) -> None:
     before = worker.status()
     version = before.weights_version + 1
     reqs = helpers.full_update_requests(version, worker.checkpoint(version), segments, buckets=1)
@@ -439,7 +504,9 @@ def test_a_commit_the_client_does_not_close_after_is_not_applied(worker: Worker,
     worker.push_good(segments)
 
 
-def test_a_retry_right_after_a_cancelled_update_is_never_refused(worker: Worker, segments: helpers.ShmSegments) -> None:
+def test_a_retry_right_after_a_cancelled_update_is_never_refused(
+    worker: Worker, segments: helpers.ShmSegments
+) -> None:
     # A trainer whose push failed elsewhere cancels this worker's stream and retries at once; the
     # cancelled update may still be unwinding. The retry must not get UPDATE_IN_PROGRESS for it.
     for _ in range(20):

@@ -26,8 +26,14 @@ SERIES = (
 
 def _ack(kind: pb.TransportKind.ValueType) -> pb.BucketAck:
     return pb.BucketAck(
-        index=0, tensors_loaded=1, bytes_loaded=64, source_device=DeviceRef.host().to_proto(), transport=kind,
-        handle_opened=True, open_duration_ns=1000, load_duration_ns=2000,
+        index=0,
+        tensors_loaded=1,
+        bytes_loaded=64,
+        source_device=DeviceRef.host().to_proto(),
+        transport=kind,
+        handle_opened=True,
+        open_duration_ns=1000,
+        load_duration_ns=2000,
     )
 
 
@@ -45,8 +51,16 @@ def test_every_importer_s_buckets_get_its_transport_s_own_label() -> None:
         for series in SERIES:
             got = registry.get_sample_value(series, {"worker": WORKER, "transport": name})
             assert got == 2, (series, name, got)
-    assert registry.get_sample_value("weightwire_buckets_total", {"worker": WORKER, "transport": "unspecified"}) is None
-    assert registry.get_sample_value("weightwire_buckets_total", {"worker": WORKER, "transport": "transfer_group"}) == 2
+    assert (
+        registry.get_sample_value("weightwire_buckets_total", {"worker": WORKER, "transport": "unspecified"})
+        is None
+    )
+    assert (
+        registry.get_sample_value(
+            "weightwire_buckets_total", {"worker": WORKER, "transport": "transfer_group"}
+        )
+        == 2
+    )
 
 
 def test_every_row_of_the_table_has_its_own_label() -> None:
@@ -56,4 +70,7 @@ def test_every_row_of_the_table_has_its_own_label() -> None:
     for row in transports.TRANSPORTS:
         metrics.bucket_acked(_ack(row.kind))
     for row in transports.TRANSPORTS:
-        assert registry.get_sample_value("weightwire_buckets_total", {"worker": WORKER, "transport": row.name}) == 1, row.name
+        assert (
+            registry.get_sample_value("weightwire_buckets_total", {"worker": WORKER, "transport": row.name})
+            == 1
+        ), row.name

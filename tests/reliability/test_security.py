@@ -48,7 +48,9 @@ def _code_and_reason(err: grpc.RpcError) -> tuple[grpc.StatusCode, str | None]:
     return err.code(), (info.reason if info else None)
 
 
-def test_default_listener_is_a_unix_socket_in_a_private_directory(inproc_worker: Callable[..., object]) -> None:
+def test_default_listener_is_a_unix_socket_in_a_private_directory(
+    inproc_worker: Callable[..., object],
+) -> None:
     worker = inproc_worker()
     address: str = worker.address  # type: ignore[attr-defined]
     assert address.startswith("unix:")
@@ -84,7 +86,11 @@ def test_non_loopback_without_token_refuses_to_start(listen: str) -> None:
 
 def test_cli_non_loopback_without_token_exits_before_listening() -> None:
     proc = subprocess.run(
-        serve_command(listen="0.0.0.0:0"), capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+        serve_command(listen="0.0.0.0:0"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
     )
     assert proc.returncode != 0
     assert "listening" not in proc.stdout
@@ -100,7 +106,10 @@ def test_tokens(inproc_worker: Callable[..., object]) -> None:
 
     for method, request in (("GetManifest", pb.GetManifestRequest()), ("GetStatus", pb.GetStatusRequest())):
         call = getattr(stub, method)
-        assert _code_and_reason(rpc_error_of(call, request, timeout=30)) == (grpc.StatusCode.UNAUTHENTICATED, "MISSING_TOKEN")
+        assert _code_and_reason(rpc_error_of(call, request, timeout=30)) == (
+            grpc.StatusCode.UNAUTHENTICATED,
+            "MISSING_TOKEN",
+        )
         for bad in (f"Bearer {TOKEN}x", TOKEN, f"bearer {TOKEN}", "Bearer ", f"Basic {TOKEN}"):
             err = rpc_error_of(call, request, timeout=30, metadata=(("authorization", bad),))
             assert _code_and_reason(err) == (grpc.StatusCode.UNAUTHENTICATED, "INVALID_TOKEN"), bad
@@ -123,7 +132,10 @@ def test_tokens(inproc_worker: Callable[..., object]) -> None:
 
     # health checks stay open (probes carry no secrets) and say SERVING
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
-    assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == health_pb2.HealthCheckResponse.SERVING
+    assert (
+        health.Check(health_pb2.HealthCheckRequest(), timeout=30).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
 
     # the client: a wrong token fails naming the worker and the reason; the right one pushes
     with WeightPusher([address], token="wrong") as pusher, pytest.raises(PushError) as exc:
@@ -138,7 +150,9 @@ def test_tokens(inproc_worker: Callable[..., object]) -> None:
 
 def test_tls_with_a_self_signed_ca(inproc_worker: Callable[..., object], tmp_path: pathlib.Path) -> None:
     tls = make_self_signed(tmp_path / "tls")
-    worker = inproc_worker(listen="127.0.0.1:0", token=TOKEN, tls_cert=str(tls.server_cert), tls_key=str(tls.server_key))
+    worker = inproc_worker(
+        listen="127.0.0.1:0", token=TOKEN, tls_cert=str(tls.server_cert), tls_key=str(tls.server_key)
+    )
     address: str = worker.address  # type: ignore[attr-defined]
     good = (("authorization", f"Bearer {TOKEN}"),)
 
@@ -148,12 +162,20 @@ def test_tls_with_a_self_signed_ca(inproc_worker: Callable[..., object], tmp_pat
 
     # plaintext to a TLS listener, and TLS with a CA that did not sign the server: no connection
     plain = pb_grpc.WeightTransferServiceStub(grpc.insecure_channel(address))
-    assert rpc_error_of(plain.GetStatus, pb.GetStatusRequest(), timeout=10, metadata=good).code() == grpc.StatusCode.UNAVAILABLE
+    assert (
+        rpc_error_of(plain.GetStatus, pb.GetStatusRequest(), timeout=10, metadata=good).code()
+        == grpc.StatusCode.UNAVAILABLE
+    )
     other = make_self_signed(tmp_path / "other", ca_name="some other CA")
     stranger = pb_grpc.WeightTransferServiceStub(
-        grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=other.ca_cert.read_bytes()))
+        grpc.secure_channel(
+            address, grpc.ssl_channel_credentials(root_certificates=other.ca_cert.read_bytes())
+        )
     )
-    assert rpc_error_of(stranger.GetStatus, pb.GetStatusRequest(), timeout=10, metadata=good).code() == grpc.StatusCode.UNAVAILABLE
+    assert (
+        rpc_error_of(stranger.GetStatus, pb.GetStatusRequest(), timeout=10, metadata=good).code()
+        == grpc.StatusCode.UNAVAILABLE
+    )
 
     # the client over TLS, token included: a full update lands bit for bit
     config = worker.config  # type: ignore[attr-defined]
@@ -176,15 +198,37 @@ def test_cli_tls_worker_inspected_with_grpcurl(tmp_path: pathlib.Path) -> None:
     try:
         grpcurl = str(pathlib.Path(sys.executable).parent / "grpcurl")
         base = [grpcurl, "-cacert", str(tls.ca_cert), "-max-time", "60"]
-        ok = subprocess.run([*base, "-H", f"authorization: Bearer {TOKEN}", "-emit-defaults", "-d", "{}", w.address,
-                             "weightwire.v1.WeightTransferService/GetStatus"], capture_output=True, text=True, timeout=90)
+        ok = subprocess.run(
+            [
+                *base,
+                "-H",
+                f"authorization: Bearer {TOKEN}",
+                "-emit-defaults",
+                "-d",
+                "{}",
+                w.address,
+                "weightwire.v1.WeightTransferService/GetStatus",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
         assert ok.returncode == 0, ok.stderr
         assert '"state": "WORKER_STATE_CONSISTENT"' in ok.stdout
-        denied = subprocess.run([*base, "-d", "{}", w.address, "weightwire.v1.WeightTransferService/GetStatus"],
-                                capture_output=True, text=True, timeout=90)
+        denied = subprocess.run(
+            [*base, "-d", "{}", w.address, "weightwire.v1.WeightTransferService/GetStatus"],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
         assert denied.returncode == 64 + grpc.StatusCode.UNAUTHENTICATED.value[0], denied.stderr
         assert "MISSING_TOKEN" in denied.stderr
-        plain = subprocess.run([grpcurl, "-plaintext", "-max-time", "10", w.address, "list"], capture_output=True, text=True, timeout=60)
+        plain = subprocess.run(
+            [grpcurl, "-plaintext", "-max-time", "10", w.address, "list"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert plain.returncode != 0
     finally:
         w.stop()

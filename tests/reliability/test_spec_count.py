@@ -24,7 +24,9 @@ def _huge_bucket(count: int) -> pb.PushWeightsRequest:
     field = pb.Bucket.DESCRIPTOR.fields_by_name["tensors"].number
     tag = bytes([(field << 3) | 2, len(spec)])
     req = pb.PushWeightsRequest()
-    req.bucket.MergeFromString((tag + spec) * count)  # parsed in place (a copy of a million specs costs seconds)
+    req.bucket.MergeFromString(
+        (tag + spec) * count
+    )  # parsed in place (a copy of a million specs costs seconds)
     return req
 
 
@@ -34,8 +36,16 @@ def test_too_many_specs_in_a_bucket_are_refused_on_their_count(inproc_worker, rp
     stub = type(worker.stub())(grpc.insecure_channel(worker.address, options=CHANNEL_OPTIONS))
     huge = _huge_bucket(MAX_TENSORS_PER_UPDATE + 1)
     assert len(huge.bucket.tensors) == MAX_TENSORS_PER_UPDATE + 1
-    out = push(stub, [header(1), huge, pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=1))], whole=rpc == "PushUpdate")
-    assert (out.code, out.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "MALFORMED_STREAM"), (out.code, out.reason, out.message)
+    out = push(
+        stub,
+        [header(1), huge, pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=1))],
+        whole=rpc == "PushUpdate",
+    )
+    assert (out.code, out.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "MALFORMED_STREAM"), (
+        out.code,
+        out.reason,
+        out.message,
+    )
     assert str(MAX_TENSORS_PER_UPDATE) in out.message and out.metadata.get("bucket") == "0"
     st = stub.GetStatus(pb.GetStatusRequest())
     assert (st.weights_version, st.state, st.open_mappings) == (0, pb.WORKER_STATE_CONSISTENT, 0)

@@ -43,7 +43,9 @@ class Worker:
         self.server = serve(demo_adapter(), listen=f"{HOST}:0")
         self.channel = grpc.insecure_channel(self.server.address)
         self.stub = pb_grpc.WeightTransferServiceStub(self.channel)
-        self.manifest = ShardManifest.from_proto(self.stub.GetManifest(pb.GetManifestRequest(), timeout=30).manifest)
+        self.manifest = ShardManifest.from_proto(
+            self.stub.GetManifest(pb.GetManifestRequest(), timeout=30).manifest
+        )
 
     def status(self) -> pb.GetStatusResponse:
         return self.stub.GetStatus(pb.GetStatusRequest(), timeout=30)
@@ -70,8 +72,14 @@ def store() -> Iterator[StoreServer]:
 def _spec(worker: Worker, store_address: str, timeout_ms: int) -> tuple[pb.TransferGroupSpec, MemberIdentity]:
     trainer = MemberIdentity.of_trainer(0, uuid.uuid4().hex)
     plan = plan_group(
-        {"w": worker.manifest}, trainer=trainer, group_id=f"limits-{uuid.uuid4().hex[:12]}", backend=pb.TRANSFER_BACKEND_GLOO,
-        store_address=store_address, timeout_ms=timeout_ms, max_bucket_bytes=1 << 20, broadcast=False,
+        {"w": worker.manifest},
+        trainer=trainer,
+        group_id=f"limits-{uuid.uuid4().hex[:12]}",
+        backend=pb.TRANSFER_BACKEND_GLOO,
+        store_address=store_address,
+        timeout_ms=timeout_ms,
+        max_bucket_bytes=1 << 20,
+        broadcast=False,
     )
     return plan.spec, trainer
 
@@ -124,44 +132,63 @@ def _closed_port() -> str:
     return address
 
 
-def test_a_store_that_never_answers_ends_the_join_and_the_next_join_works(worker: Worker, store: StoreServer) -> None:
+def test_a_store_that_never_answers_ends_the_join_and_the_next_join_works(
+    worker: Worker, store: StoreServer
+) -> None:
     listener, accepted = _silent_store()
     try:
         port = listener.getsockname()[1]
         spec, _ = _spec(worker, f"{HOST}:{port}", timeout_ms=1000)
         first = _join(worker, spec)
         assert isinstance(first, grpc.RpcError), first
-        assert (first.code(), error_info(first)[0]) == (grpc.StatusCode.UNAVAILABLE, "GROUP_STORE_UNREACHABLE"), first.details()  # type: ignore[attr-defined]
+        assert (first.code(), error_info(first)[0]) == (
+            grpc.StatusCode.UNAVAILABLE,
+            "GROUP_STORE_UNREACHABLE",
+        ), first.details()  # type: ignore[attr-defined]
         assert accepted, "the join never reached the silent store"
         assert worker.status().transfer_group.state == pb.TRANSFER_GROUP_STATE_NONE
         # The next join is not stuck behind the first: a closed port is refused as usual.
         spec, _ = _spec(worker, _closed_port(), timeout_ms=1000)
         second = _join(worker, spec)
         assert isinstance(second, grpc.RpcError), second
-        assert (second.code(), error_info(second)[0]) == (grpc.StatusCode.UNAVAILABLE, "GROUP_STORE_UNREACHABLE"), second.details()  # type: ignore[attr-defined]
+        assert (second.code(), error_info(second)[0]) == (
+            grpc.StatusCode.UNAVAILABLE,
+            "GROUP_STORE_UNREACHABLE",
+        ), second.details()  # type: ignore[attr-defined]
     finally:
         listener.close()
         for conn in accepted:
             conn.close()
 
 
-def _group_bucket(spec: pb.TransferGroupSpec, size: int, ranges: list[tuple[int, int]], specs: list[pb.TensorSpec]) -> pb.PushWeightsRequest:
+def _group_bucket(
+    spec: pb.TransferGroupSpec, size: int, ranges: list[tuple[int, int]], specs: list[pb.TensorSpec]
+) -> pb.PushWeightsRequest:
     handle = pb.TransferGroupHandle(
-        group_id=spec.group_id, source_rank=0, mode=pb.TRANSFER_MODE_POINT_TO_POINT, sequence=1,
+        group_id=spec.group_id,
+        source_rank=0,
+        mode=pb.TRANSFER_MODE_POINT_TO_POINT,
+        sequence=1,
         ranges=[pb.ByteRange(offset_bytes=o, size_bytes=n) for o, n in ranges],
     )
     payload = pb.Payload(device=pb.DeviceId(kind=pb.DEVICE_KIND_HOST), size_bytes=size, transfer_group=handle)
     return pb.PushWeightsRequest(bucket=pb.Bucket(index=0, tensors=specs, payloads=[payload]))
 
 
-def _norm_update(worker: Worker, spec: pb.TransferGroupSpec, version: int, ranges_of: object) -> list[pb.PushWeightsRequest]:
+def _norm_update(
+    worker: Worker, spec: pb.TransferGroupSpec, version: int, ranges_of: object
+) -> list[pb.PushWeightsRequest]:
     """A PARTIAL update of the norm weight over the group; ``ranges_of(size)`` gives the byte ranges."""
     packed = pack({NORM: full_checkpoint(DemoConfig(), version)[NORM]})
     size = len(packed.data)
     bucket = _group_bucket(spec, size, ranges_of(size), list(packed.specs))  # type: ignore[operator]
     own = worker.manifest.device.to_proto()
     bucket.bucket.payloads[0].device.CopyFrom(own)
-    return [header(version, scope=pb.UPDATE_SCOPE_PARTIAL), bucket, pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=1))]
+    return [
+        header(version, scope=pb.UPDATE_SCOPE_PARTIAL),
+        bucket,
+        pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=1)),
+    ]
 
 
 def test_an_owned_tensor_outside_the_ranges_is_refused_before_any_wait(worker: Worker, group: object) -> None:
@@ -172,14 +199,20 @@ def test_an_owned_tensor_outside_the_ranges_is_refused_before_any_wait(worker: W
     # trainer sends nothing: a worker that waited for bytes would still be waiting.
     reqs = _norm_update(worker, spec, version, lambda size: [(size - 64, 64)])
     out = push(worker.stub, reqs, timeout=CALL_TIMEOUT_S)
-    assert (out.code, out.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "TENSOR_OUT_OF_BOUNDS"), (out.code, out.reason, out.message)
+    assert (out.code, out.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "TENSOR_OUT_OF_BOUNDS"), (
+        out.code,
+        out.reason,
+        out.message,
+    )
     assert out.metadata.get("tensor") == NORM
     st = worker.status()
     assert (st.weights_version, st.state) == (before.weights_version, before.state)
 
 
 @pytest.mark.parametrize("how", ["stream cancelled", "PushUpdate deadline"])
-def test_an_update_whose_call_ends_while_waiting_for_group_bytes_ends_at_once(worker: Worker, group: object, how: str) -> None:
+def test_an_update_whose_call_ends_while_waiting_for_group_bytes_ends_at_once(
+    worker: Worker, group: object, how: str
+) -> None:
     _, spec = group  # type: ignore[misc]
     before = worker.status()
     version = before.weights_version + 1
@@ -201,7 +234,9 @@ def test_an_update_whose_call_ends_while_waiting_for_group_bytes_ends_at_once(wo
     assert st.weights_version == before.weights_version
     assert st.last_error.reason == "CANCELLED" and st.last_error.version == version, st.last_error
     # Not refused with UPDATE_IN_PROGRESS: the failed update already tore the group down.
-    left = worker.stub.LeaveTransferGroup(pb.LeaveTransferGroupRequest(group_id=spec.group_id), timeout=CALL_TIMEOUT_S)
+    left = worker.stub.LeaveTransferGroup(
+        pb.LeaveTransferGroupRequest(group_id=spec.group_id), timeout=CALL_TIMEOUT_S
+    )
     assert left.left is False
     assert worker.status().transfer_group.state == pb.TRANSFER_GROUP_STATE_NONE
     # And the next push is taken.

@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--version", type=int, required=True)
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--bucket-bytes", type=int, default=16 * 1024)
-    p.add_argument("--sleep-s", type=float, default=0.0, help="sleep in the progress callback after each bucket")
+    p.add_argument(
+        "--sleep-s", type=float, default=0.0, help="sleep in the progress callback after each bucket"
+    )
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--transport", default="host_shm")
     args = p.parse_args(argv)
@@ -43,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.sleep_s:
             time.sleep(args.sleep_s)
 
-    with WeightPusher(args.endpoint, timeout_s=args.timeout_s, bucket_size_bytes=args.bucket_bytes, transport=args.transport) as pusher:
+    with WeightPusher(
+        args.endpoint, timeout_s=args.timeout_s, bucket_size_bytes=args.bucket_bytes, transport=args.transport
+    ) as pusher:
         pusher.manifests()
         emit(event="ready", pid=os.getpid())
         try:

@@ -57,11 +57,15 @@ def assert_holds(worker, full: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize("rpc", ["stream", "whole"])
 @pytest.mark.parametrize("transport", ["shm", "inline"])
 @pytest.mark.parametrize("buckets", [1, 3])
-def test_full_update_lands(inproc_worker, segments: ShmSegments, transport: str, buckets: int, rpc: str) -> None:
+def test_full_update_lands(
+    inproc_worker, segments: ShmSegments, transport: str, buckets: int, rpc: str
+) -> None:
     """On a PushWeights stream, and as the same messages in one PushUpdate call: the same answers."""
     worker = inproc_worker(seed=0)
     full = full_checkpoint(worker.config, 1)
-    requests = full_update_requests(1, full, segments if transport == "shm" else None, buckets=buckets, update_id="step-1")
+    requests = full_update_requests(
+        1, full, segments if transport == "shm" else None, buckets=buckets, update_id="step-1"
+    )
     out = push(worker.stub(), requests, whole=rpc == "whole")
     assert out.code == grpc.StatusCode.OK, out.message
     assert [a.index for a in out.acks] == list(range(buckets))
@@ -97,7 +101,15 @@ def test_successive_versions_and_segment_reuse(inproc_worker, segments: ShmSegme
         for spec in second.specs:
             spec.offset_bytes += base
         size = base + len(second.data)
-        out = push(stub, [header(version), bucket(0, first.specs, [shm_payload(seg, size)]), bucket(1, second.specs, [shm_payload(seg, size)]), commit(2)])
+        out = push(
+            stub,
+            [
+                header(version),
+                bucket(0, first.specs, [shm_payload(seg, size)]),
+                bucket(1, second.specs, [shm_payload(seg, size)]),
+                commit(2),
+            ],
+        )
         assert out.code == grpc.StatusCode.OK, out.message
         assert [a.handle_opened for a in out.acks] == [True, False]
         assert out.result is not None and out.result.handles_opened == 1
@@ -105,7 +117,9 @@ def test_successive_versions_and_segment_reuse(inproc_worker, segments: ShmSegme
     assert status_of(worker).weights_version == 5
 
 
-def test_unowned_tensors_skipped_and_unowned_bucket_never_opened(inproc_worker, segments: ShmSegments) -> None:
+def test_unowned_tensors_skipped_and_unowned_bucket_never_opened(
+    inproc_worker, segments: ShmSegments
+) -> None:
     rank = ParallelRank(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2)
     worker = inproc_worker(rank)
     full = full_checkpoint(worker.config, 1)
@@ -125,8 +139,17 @@ def test_unowned_tensors_skipped_and_unowned_bucket_never_opened(inproc_worker, 
     out = push(worker.stub(), reqs)
     assert out.code == grpc.StatusCode.OK, out.message
     skip, load = out.acks
-    assert (skip.tensors_loaded, skip.tensors_skipped, skip.handle_opened, skip.HasField("source_device")) == (0, len(stage0), False, False)
-    assert (load.tensors_loaded, load.tensors_skipped, load.handle_opened) == (len(owned), len(mixed) - len(owned), True)
+    assert (
+        skip.tensors_loaded,
+        skip.tensors_skipped,
+        skip.handle_opened,
+        skip.HasField("source_device"),
+    ) == (0, len(stage0), False, False)
+    assert (load.tensors_loaded, load.tensors_skipped, load.handle_opened) == (
+        len(owned),
+        len(mixed) - len(owned),
+        True,
+    )
     assert load.bytes_loaded == sum(full[n].nbytes for n in owned)
     assert_holds(worker, full)
 
@@ -155,9 +178,15 @@ def test_partial_update(inproc_worker, segments: ShmSegments) -> None:
     v1 = full_checkpoint(worker.config, 1)
     assert push(stub, full_update_requests(1, v1, segments)).code == grpc.StatusCode.OK
     v2 = full_checkpoint(worker.config, 2)
-    out = push(stub, full_update_requests(2, {NORM: v2[NORM]}, segments, buckets=1, scope=pb.UPDATE_SCOPE_PARTIAL))
+    out = push(
+        stub, full_update_requests(2, {NORM: v2[NORM]}, segments, buckets=1, scope=pb.UPDATE_SCOPE_PARTIAL)
+    )
     assert out.code == grpc.StatusCode.OK, out.message
-    assert out.result is not None and out.result.scope == pb.UPDATE_SCOPE_PARTIAL and out.result.tensors_loaded == 1
+    assert (
+        out.result is not None
+        and out.result.scope == pb.UPDATE_SCOPE_PARTIAL
+        and out.result.tensors_loaded == 1
+    )
     assert status_of(worker).state == pb.WORKER_STATE_CONSISTENT
     assert_holds(worker, {**v1, NORM: v2[NORM]})
 
@@ -172,9 +201,13 @@ def test_inconsistent_until_a_good_full_update(inproc_worker, segments: ShmSegme
     assert out.reason == "INCOMPLETE_UPDATE"
     assert status_of(worker).state == pb.WORKER_STATE_INCONSISTENT
     assert health_of(worker) == health_pb2.HealthCheckResponse.NOT_SERVING
-    assert health_of(worker, "weightwire.v1.WeightTransferService") == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert (
+        health_of(worker, "weightwire.v1.WeightTransferService") == health_pb2.HealthCheckResponse.NOT_SERVING
+    )
     # A verified partial update does not make a mixed model whole.
-    out = push(stub, full_update_requests(1, {NORM: full[NORM]}, segments, buckets=1, scope=pb.UPDATE_SCOPE_PARTIAL))
+    out = push(
+        stub, full_update_requests(1, {NORM: full[NORM]}, segments, buckets=1, scope=pb.UPDATE_SCOPE_PARTIAL)
+    )
     assert out.code == grpc.StatusCode.OK and out.result is not None
     assert out.result.state == pb.WORKER_STATE_INCONSISTENT
     assert health_of(worker) == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -281,7 +314,10 @@ def test_cancelled_update_leaves_worker_inconsistent(inproc_worker, segments: Sh
     assert status.open_mappings == 0
     assert health_of(worker) == health_pb2.HealthCheckResponse.NOT_SERVING
     # And the worker takes the next update.
-    assert push(stub, full_update_requests(2, full_checkpoint(worker.config, 2), segments)).code == grpc.StatusCode.OK
+    assert (
+        push(stub, full_update_requests(2, full_checkpoint(worker.config, 2), segments)).code
+        == grpc.StatusCode.OK
+    )
 
 
 def test_cancel_before_anything_loaded_keeps_worker_consistent(inproc_worker) -> None:
@@ -295,16 +331,20 @@ def test_cancel_before_anything_loaded_keeps_worker_consistent(inproc_worker) ->
     assert status_of(worker).state == pb.WORKER_STATE_CONSISTENT
 
 
-def engine_load(monkeypatch: pytest.MonkeyPatch, adapter: object, load: Callable[[object], None]) -> Callable[[object], None]:
+def engine_load(
+    monkeypatch: pytest.MonkeyPatch, adapter: object, load: Callable[[object], None]
+) -> Callable[[object], None]:
     """Make ``load`` the engine's load, also where the worker uses a prepared load (views it keeps,
     ``views.batch_load``); returns the adapter's own load, for ``load`` to call."""
     prepare = adapter.prepare_load  # type: ignore[attr-defined]
     monkeypatch.setattr(adapter, "load", load)
-    monkeypatch.setattr(adapter, "prepare_load", lambda named: (lambda: load(named)))
+    monkeypatch.setattr(adapter, "prepare_load", lambda named: lambda: load(named))
     return lambda named: prepare(named)()
 
 
-def test_load_failure_is_internal_and_inconsistent(inproc_worker, segments: ShmSegments, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_load_failure_is_internal_and_inconsistent(
+    inproc_worker, segments: ShmSegments, monkeypatch: pytest.MonkeyPatch
+) -> None:
     worker = inproc_worker()
     calls: list[int] = []
 
@@ -322,11 +362,15 @@ def test_load_failure_is_internal_and_inconsistent(inproc_worker, segments: ShmS
     assert status_of(worker).state == pb.WORKER_STATE_INCONSISTENT
 
 
-def test_adapter_hooks_called_in_order(inproc_worker, segments: ShmSegments, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_adapter_hooks_called_in_order(
+    inproc_worker, segments: ShmSegments, monkeypatch: pytest.MonkeyPatch
+) -> None:
     worker = inproc_worker()
     events: list[str] = []
     monkeypatch.setattr(worker.adapter, "begin_update", lambda v: events.append(f"begin {v}"))
-    real_load = engine_load(monkeypatch, worker.adapter, lambda named: (events.append(f"load {len(named)}"), real_load(named)))
+    real_load = engine_load(
+        monkeypatch, worker.adapter, lambda named: (events.append(f"load {len(named)}"), real_load(named))
+    )
     monkeypatch.setattr(worker.adapter, "end_update", lambda ok: events.append(f"end {ok}"))
     full = full_checkpoint(worker.config, 3)
     assert push(worker.stub(), full_update_requests(3, full, segments, buckets=2)).code == grpc.StatusCode.OK
@@ -344,7 +388,11 @@ def test_manifest_rpc(inproc_worker) -> None:
     assert (m.layer_range.start_layer, m.layer_range.end_layer, m.layer_range.num_layers) == (0, 2, 4)
     assert {t.name: tuple(t.shape) for t in m.tensors} == {n: t.shape for n, t in local.tensors.items()}
     assert m.instance_id and m.engine == "torch"
-    assert set(m.transports) == {pb.TRANSPORT_KIND_HOST_SHM, pb.TRANSPORT_KIND_TRANSFER_GROUP, pb.TRANSPORT_KIND_INLINE}
+    assert set(m.transports) == {
+        pb.TRANSPORT_KIND_HOST_SHM,
+        pb.TRANSPORT_KIND_TRANSFER_GROUP,
+        pb.TRANSPORT_KIND_INLINE,
+    }
 
 
 def test_reflection_lists_services(inproc_worker) -> None:
@@ -382,7 +430,11 @@ def test_non_loopback_needs_a_token(inproc_worker, listen: str) -> None:
 def test_token_required_when_set(inproc_worker, segments: ShmSegments) -> None:
     worker = inproc_worker(listen="127.0.0.1:0", token="s3cret-token")
     stub = pb_grpc.WeightTransferServiceStub(grpc.insecure_channel(worker.address))
-    for md, reason in ((None, "MISSING_TOKEN"), ([("authorization", "Bearer wrong")], "INVALID_TOKEN"), ([("authorization", "s3cret-token")], "INVALID_TOKEN")):
+    for md, reason in (
+        (None, "MISSING_TOKEN"),
+        ([("authorization", "Bearer wrong")], "INVALID_TOKEN"),
+        ([("authorization", "s3cret-token")], "INVALID_TOKEN"),
+    ):
         code, got, _ = unary_error(lambda md=md: stub.GetManifest(pb.GetManifestRequest(), metadata=md))
         assert (code, got) == (grpc.StatusCode.UNAUTHENTICATED, reason)
         code, got, _ = unary_error(lambda md=md: stub.GetStatus(pb.GetStatusRequest(), metadata=md))
@@ -403,7 +455,9 @@ def test_token_on_non_loopback(inproc_worker) -> None:
     port = worker.address.rsplit(":", 1)[1]
     stub = pb_grpc.WeightTransferServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     assert unary_error(lambda: stub.GetStatus(pb.GetStatusRequest()))[1] == "MISSING_TOKEN"
-    assert stub.GetStatus(pb.GetStatusRequest(), metadata=[("authorization", "Bearer t")]).weights_version == 0
+    assert (
+        stub.GetStatus(pb.GetStatusRequest(), metadata=[("authorization", "Bearer t")]).weights_version == 0
+    )
 
 
 def test_stop_fails_a_running_update_and_releases_mappings(inproc_worker, segments: ShmSegments) -> None:
@@ -436,6 +490,7 @@ def test_a_new_update_waits_for_a_cancelled_one_to_end(
     full = full_checkpoint(worker.config, 1)
     reqs = full_update_requests(1, full, segments, buckets=2)
     in_load, let_go = threading.Event(), threading.Event()
+
     def slow_load(views):  # an engine whose load takes a while
         in_load.set()
         assert let_go.wait(60)
@@ -452,7 +507,9 @@ def test_a_new_update_waits_for_a_cancelled_one_to_end(
     retry: dict[str, object] = {}
     thread = threading.Thread(target=lambda: retry.update(outcome=push(stub, reqs)), daemon=True)
     thread.start()
-    assert wait_until(lambda: "waits for update 1, cancelled by its client" in caplog.text or "outcome" in retry)
+    assert wait_until(
+        lambda: "waits for update 1, cancelled by its client" in caplog.text or "outcome" in retry
+    )
     let_go.set()
     thread.join(60)
     outcome = retry["outcome"]
@@ -471,6 +528,10 @@ def test_the_last_version_a_worker_can_take_is_the_largest_int64(inproc_worker) 
     last = 2**63 - 1
     assert push(stub, full_update_requests(last, full, None, buckets=1)).code == grpc.StatusCode.OK
     refused = push(stub, full_update_requests(last, full, None, buckets=1))
-    assert (refused.code, refused.reason, refused.metadata["current_version"]) == (grpc.StatusCode.FAILED_PRECONDITION, "STALE_VERSION", str(last))
+    assert (refused.code, refused.reason, refused.metadata["current_version"]) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "STALE_VERSION",
+        str(last),
+    )
     st = status_of(worker)
     assert (st.weights_version, st.state) == (last, pb.WORKER_STATE_CONSISTENT)

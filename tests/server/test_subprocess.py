@@ -48,7 +48,9 @@ def dump_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def engine(dump_dir: str):
     """Four demo workers (TP=2 x PP=2), started with seed 0, shared by the tests of this module."""
-    workers = spawn_workers([demo_args(tp=(r.tp_rank, 2), pp=(r.pp_rank, 2), dump_dir=dump_dir) for r in RANKS])
+    workers = spawn_workers(
+        [demo_args(tp=(r.tp_rank, 2), pp=(r.pp_rank, 2), dump_dir=dump_dir) for r in RANKS]
+    )
     yield list(zip(RANKS, workers, strict=True))
     for w in workers:
         w.stop()
@@ -89,7 +91,11 @@ def test_engine_full_update(engine, dump_dir: str, segments: ShmSegments, transp
         assert out.result is not None and out.result.tensors_loaded == len(manifest.tensors)
         assert sum(a.tensors_skipped for a in out.acks) == len(full) - len(manifest.tensors)
         status = stub.GetStatus(pb.GetStatusRequest())
-        assert (status.weights_version, status.state, status.open_mappings) == (version, pb.WORKER_STATE_CONSISTENT, 0)
+        assert (status.weights_version, status.state, status.open_mappings) == (
+            version,
+            pb.WORKER_STATE_CONSISTENT,
+            0,
+        )
         assert_dump(dump_dir, rank, version, full)
 
 
@@ -114,11 +120,21 @@ def test_no_payload_for_device_across_processes(engine) -> None:
     _, worker = engine[2]  # tp0-pp1: the last stage owns model.norm.weight
     p = pack({"model.norm.weight": torch.zeros(CONFIG.hidden_size)})
     foreign = pb.DeviceId(kind=pb.DEVICE_KIND_CUDA, uuid="GPU-0BADC0DE-0000-0000-0000-000000000000")
-    out = push(stub_of(worker), [header(next_version(engine)), bucket(0, p.specs, [inline_payload(p.data, device=foreign)]), commit(1)])
+    out = push(
+        stub_of(worker),
+        [
+            header(next_version(engine)),
+            bucket(0, p.specs, [inline_payload(p.data, device=foreign)]),
+            commit(1),
+        ],
+    )
     assert (out.code, out.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "NO_PAYLOAD_FOR_DEVICE")
     own = DeviceRef.host().uuid
     assert own in out.message and "0badc0de-0000-0000-0000-000000000000" in out.message
-    assert out.metadata == {"own_device": f"host:{own}", "labels": "cuda:0badc0de-0000-0000-0000-000000000000"}
+    assert out.metadata == {
+        "own_device": f"host:{own}",
+        "labels": "cuda:0badc0de-0000-0000-0000-000000000000",
+    }
 
 
 def test_incomplete_update_makes_worker_not_serving(engine, dump_dir: str, segments: ShmSegments) -> None:
@@ -127,7 +143,9 @@ def test_incomplete_update_makes_worker_not_serving(engine, dump_dir: str, segme
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(worker.address))
     version = next_version(engine)
     full = full_checkpoint(CONFIG, version)
-    out = push(stub, full_update_requests(version, {"lm_head.weight": full["lm_head.weight"]}, segments, buckets=1))
+    out = push(
+        stub, full_update_requests(version, {"lm_head.weight": full["lm_head.weight"]}, segments, buckets=1)
+    )
     assert out.reason == "INCOMPLETE_UPDATE" and "model.norm.weight" in out.metadata["missing"]
     assert stub.GetStatus(pb.GetStatusRequest()).state == pb.WORKER_STATE_INCONSISTENT
     assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -150,7 +168,10 @@ def test_tcp_with_token(worker_process, segments: ShmSegments) -> None:
     worker = worker_process(*demo_args(listen="127.0.0.1:0", seed=4, extra=["--token", "tok-123"]))
     assert worker.address.startswith("127.0.0.1:") and not worker.address.endswith(":0")
     stub = stub_of(worker)
-    assert unary_error(lambda: stub.GetStatus(pb.GetStatusRequest()))[:2] == (grpc.StatusCode.UNAUTHENTICATED, "MISSING_TOKEN")
+    assert unary_error(lambda: stub.GetStatus(pb.GetStatusRequest()))[:2] == (
+        grpc.StatusCode.UNAUTHENTICATED,
+        "MISSING_TOKEN",
+    )
     md = [("authorization", "Bearer tok-123")]
     out = push(stub, full_update_requests(1, full_checkpoint(CONFIG, 1), segments), metadata=md)
     assert out.code == grpc.StatusCode.OK, out.message
@@ -158,15 +179,38 @@ def test_tcp_with_token(worker_process, segments: ShmSegments) -> None:
 
 
 def test_refuses_non_loopback_without_token() -> None:
-    proc = subprocess.run(serve_command(*demo_args(listen="0.0.0.0:0")), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        serve_command(*demo_args(listen="0.0.0.0:0")), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
     assert proc.stdout == ""  # never claimed to listen
     assert "requires a token" in proc.stderr
 
 
 def test_cli_help_lists_the_agreed_flags() -> None:
-    proc = subprocess.run([sys.executable, "-m", "weightwire.client.cli.main", "serve", "--help"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightwire.client.cli.main", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0
-    for flag in ("--model", "--tp-rank", "--tp-size", "--pp-rank", "--pp-size", "--dp-rank", "--dp-size", "--sp-rank", "--sp-size",
-                 "--listen", "--seed", "--device", "--token", "--tls-cert", "--tls-key", "--dump-dir"):
+    for flag in (
+        "--model",
+        "--tp-rank",
+        "--tp-size",
+        "--pp-rank",
+        "--pp-size",
+        "--dp-rank",
+        "--dp-size",
+        "--sp-rank",
+        "--sp-size",
+        "--listen",
+        "--seed",
+        "--device",
+        "--token",
+        "--tls-cert",
+        "--tls-key",
+        "--dump-dir",
+    ):
         assert flag in proc.stdout

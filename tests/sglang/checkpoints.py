@@ -81,19 +81,27 @@ def checkpoint_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (v, h)
     for layer in range(spec.num_layers):
         p = f"model.layers.{layer}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
         if spec.has_qkv_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (q,),
+                    p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,),
+                }
+            )
     return shapes
 
 
@@ -104,7 +112,9 @@ def full_checkpoint(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     engine's kernels and transformers' agree on every argmax.
     """
     gen = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(s, generator=gen).to(spec.dtype) for n, s in sorted(checkpoint_shapes(spec).items())}
+    return {
+        n: torch.randn(s, generator=gen).to(spec.dtype) for n, s in sorted(checkpoint_shapes(spec).items())
+    }
 
 
 def write_model_dir(spec: ModelSpec, path: str, weights: dict[str, torch.Tensor]) -> str:
@@ -120,8 +130,9 @@ def write_model_dir(spec: ModelSpec, path: str, weights: dict[str, torch.Tensor]
     return path
 
 
-def reference_tokens(spec: ModelSpec, weights: dict[str, torch.Tensor], prompts: list[list[int]],
-                     max_new_tokens: int) -> list[list[int]]:
+def reference_tokens(
+    spec: ModelSpec, weights: dict[str, torch.Tensor], prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
     """Greedy tokens of transformers' own model class on ``weights`` (computed in float32)."""
     import sglang_cpu_shims  # test support: transformers' model classes import torchvision
 

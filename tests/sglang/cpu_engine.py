@@ -42,8 +42,9 @@ def _kv_rows(t: torch.Tensor, spec: ModelSpec, rank: int, size: int) -> torch.Te
     return _rows(t, rank, size)
 
 
-def expected_params(spec: ModelSpec, full: dict[str, torch.Tensor], tp_rank: int, tp_size: int,
-                    pp_rank: int, pp_size: int) -> dict[str, torch.Tensor]:
+def expected_params(
+    spec: ModelSpec, full: dict[str, torch.Tensor], tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
+) -> dict[str, torch.Tensor]:
     """What rank (tp, pp)'s SGLang parameters (SGLang names, local shards) hold after loading ``full``."""
     span = pp_layer_span(spec.num_layers, pp_rank, pp_size)
     first, last = pp_rank == 0, pp_rank == pp_size - 1
@@ -60,14 +61,19 @@ def expected_params(spec: ModelSpec, full: dict[str, torch.Tensor], tp_rank: int
         p = f"model.layers.{layer}."
         a, m = p + "self_attn.", p + "mlp."
         for leaf in ("weight", "bias") if spec.has_qkv_bias else ("weight",):
-            out[a + "qkv_proj." + leaf] = torch.cat([
-                _rows(full[a + "q_proj." + leaf], tp_rank, tp_size),
-                _kv_rows(full[a + "k_proj." + leaf], spec, tp_rank, tp_size),
-                _kv_rows(full[a + "v_proj." + leaf], spec, tp_rank, tp_size),
-            ])
+            out[a + "qkv_proj." + leaf] = torch.cat(
+                [
+                    _rows(full[a + "q_proj." + leaf], tp_rank, tp_size),
+                    _kv_rows(full[a + "k_proj." + leaf], spec, tp_rank, tp_size),
+                    _kv_rows(full[a + "v_proj." + leaf], spec, tp_rank, tp_size),
+                ]
+            )
         out[a + "o_proj.weight"] = _cols(full[a + "o_proj.weight"], tp_rank, tp_size)
         out[m + "gate_up_proj.weight"] = torch.cat(
-            [_rows(full[m + "gate_proj.weight"], tp_rank, tp_size), _rows(full[m + "up_proj.weight"], tp_rank, tp_size)]
+            [
+                _rows(full[m + "gate_proj.weight"], tp_rank, tp_size),
+                _rows(full[m + "up_proj.weight"], tp_rank, tp_size),
+            ]
         )
         out[m + "down_proj.weight"] = _cols(full[m + "down_proj.weight"], tp_rank, tp_size)
         out[p + "input_layernorm.weight"] = full[p + "input_layernorm.weight"]
@@ -95,10 +101,14 @@ class RankProcess:
         try:
             line = self.lines.get(timeout=timeout)
         except queue.Empty:
-            raise RuntimeError(f"rank {self.rank} said nothing for {timeout:g}s:\n{''.join(self.stderr[-40:])}") from None
+            raise RuntimeError(
+                f"rank {self.rank} said nothing for {timeout:g}s:\n{''.join(self.stderr[-40:])}"
+            ) from None
         if line is None:
             self.proc.wait()
-            raise RuntimeError(f"rank {self.rank} exited with {self.proc.returncode}:\n{''.join(self.stderr[-40:])}")
+            raise RuntimeError(
+                f"rank {self.rank} exited with {self.proc.returncode}:\n{''.join(self.stderr[-40:])}"
+            )
         return line.strip()
 
 
@@ -116,13 +126,33 @@ class CpuEngine:
         dtype = spec.dtype_name
         for rank in range(world):
             cmd = [
-                sys.executable, os.path.join(HERE, "rank_worker.py"), "--rank", str(rank), "--world", str(world),
-                "--tp", str(tp), "--pp", str(pp), "--init-port", str(port), "--family", spec.family,
-                "--dtype", dtype, "--kv-heads", str(spec.kv_heads), "--socket-dir", socket_dir, "--dump-dir", dump_dir,
+                sys.executable,
+                os.path.join(HERE, "rank_worker.py"),
+                "--rank",
+                str(rank),
+                "--world",
+                str(world),
+                "--tp",
+                str(tp),
+                "--pp",
+                str(pp),
+                "--init-port",
+                str(port),
+                "--family",
+                spec.family,
+                "--dtype",
+                dtype,
+                "--kv-heads",
+                str(spec.kv_heads),
+                "--socket-dir",
+                socket_dir,
+                "--dump-dir",
+                dump_dir,
             ] + (["--tie"] if spec.tie else [])
             env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, env=env)
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            )
             self.ranks.append(RankProcess(rank, proc, queue.Queue(), []))
         for r in self.ranks:
             threading.Thread(target=_pump, args=(r.proc.stdout, r.lines), daemon=True).start()

@@ -88,7 +88,9 @@ class Host:
             last: dict[str, Any] = {}
             try:
                 gen = await self.engine.async_generate(
-                    input_ids=input_ids, sampling_params={**GREEDY, "max_new_tokens": max_new_tokens}, stream=True
+                    input_ids=input_ids,
+                    sampling_params={**GREEDY, "max_new_tokens": max_new_tokens},
+                    stream=True,
                 )
                 async for chunk in gen:
                     last = chunk
@@ -99,7 +101,9 @@ class Host:
                     started.set_exception(e)
                 raise
             if not started.done():
-                started.set_exception(RuntimeError(f"background request ended before it ran: {last.get('meta_info')}"))
+                started.set_exception(
+                    RuntimeError(f"background request ended before it ran: {last.get('meta_info')}")
+                )
             return summary(last)
 
         self.background = asyncio.get_running_loop().create_task(run())
@@ -131,7 +135,13 @@ async def serve(host: Host) -> None:
         try:
             reply({"ok": True, "result": await host.handle(cmd)})
         except Exception as e:
-            reply({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]})
+            reply(
+                {
+                    "ok": False,
+                    "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc()[-3000:],
+                }
+            )
 
 
 def main() -> None:

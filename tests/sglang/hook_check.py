@@ -41,8 +41,12 @@ def main() -> None:
 
     load_plugins()
     out["init_hooked"] = plugin.hook_applied(Scheduler, "__init__", plugin.after_scheduler_init)
-    out["loop_hooked"] = plugin.hook_applied(Scheduler, "process_input_requests", plugin.after_process_input_requests)
-    out["patched_targets"] = sorted(t for t in HookRegistry._patched if t in (plugin.INIT_TARGET, plugin.LOOP_TARGET))
+    out["loop_hooked"] = plugin.hook_applied(
+        Scheduler, "process_input_requests", plugin.after_process_input_requests
+    )
+    out["patched_targets"] = sorted(
+        t for t in HookRegistry._patched if t in (plugin.INIT_TARGET, plugin.LOOP_TARGET)
+    )
     out["registered_log"] = any("registered hooks" in r for r in records)
 
     # Disabled by environment: register() adds nothing.
@@ -111,10 +115,20 @@ def main() -> None:
 
     out["dp_replica_rank"] = out["dp_replica_worker_id"] = None
     if hasattr(runtime_context, "SpawnRanks"):
-        runtime_context.publish(ServerArgs(model_path="dummy", tp_size=2, dp_size=2, device="cpu"), role="scheduler",
-                                ranks=runtime_context.SpawnRanks(world_rank=1, dp_rank=1))
+        runtime_context.publish(
+            ServerArgs(model_path="dummy", tp_size=2, dp_size=2, device="cpu"),
+            role="scheduler",
+            ranks=runtime_context.SpawnRanks(world_rank=1, dp_rank=1),
+        )
         rank = plugin.parallel_rank()
-        out["dp_replica_rank"] = [rank.tp_rank, rank.tp_size, rank.pp_rank, rank.pp_size, rank.dp_rank, rank.dp_size]
+        out["dp_replica_rank"] = [
+            rank.tp_rank,
+            rank.tp_size,
+            rank.pp_rank,
+            rank.pp_size,
+            rank.dp_rank,
+            rank.dp_size,
+        ]
         out["dp_replica_worker_id"] = worker_id(rank)
 
     print(json.dumps(out), flush=True)

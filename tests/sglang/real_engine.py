@@ -41,8 +41,15 @@ SGLANG_ENVS = {
 }
 
 
-def engine_kwargs(model_path: str, *, tp: int = 1, pp: int = 1, dtype: str = "float32",
-                  sleep_on_idle: bool = False, **extra: Any) -> dict[str, Any]:
+def engine_kwargs(
+    model_path: str,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str = "float32",
+    sleep_on_idle: bool = False,
+    **extra: Any,
+) -> dict[str, Any]:
     """``sglang.Engine`` arguments that run on a CPU-only machine (no CPU kernels of sgl_kernel:
     every op runs its ``forward_native`` version)."""
     return {
@@ -86,8 +93,15 @@ class EngineError(RuntimeError):
 class EngineHost:
     """One real SGLang engine in its own process tree (driver, schedulers, detokenizer)."""
 
-    def __init__(self, env: SGLangEnv, kwargs: dict[str, Any], *, socket_dir: str, log_path: str,
-                 extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        env: SGLangEnv,
+        kwargs: dict[str, Any],
+        *,
+        socket_dir: str,
+        log_path: str,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.env = env
         self.socket_dir = socket_dir
         self.log_path = log_path
@@ -97,7 +111,11 @@ class EngineHost:
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [env.python, os.path.join(HERE, "engine_host.py"), json.dumps(kwargs)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=process_env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=process_env,
             start_new_session=True,  # its own process group: stop() can end everything it started
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -127,7 +145,9 @@ class EngineHost:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise EngineError(f"the engine host said nothing for {timeout:g} s; log:\n{self.log_tail()}") from None
+            raise EngineError(
+                f"the engine host said nothing for {timeout:g} s; log:\n{self.log_tail()}"
+            ) from None
         if line is None:
             self.proc.wait(timeout=30)
             raise EngineError(f"the engine host exited with {self.proc.returncode}; log:\n{self.log_tail()}")

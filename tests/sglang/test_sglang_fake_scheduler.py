@@ -39,7 +39,9 @@ pytestmark = [
 def engine_and_pusher(tmp_path: Path, spec: ModelSpec) -> Iterator[tuple[CpuEngine, WeightPusher]]:
     engine = CpuEngine(spec, tp=1, pp=1, socket_dir=str(tmp_path / "sock"), dump_dir=str(tmp_path / "dump"))
     try:
-        with WeightPusher(discover(engine.socket_dir, count=1), transport="host_shm", timeout_s=120) as pusher:
+        with WeightPusher(
+            discover(engine.socket_dir, count=1), transport="host_shm", timeout_s=120
+        ) as pusher:
             yield engine, pusher
     finally:
         engine.stop()
@@ -57,7 +59,9 @@ def push_and_check(engine: CpuEngine, pusher: WeightPusher, version: int) -> Non
         assert torch.equal(held[name], want), f"{name} differs from version {version}"
 
 
-def test_tensor_dropped_by_load_weights_fails_the_update(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tensor_dropped_by_load_weights_fails_the_update(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Every update through load_weights, so the drop made after the first update is seen.
     monkeypatch.setenv("WEIGHTWIRE_SGLANG_DIRECT_COPY", "0")
     spec = ModelSpec("qwen2")
@@ -84,7 +88,7 @@ def test_tensor_dropped_by_load_weights_fails_the_update(tmp_path: Path, monkeyp
 def test_later_updates_copy_directly_and_a_first_drop_is_still_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The first load of kept views goes through load_weights (so a tensor it drops fails that
+    """The first load of a set of names goes through load_weights (so a tensor it drops fails that
     update), later ones copy the checked regions directly and give the same parameters."""
     phase_log = tmp_path / "phases.jsonl"
     monkeypatch.setenv("WEIGHTWIRE_SGLANG_PHASE_LOG", str(phase_log))
@@ -101,6 +105,6 @@ def test_later_updates_copy_directly_and_a_first_drop_is_still_caught(
             push_and_check(engine, pusher, version)
         phases = [json.loads(line) for line in phase_log.read_text().splitlines()]
         assert [(p["version"], p["success"]) for p in phases] == [(1, False), (2, True), (3, True), (4, True)]
-        # Update 2 is the first that loaded (and checked) the kept views; 3 and 4 copy directly.
+        # Update 2 is the first that loaded (and checked) every bucket; 3 and 4 copy directly.
         assert phases[1]["direct_loads"] == 0 and phases[1]["loads"] > 0
         assert all(p["direct_loads"] == p["loads"] > 0 for p in phases[2:])

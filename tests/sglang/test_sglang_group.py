@@ -39,7 +39,9 @@ def test_sglang_ranks_receive_over_a_transfer_group(tmp_path: Path) -> None:
     engine = CpuEngine(spec, tp=2, pp=2, socket_dir=str(tmp_path / "sock"), dump_dir=str(tmp_path / "dump"))
     try:
         addresses = discover(engine.socket_dir, count=4, timeout_s=120)
-        with WeightPusher(addresses, transfer_group=TransferGroupOptions(host="127.0.0.1"), timeout_s=120) as pusher:
+        with WeightPusher(
+            addresses, transfer_group=TransferGroupOptions(host="127.0.0.1"), timeout_s=120
+        ) as pusher:
             manifests: dict[str, ShardManifest] = pusher.manifests()
             groups = set()
             for version in (1, 2):
@@ -55,7 +57,9 @@ def test_sglang_ranks_receive_over_a_transfer_group(tmp_path: Path) -> None:
                     expected = expected_params(spec, full, rank.tp_rank, 2, rank.pp_rank, 2)
                     assert set(held) == set(expected)
                     for name, want in expected.items():
-                        assert torch.equal(held[name], want), f"{rank.worker_id}: {name} differs from version {version}"
+                        assert torch.equal(held[name], want), (
+                            f"{rank.worker_id}: {name} differs from version {version}"
+                        )
                     if version == 1:
                         check_geometry_against_loaded(by_worker[rank.worker_id], full, held)
             assert len(groups) == 1 and None not in groups
@@ -88,7 +92,9 @@ def check_geometry_against_loaded(
             owned = manifest.tensors[name]
             cut = full[name]
             if owned.pieces:
-                cut = torch.cat([cut.narrow(p.dim, p.offset, p.length) for p in owned.pieces], dim=owned.pieces[0].dim)
+                cut = torch.cat(
+                    [cut.narrow(p.dim, p.offset, p.length) for p in owned.pieces], dim=owned.pieces[0].dim
+                )
             parts.append(cut)
         dim = next((manifest.tensors[n].pieces[0].dim for n in names if manifest.tensors[n].pieces), 0)
         kept = torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]

@@ -45,17 +45,24 @@ class Server:
 
     def call(self, route: str, body: dict[str, Any] | None = None, timeout: float = 120) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + route, data=data, headers={"Content-Type": "application/json"},
-                                     method="GET" if body is None else "POST")
+        req = urllib.request.Request(
+            self.url + route,
+            data=data,
+            headers={"Content-Type": "application/json"},
+            method="GET" if body is None else "POST",
+        )
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             text = resp.read().decode()
         return json.loads(text) if text.strip() else None
 
     def generate(self) -> list[dict[str, Any]]:
-        out = self.call("/generate", {
-            "input_ids": PROMPTS,
-            "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
-        })
+        out = self.call(
+            "/generate",
+            {
+                "input_ids": PROMPTS,
+                "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+            },
+        )
         assert isinstance(out, list) and len(out) == len(PROMPTS), out
         return out
 
@@ -76,15 +83,40 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     process_env["WEIGHTWIRE_SGLANG_SOCKET_DIR"] = f"/tmp/ww-sgl-{uuid.uuid4().hex[:10]}"
     log_path = str(root / "server.log")
     cmd = [
-        env.python, "-m", "sglang.launch_server", "--model-path", model, "--tp", str(TP), "--port", str(port),
-        "--host", "127.0.0.1", "--device", "cpu", "--attention-backend", "torch_native",
-        "--sampling-backend", "pytorch", "--disable-cuda-graph", "--skip-tokenizer-init",
-        "--max-total-tokens", "4096", "--max-running-requests", "4", "--dtype", "float32",
-        "--random-seed", "0", "--log-level", "warning",
+        env.python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model,
+        "--tp",
+        str(TP),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--sampling-backend",
+        "pytorch",
+        "--disable-cuda-graph",
+        "--skip-tokenizer-init",
+        "--max-total-tokens",
+        "4096",
+        "--max-running-requests",
+        "4",
+        "--dtype",
+        "float32",
+        "--random-seed",
+        "0",
+        "--log-level",
+        "warning",
     ]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=process_env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=process_env, start_new_session=True
+        )
     srv = Server(f"http://127.0.0.1:{port}", proc, log_path, process_env["WEIGHTWIRE_SGLANG_SOCKET_DIR"])
     try:
         deadline = time.monotonic() + 600
@@ -96,7 +128,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
                 break
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"sglang.launch_server did not answer within 600 s:\n{srv.log_tail()}") from None
+                    raise RuntimeError(
+                        f"sglang.launch_server did not answer within 600 s:\n{srv.log_tail()}"
+                    ) from None
                 time.sleep(1.0)
         yield srv
     finally:
@@ -106,7 +140,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def test_http_server_generate_push_generate(server: Server) -> None:
     before = server.generate()
-    assert [o["output_ids"] for o in before] == reference_tokens(SPEC, full_checkpoint(SPEC, 1), PROMPTS, NEW_TOKENS)
+    assert [o["output_ids"] for o in before] == reference_tokens(
+        SPEC, full_checkpoint(SPEC, 1), PROMPTS, NEW_TOKENS
+    )
 
     endpoints = discover(server.socket_dir, count=TP, timeout_s=60)
     new = full_checkpoint(SPEC, seed=2)
@@ -116,7 +152,9 @@ def test_http_server_generate_push_generate(server: Server) -> None:
         server.call("/update_weight_version", {"new_version": "2", "abort_all_requests": False})
         server.call("/continue_generation", {})
         assert {(r.version, r.state) for r in results.values()} == {(2, "CONSISTENT")}
-        assert {(s.weights_version, s.state) for s in pusher.status().values()} == {(2, pb.WORKER_STATE_CONSISTENT)}
+        assert {(s.weights_version, s.state) for s in pusher.status().values()} == {
+            (2, pb.WORKER_STATE_CONSISTENT)
+        }
 
     after = server.generate()
     assert [o["output_ids"] for o in after] == reference_tokens(SPEC, new, PROMPTS, NEW_TOKENS)

@@ -27,7 +27,10 @@ def test_sglang_load_plugins_hooks_the_scheduler(sglang_env: SGLangEnv) -> None:
     if not sglang_env.available():
         pytest.skip(f"no SGLang {sglang_env.version} environment: `make install-sglang` makes it")
     proc = subprocess.run(
-        [sglang_env.python, os.path.join(HERE, "hook_check.py")], capture_output=True, text=True, timeout=300,
+        [sglang_env.python, os.path.join(HERE, "hook_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env=cpu_env(1, 1, sglang_env.version),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -62,7 +62,10 @@ TOPOLOGIES = {
     "tp2-llama": Topology(2, 1, ModelSpec(LLAMA), sleep_on_idle=False),
     "tp2pp2-llama": Topology(2, 2, ModelSpec(LLAMA), sleep_on_idle=True),
 }
-ENGINES = [("0.5.23", name) for name in TOPOLOGIES] + [("0.5.17", "tp1-qwen2-tied"), ("0.5.17", "tp2pp2-llama")]
+ENGINES = [("0.5.23", name) for name in TOPOLOGIES] + [
+    ("0.5.17", "tp1-qwen2-tied"),
+    ("0.5.17", "tp2pp2-llama"),
+]
 
 
 @dataclasses.dataclass
@@ -126,7 +129,9 @@ def running(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     socket_dir = f"/tmp/ww-sgl-{uuid.uuid4().hex[:10]}"
     host = EngineHost(
         env,
-        engine_kwargs(model, tp=topo.tp, pp=topo.pp, dtype=topo.spec.dtype_name, sleep_on_idle=topo.sleep_on_idle),
+        engine_kwargs(
+            model, tp=topo.tp, pp=topo.pp, dtype=topo.spec.dtype_name, sleep_on_idle=topo.sleep_on_idle
+        ),
         socket_dir=socket_dir,
         log_path=str(root / "engine.log"),
     )
@@ -183,7 +188,11 @@ def test_push_while_requests_run_unpaused_is_refused(running: Running) -> None:
             running.pusher.push(full_checkpoint(running.spec, seed=7), version=running.version + 1)
         reasons = {e.reason for e in refused.value.failures.values()}
         assert "ENGINE_NOT_PAUSED" in reasons and reasons <= {"ENGINE_NOT_PAUSED", "CANCELLED"}, refused.value
-        assert all("pause_generation" in e.message for e in refused.value.failures.values() if e.reason == "ENGINE_NOT_PAUSED")
+        assert all(
+            "pause_generation" in e.message
+            for e in refused.value.failures.values()
+            if e.reason == "ENGINE_NOT_PAUSED"
+        )
         assert not refused.value.results
     finally:
         running.host.pause("abort")
@@ -236,7 +245,9 @@ def test_refused_updates_leave_the_old_tokens(running: Running) -> None:
         mislabelled.device.CopyFrom(DeviceRef.host(str(uuid.uuid4())).to_proto())
         with pytest.raises(PushError) as wrong_label:
             running.pusher.push_gathered(
-                [GatheredBucket(list(specs), [mislabelled], size)], version=running.version + 1, precheck_labels=False
+                [GatheredBucket(list(specs), [mislabelled], size)],
+                version=running.version + 1,
+                precheck_labels=False,
             )
         reasons = {e.reason for e in wrong_label.value.failures.values()}
         assert "NO_PAYLOAD_FOR_DEVICE" in reasons and reasons <= {"NO_PAYLOAD_FOR_DEVICE", "CANCELLED"}
@@ -244,22 +255,30 @@ def test_refused_updates_leave_the_old_tokens(running: Running) -> None:
 
         # A tensor of the wrong shape, sent straight to the worker that owns it (the client would
         # refuse it before sending): the worker inside the engine refuses it.
-        owner, manifest = next((a, m) for a, m in running.pusher.manifests().items() if "model.norm.weight" in m.tensors)
+        owner, manifest = next(
+            (a, m) for a, m in running.pusher.manifests().items() if "model.norm.weight" in m.tensors
+        )
         hidden = running.spec.hidden_size
         packed = pack({"model.norm.weight": torch.ones(hidden + 1, dtype=running.spec.dtype)})
         stub = pb_grpc.WeightTransferServiceStub(grpc.insecure_channel(owner))
-        outcome = push(stub, [
-            header(running.version + 1, scope=pb.UPDATE_SCOPE_PARTIAL),
-            bucket(0, packed.specs, [inline_payload(packed.data, device=manifest.device.to_proto())]),
-            commit(1),
-        ])
+        outcome = push(
+            stub,
+            [
+                header(running.version + 1, scope=pb.UPDATE_SCOPE_PARTIAL),
+                bucket(0, packed.specs, [inline_payload(packed.data, device=manifest.device.to_proto())]),
+                commit(1),
+            ],
+        )
         assert outcome.code == grpc.StatusCode.FAILED_PRECONDITION, outcome
         assert outcome.reason == "SHAPE_MISMATCH" and "model.norm.weight" in outcome.message, outcome
 
         # A name no worker of this engine consumes: refused before anything is sent.
         with pytest.raises(PlanError) as unknown:
-            running.pusher.push({"model.layers.0.mlp.no_such_proj.weight": torch.zeros(4)}, version=running.version + 1,
-                                scope="partial")
+            running.pusher.push(
+                {"model.layers.0.mlp.no_such_proj.weight": torch.zeros(4)},
+                version=running.version + 1,
+                scope="partial",
+            )
         assert unknown.value.reason == "UNKNOWN_TENSOR" and "no_such_proj" in str(unknown.value)
     finally:
         running.host.resume()
@@ -268,7 +287,9 @@ def test_refused_updates_leave_the_old_tokens(running: Running) -> None:
 
 
 @pytest.fixture(scope="module")
-def bf16_pp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineHost, WeightPusher, ModelSpec]]:
+def bf16_pp2(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[EngineHost, WeightPusher, ModelSpec]]:
     env = SGLANG_ENVS["0.5.23"]
     if not env.available():
         pytest.skip("no SGLang 0.5.23 environment: `make install-sglang` makes it")
@@ -276,10 +297,16 @@ def bf16_pp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineH
     root = tmp_path_factory.mktemp("bf16-pp2")
     model = write_model_dir(spec, str(root / "model"), full_checkpoint(spec, seed=11))
     socket_dir = f"/tmp/ww-sgl-{uuid.uuid4().hex[:10]}"
-    host = EngineHost(env, engine_kwargs(model, pp=2, dtype="bfloat16"), socket_dir=socket_dir,
-                      log_path=str(root / "engine.log"))
+    host = EngineHost(
+        env,
+        engine_kwargs(model, pp=2, dtype="bfloat16"),
+        socket_dir=socket_dir,
+        log_path=str(root / "engine.log"),
+    )
     try:
-        with WeightPusher(discover(socket_dir, count=2, timeout_s=60), transport="host_shm", timeout_s=120) as pusher:
+        with WeightPusher(
+            discover(socket_dir, count=2, timeout_s=60), transport="host_shm", timeout_s=120
+        ) as pusher:
             yield host, pusher, spec
     finally:
         host.stop()

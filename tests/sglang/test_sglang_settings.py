@@ -58,12 +58,23 @@ def test_addresses_from_environment(tmp_path: Path) -> None:
     assert Settings.from_env({}).idle_wait_s == 5.0
     assert Settings.from_env({"WEIGHTWIRE_SGLANG_IDLE_WAIT_S": "0"}).idle_wait_s == 0.0
     assert Settings.from_env({"WEIGHTWIRE_SGLANG_ALLOW_UNTESTED": "1"}).allow_untested is True
-    assert unix.engine_key() != Settings.from_env({"WEIGHTWIRE_SGLANG_SOCKET_DIR": str(tmp_path / "b")}).engine_key()
+    assert (
+        unix.engine_key()
+        != Settings.from_env({"WEIGHTWIRE_SGLANG_SOCKET_DIR": str(tmp_path / "b")}).engine_key()
+    )
     assert tcp.engine_key() == "tcp:127.0.0.1:40100"
-    guarded = Settings.from_env({"WEIGHTWIRE_SGLANG_BASE_PORT": "40100", "WEIGHTWIRE_SGLANG_HOST": "10.0.0.5",
-                                 "WEIGHTWIRE_TOKEN": "s3cret"})
+    guarded = Settings.from_env(
+        {
+            "WEIGHTWIRE_SGLANG_BASE_PORT": "40100",
+            "WEIGHTWIRE_SGLANG_HOST": "10.0.0.5",
+            "WEIGHTWIRE_TOKEN": "s3cret",
+        }
+    )
     assert guarded.address(rank) == "10.0.0.5:40103" and guarded.token == "s3cret"
-    assert Settings.from_env({"WEIGHTWIRE_SGLANG_ENABLE": "0", "WEIGHTWIRE_SGLANG_FLUSH_CACHE": "0"}).enabled is False
+    assert (
+        Settings.from_env({"WEIGHTWIRE_SGLANG_ENABLE": "0", "WEIGHTWIRE_SGLANG_FLUSH_CACHE": "0"}).enabled
+        is False
+    )
 
 
 @pytest.mark.parametrize(
@@ -128,7 +139,10 @@ def test_discover_refuses_a_socket_nobody_listens_on(tmp_path: Path, listeners: 
     stale.close()  # the file stays, nothing accepts: a worker of an engine that exited
     with pytest.raises(DiscoveryError, match=r"tp1-pp0\.sock"):
         discover(str(tmp_path))
-    assert discover(str(tmp_path), check_alive=False) == [f"unix:{tmp_path}/tp0-pp0.sock", f"unix:{tmp_path}/tp1-pp0.sock"]
+    assert discover(str(tmp_path), check_alive=False) == [
+        f"unix:{tmp_path}/tp0-pp0.sock",
+        f"unix:{tmp_path}/tp1-pp0.sock",
+    ]
 
 
 def test_discover_waits_for_workers_that_come_up_late(tmp_path: Path, listeners: list[socket.socket]) -> None:
@@ -164,7 +178,10 @@ def test_discover_base_address(listeners: list[socket.socket]) -> None:
             listeners.append(s)
         break
     assert base is not None
-    assert discover(base_address=f"127.0.0.1:{base}", count=2) == [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]
+    assert discover(base_address=f"127.0.0.1:{base}", count=2) == [
+        f"127.0.0.1:{base}",
+        f"127.0.0.1:{base + 1}",
+    ]
     listeners[1].close()
     with pytest.raises(DiscoveryError, match=re.escape(f"127.0.0.1:{base + 1}")):
         discover(base_address=f"127.0.0.1:{base}", count=2)
@@ -213,7 +230,6 @@ def test_task_nobody_drains_is_withdrawn() -> None:
     assert q.drain() == 0 and ran == []
 
 
-
 # ----------------------------------------------------------------------------- discover command
 
 
@@ -228,11 +244,16 @@ def run_discover_command(argv: list[str]) -> int:
     return int(args.func(args))
 
 
-def test_discover_command(tmp_path: Path, listeners: list[socket.socket], capsys: pytest.CaptureFixture[str]) -> None:
+def test_discover_command(
+    tmp_path: Path, listeners: list[socket.socket], capsys: pytest.CaptureFixture[str]
+) -> None:
     for wid in ("tp1-pp0", "tp0-pp0"):
         listen_unix(str(tmp_path / f"{wid}.sock"), listeners)
     assert run_discover_command([str(tmp_path), "--count", "2"]) == 0
-    assert capsys.readouterr().out.split() == [f"unix:{tmp_path}/tp0-pp0.sock", f"unix:{tmp_path}/tp1-pp0.sock"]
+    assert capsys.readouterr().out.split() == [
+        f"unix:{tmp_path}/tp0-pp0.sock",
+        f"unix:{tmp_path}/tp1-pp0.sock",
+    ]
     assert run_discover_command([str(tmp_path), "--count", "3"]) == 1
     assert "expected 3 workers" in capsys.readouterr().err
     assert run_discover_command([]) == 2

@@ -48,9 +48,27 @@ def find_grpcurl() -> str:
 def start_worker(dump_dir: str, extra_args: Sequence[str] = ()) -> tuple[subprocess.Popen[str], str]:
     """Start `weightwire serve` (demo model, one rank) on 127.0.0.1:0; return it and its address."""
     cmd = [
-        sys.executable, "-m", "weightwire.client.cli.main", "serve",
-        "--model", "demo", "--tp-rank", "0", "--tp-size", "1", "--pp-rank", "0", "--pp-size", "1",
-        "--seed", "0", "--listen", "127.0.0.1:0", "--dump-dir", dump_dir, *extra_args,
+        sys.executable,
+        "-m",
+        "weightwire.client.cli.main",
+        "serve",
+        "--model",
+        "demo",
+        "--tp-rank",
+        "0",
+        "--tp-size",
+        "1",
+        "--pp-rank",
+        "0",
+        "--pp-size",
+        "1",
+        "--seed",
+        "0",
+        "--listen",
+        "127.0.0.1:0",
+        "--dump-dir",
+        dump_dir,
+        *extra_args,
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, bufsize=1)
     assert proc.stdout is not None
@@ -61,12 +79,14 @@ def start_worker(dump_dir: str, extra_args: Sequence[str] = ()) -> tuple[subproc
         left = deadline - time.monotonic()
         if left <= 0 or proc.poll() is not None:
             stop_worker(proc)
-            raise SystemExit(f"`weightwire serve` did not report '{READY_PREFIX}ADDR' (exit code {proc.returncode})")
+            raise SystemExit(
+                f"`weightwire serve` did not report '{READY_PREFIX}ADDR' (exit code {proc.returncode})"
+            )
         if sel.select(timeout=min(left, 1.0)):
             line = proc.stdout.readline()
             if line.startswith(READY_PREFIX):
                 sel.close()
-                return proc, line[len(READY_PREFIX):].strip()
+                return proc, line[len(READY_PREFIX) :].strip()
             if line:
                 print(f"worker: {line.rstrip()}", file=sys.stderr)
 
@@ -86,7 +106,9 @@ class Grpcurl:
         self.exe = exe
         self.address = address
 
-    def run(self, *args: str, flags: Sequence[str] = (), data: str | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *args: str, flags: Sequence[str] = (), data: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """`grpcurl [flags] ADDRESS args...`; `data` is sent on stdin as the request message(s)."""
         cmd = [self.exe, "-plaintext", "-max-time", str(int(CALL_TIMEOUT_S)), *flags]
         if data is not None:
@@ -123,7 +145,9 @@ def expect_error(proc: subprocess.CompletedProcess[str], code: str, code_number:
     """
     text = proc.stdout + proc.stderr
     if proc.returncode != 64 + code_number:
-        raise SmokeFailure(f"expected exit code {64 + code_number} ({code}/{reason}), got {proc.returncode}: {text}")
+        raise SmokeFailure(
+            f"expected exit code {64 + code_number} ({code}/{reason}), got {proc.returncode}: {text}"
+        )
     brace = proc.stderr.find("{")
     try:
         status = json.loads(proc.stderr[brace:]) if brace >= 0 else None
@@ -211,7 +235,9 @@ def run_checks(g: Grpcurl, dump_dir: str) -> tuple[int, int]:
         if norm is None or norm["dtype"] != "DTYPE_FLOAT32" or norm["shape"] != ["64"]:
             raise SmokeFailure(f"model.norm.weight entry is {norm}")
         if len(m["fingerprint"]) < 16 or not m["instance_id"] or m["worker_id"] != "tp0-pp0":
-            raise SmokeFailure(f"fingerprint/instanceId/workerId: {m['fingerprint']!r} {m['instance_id']!r} {m['worker_id']!r}")
+            raise SmokeFailure(
+                f"fingerprint/instanceId/workerId: {m['fingerprint']!r} {m['instance_id']!r} {m['worker_id']!r}"
+            )
         manifest.update(m)
         return f"{len(names)} tensors, worker {m['worker_id']}, fingerprint {m['fingerprint']}"
 
@@ -225,15 +251,27 @@ def run_checks(g: Grpcurl, dump_dir: str) -> tuple[int, int]:
             if int(resp["open_mappings"]) != 0:
                 raise SmokeFailure(f"openMappings {resp['open_mappings']} after idle")
             return f"weights_version {resp['weights_version']}, {resp['state']}"
+
         return run
 
     def push_inline() -> str:
         # model.norm.weight = 64 float32 values 0..63, sent as inline bytes; a PARTIAL update.
         data = struct.pack("<64f", *range(64))
-        payload = {"device": manifest["device"], "size_bytes": str(len(data)), "inline_data": base64.b64encode(data).decode()}
+        payload = {
+            "device": manifest["device"],
+            "size_bytes": str(len(data)),
+            "inline_data": base64.b64encode(data).decode(),
+        }
         spec = {"name": "model.norm.weight", "dtype": "DTYPE_FLOAT32", "shape": ["64"], "offset_bytes": "0"}
         stream = messages(
-            {"header": {"version": "1", "scope": "UPDATE_SCOPE_PARTIAL", "manifest_fingerprint": manifest["fingerprint"], "update_id": "smoke"}},
+            {
+                "header": {
+                    "version": "1",
+                    "scope": "UPDATE_SCOPE_PARTIAL",
+                    "manifest_fingerprint": manifest["fingerprint"],
+                    "update_id": "smoke",
+                }
+            },
             {"bucket": {"index": "0", "tensors": [spec], "payloads": [payload]}},
             {"commit": {"bucket_count": "1"}},
         )
@@ -241,20 +279,36 @@ def run_checks(g: Grpcurl, dump_dir: str) -> tuple[int, int]:
         if int(ack["ack"]["tensors_loaded"]) != 1 or ack["ack"]["transport"] != "TRANSPORT_KIND_INLINE":
             raise SmokeFailure(f"ack {ack}")
         r = result["result"]
-        if int(r["version"]) != 1 or int(r["previous_version"]) != 0 or r["state"] != "WORKER_STATE_CONSISTENT":
+        if (
+            int(r["version"]) != 1
+            or int(r["previous_version"]) != 0
+            or r["state"] != "WORKER_STATE_CONSISTENT"
+        ):
             raise SmokeFailure(f"result {r}")
         # the worker dumps its state after each commit: the bytes sent are what the model holds now
         from safetensors.numpy import load_file
 
-        held = load_file(os.path.join(dump_dir, f"{manifest['worker_id']}-v1.safetensors"))["model.norm.weight"]
+        held = load_file(os.path.join(dump_dir, f"{manifest['worker_id']}-v1.safetensors"))[
+            "model.norm.weight"
+        ]
         if held.tolist() != [float(i) for i in range(64)]:
             raise SmokeFailure(f"model.norm.weight after the update is {held.tolist()[:8]}..., want 0..63")
         return f"ack + result version {r['version']}; the worker's dump holds the pushed values"
 
     def push_update_empty() -> str:
-        reply = ok_json(g.call("PushUpdate", json.dumps(
-            {"messages": [{"header": {"version": "2", "scope": "UPDATE_SCOPE_PARTIAL"}}, {"commit": {"bucket_count": "0"}}]}
-        )))
+        reply = ok_json(
+            g.call(
+                "PushUpdate",
+                json.dumps(
+                    {
+                        "messages": [
+                            {"header": {"version": "2", "scope": "UPDATE_SCOPE_PARTIAL"}},
+                            {"commit": {"bucket_count": "0"}},
+                        ]
+                    }
+                ),
+            )
+        )
         r = reply[0]["messages"][-1]["result"]
         if int(r["version"]) != 2 or int(r["previous_version"]) != 1:
             raise SmokeFailure(f"result {r}")
@@ -270,34 +324,106 @@ def run_checks(g: Grpcurl, dump_dir: str) -> tuple[int, int]:
     check("GetManifest returns the demo manifest", get_manifest)
     check("GetStatus at start", get_status(0))
     bucket = {"bucket": {"index": "0"}}
-    check("stream starting with a bucket: MALFORMED_STREAM",
-          malformed(messages(bucket), "INVALID_ARGUMENT", 3, "MALFORMED_STREAM"))
-    check("header with version 0: INVALID_VERSION",
-          malformed(messages({"header": {"version": "0", "scope": "UPDATE_SCOPE_FULL"}}), "INVALID_ARGUMENT", 3, "INVALID_VERSION"))
-    check("header with UNSPECIFIED scope: SCOPE_UNSPECIFIED",
-          malformed(messages({"header": {"version": "5"}}), "INVALID_ARGUMENT", 3, "SCOPE_UNSPECIFIED"))
-    check("wrong manifest fingerprint: MANIFEST_CHANGED",
-          malformed(messages({"header": {"version": "5", "scope": "UPDATE_SCOPE_FULL", "manifest_fingerprint": "0" * 32}}),
-                    "FAILED_PRECONDITION", 9, "MANIFEST_CHANGED"))
-    check("shm name with a path: INVALID_SHM_NAME", lambda: expect_error(g.call("PushWeights", messages(
-        {"header": {"version": "5", "scope": "UPDATE_SCOPE_PARTIAL"}},
-        {"bucket": {"index": "0",
-                    "tensors": [{"name": "model.norm.weight", "dtype": "DTYPE_FLOAT32", "shape": ["64"]}],
-                    "payloads": [{"device": manifest.get("device", {}), "size_bytes": "256",
-                                  "host_shm": {"name": "/ww-../../etc/passwd"}}]}},
-    )), "INVALID_ARGUMENT", 3, "INVALID_SHM_NAME"))
-    check("FULL update with nothing in it: INCOMPLETE_UPDATE",
-          malformed(messages({"header": {"version": "5", "scope": "UPDATE_SCOPE_FULL"}}, {"commit": {"bucket_count": "0"}}),
-                    "FAILED_PRECONDITION", 9, "INCOMPLETE_UPDATE"))
+    check(
+        "stream starting with a bucket: MALFORMED_STREAM",
+        malformed(messages(bucket), "INVALID_ARGUMENT", 3, "MALFORMED_STREAM"),
+    )
+    check(
+        "header with version 0: INVALID_VERSION",
+        malformed(
+            messages({"header": {"version": "0", "scope": "UPDATE_SCOPE_FULL"}}),
+            "INVALID_ARGUMENT",
+            3,
+            "INVALID_VERSION",
+        ),
+    )
+    check(
+        "header with UNSPECIFIED scope: SCOPE_UNSPECIFIED",
+        malformed(messages({"header": {"version": "5"}}), "INVALID_ARGUMENT", 3, "SCOPE_UNSPECIFIED"),
+    )
+    check(
+        "wrong manifest fingerprint: MANIFEST_CHANGED",
+        malformed(
+            messages(
+                {"header": {"version": "5", "scope": "UPDATE_SCOPE_FULL", "manifest_fingerprint": "0" * 32}}
+            ),
+            "FAILED_PRECONDITION",
+            9,
+            "MANIFEST_CHANGED",
+        ),
+    )
+    check(
+        "shm name with a path: INVALID_SHM_NAME",
+        lambda: expect_error(
+            g.call(
+                "PushWeights",
+                messages(
+                    {"header": {"version": "5", "scope": "UPDATE_SCOPE_PARTIAL"}},
+                    {
+                        "bucket": {
+                            "index": "0",
+                            "tensors": [
+                                {"name": "model.norm.weight", "dtype": "DTYPE_FLOAT32", "shape": ["64"]}
+                            ],
+                            "payloads": [
+                                {
+                                    "device": manifest.get("device", {}),
+                                    "size_bytes": "256",
+                                    "host_shm": {"name": "/ww-../../etc/passwd"},
+                                }
+                            ],
+                        }
+                    },
+                ),
+            ),
+            "INVALID_ARGUMENT",
+            3,
+            "INVALID_SHM_NAME",
+        ),
+    )
+    check(
+        "FULL update with nothing in it: INCOMPLETE_UPDATE",
+        malformed(
+            messages(
+                {"header": {"version": "5", "scope": "UPDATE_SCOPE_FULL"}}, {"commit": {"bucket_count": "0"}}
+            ),
+            "FAILED_PRECONDITION",
+            9,
+            "INCOMPLETE_UPDATE",
+        ),
+    )
     check("GetStatus unchanged after the refusals", get_status(0))
     check("PARTIAL update of inline bytes", push_inline)
     check("GetStatus after the update", get_status(1))
-    check("stale version: STALE_VERSION",
-          malformed(messages({"header": {"version": "1", "scope": "UPDATE_SCOPE_FULL"}}), "FAILED_PRECONDITION", 9, "STALE_VERSION"))
+    check(
+        "stale version: STALE_VERSION",
+        malformed(
+            messages({"header": {"version": "1", "scope": "UPDATE_SCOPE_FULL"}}),
+            "FAILED_PRECONDITION",
+            9,
+            "STALE_VERSION",
+        ),
+    )
     check("GetStatus still at version 1", get_status(1))
-    check("PushUpdate of a stale version: STALE_VERSION", lambda: expect_error(g.call("PushUpdate", json.dumps(
-        {"messages": [{"header": {"version": "1", "scope": "UPDATE_SCOPE_PARTIAL"}}, {"commit": {"bucket_count": "0"}}]}
-    )), "FAILED_PRECONDITION", 9, "STALE_VERSION"))
+    check(
+        "PushUpdate of a stale version: STALE_VERSION",
+        lambda: expect_error(
+            g.call(
+                "PushUpdate",
+                json.dumps(
+                    {
+                        "messages": [
+                            {"header": {"version": "1", "scope": "UPDATE_SCOPE_PARTIAL"}},
+                            {"commit": {"bucket_count": "0"}},
+                        ]
+                    }
+                ),
+            ),
+            "FAILED_PRECONDITION",
+            9,
+            "STALE_VERSION",
+        ),
+    )
     check("PushUpdate of an empty PARTIAL update commits version 2", push_update_empty)
     check("GetStatus at version 2", get_status(2))
     return passed, failed

@@ -69,7 +69,9 @@ def test_label_from_wire_rejected(msg: pb.DeviceId, reason: str) -> None:
 
 
 def test_label_from_wire_normalised() -> None:
-    assert DeviceRef.from_proto(pb.DeviceId(kind=pb.DEVICE_KIND_CUDA, uuid="GPU-" + TORCH_UUID.upper())) == DeviceRef.cuda(TORCH_UUID)
+    assert DeviceRef.from_proto(
+        pb.DeviceId(kind=pb.DEVICE_KIND_CUDA, uuid="GPU-" + TORCH_UUID.upper())
+    ) == DeviceRef.cuda(TORCH_UUID)
 
 
 def test_a_doubly_prefixed_label_is_never_the_own_device() -> None:

@@ -45,8 +45,17 @@ def test_manifest_carries_the_wait_and_keeps_its_fingerprint() -> None:
     # A manifest from a worker that predates the field reads as "does not wait".
     old = plain.to_proto()
     old.ClearField("waits_for_cuda_ipc_events")
-    assert ShardManifest.from_proto(pb.ShardManifest.FromString(old.SerializeToString())).waits_for_cuda_ipc_events is False
-    assert waits.fingerprint == plain.fingerprint == dataclasses.replace(plain, waits_for_cuda_ipc_events=True).fingerprint
+    assert (
+        ShardManifest.from_proto(
+            pb.ShardManifest.FromString(old.SerializeToString())
+        ).waits_for_cuda_ipc_events
+        is False
+    )
+    assert (
+        waits.fingerprint
+        == plain.fingerprint
+        == dataclasses.replace(plain, waits_for_cuda_ipc_events=True).fingerprint
+    )
 
 
 def test_consumers_wait_only_inside_the_block_on_its_thread() -> None:
@@ -79,7 +88,9 @@ class _Worker:
     def __init__(self, path: str, importers: dict[str, PayloadImporter] | None) -> None:
         module = torch.nn.Module()
         module.register_parameter("w", torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False))
-        self.adapter = TorchAdapter(module, rank=ParallelRank(), device=torch.device("cpu"), own_device=DeviceRef.host())
+        self.adapter = TorchAdapter(
+            module, rank=ParallelRank(), device=torch.device("cpu"), own_device=DeviceRef.host()
+        )
         self.service = WorkerService(self.adapter, own_device=DeviceRef.host(), importers=importers)
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
         pb_grpc.add_WeightTransferServiceServicer_to_server(WeightTransferServicer(self.service), self.server)
@@ -92,7 +103,9 @@ class _Worker:
         self.service.close()
 
 
-def _push_and_see_readiness(tmp_path: Path, importer_sets: list[dict[str, PayloadImporter] | None]) -> tuple[list[bool], list[bool]]:
+def _push_and_see_readiness(
+    tmp_path: Path, importer_sets: list[dict[str, PayloadImporter] | None]
+) -> tuple[list[bool], list[bool]]:
     """Push once to workers with these importers; returns their manifests' flags and, for every
     staging buffer made ready during the push, whether its thread was told its consumers wait."""
     workers = [_Worker(str(tmp_path / f"w{i}.sock"), imps) for i, imps in enumerate(importer_sets)]
@@ -100,7 +113,11 @@ def _push_and_see_readiness(tmp_path: Path, importer_sets: list[dict[str, Payloa
     original = exporters.StagingBuffer.ready
     monkey = pytest.MonkeyPatch()
     try:
-        monkey.setattr(exporters.StagingBuffer, "ready", lambda self: (seen.append(exporters.consumers_wait()), original(self))[1])
+        monkey.setattr(
+            exporters.StagingBuffer,
+            "ready",
+            lambda self: (seen.append(exporters.consumers_wait()), original(self))[1],
+        )
         with WeightPusher([w.address for w in workers], transport="host_shm") as pusher:
             flags = [m.waits_for_cuda_ipc_events for m in pusher.manifests().values()]
             full = torch.arange(16.0).view(4, 4)
@@ -115,7 +132,9 @@ def _push_and_see_readiness(tmp_path: Path, importer_sets: list[dict[str, Payloa
     return flags, seen
 
 
-def test_a_worker_with_the_cuda_importer_says_it_waits_and_the_push_skips_its_own_wait(tmp_path: Path) -> None:
+def test_a_worker_with_the_cuda_importer_says_it_waits_and_the_push_skips_its_own_wait(
+    tmp_path: Path,
+) -> None:
     flags, seen = _push_and_see_readiness(tmp_path, [None])
     assert flags == [True] and seen and all(seen)
 

@@ -22,21 +22,34 @@ from weightwire.core.transports.transfer_group_plan import (
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 F32 = pb.DTYPE_FLOAT32
-STAGE_TENSORS = {0: ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"], 1: ["model.layers.1.mlp.up_proj.weight", "lm_head.weight"]}
+STAGE_TENSORS = {
+    0: ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"],
+    1: ["model.layers.1.mlp.up_proj.weight", "lm_head.weight"],
+}
 
 
-def manifest(tp: int, pp: int, dp: int = 0, *, dp_size: int = 2, instance: str | None = None) -> ShardManifest:
+def manifest(
+    tp: int, pp: int, dp: int = 0, *, dp_size: int = 2, instance: str | None = None
+) -> ShardManifest:
     rank = ParallelRank(tp_rank=tp, tp_size=2, pp_rank=pp, pp_size=2, dp_rank=dp, dp_size=dp_size)
     tensors = [OwnedTensor(n, F32, (4, 4)) for n in STAGE_TENSORS[pp]]
     return ShardManifest.build(
-        DeviceRef.host("b00t"), rank, tensors, worker_id=f"tp{tp}-pp{pp}-dp{dp}", instance_id=instance or f"i-{tp}{pp}{dp}"
+        DeviceRef.host("b00t"),
+        rank,
+        tensors,
+        worker_id=f"tp{tp}-pp{pp}-dp{dp}",
+        instance_id=instance or f"i-{tp}{pp}{dp}",
     )
 
 
 def engine(dp_size: int = 2) -> dict[str, ShardManifest]:
     """TP2 x PP2 per replica, keyed by an address, listed in a scrambled order."""
-    out = {f"10.0.0.{dp}:{5000 + 10 * pp + tp}": manifest(tp, pp, dp, dp_size=dp_size)
-           for dp in range(dp_size) for pp in (1, 0) for tp in (1, 0)}
+    out = {
+        f"10.0.0.{dp}:{5000 + 10 * pp + tp}": manifest(tp, pp, dp, dp_size=dp_size)
+        for dp in range(dp_size)
+        for pp in (1, 0)
+        for tp in (1, 0)
+    }
     return dict(sorted(out.items(), reverse=True))
 
 
@@ -44,8 +57,14 @@ TRAINER = MemberIdentity.of_trainer(0, "trainer-instance")
 
 
 def plan(manifests: dict[str, ShardManifest], **kw: object):
-    args = dict(trainer=TRAINER, group_id="g-1", backend=pb.TRANSFER_BACKEND_GLOO, store_address="10.0.0.9:29500",
-                timeout_ms=30_000, max_bucket_bytes=1 << 26)
+    args = dict(
+        trainer=TRAINER,
+        group_id="g-1",
+        backend=pb.TRANSFER_BACKEND_GLOO,
+        store_address="10.0.0.9:29500",
+        timeout_ms=30_000,
+        max_bucket_bytes=1 << 26,
+    )
     args.update(kw)
     return plan_group(manifests, **args)  # type: ignore[arg-type]
 
@@ -164,7 +183,9 @@ def test_own_rank_of_a_restarted_or_changed_worker_is_refused() -> None:
         own_rank(p.spec, MemberIdentity.of_worker(restarted))
     assert e.value.reason == "GROUP_UNKNOWN_MEMBER" and "is not in the plan" in e.value.message
     # Same instance, other identity (a plan that put this process at another stage).
-    moved = MemberIdentity.of_worker(dataclasses.replace(m, rank=ParallelRank(tp_rank=0, tp_size=2, pp_rank=0, pp_size=2)))
+    moved = MemberIdentity.of_worker(
+        dataclasses.replace(m, rank=ParallelRank(tp_rank=0, tp_size=2, pp_rank=0, pp_size=2))
+    )
     with pytest.raises(WeightwireError) as e:
         own_rank(p.spec, moved)
     assert e.value.reason == "GROUP_UNKNOWN_MEMBER" and "names this process as" in e.value.message
@@ -185,7 +206,14 @@ def test_ranges_accepted(ranges: list[tuple[int, int]], size: int, expected: lis
 
 @pytest.mark.parametrize(
     "ranges",
-    [[(0, 0)], [(0, 10), (5, 10)], [(10, 5), (0, 5)], [(90, 11)], [(-1, 5)], [(i, 1) for i in range(MAX_RANGES + 1)]],
+    [
+        [(0, 0)],
+        [(0, 10), (5, 10)],
+        [(10, 5), (0, 5)],
+        [(90, 11)],
+        [(-1, 5)],
+        [(i, 1) for i in range(MAX_RANGES + 1)],
+    ],
 )
 def test_ranges_refused(ranges: list[tuple[int, int]]) -> None:
     msgs = [pb.ByteRange(offset_bytes=o, size_bytes=n) for o, n in ranges]
@@ -202,7 +230,11 @@ def test_tags_are_distinct_per_sequence_and_index_and_fit_31_bits() -> None:
 
 @pytest.mark.parametrize(
     ("address", "expected"),
-    [("10.0.0.1:29500", ("10.0.0.1", 29500)), ("[fd00::1]:1", ("fd00::1", 1)), ("trainer-0:29500", ("trainer-0", 29500))],
+    [
+        ("10.0.0.1:29500", ("10.0.0.1", 29500)),
+        ("[fd00::1]:1", ("fd00::1", 1)),
+        ("trainer-0:29500", ("trainer-0", 29500)),
+    ],
 )
 def test_split_address(address: str, expected: tuple[str, int]) -> None:
     assert split_address(address) == expected

@@ -37,8 +37,12 @@ class StandInCudaExporter(Exporter):
 
 def manifests(reads_storages: bool) -> dict[str, ShardManifest]:
     m = ShardManifest.build(
-        GPU, ParallelRank(), [OwnedTensor("w", pb.DTYPE_FLOAT32, (4, 4))], instance_id="i",
-        waits_for_cuda_ipc_events=True, imports_cuda_ipc_storages=reads_storages,
+        GPU,
+        ParallelRank(),
+        [OwnedTensor("w", pb.DTYPE_FLOAT32, (4, 4))],
+        instance_id="i",
+        waits_for_cuda_ipc_events=True,
+        imports_cuda_ipc_storages=reads_storages,
     )
     return {"w0": m}
 
@@ -67,7 +71,9 @@ def test_packed_otherwise(case: str, reads: bool, opts: dict[str, object]) -> No
 
 
 def test_a_cast_to_that_changes_nothing_stays_in_place() -> None:
-    assert jobs.exports_in_place(ITEMS, manifests(True), StandInCudaExporter(), options(cast_to={torch.float16: torch.bfloat16}))
+    assert jobs.exports_in_place(
+        ITEMS, manifests(True), StandInCudaExporter(), options(cast_to={torch.float16: torch.bfloat16})
+    )
 
 
 def test_a_transport_without_tensor_export_packs() -> None:
@@ -86,4 +92,6 @@ def test_default_gpu_buckets_are_large_but_never_larger_than_the_update() -> Non
     assert jobs._packing_bucket_bytes(huge, cuda, default, 256) == plan.DEFAULT_CUDA_BUCKET_BYTES
     # A size the caller gave, and host transports, keep the pusher's size.
     assert jobs._packing_bucket_bytes(huge, cuda, given, 256) == 8 * 1024 * 1024
-    assert jobs._packing_bucket_bytes(big, InlineExporter(), default, 256) == min(plan.DEFAULT_BUCKET_BYTES, InlineExporter.bucket_bytes_limit or 0)
+    assert jobs._packing_bucket_bytes(big, InlineExporter(), default, 256) == min(
+        plan.DEFAULT_BUCKET_BYTES, InlineExporter.bucket_bytes_limit or 0
+    )

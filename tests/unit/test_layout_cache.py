@@ -26,8 +26,12 @@ RANK = ParallelRank(tp_rank=1, tp_size=2)
 
 def _service() -> tuple[WorkerService, TorchAdapter]:
     adapter = TorchAdapter(
-        build_demo_model(CONFIG, RANK, "cpu", 0), rank=RANK, device=torch.device("cpu"),
-        own_device=DeviceRef.host(), tp_rules=DEMO_TP_RULES, num_layers=CONFIG.num_layers,
+        build_demo_model(CONFIG, RANK, "cpu", 0),
+        rank=RANK,
+        device=torch.device("cpu"),
+        own_device=DeviceRef.host(),
+        tp_rules=DEMO_TP_RULES,
+        num_layers=CONFIG.num_layers,
     )
     return WorkerService(adapter, own_device=DeviceRef.host()), adapter
 

@@ -66,11 +66,15 @@ def _service() -> tuple[WorkerService, TorchAdapter]:
     module = torch.nn.Module()
     for name in ("a", "b"):
         module.register_parameter(name, torch.nn.Parameter(torch.zeros(3), requires_grad=False))
-    adapter = TorchAdapter(module, rank=ParallelRank(), device=torch.device("cpu"), own_device=DeviceRef.host())
+    adapter = TorchAdapter(
+        module, rank=ParallelRank(), device=torch.device("cpu"), own_device=DeviceRef.host()
+    )
     return WorkerService(adapter, own_device=DeviceRef.host()), adapter
 
 
-def _shm_bucket(segments: ShmSegments, index: int, named: dict[str, torch.Tensor], name: str) -> pb.PushWeightsRequest:
+def _shm_bucket(
+    segments: ShmSegments, index: int, named: dict[str, torch.Tensor], name: str
+) -> pb.PushWeightsRequest:
     packed = pack(named)
     seg = segments.create(packed.data, name=name)
     return bucket(index, packed.specs, [shm_payload(seg, len(packed.data))])
@@ -81,7 +85,11 @@ def test_repeated_messages_load_new_contents_and_keep_every_rule(monkeypatch: py
 
     keyed: list[int] = []
     full_key = update_module.layout_key
-    monkeypatch.setattr(update_module, "layout_key", lambda msg, payloads: (keyed.append(msg.index), full_key(msg, payloads))[1])
+    monkeypatch.setattr(
+        update_module,
+        "layout_key",
+        lambda msg, payloads: (keyed.append(msg.index), full_key(msg, payloads))[1],
+    )
     service, adapter = _service()
     segments = ShmSegments()
     try:
@@ -99,13 +107,17 @@ def test_repeated_messages_load_new_contents_and_keep_every_rule(monkeypatch: py
                 commit(2),
             ]
             list(service.push(iter(reqs)))
-            assert adapter.state()["a"].tolist() == [value] * 3 and adapter.state()["b"].tolist() == [-value] * 3
+            assert (
+                adapter.state()["a"].tolist() == [value] * 3 and adapter.state()["b"].tolist() == [-value] * 3
+            )
         assert len(service.layouts) == 2
         assert keyed == [0, 1]  # update 2 found both layouts by their messages
         # Bucket 1 is again byte for byte the message seen before, but its tensor already came in
         # bucket 0 of this update: still DUPLICATE_TENSOR, and the version stays.
         first = _shm_bucket(segments, 0, {"b": torch.full((3,), 9.0)}, "ww-test-layout-c")
-        again = pb.PushWeightsRequest(bucket=pb.Bucket(index=1, tensors=first.bucket.tensors, payloads=first.bucket.payloads))
+        again = pb.PushWeightsRequest(
+            bucket=pb.Bucket(index=1, tensors=first.bucket.tensors, payloads=first.bucket.payloads)
+        )
         replayed = _shm_bucket(segments, 1, {"b": torch.full((3,), -2.0)}, "ww-test-layout-b2")
         replayed.bucket.payloads[0].host_shm.name = "ww-test-layout-b"
         for reqs in ([header(3), first, replayed, commit(2)], [header(3), first, again, commit(2)]):

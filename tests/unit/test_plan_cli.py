@@ -53,7 +53,9 @@ def test_small_fleet_every_worker_gets_its_slices_from_every_rank(capsys: pytest
     assert single["predicted_seconds"] > s["predicted_seconds"]
 
 
-def test_qwen3_235b_fleet_receives_the_model_once_plus_replicated_kv(capsys: pytest.CaptureFixture[str]) -> None:
+def test_qwen3_235b_fleet_receives_the_model_once_plus_replicated_kv(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """8 -> 8 GPUs, BF16, TP8 over 4 k/v heads: every split byte once, k/v twice (two ranks per
     head), norms and routers on all 8 ranks."""
     s = plan_json(capsys, str(TOPOLOGIES / "vllm-qwen3-235b.json"))
@@ -116,9 +118,7 @@ def test_bad_descriptions_are_refused_with_a_reason(
 
 def test_toml_description(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "fleet.toml"
-    path.write_text(
-        'model_config = "qwen3.json"\n[trainer]\ngpus = 8\n[engine]\ntp = 8\nep = 8\n'
-    )
+    path.write_text('model_config = "qwen3.json"\n[trainer]\ngpus = 8\n[engine]\ntp = 8\nep = 8\n')
     (tmp_path / "qwen3.json").write_text((TOPOLOGIES / "models" / "qwen3-235b-a22b.json").read_text())
     assert main(["plan", str(path)]) == 0
     out = capsys.readouterr().out

@@ -28,17 +28,42 @@ def _wire(d: dict) -> object:
 
 def _digest() -> UpdateDigest:
     return UpdateDigest.of(
-        version=3, scope="1", routing="own_device", sender_rank=0, specs=[TensorSpec("w", torch.float32, (2,))],
-        layouts=["local"], endpoints=["unix:/a"], fingerprints={"unix:/a": "f"}, settings={"bucket": 1},
+        version=3,
+        scope="1",
+        routing="own_device",
+        sender_rank=0,
+        specs=[TensorSpec("w", torch.float32, (2,))],
+        layouts=["local"],
+        endpoints=["unix:/a"],
+        fingerprints={"unix:/a": "f"},
+        settings={"bucket": 1},
     )
 
 
 def test_records_round_trip() -> None:
-    plan = PlanRecord(_digest(), DeviceRef(pb.DEVICE_KIND_HOST, "boot-1"), RankFailure("STALE_VERSION", "FAILED_PRECONDITION", "old"))
+    plan = PlanRecord(
+        _digest(),
+        DeviceRef(pb.DEVICE_KIND_HOST, "boot-1"),
+        RankFailure("STALE_VERSION", "FAILED_PRECONDITION", "old"),
+    )
     assert PlanRecord.from_json(_wire(plan.to_json())) == plan
     outcome = RankOutcome(False, StopCause.FOLLOWED, "it stopped because trainer rank 1 was not fine")
     assert RankOutcome.from_json(_wire(outcome.to_json())) == outcome
-    result = PushResult("unix:/a", "tp0-pp0", 3, 2, 4, 64, 1, 1, 0.5, 0.25, "host_shm", "CONSISTENT", source_devices=("host:boot-1",))
+    result = PushResult(
+        "unix:/a",
+        "tp0-pp0",
+        3,
+        2,
+        4,
+        64,
+        1,
+        1,
+        0.5,
+        0.25,
+        "host_shm",
+        "CONSISTENT",
+        source_devices=("host:boot-1",),
+    )
     err = WeightwireError(Reason.CANCELLED, "cancelled", worker="unix:/b")
     back = RankResults.from_json(_wire(RankResults({"unix:/a": result}, {"unix:/b": err}).to_json()))
     assert back.results == {"unix:/a": result}

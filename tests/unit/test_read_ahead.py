@@ -34,8 +34,11 @@ def _bucket(i: int, field: str) -> pb.PushWeightsRequest:
 
 
 def _stream(field: str) -> list[pb.PushWeightsRequest]:
-    return [pb.PushWeightsRequest(header=pb.UpdateHeader(version=1)), *(_bucket(i, field) for i in range(5)),
-            pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=5))]
+    return [
+        pb.PushWeightsRequest(header=pb.UpdateHeader(version=1)),
+        *(_bucket(i, field) for i in range(5)),
+        pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=5)),
+    ]
 
 
 def test_an_importer_that_reads_ahead_sees_every_bucket_in_order() -> None:

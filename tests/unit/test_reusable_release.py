@@ -48,8 +48,12 @@ class CountingReusableImporter(PayloadImporter):
 def demo_adapter() -> TorchAdapter:
     config, rank = DemoConfig(), ParallelRank()
     return TorchAdapter(
-        build_demo_model(config, rank, "cpu", 0), rank=rank, device=torch.device("cpu"),
-        own_device=DeviceRef.host(), tp_rules=DEMO_TP_RULES, num_layers=config.num_layers,
+        build_demo_model(config, rank, "cpu", 0),
+        rank=rank,
+        device=torch.device("cpu"),
+        own_device=DeviceRef.host(),
+        tp_rules=DEMO_TP_RULES,
+        num_layers=config.num_layers,
     )
 
 

@@ -19,11 +19,15 @@ VISIBLE = {GPU0, GPU1}
 
 
 def cuda(uuid: str) -> pb.Payload:
-    return pb.Payload(device=pb.DeviceId(kind=pb.DEVICE_KIND_CUDA, uuid=uuid), size_bytes=8, inline_data=b"x" * 8)
+    return pb.Payload(
+        device=pb.DeviceId(kind=pb.DEVICE_KIND_CUDA, uuid=uuid), size_bytes=8, inline_data=b"x" * 8
+    )
 
 
 def host(boot: str = BOOT) -> pb.Payload:
-    return pb.Payload(device=pb.DeviceId(kind=pb.DEVICE_KIND_HOST, uuid=boot), size_bytes=8, inline_data=b"x" * 8)
+    return pb.Payload(
+        device=pb.DeviceId(kind=pb.DEVICE_KIND_HOST, uuid=boot), size_bytes=8, inline_data=b"x" * 8
+    )
 
 
 def is_local(label: DeviceRef) -> bool:
@@ -41,38 +45,80 @@ def select(payloads: list[pb.Payload], own: DeviceRef, allow_peer: bool = False)
         pytest.param([cuda(GPU0)], DeviceRef.cuda(GPU0), False, 0, False, id="single-own"),
         # A rank index would pick payload 0 here; the label picks the worker's own GPU.
         pytest.param([cuda(GPU0), cuda(GPU1)], DeviceRef.cuda(GPU1), False, 1, False, id="own-not-first"),
-        pytest.param([cuda("GPU-" + GPU1.upper()), cuda(GPU0)], DeviceRef.cuda(GPU1), False, 0, False, id="nvml-form-label"),
-        pytest.param([cuda(GPU1), cuda(GPU0)], DeviceRef.cuda(GPU0), True, 1, False, id="own-preferred-over-peer"),
+        pytest.param(
+            [cuda("GPU-" + GPU1.upper()), cuda(GPU0)],
+            DeviceRef.cuda(GPU1),
+            False,
+            0,
+            False,
+            id="nvml-form-label",
+        ),
+        pytest.param(
+            [cuda(GPU1), cuda(GPU0)], DeviceRef.cuda(GPU0), True, 1, False, id="own-preferred-over-peer"
+        ),
         pytest.param([host()], HOST, False, 0, False, id="cpu-worker-host-payload"),
         pytest.param([cuda(GPU0), host()], HOST, False, 1, False, id="cpu-worker-ignores-gpus"),
         pytest.param([host()], DeviceRef.cuda(GPU0), False, 0, False, id="gpu-worker-host-memory"),
-        pytest.param([host(), cuda(GPU0)], DeviceRef.cuda(GPU0), False, 1, False, id="gpu-worker-own-gpu-before-host"),
+        pytest.param(
+            [host(), cuda(GPU0)], DeviceRef.cuda(GPU0), False, 1, False, id="gpu-worker-own-gpu-before-host"
+        ),
         pytest.param([cuda(GPU1)], DeviceRef.cuda(GPU0), True, 0, True, id="peer-allowed-visible"),
-        pytest.param([cuda(GPU2), cuda(GPU1)], DeviceRef.cuda(GPU0), True, 1, True, id="peer-skips-invisible"),
+        pytest.param(
+            [cuda(GPU2), cuda(GPU1)], DeviceRef.cuda(GPU0), True, 1, True, id="peer-skips-invisible"
+        ),
     ],
 )
-def test_selected(payloads: list[pb.Payload], own: DeviceRef, allow_peer: bool, index: int, peer: bool) -> None:
+def test_selected(
+    payloads: list[pb.Payload], own: DeviceRef, allow_peer: bool, index: int, peer: bool
+) -> None:
     assert select(payloads, own, allow_peer) == (index, peer)
 
 
 @pytest.mark.parametrize(
     ("payloads", "own", "allow_peer", "reason"),
     [
-        pytest.param([cuda(GPU1)], DeviceRef.cuda(GPU0), False, "NO_PAYLOAD_FOR_DEVICE", id="peer-not-allowed"),
-        pytest.param([cuda(GPU0), cuda(GPU1)], DeviceRef.cuda(GPU2), False, "NO_PAYLOAD_FOR_DEVICE", id="foreign-gpus"),
+        pytest.param(
+            [cuda(GPU1)], DeviceRef.cuda(GPU0), False, "NO_PAYLOAD_FOR_DEVICE", id="peer-not-allowed"
+        ),
+        pytest.param(
+            [cuda(GPU0), cuda(GPU1)], DeviceRef.cuda(GPU2), False, "NO_PAYLOAD_FOR_DEVICE", id="foreign-gpus"
+        ),
         pytest.param([host(OTHER_BOOT)], HOST, False, "NO_PAYLOAD_FOR_DEVICE", id="other-machine-host"),
-        pytest.param([host(OTHER_BOOT)], DeviceRef.cuda(GPU0), False, "NO_PAYLOAD_FOR_DEVICE", id="gpu-other-machine-host"),
+        pytest.param(
+            [host(OTHER_BOOT)],
+            DeviceRef.cuda(GPU0),
+            False,
+            "NO_PAYLOAD_FOR_DEVICE",
+            id="gpu-other-machine-host",
+        ),
         pytest.param([cuda(GPU0)], HOST, False, "NO_PAYLOAD_FOR_DEVICE", id="cpu-worker-gpu-payload"),
         pytest.param([], DeviceRef.cuda(GPU0), False, "NO_PAYLOAD_FOR_DEVICE", id="no-payloads"),
-        pytest.param([cuda(GPU2)], DeviceRef.cuda(GPU0), True, "PEER_DEVICE_UNAVAILABLE", id="peer-not-on-this-host"),
+        pytest.param(
+            [cuda(GPU2)], DeviceRef.cuda(GPU0), True, "PEER_DEVICE_UNAVAILABLE", id="peer-not-on-this-host"
+        ),
         pytest.param([cuda(GPU0)], HOST, True, "PEER_DEVICE_UNAVAILABLE", id="cpu-worker-peer"),
-        pytest.param([pb.Payload(size_bytes=8, inline_data=b"x" * 8)], HOST, False, "PAYLOAD_LABEL_MISSING", id="no-label"),
+        pytest.param(
+            [pb.Payload(size_bytes=8, inline_data=b"x" * 8)],
+            HOST,
+            False,
+            "PAYLOAD_LABEL_MISSING",
+            id="no-label",
+        ),
         pytest.param([cuda("")], HOST, False, "PAYLOAD_LABEL_MISSING", id="empty-uuid"),
         pytest.param(
             [pb.Payload(device=pb.DeviceId(uuid=GPU0), size_bytes=8, inline_data=b"x" * 8)],
-            DeviceRef.cuda(GPU0), False, "DEVICE_KIND_UNSPECIFIED", id="kind-unspecified",
+            DeviceRef.cuda(GPU0),
+            False,
+            "DEVICE_KIND_UNSPECIFIED",
+            id="kind-unspecified",
         ),
-        pytest.param([cuda(GPU0), cuda("GPU-" + GPU0)], DeviceRef.cuda(GPU0), False, "DUPLICATE_PAYLOAD_LABEL", id="duplicate-normalised"),
+        pytest.param(
+            [cuda(GPU0), cuda("GPU-" + GPU0)],
+            DeviceRef.cuda(GPU0),
+            False,
+            "DUPLICATE_PAYLOAD_LABEL",
+            id="duplicate-normalised",
+        ),
         pytest.param([host(), host()], HOST, False, "DUPLICATE_PAYLOAD_LABEL", id="duplicate-host"),
     ],
 )

@@ -34,9 +34,13 @@ def segment() -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _open(name: str, size: int):  # type: ignore[no-untyped-def]
-    payload = pb.Payload(device=DeviceRef.host().to_proto(), size_bytes=size, host_shm=pb.HostShmHandle(name=name))
+    payload = pb.Payload(
+        device=DeviceRef.host().to_proto(), size_bytes=size, host_shm=pb.HostShmHandle(name=name)
+    )
     host = DeviceRef.host()
-    mapping, opened = HostShmImporter().open(payload, ImportContext(own_device=host, source=host, peer=False, target=torch.device("cpu")))
+    mapping, opened = HostShmImporter().open(
+        payload, ImportContext(own_device=host, source=host, peer=False, target=torch.device("cpu"))
+    )
     assert opened and mapping.size_bytes == size
     return mapping
 
@@ -55,7 +59,9 @@ def test_owned_ranges_come_back_byte_for_byte(segment: tuple[str, torch.Tensor],
     try:
         seen = {}
         for batch in copy_plan(names, items, chunk):
-            for n, view in zip(batch.names, views_over(mapping.fetch(batch), batch.positions, batch.items), strict=True):
+            for n, view in zip(
+                batch.names, views_over(mapping.fetch(batch), batch.positions, batch.items), strict=True
+            ):
                 seen[n] = view.contiguous().view(-1).view(torch.uint8).clone()
         for n, item in zip(names, items, strict=True):
             assert torch.equal(seen[n], data[item.offset_bytes : item.offset_bytes + item.nbytes]), n

@@ -24,7 +24,12 @@ HOST = DeviceRef.host("b0070000-0000-0000-0000-000000000000")
 def adapter_for(rank: ParallelRank) -> TorchAdapter:
     model = build_demo_model(CONFIG, rank, "cpu", 0)
     return TorchAdapter(
-        model, rank=rank, device=torch.device("cpu"), own_device=HOST, tp_rules=DEMO_TP_RULES, num_layers=CONFIG.num_layers
+        model,
+        rank=rank,
+        device=torch.device("cpu"),
+        own_device=HOST,
+        tp_rules=DEMO_TP_RULES,
+        num_layers=CONFIG.num_layers,
     )
 
 
@@ -52,7 +57,10 @@ def cut(full: torch.Tensor, owned: OwnedTensor) -> torch.Tensor:
 def test_torch_adapter_states_the_slice_its_load_keeps(tp_size: int) -> None:
     full = index_checkpoint()
     for pp_rank in (0, 1):
-        stage = [adapter_for(ParallelRank(tp_rank=r, tp_size=tp_size, pp_rank=pp_rank, pp_size=2)) for r in range(tp_size)]
+        stage = [
+            adapter_for(ParallelRank(tp_rank=r, tp_size=tp_size, pp_rank=pp_rank, pp_size=2))
+            for r in range(tp_size)
+        ]
         for adapter in stage:
             owned = adapter.manifest().tensors
             adapter.load([(k, v) for k, v in full.items() if k in owned])
@@ -85,10 +93,18 @@ def test_pieces_survive_the_contract_and_change_the_fingerprint() -> None:
     o_proj = "model.layers.0.self_attn.o_proj.weight"
     assert manifest.tensors[o_proj].pieces == (TensorPiece(1, 32, 32),)
     moved = dict(manifest.tensors)
-    moved[o_proj] = OwnedTensor(o_proj, pb.DTYPE_FLOAT32, manifest.tensors[o_proj].shape, (TensorPiece(1, 0, 32),))
-    other = ShardManifest.build(manifest.device, manifest.rank, moved.values(), instance_id=manifest.instance_id,
-                                num_layers=manifest.num_layers, layer_start=manifest.layer_start,
-                                layer_end=manifest.layer_end)
+    moved[o_proj] = OwnedTensor(
+        o_proj, pb.DTYPE_FLOAT32, manifest.tensors[o_proj].shape, (TensorPiece(1, 0, 32),)
+    )
+    other = ShardManifest.build(
+        manifest.device,
+        manifest.rank,
+        moved.values(),
+        instance_id=manifest.instance_id,
+        num_layers=manifest.num_layers,
+        layer_start=manifest.layer_start,
+        layer_end=manifest.layer_end,
+    )
     assert other.fingerprint != manifest.fingerprint
 
 
@@ -125,8 +141,16 @@ def test_qkv_with_fewer_kv_heads_than_ranks_replicates_kv() -> None:
     head = 8
 
     def layer() -> SimpleNamespace:
-        return SimpleNamespace(head_size=head, v_head_size=head, total_num_heads=8, total_num_kv_heads=2,
-                               num_heads=2, num_kv_heads=1, num_kv_head_replicas=2, input_size=64)
+        return SimpleNamespace(
+            head_size=head,
+            v_head_size=head,
+            total_num_heads=8,
+            total_num_kv_heads=2,
+            num_heads=2,
+            num_kv_heads=1,
+            num_kv_head_replicas=2,
+            input_size=64,
+        )
 
     got = [layer_geometry.qkv(layer(), "weight", r, r) for r in range(4)]
     assert [g.local for g in got] == [(32, 64)] * 4

@@ -32,7 +32,12 @@ def storage(slot: int, size: int, at: int, handle: bytes = b"\x01" * 65) -> pb.C
 
 
 def handle(*storages: pb.CudaIpcStorage, complete: bool = False, event: bytes = b"") -> pb.CudaIpcHandle:
-    return pb.CudaIpcHandle(storages=list(storages), storages_complete=complete, event_handle=event, event_sync_required=bool(event))
+    return pb.CudaIpcHandle(
+        storages=list(storages),
+        storages_complete=complete,
+        event_handle=event,
+        event_sync_required=bool(event),
+    )
 
 
 class FakeCuda:

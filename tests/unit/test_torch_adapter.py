@@ -31,7 +31,12 @@ HOST = DeviceRef.host("b0070000-0000-0000-0000-000000000000")
 def adapter_for(rank: ParallelRank, seed: int = 0) -> TorchAdapter:
     model = build_demo_model(CONFIG, rank, "cpu", seed)
     return TorchAdapter(
-        model, rank=rank, device=torch.device("cpu"), own_device=HOST, tp_rules=DEMO_TP_RULES, num_layers=CONFIG.num_layers
+        model,
+        rank=rank,
+        device=torch.device("cpu"),
+        own_device=HOST,
+        tp_rules=DEMO_TP_RULES,
+        num_layers=CONFIG.num_layers,
     )
 
 
@@ -121,7 +126,11 @@ def test_full_checkpoint_deterministic_per_seed() -> None:
 
 @pytest.mark.parametrize(
     "rank",
-    [ParallelRank(), ParallelRank(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2), ParallelRank(tp_rank=2, tp_size=4, pp_rank=0, pp_size=2)],
+    [
+        ParallelRank(),
+        ParallelRank(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2),
+        ParallelRank(tp_rank=2, tp_size=4, pp_rank=0, pp_size=2),
+    ],
     ids=str,
 )
 def test_load_slices_full_tensors_into_the_shard(rank: ParallelRank) -> None:
@@ -160,7 +169,9 @@ def test_generic_module_replicated_and_split() -> None:
             self.b = torch.nn.Parameter(torch.zeros(5))  # replicated
 
     rank = ParallelRank(tp_rank=1, tp_size=2)
-    adapter = TorchAdapter(Tiny(), rank=rank, device=torch.device("cpu"), own_device=HOST, tp_rules=[TPRule(r"^a\.", 0)])
+    adapter = TorchAdapter(
+        Tiny(), rank=rank, device=torch.device("cpu"), own_device=HOST, tp_rules=[TPRule(r"^a\.", 0)]
+    )
     tensors = adapter.manifest().tensors
     assert tensors["a.weight"].shape == (6, 4) and tensors["b"].shape == (5,)
     full_a = torch.arange(24.0).view(6, 4)
@@ -176,8 +187,13 @@ def test_grouped_and_single_copies_load_the_same_bytes(group_copy_max_bytes: int
     # model both kinds occur, and TP slices are non-contiguous views); 1 GiB: everything grouped.
     model = build_demo_model(CONFIG, rank, "cpu", 0)
     adapter = TorchAdapter(
-        model, rank=rank, device=torch.device("cpu"), own_device=HOST, tp_rules=DEMO_TP_RULES,
-        num_layers=CONFIG.num_layers, group_copy_max_bytes=group_copy_max_bytes,
+        model,
+        rank=rank,
+        device=torch.device("cpu"),
+        own_device=HOST,
+        tp_rules=DEMO_TP_RULES,
+        num_layers=CONFIG.num_layers,
+        group_copy_max_bytes=group_copy_max_bytes,
     )
     plans = adapter._plans.values()
     assert any(p.grouped for p in plans) == (group_copy_max_bytes > 0)
@@ -193,27 +209,43 @@ def test_a_misfit_tensor_writes_nothing() -> None:
     adapter = adapter_for(ParallelRank())
     before = adapter.state()["model.norm.weight"].clone()
     with pytest.raises(ValueError, match="does not fit"):
-        adapter.load([
-            ("model.norm.weight", torch.full_like(before, 3.0)),
-            ("model.embed_tokens.weight", torch.zeros(3)),
-        ])
+        adapter.load(
+            [
+                ("model.norm.weight", torch.full_like(before, 3.0)),
+                ("model.embed_tokens.weight", torch.zeros(3)),
+            ]
+        )
     assert torch.equal(adapter.state()["model.norm.weight"], before)
 
 
 def test_negative_group_copy_bound_is_refused() -> None:
     with pytest.raises(ValueError, match="group_copy_max_bytes"):
-        TorchAdapter(torch.nn.Linear(2, 2), rank=ParallelRank(), device=torch.device("cpu"), own_device=HOST, group_copy_max_bytes=-1)
+        TorchAdapter(
+            torch.nn.Linear(2, 2),
+            rank=ParallelRank(),
+            device=torch.device("cpu"),
+            own_device=HOST,
+            group_copy_max_bytes=-1,
+        )
 
 
 def test_copy_streams_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="copy_streams"):
-        TorchAdapter(torch.nn.Linear(2, 2), rank=ParallelRank(), device=torch.device("cpu"), own_device=HOST, copy_streams=0)
+        TorchAdapter(
+            torch.nn.Linear(2, 2),
+            rank=ParallelRank(),
+            device=torch.device("cpu"),
+            own_device=HOST,
+            copy_streams=0,
+        )
 
 
 def test_large_copies_are_dealt_to_the_lane_with_the_fewest_bytes() -> None:
     # Lane 0 (the current stream) starts with the grouped copy's bytes; each large copy, in order,
     # goes to the lane that has the fewest bytes so far.
-    pairs = [(torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)) for n in (100, 60, 50, 30, 20)]
+    pairs = [
+        (torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)) for n in (100, 60, 50, 30, 20)
+    ]
     lanes = _spread(pairs, [70, 0])
     sizes = [[d.numel() for d, _ in lane] for lane in lanes]
     assert sizes == [[60, 30], [100, 50, 20]]

@@ -66,7 +66,9 @@ def layouts(draw: st.DrawFn) -> tuple[list[TensorSpec], dict[str, ShardManifest]
     ndim = draw(st.integers(1, 3))
     shape = tuple(draw(st.lists(st.integers(1, 9), min_size=ndim, max_size=ndim)))
     mesh = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=2)))
-    placements = [draw(st.one_of(st.just(Replicate()), st.builds(Shard, st.integers(0, ndim - 1)))) for _ in mesh]
+    placements = [
+        draw(st.one_of(st.just(Replicate()), st.builds(Shard, st.integers(0, ndim - 1)))) for _ in mesh
+    ]
     spec = TensorSpec.dtensor("w", shape, F32, mesh, placements)
     specs = [spec, TensorSpec.whole_on("b", (draw(st.integers(1, 5)),), F32, [draw(st.integers(0, 3))])]
     workers = {}
@@ -86,7 +88,9 @@ def layouts(draw: st.DrawFn) -> tuple[list[TensorSpec], dict[str, ShardManifest]
 
 @settings(max_examples=150, deadline=None)
 @given(layouts())
-def test_every_kept_element_arrives_exactly_once_from_a_holder(layout: tuple[list[TensorSpec], dict[str, ShardManifest]]) -> None:
+def test_every_kept_element_arrives_exactly_once_from_a_holder(
+    layout: tuple[list[TensorSpec], dict[str, ShardManifest]],
+) -> None:
     check_exact(*layout)
 
 
@@ -101,16 +105,22 @@ def test_fsdp_ranks_into_tp_workers_with_a_replica() -> None:
     ]
     workers = {}
     for replica, tp in itertools.product(range(2), range(2)):
-        workers[f"r{replica}-tp{tp}"] = manifest(f"r{replica}-tp{tp}", [
-            OwnedTensor("col", F32, (8, 6), (TensorPiece(0, 4 * tp, 4),)),
-            OwnedTensor("row", F32, (8, 6), (TensorPiece(1, 3 * tp, 3),)),
-            OwnedTensor("norm", F32, (6,)),
-        ])
+        workers[f"r{replica}-tp{tp}"] = manifest(
+            f"r{replica}-tp{tp}",
+            [
+                OwnedTensor("col", F32, (8, 6), (TensorPiece(0, 4 * tp, 4),)),
+                OwnedTensor("row", F32, (8, 6), (TensorPiece(1, 3 * tp, 3),)),
+                OwnedTensor("norm", F32, (6,)),
+            ],
+        )
     check_exact(specs, workers)
     plan = plan_transfers(specs, workers)
     col = [t for t in plan.transfers if t.tensor == "col"]
     assert sorted((t.source, t.destinations) for t in col) == [
-        (0, ("r0-tp0", "r1-tp0")), (1, ("r0-tp0", "r1-tp0")), (2, ("r0-tp1", "r1-tp1")), (3, ("r0-tp1", "r1-tp1"))
+        (0, ("r0-tp0", "r1-tp0")),
+        (1, ("r0-tp0", "r1-tp0")),
+        (2, ("r0-tp1", "r1-tp1")),
+        (3, ("r0-tp1", "r1-tp1")),
     ]
     # Every rank sends: no funnel.
     assert set(plan.bytes_from()) == {0, 1, 2, 3}
@@ -127,8 +137,10 @@ def test_replicas_among_trainer_ranks_share_the_sending() -> None:
 def test_the_plan_does_not_depend_on_input_order() -> None:
     specs = [TensorSpec.dtensor(f"t{i}", (8, 4), F32, (2, 2), [Shard(0), Shard(1)]) for i in range(5)]
     names = [f"w{i}" for i in range(3)]
-    workers = {n: manifest(n, [OwnedTensor(f"t{i}", F32, (8, 4), (TensorPiece(0, 2 * j, 2),))
-                               for i in range(5)]) for j, n in enumerate(names)}
+    workers = {
+        n: manifest(n, [OwnedTensor(f"t{i}", F32, (8, 4), (TensorPiece(0, 2 * j, 2),)) for i in range(5)])
+        for j, n in enumerate(names)
+    }
     first = plan_transfers(specs, workers)
     rng = random.Random(7)
     for _ in range(3):
@@ -139,7 +151,9 @@ def test_the_plan_does_not_depend_on_input_order() -> None:
         again = plan_transfers(shuffled_specs, {n: workers[n] for n in order})
         assert again == first
     moved = dict(workers)
-    moved["w0"] = manifest("w0", [OwnedTensor(f"t{i}", F32, (8, 4), (TensorPiece(0, 2, 2),)) for i in range(5)])
+    moved["w0"] = manifest(
+        "w0", [OwnedTensor(f"t{i}", F32, (8, 4), (TensorPiece(0, 2, 2),)) for i in range(5)]
+    )
     assert plan_transfers(specs, moved).fingerprint != first.fingerprint
 
 
@@ -179,10 +193,17 @@ def test_mismatched_tensors_are_refused(spec: TensorSpec, reason: Reason) -> Non
 
 @pytest.mark.parametrize(
     ("shape", "mesh", "placements"),
-    [((10, 3), (4,), [Shard(0)]), ((7, 6), (2, 3), [Shard(0), Shard(1)]), ((9,), (2, 2), [Shard(0), Shard(0)]),
-     ((5, 4), (3, 2), [Replicate(), Shard(1)]), ((2, 2), (4,), [Shard(0)])],
+    [
+        ((10, 3), (4,), [Shard(0)]),
+        ((7, 6), (2, 3), [Shard(0), Shard(1)]),
+        ((9,), (2, 2), [Shard(0), Shard(0)]),
+        ((5, 4), (3, 2), [Replicate(), Shard(1)]),
+        ((2, 2), (4,), [Shard(0)]),
+    ],
 )
-def test_dtensor_boxes_follow_torch_chunking(shape: tuple[int, ...], mesh: tuple[int, ...], placements: list) -> None:
+def test_dtensor_boxes_follow_torch_chunking(
+    shape: tuple[int, ...], mesh: tuple[int, ...], placements: list
+) -> None:
     """Each rank's box equals the local tensor torch.chunk makes, placement after placement."""
     full = torch.arange(torch.Size(shape).numel()).reshape(shape)
     for coord in itertools.product(*(range(n) for n in mesh)):
@@ -198,14 +219,16 @@ def test_dtensor_boxes_follow_torch_chunking(shape: tuple[int, ...], mesh: tuple
             assert box is not None and torch.equal(full[region(shape, box)], local), coord
 
 
-@pytest.mark.parametrize("box", [((1, 3), (0, 4), (2, 5)), ((0, 2), (0, 4), (0, 5)), ((1, 2), (1, 2), (0, 5))])
+@pytest.mark.parametrize(
+    "box", [((1, 3), (0, 4), (2, 5)), ((0, 2), (0, 4), (0, 5)), ((1, 2), (1, 2), (0, 5))]
+)
 def test_byte_runs_cover_exactly_the_box(box: tuple[tuple[int, int], ...]) -> None:
     shape = (3, 4, 5)
     flat = torch.arange(60, dtype=torch.int32)
     want = flat.reshape(shape)[region(shape, box)].flatten()
     runs = byte_runs(box, shape, 4)
     raw = flat.view(torch.uint8)
-    got = torch.cat([raw[o:o + n] for o, n in runs]).view(torch.int32)
+    got = torch.cat([raw[o : o + n] for o, n in runs]).view(torch.int32)
     assert torch.equal(got, want)
     if box[1:] == ((0, 4), (0, 5)):
         assert len(runs) == 1

@@ -13,12 +13,19 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 
 def test_every_row_is_a_handle_field_and_a_wire_kind_of_the_contract() -> None:
     handle_fields = {f.name for f in pb.Payload.DESCRIPTOR.oneofs_by_name["handle"].fields}
-    wire_kinds = {v.number for v in pb.TransportKind.DESCRIPTOR.values if v.number != pb.TRANSPORT_KIND_UNSPECIFIED}
+    wire_kinds = {
+        v.number for v in pb.TransportKind.DESCRIPTOR.values if v.number != pb.TRANSPORT_KIND_UNSPECIFIED
+    }
     rows = transports.TRANSPORTS
     # Every way the contract can carry bytes has its row, and no row names something it cannot carry.
     assert {t.handle_field for t in rows} == handle_fields
     assert {t.kind for t in rows} == wire_kinds
-    assert len({t.name for t in rows}) == len({t.kind for t in rows}) == len({t.handle_field for t in rows}) == len(rows)
+    assert (
+        len({t.name for t in rows})
+        == len({t.kind for t in rows})
+        == len({t.handle_field for t in rows})
+        == len(rows)
+    )
 
 
 def test_each_row_names_its_own_exporter_and_importer() -> None:

@@ -22,7 +22,9 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 F32, BF16 = pb.DTYPE_FLOAT32, pb.DTYPE_BFLOAT16
 
 
-def spec(name: str = "w", dtype: int = F32, shape: tuple[int, ...] = (2, 3), offset: int = 0) -> pb.TensorSpec:
+def spec(
+    name: str = "w", dtype: int = F32, shape: tuple[int, ...] = (2, 3), offset: int = 0
+) -> pb.TensorSpec:
     return pb.TensorSpec(name=name, dtype=dtype, shape=list(shape), offset_bytes=offset)  # type: ignore[arg-type]
 
 
@@ -101,7 +103,9 @@ def test_bounds(offset: int, shape: tuple[int, ...], size_bytes: int, ok: bool) 
         assert "'w'" in e.value.message
 
 
-@pytest.mark.parametrize(("size", "ok"), [(0, True), (10, True), (MAX_BYTES, True), (-1, False), (MAX_BYTES + 1, False)])
+@pytest.mark.parametrize(
+    ("size", "ok"), [(0, True), (10, True), (MAX_BYTES, True), (-1, False), (MAX_BYTES + 1, False)]
+)
 def test_payload_size(size: int, ok: bool) -> None:
     payload = pb.Payload(size_bytes=size)
     if ok:
@@ -118,7 +122,11 @@ def test_payload_size(size: int, ok: bool) -> None:
         (spec(), OwnedTensor("w", F32, (2, 3)), None),
         (spec(dtype=BF16), OwnedTensor("w", F32, (2, 3)), "DTYPE_MISMATCH"),
         (spec(shape=(3, 2)), OwnedTensor("w", F32, (2, 3)), "SHAPE_MISMATCH"),  # same numel, other shape
-        (spec(shape=(1, 3)), OwnedTensor("w", F32, (2, 3)), "SHAPE_MISMATCH"),  # a TP slice instead of the full tensor
+        (
+            spec(shape=(1, 3)),
+            OwnedTensor("w", F32, (2, 3)),
+            "SHAPE_MISMATCH",
+        ),  # a TP slice instead of the full tensor
         (spec(shape=(2, 3, 1)), OwnedTensor("w", F32, (2, 3)), "SHAPE_MISMATCH"),
     ],
 )

@@ -44,7 +44,9 @@ class CountingEvent:
 
 def test_remembered_views_show_each_new_bucket() -> None:
     flat = torch.zeros(64, dtype=torch.uint8)
-    (batch,) = in_place_plan(["a", "b"], [ViewItem.of(0, torch.float32, (2, 2)), ViewItem.of(32, torch.int64, (3,))])
+    (batch,) = in_place_plan(
+        ["a", "b"], [ViewItem.of(0, torch.float32, (2, 2)), ViewItem.of(32, torch.int64, (3,))]
+    )
     mapping = KeptBytes(flat, memo=True)
     first = batch_views(mapping, batch)
     for value in (1, 2, 3):
@@ -76,7 +78,9 @@ def test_cuda_mapping_waits_once_before_its_first_read_and_drops_its_memo_on_clo
     flat = torch.arange(32, dtype=torch.uint8)
     event = CountingEvent()
     memo: dict[int, object] = {}
-    mapping = CudaIpcMapping(OpenedStorage(flat, 0, False, 0, ready_event=event, view_memo=memo), DeviceRef.cuda("abc"), False)
+    mapping = CudaIpcMapping(
+        OpenedStorage(flat, 0, False, 0, ready_event=event, view_memo=memo), DeviceRef.cuda("abc"), False
+    )
     assert event.waits == 0  # nothing is read at open
     (batch,) = in_place_plan(["a"], [ViewItem.of(8, torch.uint8, (4,))])
     assert batch_views(mapping, batch)[0].tolist() == [8, 9, 10, 11]
@@ -85,7 +89,9 @@ def test_cuda_mapping_waits_once_before_its_first_read_and_drops_its_memo_on_clo
     mapping.close()
     assert mapping.view_memo is None
     # The next bucket's use of the same kept storage waits again, and finds the views.
-    again = CudaIpcMapping(OpenedStorage(flat, 0, False, 0, ready_event=event, view_memo=memo), DeviceRef.cuda("abc"), False)
+    again = CudaIpcMapping(
+        OpenedStorage(flat, 0, False, 0, ready_event=event, view_memo=memo), DeviceRef.cuda("abc"), False
+    )
     assert batch_views(again, batch) is memo[id(batch)].views  # type: ignore[attr-defined]
     assert event.waits == 2
     # No event: nothing to wait for.
@@ -114,12 +120,20 @@ def _tiny_adapter() -> TorchAdapter:
     module = torch.nn.Module()
     module.register_parameter("w", torch.nn.Parameter(torch.zeros(2, 2), requires_grad=False))
     module.register_parameter("n", torch.nn.Parameter(torch.zeros(3), requires_grad=False))
-    return TorchAdapter(module, rank=ParallelRank(), device=torch.device("cpu"), own_device=DeviceRef.host(), group_copy_max_bytes=12)
+    return TorchAdapter(
+        module,
+        rank=ParallelRank(),
+        device=torch.device("cpu"),
+        own_device=DeviceRef.host(),
+        group_copy_max_bytes=12,
+    )
 
 
 def test_a_prepared_load_is_kept_with_remembered_views_and_copies_each_new_bucket() -> None:
     flat = torch.zeros(64, dtype=torch.uint8)
-    (batch,) = in_place_plan(["w", "n"], [ViewItem.of(0, torch.float32, (2, 2)), ViewItem.of(32, torch.float32, (3,))])
+    (batch,) = in_place_plan(
+        ["w", "n"], [ViewItem.of(0, torch.float32, (2, 2)), ViewItem.of(32, torch.float32, (3,))]
+    )
     mapping = KeptBytes(flat, memo=True)
     adapter = CountingAdapter(_tiny_adapter())
     for value in (1.0, 2.0, 3.0):

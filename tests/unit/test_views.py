@@ -49,10 +49,14 @@ def layouts(draw: st.DrawFn) -> tuple[list[ViewItem], int]:
     for _ in range(count):
         dtype = draw(st.sampled_from(DTYPES))
         shape = tuple(draw(st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=3)))
-        offset = draw(st.one_of(
-            st.integers(min_value=0, max_value=max(0, end + 3 * MAX_GAP_BYTES)),  # gaps, overlaps, misalignment
-            st.just(end - end % 64),
-        ))
+        offset = draw(
+            st.one_of(
+                st.integers(
+                    min_value=0, max_value=max(0, end + 3 * MAX_GAP_BYTES)
+                ),  # gaps, overlaps, misalignment
+                st.just(end - end % 64),
+            )
+        )
         item = ViewItem.of(offset, dtype, shape)
         items.append(item)
         end = max(end, offset + item.nbytes)
@@ -73,7 +77,9 @@ def test_copy_plan_reads_every_tensor_exactly(layout: tuple[list[ViewItem], int]
         assert batch.size_bytes <= chunk or (len(batch.items) == 1 and largest + ALIGN_BYTES > chunk)
         for seg in batch.segments:
             assert seg.start % ALIGN_BYTES == 0 and seg.staging_at % ALIGN_BYTES == 0
-        for name, view in zip(batch.names, views_over(_fetch(source, batch), batch.positions, batch.items), strict=True):
+        for name, view in zip(
+            batch.names, views_over(_fetch(source, batch), batch.positions, batch.items), strict=True
+        ):
             seen[name] = view.clone()
     assert sorted(seen) == sorted(names)
     for name, item in zip(names, items, strict=True):
@@ -84,13 +90,20 @@ def test_copy_plan_skips_large_unowned_gaps() -> None:
     a = ViewItem.of(0, torch.float32, (16,))
     b = ViewItem.of(10 * MAX_GAP_BYTES, torch.float32, (16,))
     (batch,) = copy_plan(["a", "b"], [a, b], 1 << 20)
-    assert [(s.start, s.end) for s in batch.segments] == [(0, 64), (10 * MAX_GAP_BYTES, 10 * MAX_GAP_BYTES + 64)]
+    assert [(s.start, s.end) for s in batch.segments] == [
+        (0, 64),
+        (10 * MAX_GAP_BYTES, 10 * MAX_GAP_BYTES + 64),
+    ]
     assert batch.size_bytes == 128  # only the owned bytes are read
 
 
 def test_in_place_plan_views_tensors_without_copying() -> None:
     source = torch.arange(256, dtype=torch.uint8)
-    items = [ViewItem.of(64, torch.float32, (2, 2)), ViewItem.of(3, torch.float32, (1,)), ViewItem.of(0, torch.int64, (0, 5))]
+    items = [
+        ViewItem.of(64, torch.float32, (2, 2)),
+        ViewItem.of(3, torch.float32, (1,)),
+        ViewItem.of(0, torch.int64, (0, 5)),
+    ]
     (batch,) = in_place_plan(["aligned", "misaligned", "empty"], items)
     aligned, misaligned, empty = views_over(source, batch.positions, batch.items)
     assert aligned.data_ptr() == source.data_ptr() + 64  # a view of the payload, not a copy

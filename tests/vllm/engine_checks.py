@@ -65,7 +65,9 @@ def check_manifests(engine: CpuEngine, pusher: WeightPusher, checkpoint: Mapping
         assert m.device == DeviceRef.host()
         per_stage = spec_layers // engine.pp
         assert (m.layer_start, m.layer_end, m.num_layers) == (
-            m.rank.pp_rank * per_stage, (m.rank.pp_rank + 1) * per_stage, spec_layers
+            m.rank.pp_rank * per_stage,
+            (m.rank.pp_rank + 1) * per_stage,
+            spec_layers,
         )
         for name, t in m.tensors.items():
             assert t.shape == tuple(checkpoint[name].shape), name
@@ -120,7 +122,9 @@ def push_in_window(
     return results
 
 
-def check_engine(engine: CpuEngine, pusher: WeightPusher, expected: Expected, *, state: int = pb.WORKER_STATE_CONSISTENT) -> None:
+def check_engine(
+    engine: CpuEngine, pusher: WeightPusher, expected: Expected, *, state: int = pb.WORKER_STATE_CONSISTENT
+) -> None:
     """Greedy tokens equal the reference of the expected weights; every worker is at the expected
     version and state; vLLM reports the expected version for its outputs."""
     assert engine.generate() == expected.tokens()
@@ -160,7 +164,9 @@ def push_mislabelled(pusher: WeightPusher, tensors: Mapping[str, torch.Tensor], 
     payload = pusher.export_payload(flat, size)
     payload.device.uuid = "00000000-0000-4000-8000-000000000000"
     try:
-        pusher.push_gathered([GatheredBucket(specs, [payload], size)], version=version, scope="partial", precheck_labels=False)
+        pusher.push_gathered(
+            [GatheredBucket(specs, [payload], size)], version=version, scope="partial", precheck_labels=False
+        )
     except PushError as err:
         return err
     raise AssertionError("a payload labelled with a foreign device was accepted")
@@ -173,7 +179,11 @@ def updates_held_open(pusher: WeightPusher, version: int) -> Iterator[None]:
     feeds, calls = [], []
     for address in pusher.endpoints:
         feed = RequestFeed()
-        calls.append(pb_grpc.WeightTransferServiceStub(grpc.insecure_channel(address)).PushWeights(iter(feed), timeout=120))
+        calls.append(
+            pb_grpc.WeightTransferServiceStub(grpc.insecure_channel(address)).PushWeights(
+                iter(feed), timeout=120
+            )
+        )
         feed.send(header(version, scope=pb.UPDATE_SCOPE_PARTIAL))
         feeds.append(feed)
     deadline = time.monotonic() + 30
@@ -190,14 +200,22 @@ def updates_held_open(pusher: WeightPusher, version: int) -> Iterator[None]:
                 list(call)
 
 
-def push_wrong_shape_raw(address: str, version: int, name: str, tensor: torch.Tensor) -> tuple[grpc.StatusCode, str]:
+def push_wrong_shape_raw(
+    address: str, version: int, name: str, tensor: torch.Tensor
+) -> tuple[grpc.StatusCode, str]:
     """Send one bucket holding ``tensor`` under ``name`` straight to a worker (no client checks)."""
     stub = pb_grpc.WeightTransferServiceStub(grpc.insecure_channel(address))
     packed = pack([(name, tensor)])
     segments = ShmSegments()
     try:
         seg = segments.create(packed.data)
-        outcome = push(stub, [header(version, scope=pb.UPDATE_SCOPE_PARTIAL), bucket(0, packed.specs, [shm_payload(seg, len(packed.data))])])
+        outcome = push(
+            stub,
+            [
+                header(version, scope=pb.UPDATE_SCOPE_PARTIAL),
+                bucket(0, packed.specs, [shm_payload(seg, len(packed.data))]),
+            ],
+        )
     finally:
         segments.close()
     return outcome.code, outcome.reason

@@ -37,9 +37,16 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(["The weights are new. The weights are old."], vocab_size=300, min_frequency=1, special_tokens=["<eos>"])
+    bpe.train_from_iterator(
+        ["The weights are new. The weights are old."],
+        vocab_size=300,
+        min_frequency=1,
+        special_tokens=["<eos>"],
+    )
     bpe.add_tokens([f"<x{i}>" for i in range(bpe.get_vocab_size(), vocab_size)])
-    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>").save_pretrained(str(directory))
+    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>").save_pretrained(
+        str(directory)
+    )
 
 
 def test_readme_vllm_example_runs_as_written(tmp_path: Path) -> None:
@@ -49,7 +56,10 @@ def test_readme_vllm_example_runs_as_written(tmp_path: Path) -> None:
     script = tmp_path / "vllm_push.py"
     source = readme_example()
     script.write_text(source)
-    assert source.splitlines()[0] == "# vllm_push.py: MODEL_DIR=<a Hugging Face model directory> python vllm_push.py"
+    assert (
+        source.splitlines()[0]
+        == "# vllm_push.py: MODEL_DIR=<a Hugging Face model directory> python vllm_push.py"
+    )
     # A temp folder of the script's own, with a short path (Unix socket paths are limited to 107 bytes):
     # the engine's default socket directory is made there.
     temp = Path(tempfile.mkdtemp(prefix="ww-"))
@@ -57,7 +67,9 @@ def test_readme_vllm_example_runs_as_written(tmp_path: Path) -> None:
         # The README's CPU settings.
         env = dict(os.environ, MODEL_DIR=str(model_dir), VLLM_CPU_KVCACHE_SPACE="1", TMPDIR=str(temp))
         env.pop("WEIGHTWIRE_VLLM_SOCKET_DIR", None)
-        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=800, env=env, check=False)
+        out = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=800, env=env, check=False
+        )
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
         # vLLM logs to stdout too: the example's last line (each worker's address -> its version) is among them.
         # The worker listened in the engine's default socket directory, under the process's temp folder.

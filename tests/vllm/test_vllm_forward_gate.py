@@ -79,4 +79,8 @@ def test_a_forward_that_raises_leaves_the_gate(model: Model) -> None:
     assert gate.begin_write(timeout_s=10)  # the failed forward is not counted as running
     gate.end_write()
     remove()
-    assert not model._forward_pre_hooks and not model._forward_hooks and not model.logits_processor._forward_hooks
+    assert (
+        not model._forward_pre_hooks
+        and not model._forward_hooks
+        and not model.logits_processor._forward_hooks
+    )

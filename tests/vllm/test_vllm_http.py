@@ -43,17 +43,26 @@ class Server:
 
     def call(self, path: str, body: dict[str, Any] | None = None, *, method: str = "POST") -> Any:
         data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
-        request = urllib.request.Request(self.base + path, data=data, method=method, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.base + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=120) as response:
             return json.loads(response.read() or b"null")
 
     def generate(self) -> list[list[int]]:
         out = []
         for prompt in PROMPTS:
-            reply = self.call("/v1/completions", {
-                "model": self.model, "prompt": list(prompt), "max_tokens": NEW_TOKENS, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True,
-            })
+            reply = self.call(
+                "/v1/completions",
+                {
+                    "model": self.model,
+                    "prompt": list(prompt),
+                    "max_tokens": NEW_TOKENS,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
             out.append(list(reply["choices"][0]["token_ids"]))
         return out
 
@@ -77,10 +86,30 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     }
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-         "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--seed", "0",
-         "--skip-tokenizer-init", "--weight-transfer-config", '{"backend": "weightwire"}'],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "128",
+            "--seed",
+            "0",
+            "--skip-tokenizer-init",
+            "--weight-transfer-config",
+            '{"backend": "weightwire"}',
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     srv = Server(f"http://127.0.0.1:{port}", str(model), tmp / "sock")
     try:
@@ -90,7 +119,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
                 srv.call("/health", method="GET")
                 break
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM's server did not come up; its log:\n{(tmp / 'server.log').read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"vLLM's server did not come up; its log:\n{(tmp / 'server.log').read_text()[-3000:]}"
+                )
             time.sleep(1)
         yield srv
     finally:
@@ -113,7 +144,9 @@ def test_the_documented_http_sequence_updates_tokens_and_version(server: Server)
     expected = Expected(SPEC, checkpoint(SPEC, START))
     assert server.generate() == expected.tokens()
     assert server.weight_version() == "default"
-    with WeightPusher(discover(str(server.socket_dir), count=1, timeout_s=60), transport="host_shm", timeout_s=120) as pusher:
+    with WeightPusher(
+        discover(str(server.socket_dir), count=1, timeout_s=60), transport="host_shm", timeout_s=120
+    ) as pusher:
         second = checkpoint(SPEC, SECOND)
         with pytest.raises(PushError) as outside:
             pusher.push(second, version=1)  # no /start_weight_update yet
@@ -129,6 +162,3 @@ def test_the_documented_http_sequence_updates_tokens_and_version(server: Server)
     expected.weights = dict(second)
     assert server.generate() == expected.tokens()
     assert server.weight_version() == "1"
-
-
-

@@ -37,7 +37,9 @@ def checkpoints() -> dict[int, dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[int, dict[str, torch.Tensor]]) -> Iterator[CpuEngine]:
+def engine(
+    tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[int, dict[str, torch.Tensor]]
+) -> Iterator[CpuEngine]:
     with started_engine(tmp_path_factory.mktemp("vllm-pp2"), SPEC, checkpoints[START], tp=1, pp=2) as eng:
         yield eng
 
@@ -64,7 +66,10 @@ def test_stages_own_their_layers_and_the_tied_embedding(
 
 
 def test_full_push_then_the_tied_embedding_alone(
-    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+    engine: CpuEngine,
+    pusher: WeightPusher,
+    expected: Expected,
+    checkpoints: dict[int, dict[str, torch.Tensor]],
 ) -> None:
     check_engine(engine, pusher, expected)
     push_in_window(engine, pusher, expected, checkpoints[SECOND])
@@ -74,15 +79,21 @@ def test_full_push_then_the_tied_embedding_alone(
 
 
 def test_lm_head_of_a_tied_model_and_a_wrong_shape_change_nothing(
-    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+    engine: CpuEngine,
+    pusher: WeightPusher,
+    expected: Expected,
+    checkpoints: dict[int, dict[str, torch.Tensor]],
 ) -> None:
     check_engine(engine, pusher, expected)
     version = expected.version + 1
     with UpdateWindow(engine):
         with pytest.raises(PlanError, match=r"lm_head\.weight"):
-            pusher.push({**checkpoints[THIRD], "lm_head.weight": torch.zeros(SPEC.vocab, SPEC.hidden)}, version=version)
+            pusher.push(
+                {**checkpoints[THIRD], "lm_head.weight": torch.zeros(SPEC.vocab, SPEC.hidden)},
+                version=version,
+            )
         last = next(a for a, m in pusher.manifests().items() if m.rank.pp_rank == 1)
-        assert push_wrong_shape_raw(last, version, "model.layers.3.mlp.down_proj.weight", torch.ones(SPEC.hidden, 8)) == (
-            grpc.StatusCode.FAILED_PRECONDITION, "SHAPE_MISMATCH"
-        )
+        assert push_wrong_shape_raw(
+            last, version, "model.layers.3.mlp.down_proj.weight", torch.ones(SPEC.hidden, 8)
+        ) == (grpc.StatusCode.FAILED_PRECONDITION, "SHAPE_MISMATCH")
     check_engine(engine, pusher, expected)

@@ -15,8 +15,14 @@ pytestmark = pytest.mark.vllm
 
 # WeightTransferEngine's abstract methods in vLLM 0.26.0 and 0.27.x (read in their wheels);
 # 0.28 through 0.33 dropped trainer_send_weights from the list.
-ABSTRACT_IN_0_26 = {"init_transfer_engine", "start_weight_update", "finish_weight_update", "receive_weights", "shutdown",
-                    "trainer_send_weights"}
+ABSTRACT_IN_0_26 = {
+    "init_transfer_engine",
+    "start_weight_update",
+    "finish_weight_update",
+    "receive_weights",
+    "shutdown",
+    "trainer_send_weights",
+}
 
 
 def test_the_backend_implements_every_method_vllm_0_26_declares_abstract() -> None:
@@ -48,8 +54,12 @@ class OfflineLLM032(OfflineLLM026):
         self.calls.append(("finish", {} if weight_version is None else {"weight_version": weight_version}))
 
 
-@pytest.mark.parametrize(("llm", "finish"), [(OfflineLLM026(), {}), (OfflineLLM032(), {"weight_version": "7"})])
-def test_update_window_passes_a_version_only_to_releases_that_take_one(llm: OfflineLLM026, finish: dict[str, str]) -> None:
+@pytest.mark.parametrize(
+    ("llm", "finish"), [(OfflineLLM026(), {}), (OfflineLLM032(), {"weight_version": "7"})]
+)
+def test_update_window_passes_a_version_only_to_releases_that_take_one(
+    llm: OfflineLLM026, finish: dict[str, str]
+) -> None:
     with update_window(llm, version=7):
         pass
     assert llm.calls == [("start", {}), ("finish", finish), ("reset", {})]

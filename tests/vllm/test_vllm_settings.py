@@ -25,7 +25,9 @@ from weightwire.core.manifest import ParallelRank
         (ParallelRank(tp_rank=0, tp_size=2, pp_rank=1, pp_size=2, dp_rank=1, dp_size=2), 6, "tp0-pp1-dp1"),
     ],
 )
-def test_addresses_follow_vllms_global_rank_order(rank: ParallelRank, index: int, name: str, tmp_path: Path) -> None:
+def test_addresses_follow_vllms_global_rank_order(
+    rank: ParallelRank, index: int, name: str, tmp_path: Path
+) -> None:
     assert worker_index(rank) == index
     unix = Settings.from_env("abc", {"WEIGHTWIRE_VLLM_SOCKET_DIR": str(tmp_path)})
     assert unix.endpoints.address(rank) == f"unix:{tmp_path}/{name}.sock"
@@ -87,7 +89,9 @@ def test_discovery_lists_live_workers_in_rank_order(listening: list[Path], tmp_p
         discover(str(tmp_path), count=4)
 
 
-def test_discovery_and_start_refuse_a_dead_socket_and_a_live_one(listening: list[Path], tmp_path: Path) -> None:
+def test_discovery_and_start_refuse_a_dead_socket_and_a_live_one(
+    listening: list[Path], tmp_path: Path
+) -> None:
     stale = tmp_path / "tp0-pp1.sock"
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(str(stale))
@@ -109,6 +113,9 @@ def test_releases_in_the_supported_range_are_accepted(version: str) -> None:
 @pytest.mark.parametrize("version", ["0.25.1", "0.34.0", "1.0.0", "0.9.2", "unknown"])
 def test_other_releases_are_refused_with_the_range_named(version: str) -> None:
     assert not version_supported(version)
-    with pytest.raises(RuntimeError, match=rf"vLLM {re.escape(version)} is outside .*0\.26 through 0\.33.*WEIGHTWIRE_VLLM_ALLOW_UNTESTED=1"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"vLLM {re.escape(version)} is outside .*0\.26 through 0\.33.*WEIGHTWIRE_VLLM_ALLOW_UNTESTED=1",
+    ):
         check_version(version, env={})
     check_version(version, env={"WEIGHTWIRE_VLLM_ALLOW_UNTESTED": "1"})  # the user's explicit choice

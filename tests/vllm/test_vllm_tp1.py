@@ -43,7 +43,9 @@ def checkpoints() -> dict[int, dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[int, dict[str, torch.Tensor]]) -> Iterator[CpuEngine]:
+def engine(
+    tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[int, dict[str, torch.Tensor]]
+) -> Iterator[CpuEngine]:
     with started_engine(tmp_path_factory.mktemp("vllm-tp1"), SPEC, checkpoints[START], tp=1, pp=1) as eng:
         yield eng
 
@@ -59,17 +61,26 @@ def pusher(engine: CpuEngine) -> Iterator[WeightPusher]:
         yield p
 
 
-def test_manifest_is_the_checkpoint(engine: CpuEngine, pusher: WeightPusher, checkpoints: dict[int, dict[str, torch.Tensor]]) -> None:
+def test_manifest_is_the_checkpoint(
+    engine: CpuEngine, pusher: WeightPusher, checkpoints: dict[int, dict[str, torch.Tensor]]
+) -> None:
     check_manifests(engine, pusher, checkpoints[START])
     (manifest,) = pusher.manifests().values()
     # Fused in vLLM, separate in the checkpoint: the manifest lists what the trainer holds.
-    assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.bias",
-            "model.layers.0.mlp.gate_proj.weight", "lm_head.weight"} <= set(manifest.tensors)
+    assert {
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.bias",
+        "model.layers.0.mlp.gate_proj.weight",
+        "lm_head.weight",
+    } <= set(manifest.tensors)
     assert not any("qkv_proj" in n or "gate_up_proj" in n for n in manifest.tensors)
 
 
 def test_full_push_changes_tokens_to_the_new_checkpoint(
-    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+    engine: CpuEngine,
+    pusher: WeightPusher,
+    expected: Expected,
+    checkpoints: dict[int, dict[str, torch.Tensor]],
 ) -> None:
     check_engine(engine, pusher, expected)
     before = engine.generate()
@@ -78,7 +89,10 @@ def test_full_push_changes_tokens_to_the_new_checkpoint(
 
 
 def test_partial_pushes_reload_only_what_they_carry(
-    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+    engine: CpuEngine,
+    pusher: WeightPusher,
+    expected: Expected,
+    checkpoints: dict[int, dict[str, torch.Tensor]],
 ) -> None:
     check_engine(engine, pusher, expected)
     src = checkpoints[THIRD]
@@ -90,7 +104,10 @@ def test_partial_pushes_reload_only_what_they_carry(
 
 
 def test_partial_push_of_half_a_fused_layer_is_refused_and_changes_nothing(
-    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+    engine: CpuEngine,
+    pusher: WeightPusher,
+    expected: Expected,
+    checkpoints: dict[int, dict[str, torch.Tensor]],
 ) -> None:
     check_engine(engine, pusher, expected)
     src = checkpoints[FOURTH]
@@ -110,7 +127,10 @@ def test_partial_push_of_half_a_fused_layer_is_refused_and_changes_nothing(
 
 
 def test_partial_push_that_writes_a_layer_and_splits_another_is_inconsistent(
-    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+    engine: CpuEngine,
+    pusher: WeightPusher,
+    expected: Expected,
+    checkpoints: dict[int, dict[str, torch.Tensor]],
 ) -> None:
     check_engine(engine, pusher, expected)
     src = checkpoints[FOURTH]
@@ -128,7 +148,10 @@ def test_partial_push_that_writes_a_layer_and_splits_another_is_inconsistent(
 
 
 def test_push_outside_vllms_update_window_is_refused(
-    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+    engine: CpuEngine,
+    pusher: WeightPusher,
+    expected: Expected,
+    checkpoints: dict[int, dict[str, torch.Tensor]],
 ) -> None:
     check_engine(engine, pusher, expected)
     with pytest.raises(PushError) as err:
@@ -139,7 +162,10 @@ def test_push_outside_vllms_update_window_is_refused(
 
 
 def test_mislabelled_wrong_shape_unknown_and_concurrent_pushes_change_nothing(
-    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+    engine: CpuEngine,
+    pusher: WeightPusher,
+    expected: Expected,
+    checkpoints: dict[int, dict[str, torch.Tensor]],
 ) -> None:
     check_engine(engine, pusher, expected)
     lm_head = {"lm_head.weight": checkpoints[THIRD]["lm_head.weight"]}
@@ -149,13 +175,18 @@ def test_mislabelled_wrong_shape_unknown_and_concurrent_pushes_change_nothing(
         assert refused(push_mislabelled(pusher, lm_head, version), {"NO_PAYLOAD_FOR_DEVICE"})
         # Wrong shape and unknown names: the trainer refuses before sending anything...
         with pytest.raises(PlanError, match=r"lm_head\.weight"):
-            pusher.push({"lm_head.weight": torch.zeros(SPEC.vocab - 1, SPEC.hidden)}, version=version, scope="partial")
+            pusher.push(
+                {"lm_head.weight": torch.zeros(SPEC.vocab - 1, SPEC.hidden)}, version=version, scope="partial"
+            )
         with pytest.raises(PlanError, match=r"model\.layers\.9\.mlp\.up_proj\.weight"):
-            pusher.push({"model.layers.9.mlp.up_proj.weight": torch.zeros(4, 4)}, version=version, scope="partial")
+            pusher.push(
+                {"model.layers.9.mlp.up_proj.weight": torch.zeros(4, 4)}, version=version, scope="partial"
+            )
         # ...and the worker refuses a wrong shape that got past a client anyway.
         (address,) = pusher.endpoints
         assert push_wrong_shape_raw(address, version, "model.norm.weight", torch.ones(SPEC.hidden + 1)) == (
-            grpc.StatusCode.FAILED_PRECONDITION, "SHAPE_MISMATCH"
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "SHAPE_MISMATCH",
         )
         # A second push while another update is open on the worker: ABORTED, nothing of it loaded.
         with updates_held_open(pusher, version), pytest.raises(PushError) as concurrent:
@@ -165,7 +196,10 @@ def test_mislabelled_wrong_shape_unknown_and_concurrent_pushes_change_nothing(
 
 
 def test_finish_weight_update_waits_for_a_push_still_running(
-    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+    engine: CpuEngine,
+    pusher: WeightPusher,
+    expected: Expected,
+    checkpoints: dict[int, dict[str, torch.Tensor]],
 ) -> None:
     check_engine(engine, pusher, expected)
     states_when_finished: list[set[int]] = []
@@ -183,24 +217,37 @@ def test_finish_weight_update_waits_for_a_push_still_running(
     finisher.join(timeout=120)
     assert states_when_finished == [{pb.WORKER_STATE_CONSISTENT}]  # it returned after the update ended
     with pytest.raises(PushError) as closed:
-        pusher.push({"lm_head.weight": checkpoints[THIRD]["lm_head.weight"]}, version=expected.version + 1, scope="partial")
+        pusher.push(
+            {"lm_head.weight": checkpoints[THIRD]["lm_head.weight"]},
+            version=expected.version + 1,
+            scope="partial",
+        )
     assert refused(closed.value, {"ENGINE_NOT_PAUSED"})
     check_engine(engine, pusher, expected)
 
 
-def test_update_weights_through_vllm_is_refused_with_the_way_to_push(engine: CpuEngine, pusher: WeightPusher, expected: Expected) -> None:
+def test_update_weights_through_vllm_is_refused_with_the_way_to_push(
+    engine: CpuEngine, pusher: WeightPusher, expected: Expected
+) -> None:
     engine.llm.start_weight_update()
     with pytest.raises(Exception, match="WeightPusher"):
         engine.llm.update_weights({"update_info": {}})
     # vLLM ended its session when update_weights failed, and the workers closed their window with it.
     with pytest.raises(PushError) as err:
-        pusher.push({"lm_head.weight": torch.zeros(SPEC.vocab, SPEC.hidden)}, version=expected.version + 1, scope="partial")
+        pusher.push(
+            {"lm_head.weight": torch.zeros(SPEC.vocab, SPEC.hidden)},
+            version=expected.version + 1,
+            scope="partial",
+        )
     assert refused(err.value, {"ENGINE_NOT_PAUSED"})
     check_engine(engine, pusher, expected)
 
 
 def test_several_versions_in_a_row(
-    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+    engine: CpuEngine,
+    pusher: WeightPusher,
+    expected: Expected,
+    checkpoints: dict[int, dict[str, torch.Tensor]],
 ) -> None:
     check_engine(engine, pusher, expected)
     for seed in (SECOND, THIRD, FOURTH):
@@ -210,11 +257,16 @@ def test_several_versions_in_a_row(
 
 
 def test_small_buckets_split_fused_layers_across_buckets(
-    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+    engine: CpuEngine,
+    pusher: WeightPusher,
+    expected: Expected,
+    checkpoints: dict[int, dict[str, torch.Tensor]],
 ) -> None:
     # 48 KiB buckets put each 64 KiB projection in a bucket of its own: every fused layer arrives in
     # several buckets, and the worker must keep the early parts until the layer is complete.
     check_engine(engine, pusher, expected)
-    with WeightPusher(pusher.endpoints, transport="host_shm", timeout_s=120, bucket_size_bytes=48 * 1024) as small:
+    with WeightPusher(
+        pusher.endpoints, transport="host_shm", timeout_s=120, bucket_size_bytes=48 * 1024
+    ) as small:
         results = push_in_window(engine, small, expected, checkpoints[THIRD])
     assert min(r.buckets for r in results.values()) > 20

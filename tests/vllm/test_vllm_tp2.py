@@ -37,7 +37,9 @@ def checkpoints() -> dict[int, dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[int, dict[str, torch.Tensor]]) -> Iterator[CpuEngine]:
+def engine(
+    tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[int, dict[str, torch.Tensor]]
+) -> Iterator[CpuEngine]:
     with started_engine(tmp_path_factory.mktemp("vllm-tp2"), SPEC, checkpoints[START], tp=2, pp=1) as eng:
         yield eng
 
@@ -62,7 +64,10 @@ def test_both_ranks_own_every_tensor_at_full_shape(
 
 
 def test_full_then_partial_push(
-    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+    engine: CpuEngine,
+    pusher: WeightPusher,
+    expected: Expected,
+    checkpoints: dict[int, dict[str, torch.Tensor]],
 ) -> None:
     check_engine(engine, pusher, expected)
     push_in_window(engine, pusher, expected, checkpoints[SECOND])
@@ -72,7 +77,10 @@ def test_full_then_partial_push(
 
 
 def test_refusals_on_both_ranks_change_nothing(
-    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+    engine: CpuEngine,
+    pusher: WeightPusher,
+    expected: Expected,
+    checkpoints: dict[int, dict[str, torch.Tensor]],
 ) -> None:
     check_engine(engine, pusher, expected)
     version = expected.version + 1
@@ -80,7 +88,9 @@ def test_refusals_on_both_ranks_change_nothing(
         pusher.push(checkpoints[THIRD], version=version)
     assert refused(outside.value, {"ENGINE_NOT_PAUSED", "CANCELLED"}) >= {"ENGINE_NOT_PAUSED"}
     with UpdateWindow(engine):
-        mislabelled = push_mislabelled(pusher, {"lm_head.weight": checkpoints[THIRD]["lm_head.weight"]}, version)
+        mislabelled = push_mislabelled(
+            pusher, {"lm_head.weight": checkpoints[THIRD]["lm_head.weight"]}, version
+        )
         assert refused(mislabelled, {"NO_PAYLOAD_FOR_DEVICE", "CANCELLED"}) >= {"NO_PAYLOAD_FOR_DEVICE"}
         with updates_held_open(pusher, version), pytest.raises(PushError) as concurrent:
             pusher.push(checkpoints[THIRD], version=version)

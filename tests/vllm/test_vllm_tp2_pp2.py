@@ -36,7 +36,9 @@ def checkpoints() -> dict[int, dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[int, dict[str, torch.Tensor]]) -> Iterator[CpuEngine]:
+def engine(
+    tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[int, dict[str, torch.Tensor]]
+) -> Iterator[CpuEngine]:
     with started_engine(tmp_path_factory.mktemp("vllm-tp2pp2"), SPEC, checkpoints[START], tp=2, pp=2) as eng:
         yield eng
 
@@ -59,7 +61,10 @@ def test_four_workers_split_the_checkpoint(
 
 
 def test_several_versions_a_partial_and_a_refusal(
-    engine: CpuEngine, pusher: WeightPusher, expected: Expected, checkpoints: dict[int, dict[str, torch.Tensor]]
+    engine: CpuEngine,
+    pusher: WeightPusher,
+    expected: Expected,
+    checkpoints: dict[int, dict[str, torch.Tensor]],
 ) -> None:
     check_engine(engine, pusher, expected)
     for seed in (SECOND, THIRD, FOURTH):
@@ -70,6 +75,8 @@ def test_several_versions_a_partial_and_a_refusal(
     results = push_in_window(engine, pusher, expected, partial, scope="partial")
     assert {r.tensors_loaded for r in results.values() if r.worker_id.endswith("pp0")} == {0}
     with UpdateWindow(engine):
-        mislabelled = push_mislabelled(pusher, {"lm_head.weight": checkpoints[THIRD]["lm_head.weight"]}, expected.version + 1)
+        mislabelled = push_mislabelled(
+            pusher, {"lm_head.weight": checkpoints[THIRD]["lm_head.weight"]}, expected.version + 1
+        )
         assert refused(mislabelled, {"NO_PAYLOAD_FOR_DEVICE", "CANCELLED"}) >= {"NO_PAYLOAD_FOR_DEVICE"}
     check_engine(engine, pusher, expected)

@@ -115,7 +115,9 @@ def reference(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> Reference:
     model = transformers.AutoModelForCausalLM.from_config(spec.hf_config()).eval()
     missing, unexpected = model.load_state_dict(dict(state), strict=False)
     if unexpected or [m for m in missing if not (spec.tie and m == "lm_head.weight")]:
-        raise ValueError(f"reference state does not fit the model: missing {missing}, unexpected {unexpected}")
+        raise ValueError(
+            f"reference state does not fit the model: missing {missing}, unexpected {unexpected}"
+        )
     if spec.tie:
         model.tie_weights()
     tokens: list[list[int]] = []
@@ -192,7 +194,11 @@ class CpuEngine:
         import psutil
 
         # The spawn context's resource tracker belongs to this process, not to the engine.
-        children = [c for c in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(_cmdline(c))]
+        children = [
+            c
+            for c in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(_cmdline(c))
+        ]
         try:
             self.llm.llm_engine.engine_core.shutdown()
         finally:
@@ -204,7 +210,9 @@ class CpuEngine:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
         if alive:
-            raise RuntimeError(f"vLLM left {len(alive)} process(es) running after shutdown: {[p.pid for p in alive]}")
+            raise RuntimeError(
+                f"vLLM left {len(alive)} process(es) running after shutdown: {[p.pid for p in alive]}"
+            )
 
 
 def _cmdline(proc: Any) -> list[str]:
@@ -229,7 +237,9 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def started_engine(tmp: Path, spec: ModelSpec, state: Mapping[str, torch.Tensor], *, tp: int, pp: int) -> Iterator[CpuEngine]:
+def started_engine(
+    tmp: Path, spec: ModelSpec, state: Mapping[str, torch.Tensor], *, tp: int, pp: int
+) -> Iterator[CpuEngine]:
     engine = CpuEngine(save_checkpoint(spec, state, tmp / "ckpt"), tp=tp, pp=pp, socket_dir=tmp / "sock")
     try:
         yield engine

@@ -47,7 +47,9 @@ def apply() -> None:
         ops = types.ModuleType("vllm._custom_ops")
 
         def rotary_embedding(*args: Any, **kwargs: Any) -> None:
-            raise RuntimeError("FakeVllmCustomOps.rotary_embedding: the CPU path uses forward_native, not this kernel")
+            raise RuntimeError(
+                "FakeVllmCustomOps.rotary_embedding: the CPU path uses forward_native, not this kernel"
+            )
 
         ops.rotary_embedding = rotary_embedding  # type: ignore[attr-defined]
         vllm._custom_ops = ops  # type: ignore[attr-defined]
@@ -71,7 +73,9 @@ def define_torchvision_ops() -> None:
     if not _op_defined(torch, "nms"):
         lib = torch.library.Library("torchvision", "DEF")
         lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold, float? score_threshold=None) -> Tensor")
+        lib.define(
+            "qnms(Tensor dets, Tensor scores, float iou_threshold, float? score_threshold=None) -> Tensor"
+        )
         _KEEP_ALIVE.append(lib)
 
 
