@@ -17,6 +17,13 @@ every push and compares the greedy tokens after each update:
   tokens as weightwire's push of B, and of A those of A;
 - then ``--reps`` timed rounds of both methods on the same engine, each followed by the check.
 
+This runs once per ``--modes`` entry, each on its own engine: ``load_weights`` (the worker loads
+every update through SGLang's ``load_weights``, ``WEIGHTWIRE_SGLANG_DIRECT_COPY=0``) and
+``direct`` (the default: from the second update on, the checked regions copied directly). The
+worker appends each update's phase times to ``WEIGHTWIRE_SGLANG_PHASE_LOG``; every timed push
+records them next to the trainer's time (``push - server``: the trainer's plan and export, gRPC
+and the way back).
+
 With ``--cuda-graph-check`` a second engine with CUDA graphs captured runs the push -> generate
 check (in-place loads keep parameter addresses, so captured graphs must see the new weights).
 ``--cpu`` runs the same script on a CPU machine (a tiny model, host shared memory, torch_native
@@ -80,7 +87,8 @@ def trainer(socket_dir: str, bucket_bytes: int) -> None:
         torch.cuda.synchronize()
     transport = "host_shm" if CPU else "cuda_ipc"
     pusher = WeightPusher(
-        discover(socket_dir, count=1, timeout_s=600), transport=transport, timeout_s=300, bucket_size_bytes=bucket_bytes
+        discover(socket_dir, count=1, timeout_s=600), transport=transport, timeout_s=300,
+        bucket_size_bytes=bucket_bytes or None,
     )
     print(json.dumps({"ready": True, "device": "cpu" if CPU else torch.cuda.get_device_name(0)}), flush=True)
     for line in sys.stdin:
@@ -130,10 +138,13 @@ class Trainer:
 
 
 class Driver:
-    def __init__(self, model: str, socket_dir: str, *, cuda_graph: bool) -> None:
+    def __init__(self, model: str, socket_dir: str, *, cuda_graph: bool, direct: bool = True) -> None:
         import sglang
 
         os.environ["WEIGHTWIRE_SGLANG_SOCKET_DIR"] = socket_dir
+        os.environ["WEIGHTWIRE_SGLANG_DIRECT_COPY"] = "1" if direct else "0"
+        self.phase_log = Path(socket_dir + "-phases.jsonl")
+        os.environ["WEIGHTWIRE_SGLANG_PHASE_LOG"] = str(self.phase_log)
         t0 = time.perf_counter()
         device = {"device": "cpu", "attention_backend": "torch_native"} if CPU else {"attention_backend": "triton"}
         # Captured decode graphs only (small batch sizes: capture is quick); no compiled prefill graphs.
@@ -168,6 +179,10 @@ class Driver:
         answer["pause_push_resume_s"] = time.perf_counter() - t0
         if (answer["version"], answer["state"]) != (self.version, "CONSISTENT"):
             raise RuntimeError(f"push of checkpoint {seed}: {answer}")
+        lines = self.phase_log.read_text().splitlines() if self.phase_log.exists() else []
+        phases = json.loads(lines[-1]) if lines else {}
+        if phases.get("version") == self.version:
+            answer["worker_phases_ms"] = phases
         return answer
 
     def from_tensor(self, weights: dict[str, Any]) -> float:
@@ -218,51 +233,29 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         "command": " ".join(["python3", *sys.argv]),
     })
     log(f"checkpoint: {nbytes / 2**30:.3f} GiB bf16, {len(ckpt[1])} tensors")
-    driver = Driver(model, str(work / "sock"), cuda_graph=False)
-    out["engine_start_s"] = driver.start_s
-    log(f"engine up in {driver.start_s:.1f} s")
-    trainer.wait_ready()
-    try:
-        tokens_a = driver.tokens()
-        log("tokens on A (engine started from A):", tokens_a)
-        first = driver.push(trainer, seed=2)
-        out["first_push"] = first
-        tokens_b = driver.tokens()
-        log("tokens after pushing B:", tokens_b, first)
-        if tokens_b == tokens_a:
-            raise RuntimeError("A and B give the same tokens: the checks would show nothing")
-        out["weight_version_after_push"] = driver.weight_version()
-        driver.push(trainer, seed=1)
-        check(driver.tokens(), tokens_a, "weightwire push of A gives the start-up tokens of A", out)
-        local = {seed: {k: v.to(DEVICE) for k, v in ckpt[seed].items()} for seed in (1, 2)}
-        driver.from_tensor(local[2])
-        check(driver.tokens(), tokens_b, "update_weights_from_tensor of B gives weightwire's tokens of B", out)
-        driver.from_tensor(local[1])
-        check(driver.tokens(), tokens_a, "update_weights_from_tensor of A gives the start-up tokens of A", out)
-        samples: dict[str, list[float]] = {"weightwire_push": [], "weightwire_pause_push_resume": [], "from_tensor": []}
-        for _ in range(args.reps):
-            for seed, want in ((2, tokens_b), (1, tokens_a)):
-                answer = driver.push(trainer, seed)
-                samples["weightwire_push"].append(answer["push_s"])
-                samples["weightwire_pause_push_resume"].append(answer["pause_push_resume_s"])
-                check(driver.tokens(), want, f"weightwire push of {'AB'[seed - 1]}", out)
-            for seed, want in ((2, tokens_b), (1, tokens_a)):
-                samples["from_tensor"].append(driver.from_tensor(local[seed]))
-                check(driver.tokens(), want, f"update_weights_from_tensor of {'AB'[seed - 1]}", out)
-        med = {k: statistics.median(v) for k, v in samples.items()}
-        out["median_s"], out["samples_s"] = med, samples
-        out["ratio_from_tensor_over_weightwire_push"] = med["from_tensor"] / med["weightwire_push"]
-        log("medians (ms):", {k: round(v * 1e3, 2) for k, v in med.items()},
-            f"from_tensor / weightwire push = {out['ratio_from_tensor_over_weightwire_push']:.2f}x")
-    finally:
-        trainer.stop()
-        driver.shutdown()
+    tokens_a = tokens_b = None
+    for n, mode in enumerate(args.modes.split(",")):
+        if n:
+            trainer = Trainer(str(work / f"sock-{mode}"), args.bucket_mib << 20)
+        res: dict[str, Any] = {}
+        out.setdefault("modes", {})[mode] = res
+        driver = Driver(model, str(work / ("sock" if n == 0 else f"sock-{mode}")), cuda_graph=False,
+                        direct=mode == "direct")
+        res["engine_start_s"] = driver.start_s
+        log(f"[{mode}] engine up in {driver.start_s:.1f} s")
+        trainer.wait_ready()
+        try:
+            tokens_a, tokens_b = measure(args, driver, trainer, ckpt, res, mode, tokens_a, tokens_b)
+        finally:
+            trainer.stop()
+            driver.shutdown()
+        save(args, out)
     if args.cuda_graph_check:
         save(args, out)
         graph: dict[str, Any] = {}
         out["cuda_graph_check"] = graph
         trainer = Trainer(str(work / "sock-graph"), args.bucket_mib << 20)
-        driver = Driver(model, str(work / "sock-graph"), cuda_graph=True)
+        driver = Driver(model, str(work / "sock-graph"), cuda_graph=True, direct=True)
         graph["engine_start_s"] = driver.start_s
         trainer.wait_ready()
         try:
@@ -271,9 +264,65 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
             check(driver.tokens(), tokens_b, "CUDA-graph engine after pushing B gives the tokens of B", graph)
             driver.push(trainer, seed=1)
             check(driver.tokens(), tokens_a, "CUDA-graph engine after pushing A gives the tokens of A", graph)
+            # Both checkpoints' first loads went through load_weights; these two copy directly.
+            for seed, want in ((2, tokens_b), (1, tokens_a)):
+                answer = driver.push(trainer, seed)
+                graph.setdefault("direct_pushes", []).append(answer)
+                check(driver.tokens(), want, f"CUDA-graph engine after a direct push of {'AB'[seed - 1]}", graph)
         finally:
             trainer.stop()
             driver.shutdown()
+
+
+def measure(args: argparse.Namespace, driver: Driver, trainer: Trainer, ckpt: dict[int, Any], out: dict[str, Any],
+            mode: str, tokens_a: Any, tokens_b: Any) -> tuple[Any, Any]:
+    """The checks and timed rounds of one engine (module docstring); returns A's and B's tokens."""
+    if tokens_a is None:
+        tokens_a = driver.tokens()
+        log("tokens on A (engine started from A):", tokens_a)
+    else:
+        check(driver.tokens(), tokens_a, f"[{mode}] engine on A gives the tokens of A", out)
+    first = driver.push(trainer, seed=2)
+    out["first_push"] = first
+    got_b = driver.tokens()
+    log(f"[{mode}] tokens after pushing B:", got_b, first)
+    if tokens_b is None:
+        tokens_b = got_b
+        if tokens_b == tokens_a:
+            raise RuntimeError("A and B give the same tokens: the checks would show nothing")
+    else:
+        check(got_b, tokens_b, f"[{mode}] weightwire push of B gives the tokens of B", out)
+    out["weight_version_after_push"] = driver.weight_version()
+    driver.push(trainer, seed=1)
+    check(driver.tokens(), tokens_a, f"[{mode}] weightwire push of A gives the start-up tokens of A", out)
+    local = {seed: {k: v.to(DEVICE) for k, v in ckpt[seed].items()} for seed in (1, 2)}
+    driver.from_tensor(local[2])
+    check(driver.tokens(), tokens_b, f"[{mode}] update_weights_from_tensor of B gives weightwire's tokens of B", out)
+    driver.from_tensor(local[1])
+    check(driver.tokens(), tokens_a, f"[{mode}] update_weights_from_tensor of A gives the start-up tokens of A", out)
+    samples: dict[str, list[float]] = {"weightwire_push": [], "weightwire_pause_push_resume": [], "from_tensor": [],
+                                       "weightwire_server": []}
+    phases: list[dict[str, Any]] = []
+    for _ in range(args.reps):
+        for seed, want in ((2, tokens_b), (1, tokens_a)):
+            answer = driver.push(trainer, seed)
+            samples["weightwire_push"].append(answer["push_s"])
+            samples["weightwire_server"].append(answer["server_s"])
+            samples["weightwire_pause_push_resume"].append(answer["pause_push_resume_s"])
+            phases.append(answer.get("worker_phases_ms", {}))
+            check(driver.tokens(), want, f"[{mode}] weightwire push of {'AB'[seed - 1]}", out)
+        for seed, want in ((2, tokens_b), (1, tokens_a)):
+            samples["from_tensor"].append(driver.from_tensor(local[seed]))
+            check(driver.tokens(), want, f"[{mode}] update_weights_from_tensor of {'AB'[seed - 1]}", out)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    out["median_s"], out["samples_s"], out["worker_phases_ms"] = med, samples, phases
+    keys = sorted({k for p in phases for k, v in p.items() if k.endswith("_ms")})
+    out["median_worker_phases_ms"] = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in keys}
+    out["ratio_weightwire_push_over_from_tensor"] = med["weightwire_push"] / med["from_tensor"]
+    log(f"[{mode}] medians (ms):", {k: round(v * 1e3, 2) for k, v in med.items()},
+        f"weightwire push / from_tensor = {out['ratio_weightwire_push_over_from_tensor']:.2f}x")
+    log(f"[{mode}] worker phases, medians (ms):", {k: round(v, 3) for k, v in out["median_worker_phases_ms"].items()})
+    return tokens_a, tokens_b
 
 
 def save(args: argparse.Namespace, out: dict[str, Any]) -> None:
@@ -289,8 +338,11 @@ def main() -> None:
     ap.add_argument("--out", default="sglang-gpu-results")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cuda-graph-check", action="store_true")
-    ap.add_argument("--bucket-mib", type=int, default=64,
-                    help="the trainer's bucket size (1024: the whole checkpoint in one bucket, sent as one PushUpdate call)")
+    ap.add_argument("--bucket-mib", type=int, default=0,
+                    help="the trainer's bucket size where it packs (0: the library's default; CUDA tensors "
+                         "exported where they live are not packed)")
+    ap.add_argument("--modes", default="load_weights,direct",
+                    help="worker load paths to measure, each on its own engine: load_weights, direct")
     ap.add_argument("--cpu", action="store_true", help="check this script on a CPU machine")
     args = ap.parse_args()
     out: dict[str, Any] = {}

@@ -327,7 +327,9 @@ def after_commit(scheduler: Any, settings: Settings, version: int) -> None:
     record = getattr(scheduler, "record_weight_version_change", None)
     if record is not None:
         record(new_version=str(version))
-    if settings.flush_cache and not scheduler.flush_cache():
+    # Without emptying torch's allocator cache, as SGLang's own updates flush (their
+    # torch_empty_cache defaults to False): the next batch then need not allocate afresh.
+    if settings.flush_cache and not scheduler.flush_cache(empty_cache=False):
         log.warning(
             "weightwire: weights version %d loaded but SGLang kept its cache (requests still running); "
             "call POST /flush_cache before resuming",

@@ -72,7 +72,7 @@ class FakeScheduler:
     def is_fully_idle(self) -> bool:
         return not self.waiting_queue and not self.running_batch.reqs
 
-    def flush_cache(self) -> bool:
+    def flush_cache(self, empty_cache: bool = True) -> bool:
         if not self.is_fully_idle():
             return False
         self.flushes += 1
