@@ -55,15 +55,6 @@ class ParallelRank:
             sp_size=msg.sp_size or 1,
         )
 
-    def worker_id(self) -> str:
-        """The default readable worker name: ``tp1-pp0``, plus ``-dp2`` / ``-sp1`` when those sizes are > 1."""
-        parts = [f"tp{self.tp_rank}", f"pp{self.pp_rank}"]
-        if self.dp_size > 1:
-            parts.append(f"dp{self.dp_rank}")
-        if self.sp_size > 1:
-            parts.append(f"sp{self.sp_rank}")
-        return "-".join(parts)
-
     def short(self) -> str:
         """The ranks for people: ``tp1/2 pp0/2`` (plus dp/sp when those sizes are > 1)."""
         parts = [f"tp{self.tp_rank}/{self.tp_size}", f"pp{self.pp_rank}/{self.pp_size}"]

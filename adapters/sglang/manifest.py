@@ -68,9 +68,6 @@ class ModelLayout:
     num_layers: int
     tie_word_embeddings: bool
 
-    def checkpoint_dtype(self, name: str) -> torch.dtype:
-        return self.targets[name][0].dtype
-
     def checkpoint_shape(self, name: str) -> tuple[int, ...]:
         return self.targets[name][0].shape
 

@@ -209,7 +209,6 @@ class CudaIpcExporter(Exporter):
         self._buffers: list[CudaStagingBuffer] = []
         self._wrapped: collections.OrderedDict[tuple[int, int], _WrapShare] = collections.OrderedDict()
         self._events: list[ProducerEvent] = []
-        self.allocations = 0
         # export_tensors: shared storages by id (a storage's Python object lives exactly as long as
         # the storage), a generation bumped whenever one dies, the payloads built, and the event
         # every such payload carries.
@@ -240,7 +239,6 @@ class CudaIpcExporter(Exporter):
         with self._lock:
             self._buffers = [b for b in self._buffers if b._flat is not None]
             self._buffers.append(buf)
-            self.allocations += 1
         return buf
 
     def wrap(self, flat: torch.Tensor) -> CudaStagingBuffer | None:
