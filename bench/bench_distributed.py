@@ -165,7 +165,7 @@ class BareGroup:
     """The limit: a plain ProcessGroupGloo of this process (rank 0) and the workers."""
 
     def __init__(self, workers: list[WorkerProc], tag: str) -> None:
-        from weightwire.core.transports.transfer_group import StoreServer
+        from weightwire.core.transports.transfer_group_store import StoreServer
 
         self.workers = workers
         self.server = StoreServer(HOST, 0, timeout_s=60)

@@ -33,8 +33,9 @@ from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import PushError, Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports import table as transports
-from weightwire.core.transports.transfer_group import StoreServer, TransferGroup, check_backend
+from weightwire.core.transports.transfer_group import TransferGroup, check_backend
 from weightwire.core.transports.transfer_group_plan import GroupPlan, MemberIdentity, message_tag, plan_group
+from weightwire.core.transports.transfer_group_store import StoreServer
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["GroupExporter", "GroupLink", "TransferGroupOptions"]

@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import ipaddress
 import json
-import os
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,191 +33,20 @@ from weightwire.core.transports.transfer_group_plan import (
     clip,
     own_rank,
     spec_digest,
-    split_address,
+)
+from weightwire.core.transports.transfer_group_store import (
+    StoreServer,
+    as_timedelta,
+    connect_store,
+    shut_down_sockets,
+    store_sockets,
 )
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 # How often members look at the store while they wait for each other during formation.
 _POLL_S = 0.02
-# How long past its timeout a store connection may take to report before it counts as stuck.
-_CONNECT_GRACE_S = 1.0
 # What one member's identity record in the store may weigh (a few hundred bytes in practice).
 _MAX_RECORD_BYTES = 4096
-
-
-# ---------------------------------------------------------------------------------------------
-# The rendezvous store
-# ---------------------------------------------------------------------------------------------
-
-
-def _timedelta(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=max(seconds, 0.001))
-
-
-class StoreServer:
-    """The rendezvous store of the groups a trainer forms: a torch ``TCPStore`` served on a socket
-    bound to exactly ``host:port`` (port 0 picks one), so it listens only where the operator says.
-
-    The store has no authentication of its own: anyone who reaches the port can read and write
-    keys. Bind it to the interface the workers use, and let only them reach it; group ids are
-    random, new per formation, and every key lives under one.
-    """
-
-    def __init__(self, host: str, port: int = 0, *, timeout_s: float = 60.0) -> None:
-        family = socket.AF_INET6 if _is_ipv6(host) else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(256)
-        except OSError as e:
-            sock.close()
-            raise WeightwireError(
-                Reason.GROUP_STORE_UNREACHABLE,
-                f"cannot listen for the rendezvous store on {host}:{port}: {e.strerror or e}",
-            ) from None
-        self.host = host
-        self.port: int = sock.getsockname()[1]
-        try:
-            self.store = torch.distributed.TCPStore(
-                host,
-                self.port,
-                None,
-                True,
-                _timedelta(timeout_s),
-                wait_for_workers=False,
-                master_listen_fd=sock.fileno(),
-            )
-        except BaseException:
-            sock.close()
-            raise
-        # The store owns the listening socket now and closes it when it is destroyed.
-        sock.detach()
-
-    @property
-    def address(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-    def close(self) -> None:
-        """Drop this reference to the store; it stops listening once the groups formed on it are
-        closed too (they hold it). Formed groups keep working: they no longer use it."""
-        self.store = None  # type: ignore[assignment]
-
-
-def _is_ipv6(host: str) -> bool:
-    try:
-        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
-    except ValueError:
-        return False
-
-
-def connect_store(address: str, timeout_s: float) -> torch.distributed.Store:
-    """A client of the store at ``address``; GROUP_STORE_UNREACHABLE if it does not answer in time.
-
-    torch's client waits without a deadline for the store's answer once TCP connected (a socket
-    that accepts and stays silent held a join for good), so the connection is made on a thread of
-    its own and given ``timeout_s``; past it, the sockets that thread opened to ``address`` are shut
-    down, which ends its wait, and the store counts as unreachable.
-    """
-    host, port = split_address(address)
-    before = store_sockets(address)
-    outcome: list[Any] = []
-    done = threading.Event()
-
-    def connect() -> None:
-        try:
-            outcome.append(torch.distributed.TCPStore(host, port, None, False, _timedelta(timeout_s)))
-        except BaseException as e:  # handed to the caller
-            outcome.append(e)
-        finally:
-            done.set()
-
-    threading.Thread(target=connect, name="ww-store-connect", daemon=True).start()
-    if not done.wait(timeout_s + _CONNECT_GRACE_S):
-        shut_down_sockets(store_sockets(address) - before)
-        done.wait(_CONNECT_GRACE_S)
-        if outcome and not isinstance(outcome[0], BaseException):
-            outcome.clear()  # connected just now: too late, and its socket may be shut down
-        raise _unreachable(address, timeout_s, "connected, but the store never answered")
-    result = outcome[0]
-    if isinstance(result, (RuntimeError, OSError)):
-        first = str(result).splitlines()[0] if str(result) else type(result).__name__
-        raise _unreachable(address, timeout_s, first) from None
-    if isinstance(result, BaseException):
-        raise result
-    return result
-
-
-def _unreachable(address: str, timeout_s: float, why: str) -> WeightwireError:
-    return WeightwireError(
-        Reason.GROUP_STORE_UNREACHABLE,
-        f"the transfer group's store at {address} did not answer within {timeout_s:.1f} s "
-        f"({clip(why, 160)}); check the address, that the trainer is up and that this machine can reach that port",
-        store_address=address,
-    )
-
-
-def store_sockets(address: str) -> set[int]:
-    """File descriptors of this process's TCP sockets connected to ``address`` (``host:port``;
-    Linux, elsewhere none): compared before and after a step, the ones that step opened."""
-    try:
-        host, port = split_address(address)
-    except WeightwireError:
-        return set()
-    found: set[int] = set()
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:
-        return found
-    for name in fds:
-        fd = int(name)
-        try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            probe = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            peer = probe.getpeername()
-            if (
-                probe.type == socket.SOCK_STREAM
-                and isinstance(peer, tuple)
-                and peer[1] == port
-                and _same_host(peer[0], host)
-            ):
-                found.add(fd)
-        except OSError:
-            pass
-        finally:
-            probe.close()  # the duplicate only
-    return found
-
-
-def _same_host(a: str, b: str) -> bool:
-    try:
-        ia, ib = (ipaddress.ip_address(x.split("%")[0]) for x in (a, b))
-    except ValueError:
-        return a == b
-    # A dual-stack socket names an IPv4 peer as ::ffff:a.b.c.d.
-    ia = getattr(ia, "ipv4_mapped", None) or ia
-    ib = getattr(ib, "ipv4_mapped", None) or ib
-    return ia == ib
-
-
-def shut_down_sockets(fds: set[int]) -> None:
-    """Shut the sockets under ``fds`` down (both directions) without closing the descriptors, whose
-    owner (torch) closes them when its blocked call returns with an error."""
-    for fd in fds:
-        try:
-            probe = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            probe.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            probe.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,7 +308,7 @@ class TransferGroup:
         self.spec = spec
         self.rank = rank
         self.world_size = spec.world_size
-        self.timeout = _timedelta(spec.timeout_ms / 1000)
+        self.timeout = as_timedelta(spec.timeout_ms / 1000)
         self._pg = pg
         # subgroup id -> (process group, group rank -> rank inside the subgroup)
         self._subgroups = subgroups
@@ -540,7 +366,7 @@ class TransferGroup:
                     f"group {spec.group_id}: forming took longer than {timeout_s:g} s",
                     group_id=spec.group_id,
                 )
-            return _timedelta(left)
+            return as_timedelta(left)
 
         stage = "connecting the process group"
         try:

@@ -19,19 +19,14 @@ import time
 
 import torch
 from weightwire.core.errors import Reason, WeightwireError
-from weightwire.core.transports.transfer_group import (
-    TransferGroup,
-    backend_name,
-    check_backend,
-    shut_down_sockets,
-    store_sockets,
-)
+from weightwire.core.transports.transfer_group import TransferGroup, backend_name, check_backend
 from weightwire.core.transports.transfer_group_plan import (
     MemberIdentity,
     check_spec,
     clip,
     own_rank,
 )
+from weightwire.core.transports.transfer_group_store import shut_down_sockets, store_sockets
 from weightwire.server.transports.transfer_group_member import (
     DEFAULT_MAX_STAGING_BYTES,
     MAX_STAGING_BUFFERS,

@@ -36,8 +36,9 @@ from weightwire.client import (
 )
 from weightwire.client.transports.transfer_group import TransferGroupOptions
 from weightwire.core.manifest import ShardManifest
-from weightwire.core.transports.transfer_group import StoreServer, TransferGroup
+from weightwire.core.transports.transfer_group import TransferGroup
 from weightwire.core.transports.transfer_group_plan import MemberIdentity, plan_group
+from weightwire.core.transports.transfer_group_store import StoreServer
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 HOST = "127.0.0.1"

@@ -23,8 +23,9 @@ from group_agent import listening_addresses, pattern
 from group_agents import Agent, spec_of
 from weightwire.core.errors import WeightwireError
 from weightwire.core.manifest import ParallelRank
-from weightwire.core.transports.transfer_group import StoreServer, TransferGroup
+from weightwire.core.transports.transfer_group import TransferGroup
 from weightwire.core.transports.transfer_group_plan import MemberIdentity, message_tag
+from weightwire.core.transports.transfer_group_store import StoreServer
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 HOST = "127.0.0.1"

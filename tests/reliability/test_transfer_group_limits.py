@@ -22,8 +22,9 @@ import pytest
 from helpers import RequestFeed, error_info, full_update_requests, header, pack, push, wait_until
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.core.manifest import ShardManifest
-from weightwire.core.transports.transfer_group import StoreServer, TransferGroup
+from weightwire.core.transports.transfer_group import TransferGroup
 from weightwire.core.transports.transfer_group_plan import MemberIdentity, plan_group
+from weightwire.core.transports.transfer_group_store import StoreServer
 from weightwire.server import serve
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc

@@ -1,0 +1,195 @@
+"""The rendezvous store of a transfer group: the trainer's ``StoreServer``, every member's
+``connect_store`` with a deadline for each step, and how a stuck connection is ended (its sockets
+found and shut down) so that a store that accepts TCP and never answers cannot hold a join. No gRPC.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+import threading
+from typing import Any
+
+import torch
+from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.transports.transfer_group_plan import clip, split_address
+
+# How long past its timeout a store connection may take to report before it counts as stuck.
+_CONNECT_GRACE_S = 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The rendezvous store
+# ---------------------------------------------------------------------------------------------
+
+
+def as_timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, 0.001))
+
+
+class StoreServer:
+    """The rendezvous store of the groups a trainer forms: a torch ``TCPStore`` served on a socket
+    bound to exactly ``host:port`` (port 0 picks one), so it listens only where the operator says.
+
+    The store has no authentication of its own: anyone who reaches the port can read and write
+    keys. Bind it to the interface the workers use, and let only them reach it; group ids are
+    random, new per formation, and every key lives under one.
+    """
+
+    def __init__(self, host: str, port: int = 0, *, timeout_s: float = 60.0) -> None:
+        family = socket.AF_INET6 if _is_ipv6(host) else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(256)
+        except OSError as e:
+            sock.close()
+            raise WeightwireError(
+                Reason.GROUP_STORE_UNREACHABLE,
+                f"cannot listen for the rendezvous store on {host}:{port}: {e.strerror or e}",
+            ) from None
+        self.host = host
+        self.port: int = sock.getsockname()[1]
+        try:
+            self.store = torch.distributed.TCPStore(
+                host,
+                self.port,
+                None,
+                True,
+                as_timedelta(timeout_s),
+                wait_for_workers=False,
+                master_listen_fd=sock.fileno(),
+            )
+        except BaseException:
+            sock.close()
+            raise
+        # The store owns the listening socket now and closes it when it is destroyed.
+        sock.detach()
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def close(self) -> None:
+        """Drop this reference to the store; it stops listening once the groups formed on it are
+        closed too (they hold it). Formed groups keep working: they no longer use it."""
+        self.store = None  # type: ignore[assignment]
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
+    except ValueError:
+        return False
+
+
+def connect_store(address: str, timeout_s: float) -> torch.distributed.Store:
+    """A client of the store at ``address``; GROUP_STORE_UNREACHABLE if it does not answer in time.
+
+    torch's client waits without a deadline for the store's answer once TCP connected (a socket
+    that accepts and stays silent held a join for good), so the connection is made on a thread of
+    its own and given ``timeout_s``; past it, the sockets that thread opened to ``address`` are shut
+    down, which ends its wait, and the store counts as unreachable.
+    """
+    host, port = split_address(address)
+    before = store_sockets(address)
+    outcome: list[Any] = []
+    done = threading.Event()
+
+    def connect() -> None:
+        try:
+            outcome.append(torch.distributed.TCPStore(host, port, None, False, as_timedelta(timeout_s)))
+        except BaseException as e:  # handed to the caller
+            outcome.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=connect, name="ww-store-connect", daemon=True).start()
+    if not done.wait(timeout_s + _CONNECT_GRACE_S):
+        shut_down_sockets(store_sockets(address) - before)
+        done.wait(_CONNECT_GRACE_S)
+        if outcome and not isinstance(outcome[0], BaseException):
+            outcome.clear()  # connected just now: too late, and its socket may be shut down
+        raise _unreachable(address, timeout_s, "connected, but the store never answered")
+    result = outcome[0]
+    if isinstance(result, (RuntimeError, OSError)):
+        first = str(result).splitlines()[0] if str(result) else type(result).__name__
+        raise _unreachable(address, timeout_s, first) from None
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _unreachable(address: str, timeout_s: float, why: str) -> WeightwireError:
+    return WeightwireError(
+        Reason.GROUP_STORE_UNREACHABLE,
+        f"the transfer group's store at {address} did not answer within {timeout_s:.1f} s "
+        f"({clip(why, 160)}); check the address, that the trainer is up and that this machine can reach that port",
+        store_address=address,
+    )
+
+
+def store_sockets(address: str) -> set[int]:
+    """File descriptors of this process's TCP sockets connected to ``address`` (``host:port``;
+    Linux, elsewhere none): compared before and after a step, the ones that step opened."""
+    try:
+        host, port = split_address(address)
+    except WeightwireError:
+        return set()
+    found: set[int] = set()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in fds:
+        fd = int(name)
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            probe = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            peer = probe.getpeername()
+            if (
+                probe.type == socket.SOCK_STREAM
+                and isinstance(peer, tuple)
+                and peer[1] == port
+                and _same_host(peer[0], host)
+            ):
+                found.add(fd)
+        except OSError:
+            pass
+        finally:
+            probe.close()  # the duplicate only
+    return found
+
+
+def _same_host(a: str, b: str) -> bool:
+    try:
+        ia, ib = (ipaddress.ip_address(x.split("%")[0]) for x in (a, b))
+    except ValueError:
+        return a == b
+    # A dual-stack socket names an IPv4 peer as ::ffff:a.b.c.d.
+    ia = getattr(ia, "ipv4_mapped", None) or ia
+    ib = getattr(ib, "ipv4_mapped", None) or ib
+    return ia == ib
+
+
+def shut_down_sockets(fds: set[int]) -> None:
+    """Shut the sockets under ``fds`` down (both directions) without closing the descriptors, whose
+    owner (torch) closes them when its blocked call returns with an error."""
+    for fd in fds:
+        try:
+            probe = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            probe.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            probe.close()
