@@ -61,7 +61,8 @@ from weightwire.client.ranks.dtensor_gather import (
     source_device,
 )
 from weightwire.client.transports import exporter as exp
-from weightwire.client.transports.transfer_group import GroupExporter, GroupLink, TransferGroupOptions
+from weightwire.client.transports.transfer_group import GroupExporter, TransferGroupOptions
+from weightwire.client.transports.transfer_group_link import GroupLink
 from weightwire.core.errors import PushError, Reason
 from weightwire.core.kept_threads import KeptThreads
 from weightwire.core.manifest import ShardManifest

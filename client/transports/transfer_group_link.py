@@ -1,0 +1,468 @@
+"""The trainer's transfer group: forming it with the workers, routing each bucket over it
+(point-to-point to each owner, or one broadcast to a subgroup of workers that own the same tensors),
+sending the bytes, and tearing it down.
+
+``WeightPusher(..., transfer_group=TransferGroupOptions(host=...))`` makes a ``GroupLink`` and
+registers the transport's exporter with it (``weightwire.client.transports.transfer_group``). Per
+push the exporter asks the link to ``ensure`` the group (formed once, reused while every worker
+reports it READY with the same identities; formed anew otherwise), then ``route``s the update's
+jobs: each job's bucket carries, for every recipient, a ``TransferGroupHandle`` naming the byte
+ranges of the tensors that worker owns, and once the bucket messages are queued the link posts the
+sends. Any failed update, and ``close``, tear the group down on this side: its sockets close, so a
+worker blocked in a receive fails at once instead of waiting out the timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import grpc
+import torch
+from weightwire.client.push.plan import TensorSpec
+from weightwire.client.push.rpc import Worker, error_from_rpc
+from weightwire.client.push.staging import Job, PreparedBucket
+from weightwire.client.transports.transfer_group import TransferGroupOptions
+from weightwire.client.transports.transfer_group_sends import (
+    Segment,
+    Sends,
+    direct_segments,
+    packed_segments,
+)
+from weightwire.core.errors import PushError, Reason, WeightwireError
+from weightwire.core.manifest import ShardManifest
+from weightwire.core.transports.transfer_group import TransferGroup, check_backend
+from weightwire.core.transports.transfer_group_plan import GroupPlan, MemberIdentity, message_tag, plan_group
+from weightwire.core.transports.transfer_group_store import StoreServer
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+__all__ = ["TRAINER_KEY", "GroupLink"]
+
+log = logging.getLogger(__name__)
+
+# How much longer than the group's timeout a JoinTransferGroup call may take (the worker answers
+# with its reason at the group's timeout; the RPC deadline only guards a hung worker).
+_JOIN_GRACE_S = 5.0
+_LEAVE_TIMEOUT_S = 5.0
+# How long closing the pusher waits for its process groups to be destroyed (they end at once unless
+# an operation is still running; a process exiting meanwhile would cut a destructor off halfway).
+_CLOSE_WAIT_S = 10.0
+# Key of the trainer's own part in a PushError about forming (workers are keyed by address).
+TRAINER_KEY = "trainer"
+
+
+# --------------------------------------------------------------------------------------------
+# Byte ranges of a bucket
+# --------------------------------------------------------------------------------------------
+
+
+def _byte_ranges(ranges: Sequence[tuple[int, int]]) -> list[pb.ByteRange]:
+    return [pb.ByteRange(offset_bytes=o, size_bytes=n) for o, n in ranges]
+
+
+# --------------------------------------------------------------------------------------------
+# The link: one formed group and everything sent over it
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Formed:
+    plan: GroupPlan
+    group: TransferGroup
+    identities: dict[str, tuple[str, str]]  # address -> (worker id, instance id) it was planned with
+
+
+class GroupLink:
+    """A pusher's transfer group: forms it, routes buckets over it, tears it down."""
+
+    def __init__(
+        self,
+        options: TransferGroupOptions,
+        workers: Mapping[str, Worker],
+        metadata: tuple[tuple[str, str], ...],
+        timeout_s: float,
+    ) -> None:
+        self.options = options
+        self.timeout_s = float(options.timeout_s if options.timeout_s is not None else timeout_s)
+        self._workers = workers
+        self._metadata = metadata
+        self.identity = MemberIdentity.of_trainer(options.trainer_rank, uuid.uuid4().hex)
+        self._store: StoreServer | None = None
+        self._formed: _Formed | None = None
+        self._closing: list[TransferGroup] = []
+        self._lock = threading.Lock()
+        self._sequence = 0
+        self._failure: WeightwireError | None = None
+        self._sends = Sends(self._send_failed)
+        self.formations = 0
+
+    @property
+    def device(self) -> torch.device:
+        if self.options.backend_value == pb.TRANSFER_BACKEND_NCCL:
+            return (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cuda")
+            )
+        return torch.device("cpu")
+
+    @property
+    def group_id(self) -> str | None:
+        formed = self._formed
+        return formed.plan.group_id if formed is not None else None
+
+    @property
+    def plan(self) -> GroupPlan | None:
+        formed = self._formed
+        return formed.plan if formed is not None else None
+
+    # ---------------------------------------------------------------- forming
+
+    def _needs_forming(
+        self,
+        manifests: Mapping[str, ShardManifest],
+        statuses: Mapping[str, pb.GetStatusResponse] | None,
+        max_bytes: int,
+    ) -> str | None:
+        formed = self._formed
+        if formed is None or formed.group.closed:
+            return "no group yet" if formed is None else "the group was torn down"
+        if set(manifests) != set(formed.identities):
+            return "the workers changed"
+        for a, m in manifests.items():
+            if formed.identities[a] != (m.worker_id, m.instance_id):
+                return f"{m.worker_id or a} restarted (instance {m.instance_id[:8]})"
+        if max_bytes > formed.plan.spec.max_bucket_bytes:
+            return f"a bucket of {max_bytes} bytes exceeds the group's limit"
+        for a, st in (statuses or {}).items():
+            tg = st.transfer_group
+            if tg.group_id != formed.plan.group_id or tg.state != pb.TRANSFER_GROUP_STATE_READY:
+                why = tg.last_teardown or pb.TransferGroupState.Name(tg.state)
+                return f"{manifests[a].worker_id or a} is not in the group ({why})"
+        return None
+
+    def ensure(
+        self,
+        manifests: Mapping[str, ShardManifest],
+        statuses: Mapping[str, pb.GetStatusResponse] | None,
+        max_bucket_bytes: int,
+    ) -> None:
+        """Form the group unless the current one still holds exactly these workers, all READY."""
+        why = self._needs_forming(manifests, statuses, max_bucket_bytes)
+        if why is None:
+            return
+        log.info("forming a transfer group: %s", why)
+        self.teardown(why, leave=self._formed is not None)
+        self._form(manifests, max_bucket_bytes)
+
+    def _form(self, manifests: Mapping[str, ShardManifest], max_bucket_bytes: int) -> None:
+        backend = self.options.backend_value
+        check_backend(backend, self.device)
+        if self._store is None:
+            self._store = StoreServer(self.options.host, self.options.port, timeout_s=self.timeout_s)
+        largest = max((t.nbytes for m in manifests.values() for t in m.tensors.values()), default=0)
+        plan = plan_group(
+            manifests,
+            trainer=self.identity,
+            group_id=f"ww-{uuid.uuid4().hex[:20]}",
+            backend=backend,
+            store_address=self._store.address,
+            timeout_ms=int(self.timeout_s * 1000),
+            max_bucket_bytes=max(max_bucket_bytes, largest),
+            broadcast=self.options.broadcast,
+        )
+        request = pb.JoinTransferGroupRequest(spec=plan.spec)
+        futures = {
+            a: self._workers[a].stub.JoinTransferGroup.future(
+                request, timeout=self.timeout_s + _JOIN_GRACE_S, metadata=self._metadata
+            )
+            for a in manifests
+        }
+        mine: WeightwireError | None = None
+        group: TransferGroup | None = None
+        try:
+            group = TransferGroup.form(
+                plan.spec,
+                self.identity,
+                listen_host=self.options.host,
+                device=self.device,
+                store=self._store.store,
+            )
+        except WeightwireError as err:
+            mine = err
+        failures: dict[str, WeightwireError] = {}
+        for a, fut in futures.items():
+            try:
+                fut.result()
+            except grpc.RpcError as e:
+                failures[a] = error_from_rpc(e, worker=a, context="JoinTransferGroup")
+        if failures or mine is not None or group is None:
+            if group is not None:
+                group.close()
+            self._leave_all(plan.group_id)
+            if mine is not None and not failures:
+                failures[TRAINER_KEY] = mine
+            raise PushError(failures)
+        self._formed = _Formed(plan, group, {a: (m.worker_id, m.instance_id) for a, m in manifests.items()})
+        self._failure = None
+        self._sequence = 0
+        self.formations += 1
+        log.info(
+            "transfer group %s formed: %d workers, %d broadcast subgroups",
+            plan.group_id,
+            len(manifests),
+            len(plan.spec.subgroups),
+        )
+
+    # ---------------------------------------------------------------- tearing down
+
+    def _send_failed(self, err: WeightwireError) -> None:
+        # Not torn down here: the worker concerned fails its own update (its receive fails, or its
+        # stream breaks), so the session names it first and cancels the others; the session's
+        # failure path then closes this side (``release_routed``), which frees anyone still waiting.
+        self._failure = self._failure or err
+        log.warning("transfer group %s: %s", self.group_id, err.message)
+
+    def teardown(self, why: str, *, leave: bool = True, wait_s: float = 0.0) -> None:
+        """Destroy this side of the group (pending receives on the workers fail at once); with
+        ``leave``, also tell every worker to leave it (best effort)."""
+        with self._lock:
+            formed, self._formed = self._formed, None
+        if formed is None:
+            return
+        log.info("tearing down transfer group %s: %s", formed.plan.group_id, why)
+        with self._lock:
+            self._closing = [g for g in self._closing if not g.destroyed] + [formed.group]
+        formed.group.close(wait_s)
+        if leave:
+            self._leave_all(formed.plan.group_id)
+
+    def _leave_all(self, group_id: str) -> None:
+        request = pb.LeaveTransferGroupRequest(group_id=group_id)
+        futures = [
+            w.stub.LeaveTransferGroup.future(request, timeout=_LEAVE_TIMEOUT_S, metadata=self._metadata)
+            for w in self._workers.values()
+        ]
+        for fut in futures:
+            try:
+                fut.result()
+            except grpc.RpcError:
+                pass  # a worker that is gone has left already
+
+    def close(self) -> None:
+        self.teardown("the pusher closed")
+        # Every group torn down so far gets its destructors finished (a process that exits during
+        # one aborts), within one bound in all.
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        with self._lock:
+            closing, self._closing = self._closing, []
+        for group in closing:
+            group.close(max(0.0, deadline - time.monotonic()))
+        self._sends.stop(max(0.0, deadline - time.monotonic()))
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    # ---------------------------------------------------------------- routing
+
+    def route(
+        self,
+        jobs: Sequence[Job],
+        manifests: Mapping[str, ShardManifest],
+        sources: Mapping[str, torch.Tensor] | None = None,
+        *,
+        verify_checksums: bool = False,
+    ) -> list[Job]:
+        """The same jobs, whose prepared buckets carry per-worker transfer-group payloads and post
+        their sends once the bucket messages are queued.
+
+        With ``sources`` (the tensors ``push`` was given, by name), a bucket whose tensors are all
+        contiguous, on this group's device and of the dtype sent is sent straight from them: each
+        tensor of at least ``DIRECT_MIN_BYTES`` as its own message, runs of smaller adjacent ones
+        packed into a small buffer; nothing is copied into a staging buffer.
+        """
+        formed = self._formed
+        if formed is None:
+            raise WeightwireError(Reason.GROUP_NOT_JOINED, "the transfer group is not formed")
+        return [
+            dataclasses.replace(
+                job, prepare=self._routed_prepare(job, formed, manifests, sources, verify_checksums)
+            )
+            for job in jobs
+        ]
+
+    def _routed_prepare(
+        self,
+        job: Job,
+        formed: _Formed,
+        manifests: Mapping[str, ShardManifest],
+        sources: Mapping[str, torch.Tensor] | None,
+        verify_checksums: bool,
+    ) -> Callable[[Callable[[], bool], float], PreparedBucket]:
+        inner = job.prepare
+        workers = set(job.recipients)
+        subgroup = next(
+            (sid for sid, members in formed.plan.subgroup_workers.items() if set(members) == workers), None
+        )
+        direct = None if verify_checksums or sources is None else self._direct_sources(job, sources)
+
+        def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
+            if direct is not None:
+                flats = dict(zip((sp.name for sp in job.specs), direct, strict=True))
+                return self._bucket(
+                    job,
+                    lambda specs: direct_segments(specs, [flats[sp.name] for sp in specs]),
+                    formed,
+                    manifests,
+                    subgroup,
+                    0,
+                    None,
+                    lambda ok: None,
+                )
+            prepared = inner(stopped, deadline)
+            try:
+                staged = prepared.staged
+                if staged is None:
+                    raise WeightwireError(
+                        Reason.TRANSPORT_UNAVAILABLE, "a transfer-group bucket needs its staged buffer"
+                    )
+                base = prepared.base_offset_bytes
+                data = staged.tensor()
+                return self._bucket(
+                    job,
+                    lambda specs: packed_segments(specs, data, base),
+                    formed,
+                    manifests,
+                    subgroup,
+                    base,
+                    prepared.checksum,
+                    prepared.release,
+                )
+            except BaseException:
+                prepared.release(False)
+                raise
+
+        return prepare
+
+    def _direct_sources(self, job: Job, sources: Mapping[str, torch.Tensor]) -> list[torch.Tensor] | None:
+        """Each spec's tensor as flat bytes, or None when any cannot be sent as it is."""
+        device = self.device.type
+        out = []
+        for spec in job.specs:
+            t = sources.get(spec.name)
+            if (
+                t is None
+                or t.device.type != device
+                or t.dtype != spec.dtype
+                or tuple(t.shape) != tuple(spec.shape)
+                or not t.is_contiguous()
+            ):
+                return None
+            out.append(t.detach().reshape(-1).view(torch.uint8))
+        return out
+
+    def _bucket(
+        self,
+        job: Job,
+        segments_of: Callable[[Sequence[TensorSpec]], list[Segment]],
+        formed: _Formed,
+        manifests: Mapping[str, ShardManifest],
+        subgroup: int | None,
+        base: int,
+        checksum: pb.Checksum | None,
+        release: Callable[[bool], None],
+    ) -> PreparedBucket:
+        size = base + job.size_bytes
+        self._sequence += 1
+        seq = self._sequence
+        group, plan = formed.group, formed.plan
+        gid = plan.group_id
+        sends: list[tuple[str, list[Segment]]] = []
+        payloads: dict[str, pb.Payload] = {}
+        segments: list[Segment] = []
+        if subgroup is not None:
+            segments = segments_of(job.specs)
+            handle = pb.TransferGroupHandle(
+                group_id=gid,
+                mode=pb.TRANSFER_MODE_BROADCAST,
+                source_rank=group.rank,
+                subgroup_id=subgroup,
+                sequence=seq,
+                ranges=_byte_ranges([(g.offset, g.size) for g in segments]),
+            )
+            for a in job.recipients:
+                payloads[a] = pb.Payload(
+                    device=manifests[a].device.to_proto(), size_bytes=size, transfer_group=handle
+                )
+        else:
+            # Only the tensors a worker owns travel to it (shard-aware, no padding); workers that
+            # own the same tensors share one list of messages.
+            by_owned: dict[tuple[str, ...], list[Segment]] = {}
+            for a in job.recipients:
+                owned = manifests[a].tensors
+                names = tuple(sp.name for sp in job.specs if sp.name in owned)
+                if names not in by_owned:
+                    by_owned[names] = segments_of([sp for sp in job.specs if sp.name in owned])
+                mine = by_owned[names]
+                handle = pb.TransferGroupHandle(
+                    group_id=gid,
+                    mode=pb.TRANSFER_MODE_POINT_TO_POINT,
+                    source_rank=group.rank,
+                    sequence=seq,
+                    ranges=_byte_ranges([(g.offset, g.size) for g in mine]),
+                )
+                payloads[a] = pb.Payload(
+                    device=manifests[a].device.to_proto(), size_bytes=size, transfer_group=handle
+                )
+                sends.append((a, mine))
+        released = threading.Lock()
+
+        def release_once(ok: bool) -> None:
+            # The first verdict wins: a buffer handed back when its sends completed may already be
+            # in use for a later bucket when the session releases this one.
+            if released.acquire(blocking=False):
+                release(ok)
+
+        def on_sent() -> None:
+            # Every recipient's stream has the bucket message; now the bytes. Errors arrive through
+            # ``Sends`` (the worker concerned then fails its update and the session ends it).
+            works: list[Any] = []
+            try:
+                if subgroup is not None:
+                    what = f"broadcast of bucket {seq}"
+                    works = [group.broadcast(g.source, subgroup) for g in segments]
+                else:
+                    what = f"sending bucket {seq}"
+                    for a, mine in sends:
+                        dst = plan.ranks[a]
+                        works += [group.send(g.source, dst, message_tag(seq, i)) for i, g in enumerate(mine)]
+            except WeightwireError as err:
+                self._send_failed(err)
+                return
+            except Exception as e:
+                self._send_failed(
+                    WeightwireError(Reason.TRANSFER_FAILED, f"posting the sends of bucket {seq}: {e!r}")
+                )
+                return
+            self._sends.add(group, works, what, lambda: release_once(True))
+
+        def release_routed(ok: bool) -> None:
+            if not ok:
+                # A worker may wait for bytes that will not come: close our side so it fails now.
+                self.teardown("an update failed")
+            release_once(ok)
+
+        return PreparedBucket(
+            [],
+            None,
+            checksum,
+            release_routed,
+            base_offset_bytes=base,
+            per_recipient=payloads.__getitem__,
+            on_sent=on_sent,
+        )
