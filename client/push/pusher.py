@@ -42,6 +42,7 @@ from weightwire.client.push.plan import PlanError
 from weightwire.client.push.routing import CheckedLayouts, flat_bytes, manifest_changes, route_own_device
 from weightwire.client.push.rpc import Worker, call_metadata, close_workers, collect_unary, start_unary
 from weightwire.client.push.session import CommitGate, SpecTemplates, UpdateSession, open_streams
+from weightwire.client.push.setup import PushSetup, recheck_needed, updating_workers
 from weightwire.client.push.staging import Staging, StagingPool
 from weightwire.client.push.stream import Connections, WorkerStream
 from weightwire.client.push.types import (
@@ -77,33 +78,6 @@ def _close_all(staging: Staging, workers: list[Worker], readers: KeptThreads) ->
     readers.shutdown()
     staging.close()
     close_workers(workers)
-
-
-@dataclasses.dataclass
-class _Setup:
-    """What every entry point first needs: the workers the update goes to, and the GetStatus
-    re-check already on its way (answers looked at only after planning, in ``_run``)."""
-
-    manifests: dict[str, ShardManifest]
-    recheck: dict[str, grpc.Future] | None
-    # Set when the caller already re-checked the fingerprints (a multi-rank push does it before
-    # the ranks agree, so that a restarted worker fails every rank before anything is sent).
-    rechecked: bool = False
-    # The exporter the update's bytes go through (None: buckets that carry their own payloads).
-    exporter: exp.Exporter | None = None
-
-
-def _recheck_needed(manifests: Mapping[str, ShardManifest], exporter: exp.Exporter | None) -> bool:
-    """Whether an update re-checks its workers before sending: with several workers (so that a
-    restarted one fails the push before any other loads a byte) or over a transfer group. One
-    worker's own header check (its fingerprint covers the instance id) refuses a restart before it
-    loads anything, and there is no other worker that could have loaded a byte."""
-    return len(manifests) > 1 or (exporter is not None and exporter.routes_each_update)
-
-
-def _updating(statuses: Mapping[str, pb.GetStatusResponse] | None) -> set[str]:
-    """The workers the re-check found running an update (someone else's: this pusher runs one at a time)."""
-    return {a for a, st in (statuses or {}).items() if st.state == pb.WORKER_STATE_UPDATING}
 
 
 class WeightPusher:
@@ -432,14 +406,14 @@ class WeightPusher:
 
     def _setup(
         self, manifests: dict[str, ShardManifest] | None = None, exporter: exp.Exporter | None = None
-    ) -> _Setup:
+    ) -> PushSetup:
         manifests = self.manifests() if manifests is None else manifests
         # Started now so that it overlaps planning.
-        needed = self.recheck_manifests and _recheck_needed(manifests, exporter)
+        needed = self.recheck_manifests and recheck_needed(manifests, exporter)
         recheck = self._start_all("GetStatus", pb.GetStatusRequest()) if needed else None
-        return _Setup(manifests, recheck, exporter=exporter)
+        return PushSetup(manifests, recheck, exporter=exporter)
 
-    def _setup_exporting(self, source: torch.device, options: PushOptions) -> tuple[_Setup, exp.Exporter]:
+    def _setup_exporting(self, source: torch.device, options: PushOptions) -> tuple[PushSetup, exp.Exporter]:
         """``_setup`` plus the exporter for ``source`` (``transport``, or the one ``auto`` picks for
         these workers), keeping only the workers on its device with ``only_own_device``."""
         manifests = self.manifests()
@@ -453,7 +427,7 @@ class WeightPusher:
 
     @contextlib.contextmanager
     def _opened_early(
-        self, setup: _Setup, options: PushOptions, *, one_bucket: bool
+        self, setup: PushSetup, options: PushOptions, *, one_bucket: bool
     ) -> Iterator[dict[str, WorkerStream] | None]:
         """Each worker's stream opened before the update is planned (``session.open_streams``), and
         cancelled (nothing sent; the workers record nothing) if the push ends before a session took
@@ -476,7 +450,7 @@ class WeightPusher:
 
     def _run(
         self,
-        setup: _Setup,
+        setup: PushSetup,
         jobs: job_builders.Jobs,
         options: PushOptions,
         commit_gate: CommitGate | None = None,
@@ -492,7 +466,7 @@ class WeightPusher:
         try:
             statuses = None
             if setup.recheck is not None and not setup.rechecked:
-                if _recheck_needed(setup.manifests, setup.exporter):
+                if recheck_needed(setup.manifests, setup.exporter):
                     statuses = self._recheck(setup.manifests, setup.recheck)
                 else:  # routing left one worker (only_own_device): its header check is enough
                     for call in setup.recheck.values():
@@ -513,7 +487,7 @@ class WeightPusher:
                 self._templates,
                 jobs.pools,
                 commit_gate,
-                updating_before=_updating(statuses),
+                updating_before=updating_workers(statuses),
                 opened=opened,
                 whole_update=setup.exporter is None or not setup.exporter.routes_each_update,
             )
@@ -555,7 +529,7 @@ class RankedPushDriver:
     def __init__(self, pusher: WeightPusher) -> None:
         self._pusher = pusher
 
-    def prepare(self, source: torch.device, options: PushOptions) -> tuple[_Setup, exp.Exporter]:
+    def prepare(self, source: torch.device, options: PushOptions) -> tuple[PushSetup, exp.Exporter]:
         pusher = self._pusher
         setup, exporter = pusher._setup_exporting(source, dataclasses.replace(options, only_own_device=False))
         if pusher.recheck_manifests:
@@ -574,7 +548,7 @@ class RankedPushDriver:
 
     def run(
         self,
-        setup: _Setup,
+        setup: PushSetup,
         workers: Sequence[str],
         jobs: job_builders.Jobs,
         options: PushOptions,
@@ -586,6 +560,3 @@ class RankedPushDriver:
             setup, manifests={a: setup.manifests[a] for a in workers}, recheck=None, rechecked=True
         )
         return self._pusher._run(sub, jobs, options, commit_gate=commit_gate)
-
-
-PushSetup = _Setup

@@ -77,7 +77,8 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:
     from weightwire.client.push.options import PushOptions
-    from weightwire.client.push.pusher import PushSetup, WeightPusher
+    from weightwire.client.push.pusher import WeightPusher
+    from weightwire.client.push.setup import PushSetup
 
 Routing = Literal["own_device", "gathered"]
 ROUTINGS: tuple[str, ...] = ("own_device", "gathered")
