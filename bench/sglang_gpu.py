@@ -7,7 +7,8 @@ installed, so that the plugin loads by its entry point::
 
 This process is the engine's driver: it writes a bfloat16 Qwen2 checkpoint A (about 0.6 GiB) and
 starts ``sglang.Engine`` on it (one GPU, triton attention). A second process, the trainer, holds
-checkpoints A and B on the same GPU and pushes them with ``WeightPusher`` over CUDA IPC to the
+checkpoints A and B on the same GPU and pushes them with ``WeightPusher`` over CUDA IPC (copied into one set of
+parameters before each push, as an optimizer step writes a training loop's parameters) to the
 worker the plugin started in the scheduler process. The driver pauses (abort) and resumes around
 every push and compares the greedy tokens after each update:
 
@@ -51,13 +52,28 @@ sys.path.insert(0, str(ROOT / "tests" / "sglang"))
 
 PROMPTS = [[1, 17, 33, 65, 129], [1, 5, 9], [200, 2, 71, 8]]
 SAMPLING = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
-SPEC_ARGS = dict(family="qwen2", vocab_size=32768, hidden_size=2048, intermediate_size=5632, num_heads=16,
-                 kv_heads=4, num_layers=4)
+SPEC_ARGS = dict(
+    family="qwen2",
+    vocab_size=32768,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_heads=16,
+    kv_heads=4,
+    num_layers=4,
+)
 CPU = "--cpu" in sys.argv
 if CPU:
-    SPEC_ARGS = dict(family="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4, kv_heads=2,
-                     num_layers=2)
+    SPEC_ARGS = dict(
+        family="qwen2",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        kv_heads=2,
+        num_layers=2,
+    )
 DEVICE = "cpu" if CPU else "cuda"
+PUSH_CHECKPOINTS = "--push-checkpoints" in sys.argv
 
 
 def log(*args: Any) -> None:
@@ -87,24 +103,54 @@ def trainer(socket_dir: str, bucket_bytes: int) -> None:
         torch.cuda.synchronize()
     transport = "host_shm" if CPU else "cuda_ipc"
     pusher = WeightPusher(
-        discover(socket_dir, count=1, timeout_s=600), transport=transport, timeout_s=300,
+        discover(socket_dir, count=1, timeout_s=600),
+        transport=transport,
+        timeout_s=300,
         bucket_size_bytes=bucket_bytes or None,
     )
     print(json.dumps({"ready": True, "device": "cpu" if CPU else torch.cuda.get_device_name(0)}), flush=True)
+    # As a training loop: one set of parameters, written in place before each push (an optimizer
+    # step), so the worker keeps the same storages from one update to the next. Pushing the two
+    # checkpoints' own tensors instead would make every FULL push name a different storage set,
+    # which closes the other one in the worker (a set that is complete drops the rest), and every
+    # push would open all its handles again (--push-checkpoints measures that).
+    params = {k: v.clone() for k, v in ckpt[1].items()}
     for line in sys.stdin:
         cmd = json.loads(line)
+        if PUSH_CHECKPOINTS:
+            source = ckpt[cmd["seed"]]
+        else:
+            with torch.no_grad():
+                for k, v in params.items():
+                    v.copy_(ckpt[cmd["seed"]][k])
+            source = params
+        if not CPU:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        results = pusher.push(ckpt[cmd["seed"]], version=cmd["version"])
+        results = pusher.push(source, version=cmd["version"])
         elapsed = time.perf_counter() - t0
         (res,) = results.values()
-        print(json.dumps({"push_s": elapsed, "version": res.version, "state": res.state, "transport": res.transport,
-                          "bytes": res.bytes_loaded, "server_s": res.server_duration_s}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "push_s": elapsed,
+                    "version": res.version,
+                    "state": res.state,
+                    "transport": res.transport,
+                    "bytes": res.bytes_loaded,
+                    "server_s": res.server_duration_s,
+                }
+            ),
+            flush=True,
+        )
     pusher.close()
 
 
 class Trainer:
     def __init__(self, socket_dir: str, bucket_bytes: int) -> None:
-        cmd = [sys.executable, __file__, "--trainer", socket_dir, str(bucket_bytes)] + (["--cpu"] if CPU else [])
+        cmd = [sys.executable, __file__, "--trainer", socket_dir, str(bucket_bytes)] + (
+            ["--cpu"] if CPU else []
+        )
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def wait_ready(self) -> None:
@@ -146,16 +192,32 @@ class Driver:
         self.phase_log = Path(socket_dir + "-phases.jsonl")
         os.environ["WEIGHTWIRE_SGLANG_PHASE_LOG"] = str(self.phase_log)
         t0 = time.perf_counter()
-        device = {"device": "cpu", "attention_backend": "torch_native"} if CPU else {"attention_backend": "triton"}
+        device = (
+            {"device": "cpu", "attention_backend": "torch_native"} if CPU else {"attention_backend": "triton"}
+        )
         # Captured decode graphs only (small batch sizes: capture is quick); no compiled prefill graphs.
         graphs: dict[str, Any] = (
-            {"cuda_graph_backend_decode": "full", "cuda_graph_backend_prefill": "disabled", "cuda_graph_max_bs_decode": 4}
-            if cuda_graph else {"disable_cuda_graph": True}
+            {
+                "cuda_graph_backend_decode": "full",
+                "cuda_graph_backend_prefill": "disabled",
+                "cuda_graph_max_bs_decode": 4,
+            }
+            if cuda_graph
+            else {"disable_cuda_graph": True}
         )
         self.engine = sglang.Engine(
-            model_path=model, skip_tokenizer_init=True, dtype="bfloat16", sampling_backend="pytorch",
-            grammar_backend="none", mem_fraction_static=0.15, max_total_tokens=8192, max_running_requests=4,
-            random_seed=0, log_level="warning", **graphs, **device,
+            model_path=model,
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            sampling_backend="pytorch",
+            grammar_backend="none",
+            mem_fraction_static=0.15,
+            max_total_tokens=8192,
+            max_running_requests=4,
+            random_seed=0,
+            log_level="warning",
+            **graphs,
+            **device,
         )
         self.start_s = time.perf_counter() - t0
         self.version = 0
@@ -225,13 +287,19 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
     ckpt = {seed: full_checkpoint(s, seed) for seed in (1, 2)}
     model = write_model_dir(s, str(work / "model-a"), ckpt[1])
     nbytes = sum(t.numel() * t.element_size() for t in ckpt[1].values())
-    out.update({
-        "versions": {"sglang": sglang.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "python": platform.python_version()},
-        "gpu": "none (--cpu)" if CPU else torch.cuda.get_device_name(0),
-        "model": {**SPEC_ARGS, "dtype": "bfloat16", "bytes": nbytes},
-        "command": " ".join(["python3", *sys.argv]),
-    })
+    out.update(
+        {
+            "versions": {
+                "sglang": sglang.__version__,
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "python": platform.python_version(),
+            },
+            "gpu": "none (--cpu)" if CPU else torch.cuda.get_device_name(0),
+            "model": {**SPEC_ARGS, "dtype": "bfloat16", "bytes": nbytes},
+            "command": " ".join(["python3", *sys.argv]),
+        }
+    )
     log(f"checkpoint: {nbytes / 2**30:.3f} GiB bf16, {len(ckpt[1])} tensors")
     tokens_a = tokens_b = None
     for n, mode in enumerate(args.modes.split(",")):
@@ -239,8 +307,12 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
             trainer = Trainer(str(work / f"sock-{mode}"), args.bucket_mib << 20)
         res: dict[str, Any] = {}
         out.setdefault("modes", {})[mode] = res
-        driver = Driver(model, str(work / ("sock" if n == 0 else f"sock-{mode}")), cuda_graph=False,
-                        direct=mode == "direct")
+        driver = Driver(
+            model,
+            str(work / ("sock" if n == 0 else f"sock-{mode}")),
+            cuda_graph=False,
+            direct=mode == "direct",
+        )
         res["engine_start_s"] = driver.start_s
         log(f"[{mode}] engine up in {driver.start_s:.1f} s")
         trainer.wait_ready()
@@ -268,14 +340,24 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
             for seed, want in ((2, tokens_b), (1, tokens_a)):
                 answer = driver.push(trainer, seed)
                 graph.setdefault("direct_pushes", []).append(answer)
-                check(driver.tokens(), want, f"CUDA-graph engine after a direct push of {'AB'[seed - 1]}", graph)
+                check(
+                    driver.tokens(), want, f"CUDA-graph engine after a direct push of {'AB'[seed - 1]}", graph
+                )
         finally:
             trainer.stop()
             driver.shutdown()
 
 
-def measure(args: argparse.Namespace, driver: Driver, trainer: Trainer, ckpt: dict[int, Any], out: dict[str, Any],
-            mode: str, tokens_a: Any, tokens_b: Any) -> tuple[Any, Any]:
+def measure(
+    args: argparse.Namespace,
+    driver: Driver,
+    trainer: Trainer,
+    ckpt: dict[int, Any],
+    out: dict[str, Any],
+    mode: str,
+    tokens_a: Any,
+    tokens_b: Any,
+) -> tuple[Any, Any]:
     """The checks and timed rounds of one engine (module docstring); returns A's and B's tokens."""
     if tokens_a is None:
         tokens_a = driver.tokens()
@@ -297,11 +379,25 @@ def measure(args: argparse.Namespace, driver: Driver, trainer: Trainer, ckpt: di
     check(driver.tokens(), tokens_a, f"[{mode}] weightwire push of A gives the start-up tokens of A", out)
     local = {seed: {k: v.to(DEVICE) for k, v in ckpt[seed].items()} for seed in (1, 2)}
     driver.from_tensor(local[2])
-    check(driver.tokens(), tokens_b, f"[{mode}] update_weights_from_tensor of B gives weightwire's tokens of B", out)
+    check(
+        driver.tokens(),
+        tokens_b,
+        f"[{mode}] update_weights_from_tensor of B gives weightwire's tokens of B",
+        out,
+    )
     driver.from_tensor(local[1])
-    check(driver.tokens(), tokens_a, f"[{mode}] update_weights_from_tensor of A gives the start-up tokens of A", out)
-    samples: dict[str, list[float]] = {"weightwire_push": [], "weightwire_pause_push_resume": [], "from_tensor": [],
-                                       "weightwire_server": []}
+    check(
+        driver.tokens(),
+        tokens_a,
+        f"[{mode}] update_weights_from_tensor of A gives the start-up tokens of A",
+        out,
+    )
+    samples: dict[str, list[float]] = {
+        "weightwire_push": [],
+        "weightwire_pause_push_resume": [],
+        "from_tensor": [],
+        "weightwire_server": [],
+    }
     phases: list[dict[str, Any]] = []
     for _ in range(args.reps):
         for seed, want in ((2, tokens_b), (1, tokens_a)):
@@ -319,9 +415,15 @@ def measure(args: argparse.Namespace, driver: Driver, trainer: Trainer, ckpt: di
     keys = sorted({k for p in phases for k, v in p.items() if k.endswith("_ms")})
     out["median_worker_phases_ms"] = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in keys}
     out["ratio_weightwire_push_over_from_tensor"] = med["weightwire_push"] / med["from_tensor"]
-    log(f"[{mode}] medians (ms):", {k: round(v * 1e3, 2) for k, v in med.items()},
-        f"weightwire push / from_tensor = {out['ratio_weightwire_push_over_from_tensor']:.2f}x")
-    log(f"[{mode}] worker phases, medians (ms):", {k: round(v, 3) for k, v in out["median_worker_phases_ms"].items()})
+    log(
+        f"[{mode}] medians (ms):",
+        {k: round(v * 1e3, 2) for k, v in med.items()},
+        f"weightwire push / from_tensor = {out['ratio_weightwire_push_over_from_tensor']:.2f}x",
+    )
+    log(
+        f"[{mode}] worker phases, medians (ms):",
+        {k: round(v, 3) for k, v in out["median_worker_phases_ms"].items()},
+    )
     return tokens_a, tokens_b
 
 
@@ -338,12 +440,22 @@ def main() -> None:
     ap.add_argument("--out", default="sglang-gpu-results")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cuda-graph-check", action="store_true")
-    ap.add_argument("--bucket-mib", type=int, default=0,
-                    help="the trainer's bucket size where it packs (0: the library's default; CUDA tensors "
-                         "exported where they live are not packed)")
-    ap.add_argument("--modes", default="load_weights,direct",
-                    help="worker load paths to measure, each on its own engine: load_weights, direct")
+    ap.add_argument(
+        "--bucket-mib",
+        type=int,
+        default=0,
+        help="the trainer's bucket size where it packs (0: the library's default; CUDA tensors "
+        "exported where they live are not packed)",
+    )
+    ap.add_argument(
+        "--modes",
+        default="load_weights,direct",
+        help="worker load paths to measure, each on its own engine: load_weights, direct",
+    )
     ap.add_argument("--cpu", action="store_true", help="check this script on a CPU machine")
+    ap.add_argument("--push-checkpoints", action="store_true",
+                    help="push the two checkpoints' own tensors alternately (two storage sets, each push "
+                         "reopening its handles) instead of one set of parameters written in place")
     args = ap.parse_args()
     out: dict[str, Any] = {}
     try:
