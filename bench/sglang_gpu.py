@@ -453,9 +453,12 @@ def main() -> None:
         help="worker load paths to measure, each on its own engine: load_weights, direct",
     )
     ap.add_argument("--cpu", action="store_true", help="check this script on a CPU machine")
-    ap.add_argument("--push-checkpoints", action="store_true",
-                    help="push the two checkpoints' own tensors alternately (two storage sets, each push "
-                         "reopening its handles) instead of one set of parameters written in place")
+    ap.add_argument(
+        "--push-checkpoints",
+        action="store_true",
+        help="push the two checkpoints' own tensors alternately (two storage sets, each push "
+        "reopening its handles) instead of one set of parameters written in place",
+    )
     args = ap.parse_args()
     out: dict[str, Any] = {}
     try:

@@ -304,7 +304,9 @@ class SGLangAdapter:
                     log.warning(
                         "%s: SGLang's load_weights wrote other regions than the manifest's slice geometry names "
                         "for %d tensor(s) starting at %s; these keep loading through load_weights",
-                        self.worker_id, len(named), named[0][0],
+                        self.worker_id,
+                        len(named),
+                        named[0][0],
                     )
 
         self._count_load(len(named), direct=False)
@@ -366,7 +368,11 @@ class SGLangAdapter:
                 start = row if fused else 0
                 if fused:
                     row += local[0]
-                if t.dtype != param.dtype or len(local) != param.dim() or tuple(local[1:]) != tuple(param.shape[1:]):
+                if (
+                    t.dtype != param.dtype
+                    or len(local) != param.dim()
+                    or tuple(local[1:]) != tuple(param.shape[1:])
+                ):
                     continue
                 if start + local[0] > param.shape[0]:
                     continue
@@ -379,7 +385,9 @@ class SGLangAdapter:
         from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
         module_name = param_name.rpartition(".")[0]
-        return isinstance(self.model.get_submodule(module_name) if module_name else self.model, VocabParallelEmbedding)
+        return isinstance(
+            self.model.get_submodule(module_name) if module_name else self.model, VocabParallelEmbedding
+        )
 
     def _count_load(self, tensors: int, *, direct: bool) -> None:
         if self.phases is not None:

@@ -183,7 +183,9 @@ def after_scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any
         worker.adapter.layout.layer_end,
         worker.adapter.layout.num_layers,
         worker.address,
-        "; wakes this idle-sleeping scheduler when updates are queued" if worker.wake_receiver is not None else "",
+        "; wakes this idle-sleeping scheduler when updates are queued"
+        if worker.wake_receiver is not None
+        else "",
     )
 
 
@@ -191,8 +193,10 @@ def after_process_input_requests(result: Any, scheduler: Any, *args: Any, **kwar
     """AFTER hook on ``Scheduler.process_input_requests``: run queued update steps on this thread."""
     worker: SchedulerWorker | None = getattr(scheduler, _WORKER_ATTR, None)
     if worker is None:
-        raise RuntimeError("weightwire: Scheduler.process_input_requests is hooked but the scheduler has no "
-                           f"worker: the hook on {INIT_TARGET} did not run")
+        raise RuntimeError(
+            "weightwire: Scheduler.process_input_requests is hooked but the scheduler has no "
+            f"worker: the hook on {INIT_TARGET} did not run"
+        )
     worker.drain()
     return None
 
@@ -201,7 +205,9 @@ def hook_applied(cls: type, method: str, hook: Callable[..., Any]) -> bool:
     """Whether ``cls.method`` (as ``cls`` resolves it) is wrapped by SGLang's hook registry around ``hook``."""
     fn: Any = next((klass.__dict__[method] for klass in cls.__mro__ if method in klass.__dict__), None)
     while fn is not None:
-        if any(getattr(cell, "cell_contents", None) is hook for cell in (getattr(fn, "__closure__", None) or ())):
+        if any(
+            getattr(cell, "cell_contents", None) is hook for cell in (getattr(fn, "__closure__", None) or ())
+        ):
             return True
         fn = getattr(fn, "__wrapped__", None)
     return False
@@ -240,7 +246,9 @@ def start_worker(scheduler: Any, settings: Settings | None = None) -> SchedulerW
         worker_id=worker_id(rank),
         engine_queue=queue,
         weight_session=weight_session_of(runner),
-        engine_gate=functools.partial(scheduler_gate, scheduler, pause_honoured=pause_honoured(scheduler, rank)),
+        engine_gate=functools.partial(
+            scheduler_gate, scheduler, pause_honoured=pause_honoured(scheduler, rank)
+        ),
         on_committed=functools.partial(after_commit, scheduler, settings),
         idle_wait_s=settings.idle_wait_s,
         direct_copy=os.environ.get(ENV_DIRECT_COPY, "1") != "0",
@@ -274,12 +282,18 @@ def weight_session_of(runner: Any) -> WeightUpdateSession:
     """SGLang's begin/end weight-update steps where the release has them (0.5.23), else none:
     SGLang 0.5.17's own updates call ``load_weights`` with nothing around it."""
     updater = getattr(runner, "weight_updater", None)
-    if updater is not None and hasattr(updater, "begin_weight_update") and hasattr(updater, "end_weight_update"):
+    if (
+        updater is not None
+        and hasattr(updater, "begin_weight_update")
+        and hasattr(updater, "end_weight_update")
+    ):
         return updater  # type: ignore[no-any-return]
     return NoWeightSession()
 
 
-def idle_wakers(scheduler: Any, settings: Settings, rank: ParallelRank) -> tuple[WakeReceiver | None, WakeSender | None]:
+def idle_wakers(
+    scheduler: Any, settings: Settings, rank: ParallelRank
+) -> tuple[WakeReceiver | None, WakeSender | None]:
     """The wake socket this scheduler polls when it sleeps on idle, and the sender that wakes every
     sleeper of this rank's replica (``wake.py``); (None, None) when the engine does not sleep."""
     if not getattr(scheduler.server_args, "sleep_on_idle", True):
@@ -364,9 +378,15 @@ def prepare_socket(path: str) -> None:
     os.makedirs(directory, mode=0o700, exist_ok=True)
     st = os.stat(directory)
     if st.st_uid != os.getuid():
-        raise PermissionError(f"weightwire socket directory {directory} belongs to uid {st.st_uid}, not to us")
+        raise PermissionError(
+            f"weightwire socket directory {directory} belongs to uid {st.st_uid}, not to us"
+        )
     if st.st_mode & 0o077:
-        log.warning("weightwire: socket directory %s is accessible to other users (mode %o)", directory, st.st_mode & 0o777)
+        log.warning(
+            "weightwire: socket directory %s is accessible to other users (mode %o)",
+            directory,
+            st.st_mode & 0o777,
+        )
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:

@@ -57,7 +57,11 @@ class FakeScheduler:
             get_model_runner=lambda: None,  # type: ignore[arg-type,return-value]
         )
         runner = SimpleNamespace(
-            model=model, device="cpu", gpu_id=0, model_config=SimpleNamespace(hf_config=config), weight_updater=weight_updater
+            model=model,
+            device="cpu",
+            gpu_id=0,
+            model_config=SimpleNamespace(hf_config=config),
+            weight_updater=weight_updater,
         )
         self.tp_worker = SimpleNamespace(model_runner=runner)
         self.server_args = SimpleNamespace(port=None, sleep_on_idle=False)
@@ -131,7 +135,9 @@ def main() -> None:
     args = ap.parse_args()
 
     sglang_cpu.prepare_cpu_import()
-    sglang_cpu.init_parallel(rank=args.rank, world_size=args.world, tp_size=args.tp, pp_size=args.pp, init_port=args.init_port)
+    sglang_cpu.init_parallel(
+        rank=args.rank, world_size=args.world, tp_size=args.tp, pp_size=args.pp, init_port=args.init_port
+    )
     config = ModelSpec(args.family, tie=args.tie, kv_heads=args.kv_heads).hf_config()
     model = sglang_cpu.build_model(args.family, config, DTYPES[args.dtype])
     with torch.no_grad():
