@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
+from weightwire.core.capabilities import has_capability
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.server.worker.adapter import PreparesLoads
 
@@ -180,7 +181,7 @@ class PlacesViews(Protocol):
 
 
 def _kept(mapping: object, batch: ReadBatch) -> _Kept | None:
-    memo = mapping.view_memo if isinstance(mapping, KeepsViews) else None
+    memo = cast(KeepsViews, mapping).view_memo if has_capability(mapping, KeepsViews) else None
     kept = memo.get(id(batch)) if memo is not None else None
     return kept if isinstance(kept, _Kept) and kept.batch is batch else None
 
@@ -201,13 +202,13 @@ def batch_views(mapping: _Fetches, batch: ReadBatch) -> list[torch.Tensor]:
         return kept.views
     # A payload of several storages (CUDA IPC of a trainer's own parameters) places each tensor in
     # its own storage, and refuses rather than copies a misaligned one.
-    places = isinstance(mapping, PlacesViews)
+    places = has_capability(mapping, PlacesViews)
     views = (
-        mapping.views_of(batch)
-        if isinstance(mapping, PlacesViews)
+        cast(PlacesViews, mapping).views_of(batch)
+        if places
         else views_over(base, batch.positions, batch.items)
     )
-    memo = mapping.view_memo if isinstance(mapping, KeepsViews) else None
+    memo = cast(KeepsViews, mapping).view_memo if has_capability(mapping, KeepsViews) else None
     if memo is None:
         return views
     storage = base.untyped_storage().data_ptr()
@@ -234,12 +235,12 @@ def batch_load(
     """
     named = list(zip(batch.names, views, strict=True))
     kept = _kept(mapping, batch)
-    if not isinstance(adapter, PreparesLoads) or kept is None or kept.views is not views:
+    if not has_capability(adapter, PreparesLoads) or kept is None or kept.views is not views:
         return lambda: adapter.load(named)
     known = kept.loads.get(id(adapter))
     if known is not None and known[0] is adapter:
         return known[1]
-    load = adapter.prepare_load(named)
+    load = cast(PreparesLoads, adapter).prepare_load(named)
     kept.loads[id(adapter)] = (adapter, load)
     return load
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
+from weightwire.core.capabilities import has_capability
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 
@@ -39,15 +40,15 @@ def _announce(bucket: pb.Bucket, importers: Mapping[str, Any]) -> bool:
     """Hand the bucket's first payload that an importer can receive ahead to it; True if any."""
     for payload in bucket.payloads:
         importer = importers.get(payload.WhichOneof("handle") or "")
-        if isinstance(importer, ReadsAhead):
-            importer.ahead(payload)
+        if has_capability(importer, ReadsAhead):
+            cast(ReadsAhead, importer).ahead(payload)
             return True
     return False
 
 
 def _wants_ahead(req: pb.PushWeightsRequest, importers: Mapping[str, Any]) -> bool:
     return req.WhichOneof("message") == "bucket" and any(
-        isinstance(importers.get(p.WhichOneof("handle") or ""), ReadsAhead) for p in req.bucket.payloads
+        has_capability(importers.get(p.WhichOneof("handle") or ""), ReadsAhead) for p in req.bucket.payloads
     )
 
 

@@ -18,10 +18,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from google.protobuf import timestamp_pb2
+from weightwire.core.capabilities import has_capability
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
@@ -193,7 +194,11 @@ class Update:
         until it can apply them (vLLM reloads a fused layer only whole) says so with
         ``touched_model()`` (``TracksWrites``); without it, every load counts as a write."""
         adapter = self._ctx.adapter
-        return bool(adapter.touched_model()) if isinstance(adapter, TracksWrites) else True
+        return (
+            bool(cast(TracksWrites, adapter).touched_model())
+            if has_capability(adapter, TracksWrites)
+            else True
+        )
 
     def _close_mappings(self) -> None:
         mappings, self._mappings = self._mappings, {}
@@ -392,7 +397,9 @@ class Update:
             opened=opened,
             open_ns=open_ns,
             load_ns=load_ns,
-            received=mapping.bytes_received if isinstance(mapping, ReceivesBytes) else 0,
+            received=cast(ReceivesBytes, mapping).bytes_received
+            if has_capability(mapping, ReceivesBytes)
+            else 0,
         )
 
     def _load(self, index: int, layout: BucketLayout, mapping: ImportedPayload) -> None:
