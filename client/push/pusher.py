@@ -298,12 +298,13 @@ class WeightPusher:
             cast_to=cast_to,
         )
         items = named_items(named_tensors)
-        if group is not None or has_dtensors(items):
+        ranked = group is not None or has_dtensors(items)
+        if ranked:
             # One trainer rank: nothing to agree on or gather, so the plain push (and its fast paths).
             single = single_rank_items(items, group)
             if single is not None:
-                items, group = single, None
-        if group is not None or has_dtensors(items):
+                items, group, ranked = single, None, False
+        if ranked:
             if self._group is not None:
                 # Each rank would form its own group with a subset of the workers: not built yet.
                 raise PlanError(
@@ -331,7 +332,9 @@ class WeightPusher:
             jobs = job_builders.tensor_jobs(
                 items, setup.manifests, exporter, self._staging, options, self.align_bytes, in_place=in_place
             )
-            return self._run(setup, jobs, options, opened=opened, sources=dict(items))
+            # Only a transport that routes each update sends from the caller's tensors by name.
+            sources = dict(items) if exporter.routes_each_update else None
+            return self._run(setup, jobs, options, opened=opened, sources=sources)
 
     def push_flat(
         self,
