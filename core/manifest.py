@@ -181,6 +181,8 @@ class ShardManifest:
     waits_for_cuda_ipc_events: bool = False
     # Set the same way: this worker reads CUDA IPC payloads of several storages (exported parameters).
     imports_cuda_ipc_storages: bool = False
+    # Set the same way: this worker receives an M-to-N update's slices into the tensors it keeps.
+    receives_slices: bool = False
 
     @classmethod
     def build(
@@ -237,6 +239,7 @@ class ShardManifest:
             instance_id=self.instance_id,
             waits_for_cuda_ipc_events=self.waits_for_cuda_ipc_events,
             imports_cuda_ipc_storages=self.imports_cuda_ipc_storages,
+            receives_slices=self.receives_slices,
         )
 
     @classmethod
@@ -254,4 +257,5 @@ class ShardManifest:
             instance_id=msg.instance_id,
             waits_for_cuda_ipc_events=msg.waits_for_cuda_ipc_events,
             imports_cuda_ipc_storages=msg.imports_cuda_ipc_storages,
+            receives_slices=msg.receives_slices,
         )

@@ -274,6 +274,11 @@ class TorchAdapter:
     def end_update(self, success: bool) -> None:
         pass
 
+    def kept_tensors(self) -> Mapping[str, torch.Tensor]:
+        """``KeepsTensors``: each parameter is what this worker keeps of its checkpoint tensor (its TP
+        slice, or the whole tensor), so an M-to-N update receives straight into it."""
+        return {name: p.detach() for name, p in self._params.items()}
+
     # --- helpers for dumps and tests -----------------------------------------------------------
 
     def state(self) -> Mapping[str, torch.Tensor]:

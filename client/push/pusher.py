@@ -31,14 +31,13 @@ import dataclasses
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
 from weightwire.client.push import jobs as job_builders
 from weightwire.client.push import plan as planning
 from weightwire.client.push.options import PushOptions, scope_value
-from weightwire.client.push.plan import PlanError
 from weightwire.client.push.routing import CheckedLayouts, flat_bytes, manifest_changes, route_own_device
 from weightwire.client.push.rpc import Worker, call_metadata, close_workers, collect_unary, start_unary
 from weightwire.client.push.session import CommitGate, SpecTemplates, UpdateSession, open_streams
@@ -71,6 +70,7 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:
     from weightwire.client.observe.trainer_metrics import TrainerMetrics
+    from weightwire.client.transports.transfer_group_sources import SourcesLink
 
 
 def _close_all(staging: Staging, workers: list[Worker], readers: KeptThreads) -> None:
@@ -152,6 +152,8 @@ class WeightPusher:
             if transfer_group is not None
             else None
         )
+        # The group of every trainer rank of a multi-rank push (weightwire.client.ranks.slice_push).
+        self._sources: SourcesLink | None = None
         if self._group is not None:
             # This pusher's group is the transfer-group transport's: its exporter routes over it.
             self._staging.add_exporter(GroupExporter(self._group))
@@ -181,6 +183,8 @@ class WeightPusher:
     def close(self) -> None:
         """Unlink every staging segment and close the channels. Idempotent."""
         self._closed = True
+        if self._sources is not None:
+            self._sources.close()
         if self._group is not None:
             self._group.close()  # leave the transfer group first
         self._staging.close_user_buffers()
@@ -210,6 +214,26 @@ class WeightPusher:
     def status(self) -> dict[str, pb.GetStatusResponse]:
         """Every worker's GetStatus (weights version, state, last result/error), keyed by endpoint."""
         return collect_unary("GetStatus", self._start_all("GetStatus", pb.GetStatusRequest()))  # type: ignore[return-value]
+
+    def _push_slices(
+        self, items: list[tuple[str, torch.Tensor]], options: PushOptions, group: Any
+    ) -> dict[str, PushResult]:
+        from weightwire.client.ranks.slice_push import push_slices
+        from weightwire.client.transports.transfer_group_sources import SourcesLink
+
+        assert self._group is not None
+        if self._sources is None:
+            self._sources = SourcesLink(self._group.options, self._workers, self._metadata, self.timeout_s)
+        link = self._sources
+        connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)
+
+        def read_manifests() -> tuple[dict[str, ShardManifest], dict[str, str]]:
+            # Read again whenever no group is formed (the first push, or after a failed one): a
+            # restarted worker then joins the new group instead of failing the update.
+            manifests = self.manifests(refresh=link.group_id is None)
+            return manifests, dict(self._fingerprints)
+
+        return push_slices(link, connections, read_manifests, items, options, group=group)
 
     def leave_transfer_group(self) -> None:
         """Tear the transfer group down on this side and on every worker (the next push forms a new one)."""
@@ -305,15 +329,12 @@ class WeightPusher:
             if single is not None:
                 items, group, ranked = single, None, False
         if ranked:
-            if self._group is not None:
-                # Each rank would form its own group with a subset of the workers: not built yet.
-                raise PlanError(
-                    Reason.TRANSPORT_UNAVAILABLE,
-                    "a push of several trainer ranks (group=..., or DTensors) does not run over a transfer group; "
-                    "gather on one rank and push from it, or give each rank its own pusher and workers",
-                )
-            from weightwire.client.ranks import collective_push
             from weightwire.client.ranks.dtensor_gather import default_group
+
+            if self._group is not None:
+                # Every trainer rank a source, every worker receiving only its slices.
+                return self._push_slices(items, options, group if group is not None else default_group(items))
+            from weightwire.client.ranks import collective_push
 
             return collective_push.push_from_ranks(
                 self,

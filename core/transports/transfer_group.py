@@ -433,6 +433,11 @@ class TransferGroup:
             )
         return pg
 
+    def process_group(self) -> Any:
+        """The group's full process group (GROUP_NOT_JOINED once torn down), for a data plane that
+        posts its own operations (``transfer_group_slices``)."""
+        return self._group()
+
     def subgroup_of(self, subgroup_id: int) -> tuple[Any, dict[int, int]]:
         entry = self._subgroups.get(subgroup_id)
         if entry is None:

@@ -108,7 +108,8 @@ class GroupPlan:
 def plan_group(
     manifests: Mapping[str, ShardManifest],
     *,
-    trainer: MemberIdentity,
+    trainer: MemberIdentity | None = None,
+    trainers: Sequence[MemberIdentity] = (),
     group_id: str,
     backend: int,
     store_address: str,
@@ -116,10 +117,12 @@ def plan_group(
     max_bucket_bytes: int,
     broadcast: bool = True,
 ) -> GroupPlan:
-    """The plan of a group of one trainer (group rank 0, which serves the store) and ``manifests``'
-    workers, keyed as in ``manifests`` (the trainer uses endpoint addresses).
+    """The plan of a group of one trainer (group rank 0, which serves the store), or of every
+    trainer rank of ``trainers`` (group ranks 0..M-1 in that order: every one a source, rank 0 serving
+    the store), and ``manifests``' workers, keyed as in ``manifests`` (the trainer uses endpoint
+    addresses).
 
-    Workers get ranks 1..N in the order (replica, stage, tensor rank, sequence rank, worker id,
+    Workers get ranks M..M+N-1 (1..N with one trainer) in the order (replica, stage, tensor rank, sequence rank, worker id,
     instance id): a function of their full identities, so two stages can never share a rank. With
     ``broadcast``, workers that own exactly the same tensors (the tensor-parallel ranks of a stage,
     which all take full checkpoint tensors, and the same stage of every replica) form a subgroup
@@ -131,10 +134,13 @@ def plan_group(
                 Reason.INVALID_GROUP_SPEC,
                 f"worker {manifest.worker_id or key} publishes no instance id; a transfer group needs it to tell processes apart",
             )
+    sources = list(trainers) if trainers else ([trainer] if trainer is not None else [])
+    if not sources or not all(t.is_trainer for t in sources):
+        raise ValueError("plan_group needs the trainer (trainer=) or every trainer rank (trainers=)")
     ordered = sorted(manifests, key=lambda k: _worker_order(manifests[k]))
-    members = [trainer.to_proto(0)]
+    members = [t.to_proto(r) for r, t in enumerate(sources)]
     ranks: dict[str, int] = {}
-    for i, key in enumerate(ordered, start=1):
+    for i, key in enumerate(ordered, start=len(sources)):
         ranks[key] = i
         members.append(MemberIdentity.of_worker(manifests[key]).to_proto(i))
     subgroup_workers: dict[int, tuple[str, ...]] = {}

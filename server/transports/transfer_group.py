@@ -15,11 +15,13 @@ A failed update (``release``) tears the group down.
 from __future__ import annotations
 
 import bisect
+import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports import table as transports
 from weightwire.core.transports.transfer_group_plan import check_ranges, clip
 from weightwire.server.rules.validation import CheckedSpec
@@ -27,6 +29,12 @@ from weightwire.server.rules.views import ReadBatch
 from weightwire.server.transports.importer import ImportContext, ImportedPayload, PayloadImporter
 from weightwire.server.transports.transfer_group_member import BucketReceive, JoinedGroup
 from weightwire.server.transports.transfer_group_membership import GroupMembership
+from weightwire.server.transports.transfer_group_slices import (
+    SlicePlan,
+    check_kept,
+    check_slices,
+    receive_bucket,
+)
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["GroupImporter"]
@@ -122,13 +130,66 @@ class GroupImporter(PayloadImporter):
 
     def __init__(self, membership: GroupMembership | None = None) -> None:
         self.membership = membership if membership is not None else GroupMembership()
+        # Slices handles checked lately (a trainer sends the same regions every step), and the
+        # message buffers of their receives, both of the group they were checked in.
+        self._slices: dict[bytes, tuple[str, SlicePlan]] = {}
+        self._slice_staging: tuple[str, dict[object, torch.Tensor]] = ("", {})
+        self._slice_lock = threading.Lock()
 
     def check(self, payload: pb.Payload) -> None:
+        if payload.transfer_group.mode == pb.TRANSFER_MODE_SLICES:
+            return  # checked against the manifest by ``slices``, which the update calls first
         self.membership.current().check_handle(payload)
+
+    # --- slices: every trainer rank a source --------------------------------------------------
+
+    def slices(self, payload: pb.Payload, manifest: ShardManifest) -> SlicePlan:
+        """The checked plan of a slices payload (``transfer_group_slices.check_slices``)."""
+        member = self.membership.current()
+        gid = member.group.group_id
+        key = payload.SerializeToString(deterministic=True)
+        hit = self._slices.get(key)
+        if hit is not None and hit[0] == gid:
+            return hit[1]
+        checked = check_slices(payload, member.group.spec, manifest)
+        if len(self._slices) >= 4:
+            self._slices.pop(next(iter(self._slices)))
+        self._slices[key] = (gid, checked)
+        return checked
+
+    def receive_slices(
+        self,
+        payload: pb.Payload,
+        checked: SlicePlan,
+        kept: Mapping[str, torch.Tensor],
+        manifest: ShardManifest,
+    ) -> int:
+        """Receive a checked slices payload into ``kept`` (the adapter's kept tensors); a failed
+        receive tears the group down. Returns the bytes received."""
+        member = self.membership.current()
+        check_kept(kept, manifest, checked.names)
+        gid = member.group.group_id
+        if self._slice_staging[0] != gid:
+            self._slice_staging = (gid, {})
+        try:
+            return receive_bucket(
+                member,
+                checked,
+                payload.transfer_group.max_message_bytes,
+                kept,
+                manifest,
+                self._slice_staging[1],
+                self._slice_lock,
+            )
+        except WeightwireError as err:
+            self.membership.teardown(f"{err.reason}: {clip(err.message, 200)}")
+            raise
 
     def ahead(self, payload: pb.Payload) -> None:
         """The payload of a bucket the service will open next (``read_ahead``): start its receive
         now. Anything wrong with it is left for ``open`` to report, in order."""
+        if payload.transfer_group.mode == pb.TRANSFER_MODE_SLICES:
+            return  # received by the update itself, into the model (``receive_slices``)
         try:
             self.membership.current().enqueue(payload)
         except WeightwireError:

@@ -8,7 +8,7 @@ machine; an adapter only describes what its engine owns and copies tensors in. I
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -68,4 +68,17 @@ class TracksWrites(Protocol):
 
     def touched_model(self) -> bool:
         """Whether the current (or, once it ended, the last) update changed the model."""
+        ...
+
+
+@runtime_checkable
+class KeepsTensors(Protocol):
+    """An adapter whose model holds what it keeps of each owned tensor as one tensor that bytes
+    may be written into directly: the pieces its manifest lists, concatenated along their dimension
+    in manifest order (the whole tensor when it lists none). An update whose every trainer rank is
+    a source (``TRANSFER_MODE_SLICES``) receives straight into these; the worker then publishes
+    ``ShardManifest.receives_slices``."""
+
+    def kept_tensors(self) -> Mapping[str, torch.Tensor]:
+        """The kept tensor of every owned tensor, by checkpoint name (live, stable while the engine runs)."""
         ...

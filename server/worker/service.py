@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+from weightwire.core.capabilities import has_capability
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
@@ -29,7 +30,7 @@ from weightwire.server.transports.importer import PayloadImporter, make_importer
 from weightwire.server.transports.read_ahead import read_ahead
 from weightwire.server.transports.transfer_group import GroupImporter
 from weightwire.server.transports.transfer_group_membership import GroupMembership
-from weightwire.server.worker.adapter import EngineAdapter
+from weightwire.server.worker.adapter import EngineAdapter, KeepsTensors
 from weightwire.server.worker.streams import DEFAULT_IDLE_TIMEOUT_S, ListedRequests, StreamReader
 from weightwire.server.worker.update import Update, UpdateContext, cancelled_error, now_timestamp
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -86,6 +87,7 @@ class WorkerService:
             cuda_importer is not None and cuda_importer.waits_for_producer_events
         )
         self._imports_cuda_ipc_storages = cuda_importer is not None and cuda_importer.imports_storages
+        self._receives_slices = self.transfer_group is not None and has_capability(adapter, KeepsTensors)
         self.layouts = LayoutCache()
         self._update_context = UpdateContext(
             adapter=adapter,
@@ -160,6 +162,7 @@ class WorkerService:
         # How this worker imports is its importers' business, not the engine adapter's.
         manifest.waits_for_cuda_ipc_events = self._waits_for_cuda_ipc_events
         manifest.imports_cuda_ipc_storages = self._imports_cuda_ipc_storages
+        manifest.receives_slices = self._receives_slices
         return pb.GetManifestResponse(manifest=manifest)
 
     def get_status(self) -> pb.GetStatusResponse:

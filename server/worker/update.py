@@ -47,6 +47,7 @@ from weightwire.server.transports.importer import (
     transport_name,
 )
 from weightwire.server.worker.adapter import EngineAdapter, TracksWrites
+from weightwire.server.worker.slices_bucket import is_slices_bucket, load_slices
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,8 @@ class Update:
         # The layouts whose owned tensors were loaded, and how many those are (no name twice: the
         # duplicate rule holds across buckets), so a commit checks a count, not 399 names.
         self._loaded_layouts: list[BucketLayout] = []
+        # Tensors filled by slices buckets (every trainer rank a source), which have no layout.
+        self._slice_names: set[str] = set()
         # What the acked buckets loaded: the result's counts, the commit's check, a failure's outcome.
         self.tally = UpdateTally()
         self._loaded_any = False
@@ -226,6 +229,8 @@ class Update:
         return ack
 
     def _bucket(self, msg: pb.Bucket) -> pb.BucketAck:
+        if is_slices_bucket(msg):
+            return self._slices_bucket(msg)
         payloads = list(msg.payloads)
         layout, checksum = self._accept(msg, payloads)
         ack = pb.BucketAck(index=msg.index, tensors_skipped=len(layout.specs) - len(layout.owned))
@@ -248,10 +253,28 @@ class Update:
         ack.bytes_received = loaded.received
         return ack
 
-    def _accept(self, msg: pb.Bucket, payloads: list[pb.Payload]) -> tuple[BucketLayout, int | None]:
-        """Structure and ownership: bucket index, the layout (remembered or checked now), names
-        across buckets, checksum fields. Nothing is opened yet. Returns the layout and the
-        checksum to verify (None: none asked for)."""
+    def _slices_bucket(self, msg: pb.Bucket) -> pb.BucketAck:
+        self._take_index(msg)
+        ctx = self._ctx
+
+        def will_write() -> None:
+            self._loaded_any = True
+
+        ack, names = load_slices(
+            msg,
+            adapter=ctx.adapter,
+            manifest=ctx.manifest,
+            own_device=ctx.own_device,
+            importers=ctx.importers,
+            names_seen=self._names_seen,
+            max_tensors=MAX_TENSORS_PER_UPDATE,
+            will_write=will_write,
+        )
+        self._names_seen |= names
+        self._slice_names |= names
+        return ack
+
+    def _take_index(self, msg: pb.Bucket) -> None:
         if msg.index < 0:
             raise WeightwireError(Reason.MALFORMED_STREAM, f"bucket index {msg.index} is negative")
         if msg.index in self._bucket_indices:
@@ -264,6 +287,13 @@ class Update:
             raise WeightwireError(
                 Reason.MALFORMED_STREAM, f"more than {MAX_BUCKETS_PER_UPDATE} buckets in one update"
             )
+        self._bucket_indices.add(msg.index)
+
+    def _accept(self, msg: pb.Bucket, payloads: list[pb.Payload]) -> tuple[BucketLayout, int | None]:
+        """Structure and ownership: bucket index, the layout (remembered or checked now), names
+        across buckets, checksum fields. Nothing is opened yet. Returns the layout and the
+        checksum to verify (None: none asked for)."""
+        self._take_index(msg)
         # The count first, before any work per spec (serializing, keying or checking a bucket of
         # 2^20 specs takes seconds of CPU): the limit is known from the message's length alone.
         if len(msg.tensors) > MAX_TENSORS_PER_UPDATE - len(self._names_seen):
@@ -273,7 +303,6 @@ class Update:
                 f"that is more than {MAX_TENSORS_PER_UPDATE} tensor specs in one update",
                 bucket=str(msg.index),
             )
-        self._bucket_indices.add(msg.index)
         fingerprint = self._ctx.manifest.fingerprint
         # A trainer sends byte-identical bucket messages every update (same specs, same reused
         # handles): their serialization finds the layout faster than ``layout_key`` builds its key.
@@ -466,7 +495,9 @@ class Update:
             )
         manifest = self._ctx.manifest
         if self.header.scope == pb.UPDATE_SCOPE_FULL and self.tally.tensors_loaded < len(manifest.tensors):
-            loaded = {name for layout in self._loaded_layouts for name in layout.owned_names}
+            loaded = {
+                name for layout in self._loaded_layouts for name in layout.owned_names
+            } | self._slice_names
             missing = sorted(set(manifest.tensors) - loaded)
             if missing:
                 raise WeightwireError(

@@ -73,6 +73,7 @@ class TransferMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_MODE_UNSPECIFIED: _ClassVar[TransferMode]
     TRANSFER_MODE_POINT_TO_POINT: _ClassVar[TransferMode]
     TRANSFER_MODE_BROADCAST: _ClassVar[TransferMode]
+    TRANSFER_MODE_SLICES: _ClassVar[TransferMode]
 
 class TransferGroupState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -176,6 +177,7 @@ TRANSFER_ROLE_WORKER: TransferRole
 TRANSFER_MODE_UNSPECIFIED: TransferMode
 TRANSFER_MODE_POINT_TO_POINT: TransferMode
 TRANSFER_MODE_BROADCAST: TransferMode
+TRANSFER_MODE_SLICES: TransferMode
 TRANSFER_GROUP_STATE_UNSPECIFIED: TransferGroupState
 TRANSFER_GROUP_STATE_NONE: TransferGroupState
 TRANSFER_GROUP_STATE_FORMING: TransferGroupState
@@ -494,7 +496,7 @@ class LayerRange(_message.Message):
     def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class ShardManifest(_message.Message):
-    __slots__ = ("device", "rank", "tensors", "layer_range", "fingerprint", "engine", "worker_id", "transports", "instance_id", "waits_for_cuda_ipc_events", "imports_cuda_ipc_storages")
+    __slots__ = ("device", "rank", "tensors", "layer_range", "fingerprint", "engine", "worker_id", "transports", "instance_id", "waits_for_cuda_ipc_events", "imports_cuda_ipc_storages", "receives_slices")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -506,6 +508,7 @@ class ShardManifest(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     WAITS_FOR_CUDA_IPC_EVENTS_FIELD_NUMBER: _ClassVar[int]
     IMPORTS_CUDA_IPC_STORAGES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVES_SLICES_FIELD_NUMBER: _ClassVar[int]
     device: DeviceId
     rank: ParallelRank
     tensors: _containers.RepeatedCompositeFieldContainer[OwnedTensor]
@@ -517,7 +520,8 @@ class ShardManifest(_message.Message):
     instance_id: str
     waits_for_cuda_ipc_events: bool
     imports_cuda_ipc_storages: bool
-    def __init__(self, device: _Optional[_Union[DeviceId, _Mapping]] = ..., rank: _Optional[_Union[ParallelRank, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[OwnedTensor, _Mapping]]] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., worker_id: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[TransportKind, str]]] = ..., instance_id: _Optional[str] = ..., waits_for_cuda_ipc_events: bool = ..., imports_cuda_ipc_storages: bool = ...) -> None: ...
+    receives_slices: bool
+    def __init__(self, device: _Optional[_Union[DeviceId, _Mapping]] = ..., rank: _Optional[_Union[ParallelRank, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[OwnedTensor, _Mapping]]] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., worker_id: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[TransportKind, str]]] = ..., instance_id: _Optional[str] = ..., waits_for_cuda_ipc_events: bool = ..., imports_cuda_ipc_storages: bool = ..., receives_slices: bool = ...) -> None: ...
 
 class GetManifestRequest(_message.Message):
     __slots__ = ()
@@ -649,6 +653,18 @@ class LeaveTransferGroupResponse(_message.Message):
     left: bool
     def __init__(self, left: bool = ...) -> None: ...
 
+class SliceTransfer(_message.Message):
+    __slots__ = ("tensor", "source_rank", "start", "stop")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_RANK_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    source_rank: int
+    start: _containers.RepeatedScalarFieldContainer[int]
+    stop: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tensor: _Optional[str] = ..., source_rank: _Optional[int] = ..., start: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ByteRange(_message.Message):
     __slots__ = ("offset_bytes", "size_bytes")
     OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -658,20 +674,26 @@ class ByteRange(_message.Message):
     def __init__(self, offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class TransferGroupHandle(_message.Message):
-    __slots__ = ("group_id", "mode", "source_rank", "subgroup_id", "sequence", "ranges")
+    __slots__ = ("group_id", "mode", "source_rank", "subgroup_id", "sequence", "ranges", "slices", "plan_fingerprint", "max_message_bytes")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_RANK_FIELD_NUMBER: _ClassVar[int]
     SUBGROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     mode: TransferMode
     source_rank: int
     subgroup_id: int
     sequence: int
     ranges: _containers.RepeatedCompositeFieldContainer[ByteRange]
-    def __init__(self, group_id: _Optional[str] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., source_rank: _Optional[int] = ..., subgroup_id: _Optional[int] = ..., sequence: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ...) -> None: ...
+    slices: _containers.RepeatedCompositeFieldContainer[SliceTransfer]
+    plan_fingerprint: str
+    max_message_bytes: int
+    def __init__(self, group_id: _Optional[str] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., source_rank: _Optional[int] = ..., subgroup_id: _Optional[int] = ..., sequence: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ..., slices: _Optional[_Iterable[_Union[SliceTransfer, _Mapping]]] = ..., plan_fingerprint: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class TransferGroupStatus(_message.Message):
     __slots__ = ("group_id", "state", "backend", "group_rank", "world_size", "staging_buffers", "staging_bytes", "max_staging_buffers", "bytes_received", "last_teardown")

@@ -1,0 +1,245 @@
+"""A transfer group whose every trainer rank is a member and a source: forming it from all the
+trainer's ranks together, reusing it while nothing changed, tearing it down.
+
+One ``SourcesLink`` per pusher, on every rank (``WeightPusher(..., transfer_group=...)`` with a
+multi-rank ``push(..., group=...)``; ``weightwire.client.ranks.slice_push`` drives an update over
+it). Forming takes the ranks together over the trainer's own process group: every rank says who it
+is (an instance id), rank 0 serves the rendezvous store, plans the group (trainer ranks 0..M-1, then
+the workers by identity, ``plan_group``) and sends that plan to every worker (JoinTransferGroup) and
+to every rank; each rank then joins the group itself, on its own ``TransferGroupOptions.host``. Each
+rank ends with the same verdict: the group, or the same ``PushError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import grpc
+import torch
+from weightwire.client.push.rpc import Worker, error_from_rpc
+from weightwire.client.ranks import rank_records
+from weightwire.client.ranks.rank_agreement import RankGroup
+from weightwire.client.ranks.rank_records import RankResults
+from weightwire.client.transports.transfer_group import TransferGroupOptions
+from weightwire.client.transports.transfer_group_link import TRAINER_KEY
+from weightwire.core.errors import PushError, Reason, WeightwireError
+from weightwire.core.manifest import ShardManifest
+from weightwire.core.transports.transfer_group import TransferGroup, check_backend
+from weightwire.core.transports.transfer_group_plan import MemberIdentity, check_spec, plan_group
+from weightwire.core.transports.transfer_group_slices import GroupRanks
+from weightwire.core.transports.transfer_group_store import StoreServer
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+__all__ = ["FormedSources", "SourcesLink"]
+
+log = logging.getLogger(__name__)
+
+_JOIN_GRACE_S = 5.0
+_LEAVE_TIMEOUT_S = 5.0
+# A plan of a few thousand members, exchanged between the ranks as its protobuf.
+_MAX_SPEC_BYTES = 4 << 20
+
+
+@dataclasses.dataclass
+class FormedSources:
+    """A formed group as this rank holds it."""
+
+    spec: pb.TransferGroupSpec
+    group: TransferGroup
+    ranks: GroupRanks
+    identities: dict[str, tuple[str, str]]  # address -> (worker id, instance id) it was planned with
+
+    @property
+    def group_id(self) -> str:
+        return self.spec.group_id
+
+
+class SourcesLink:
+    """One trainer rank's side of a group of every trainer rank and the workers."""
+
+    def __init__(
+        self,
+        options: TransferGroupOptions,
+        workers: Mapping[str, Worker],
+        metadata: tuple[tuple[str, str], ...],
+        timeout_s: float,
+    ) -> None:
+        self.options = options
+        self.timeout_s = float(options.timeout_s if options.timeout_s is not None else timeout_s)
+        self._workers = workers
+        self._metadata = metadata
+        self.instance_id = uuid.uuid4().hex
+        self._store: StoreServer | None = None
+        self._formed: FormedSources | None = None
+        self.formations = 0
+        self._sequence = 0
+        # Message buffers of this rank's sends, reused while the plan stays the same.
+        self.staging: dict[Any, torch.Tensor] = {}
+
+    @property
+    def device(self) -> torch.device:
+        if self.options.backend_value == pb.TRANSFER_BACKEND_NCCL:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
+    def group_id(self) -> str | None:
+        return self._formed.group_id if self._formed is not None else None
+
+    def next_sequence(self) -> int:
+        self._sequence += 1
+        return self._sequence
+
+    def _reusable(self, manifests: Mapping[str, ShardManifest]) -> str:
+        formed = self._formed
+        if formed is None or formed.group.closed:
+            return ""
+        if formed.identities != {a: (m.worker_id, m.instance_id) for a, m in manifests.items()}:
+            return ""
+        return formed.group_id
+
+    def ensure(self, ranks: RankGroup, manifests: Mapping[str, ShardManifest]) -> FormedSources:
+        """The group every rank holds, formed now unless every rank still holds the same one with
+        exactly these workers. Collective: every rank of ``ranks`` calls it."""
+        held = ranks.exchange(self._reusable(manifests).encode(), "the transfer group in use")
+        if held[0] and len(set(held)) == 1 and self._formed is not None:
+            return self._formed
+        self.teardown("forming a new group")
+        return self._form(ranks, manifests)
+
+    def _form(self, ranks: RankGroup, manifests: Mapping[str, ShardManifest]) -> FormedSources:
+        me = ranks.rank
+        mine: WeightwireError | None = None
+        store_address = ""
+        try:
+            check_backend(self.options.backend_value, self.device)
+            if me == 0 and self._store is None:
+                self._store = StoreServer(self.options.host, self.options.port, timeout_s=self.timeout_s)
+            store_address = self._store.address if self._store is not None else ""
+        except WeightwireError as err:
+            mine = err
+        said = ranks.exchange(
+            json.dumps({"instance": self.instance_id, "ok": mine is None}).encode(),
+            "the trainer ranks' identities",
+        )
+        records = [json.loads(raw) for raw in said]
+        bad = [r for r, rec in enumerate(records) if not rec.get("ok")]
+        if bad:
+            raise PushError(
+                {
+                    f"trainer rank {r}": mine
+                    if r == me and mine is not None
+                    else WeightwireError(
+                        Reason.TRAINER_RANK_FAILED,
+                        f"trainer rank {r} could not take part in the transfer group (its own error says why)",
+                    )
+                    for r in bad
+                }
+            )
+        trainers = [MemberIdentity.of_trainer(r, str(rec["instance"])) for r, rec in enumerate(records)]
+        identity = trainers[me]
+        spec_bytes = b""
+        if me == 0:
+            largest = max((t.nbytes for m in manifests.values() for t in m.tensors.values()), default=1)
+            plan = plan_group(
+                manifests,
+                trainers=trainers,
+                group_id=f"ww-{uuid.uuid4().hex[:20]}",
+                backend=self.options.backend_value,
+                store_address=store_address,
+                timeout_ms=int(self.timeout_s * 1000),
+                max_bucket_bytes=max(largest, 1),
+                broadcast=False,
+            )
+            spec_bytes = plan.spec.SerializeToString()
+        spec = pb.TransferGroupSpec.FromString(
+            ranks.exchange(spec_bytes, "the transfer group's plan", max_bytes=_MAX_SPEC_BYTES)[0]
+        )
+        check_spec(spec)
+        futures = {}
+        if me == 0:
+            request = pb.JoinTransferGroupRequest(spec=spec)
+            futures = {
+                a: self._workers[a].stub.JoinTransferGroup.future(
+                    request, timeout=self.timeout_s + _JOIN_GRACE_S, metadata=self._metadata
+                )
+                for a in manifests
+            }
+        group: TransferGroup | None = None
+        failures: dict[str, WeightwireError] = {}
+        try:
+            group = TransferGroup.form(
+                spec,
+                identity,
+                listen_host=self.options.host,
+                device=self.device,
+                store=self._store.store if self._store is not None else None,
+            )
+        except WeightwireError as err:
+            failures[f"{TRAINER_KEY} rank {me}"] = err
+        for a, fut in futures.items():
+            try:
+                fut.result()
+            except grpc.RpcError as e:
+                failures[a] = error_from_rpc(e, worker=a, context="JoinTransferGroup")
+        verdicts = rank_records.exchange(ranks, RankResults({}, failures), "the transfer group's forming")
+        everyone = {a: err for v in verdicts for a, err in v.failures.items()}
+        if everyone:
+            if group is not None:
+                group.close()
+            if me == 0:
+                self._leave_all(spec.group_id)
+            raise PushError(everyone)
+        assert group is not None
+        members = sorted(spec.members, key=lambda m: m.group_rank)
+        workers = [m.instance_id for m in members if m.role == pb.TRANSFER_ROLE_WORKER]
+        by_id = {m.instance_id: a for a, m in manifests.items()}
+        self._formed = FormedSources(
+            spec,
+            group,
+            GroupRanks(len(trainers), tuple(by_id[w] for w in workers)),
+            {a: (m.worker_id, m.instance_id) for a, m in manifests.items()},
+        )
+        self.staging = {}
+        self.formations += 1
+        log.info(
+            "transfer group %s formed: %d trainer ranks, %d workers",
+            spec.group_id,
+            len(trainers),
+            len(workers),
+        )
+        return self._formed
+
+    def teardown(self, why: str) -> None:
+        """Destroy this rank's side of the group (its peers' pending operations fail at once)."""
+        formed, self._formed = self._formed, None
+        if formed is not None:
+            log.info("tearing down transfer group %s: %s", formed.group_id, why)
+            formed.group.close()
+
+    def _leave_all(self, group_id: str) -> None:
+        request = pb.LeaveTransferGroupRequest(group_id=group_id)
+        futures = [
+            w.stub.LeaveTransferGroup.future(request, timeout=_LEAVE_TIMEOUT_S, metadata=self._metadata)
+            for w in self._workers.values()
+        ]
+        for fut in futures:
+            try:
+                fut.result()
+            except grpc.RpcError:
+                pass  # a worker that is gone has left already
+
+    def close(self, wait_s: float = 10.0) -> None:
+        formed, self._formed = self._formed, None
+        if formed is not None:
+            formed.group.close(wait_s)
+            if self._store is not None:  # rank 0 formed it: the workers leave too
+                self._leave_all(formed.group_id)
+        if self._store is not None:
+            self._store.close()
+            self._store = None

@@ -1,0 +1,120 @@
+"""One trainer rank of the every-rank-a-source tests: torch.distributed with gloo on the CPU, the demo
+model sharded with FSDP2, and one ``WeightPusher(..., transfer_group=...)`` kept across steps, pushing
+``model.state_dict()`` with ``group=`` the way a training loop would (every rank runs the same line).
+
+Started by the test with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment as
+``slice_trainer.py ADDR...``. Reads one JSON command per line on stdin and answers one JSON line on
+stdout for each:
+
+  {"op": "push", "version": V, "seed": S, "scope": "full"|"partial", "drop": [names], "cast_to": dtype,
+   "pause_rank": R} push the checkpoint of seed S (``drop``: tensors left out). On rank R, the push
+                    prints {"paused": true} after the group compared the plan, right before its own
+                    sends, and waits for a line on stdin ("go": send; "die": exit at once, code 3)
+  {"op": "quit"}
+
+The answer: {"ok": true, "results": {addr: {...}}, "group_id": ..., "formations": N} or {"ok": false,
+"error": {"reason", "failures": {addr: {"reason", "message"}}}}. The pause wraps the library's
+``send_slices`` in this process only (a test harness, not part of weightwire).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from weightwire.adapters.torch.demo import DemoConfig, build_demo_model
+from weightwire.client import PushError, WeightPusher, WeightwireError
+from weightwire.client.ranks import slice_push
+from weightwire.client.transports.transfer_group import TransferGroupOptions
+from weightwire.core.manifest import ParallelRank
+
+DIED_EXIT_CODE = 3
+_pause = False
+_real_send = slice_push.send_slices
+
+
+def _paused_send(*args: Any, **kwargs: Any) -> int:
+    if _pause:
+        print(json.dumps({"paused": True}), flush=True)
+        line = sys.stdin.readline().strip()
+        if line == "die":
+            os._exit(DIED_EXIT_CODE)  # a trainer rank lost mid-transfer: no cleanup, like a crash
+    return _real_send(*args, **kwargs)
+
+
+slice_push.send_slices = _paused_send  # type: ignore[assignment]
+
+
+def fsdp_model(seed: int) -> torch.nn.Module:
+    model = build_demo_model(DemoConfig(), ParallelRank(), "cpu", seed)
+    for layer in model.model.layers.children():
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def answer(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def run_push(pusher: WeightPusher, cmd: dict[str, Any]) -> dict[str, Any]:
+    global _pause
+    model = fsdp_model(int(cmd["seed"]))
+    tensors = {n: t for n, t in model.state_dict().items() if n not in set(cmd.get("drop", []))}
+    _pause = cmd.get("pause_rank") == dist.get_rank()
+    try:
+        results = pusher.push(
+            tensors,
+            version=int(cmd["version"]),
+            scope=cmd.get("scope", "full"),
+            cast_to=getattr(torch, cmd["cast_to"]) if cmd.get("cast_to") else None,
+        )
+        return {
+            "ok": True,
+            "results": {a: dataclasses.asdict(r) for a, r in results.items()},
+            "group_id": pusher._sources.group_id if pusher._sources is not None else None,
+            "formations": pusher._sources.formations if pusher._sources is not None else 0,
+        }
+    except (PushError, WeightwireError) as e:
+        failures = getattr(e, "failures", {})
+        return {
+            "ok": False,
+            "error": {
+                "reason": getattr(e, "reason", "PUSH_FAILED"),
+                "message": str(e)[:4000],
+                "failures": {
+                    a: {"reason": f.reason, "message": f.message[:2000]} for a, f in failures.items()
+                },
+            },
+        }
+    finally:
+        _pause = False
+
+
+def main() -> int:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    pusher = WeightPusher(
+        sys.argv[1:], transfer_group=TransferGroupOptions(host="127.0.0.1", timeout_s=20), timeout_s=60
+    )
+    answer({"ready": True, "rank": dist.get_rank()})
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "quit":
+                break
+            answer(run_push(pusher, cmd))
+    finally:
+        pusher.close()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""``push(fsdp_model.state_dict(), group=...)`` over a transfer group with every trainer rank a source
+(issue 27), between real processes over gloo on loopback: 2 and 4 FSDP2 trainer ranks
+(``slice_trainer.py``) into real ``weightwire serve`` workers of a TP2 x PP2 engine plus a replica.
+
+Each worker receives exactly its slices (``bytes_received`` == its manifest's kept bytes) and holds
+its shard of the checkpoint bit for bit; the group is formed once and reused; refusals (a rank that
+plans another update, a FULL update that leaves a tensor out) happen on every rank before a byte
+moves; a trainer rank or a worker lost mid-transfer ends every rank with a reason, no worker
+commits, and the next push forms a new group and lands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from group_fleet import CONFIG, QUIET_ENV, Fleet, Member
+from helpers import wait_until
+from weightwire.adapters.torch.demo import full_checkpoint
+from weightwire.core.manifest import ShardManifest
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    root = tmp_path_factory.mktemp("slices-fleet")
+    (root / "sock").mkdir()
+    f = Fleet(str(root / "sock"), str(root / "dump"))
+    yield f
+    f.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Ranks:
+    """``slice_trainer.py`` as M trainer ranks of one gloo world, driven by JSON lines."""
+
+    def __init__(self, world: int, addresses: list[str]) -> None:
+        port = _free_port()
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "slice_trainer.py"), *addresses],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={
+                    **os.environ,
+                    **QUIET_ENV,
+                    "RANK": str(r),
+                    "WORLD_SIZE": str(world),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                },
+            )
+            for r in range(world)
+        ]
+        for r in range(world):
+            assert self.read(r).get("ready"), r
+
+    def read(self, rank: int) -> dict[str, Any]:
+        out = self.procs[rank].stdout
+        assert out is not None
+        while True:
+            line = out.readline()
+            if not line:
+                err = self.procs[rank].stderr
+                raise RuntimeError(f"rank {rank} ended: {err.read()[-3000:] if err else ''}")
+            if line.startswith("{"):
+                return json.loads(line)  # type: ignore[no-any-return]
+
+    def send(self, rank: int, text: str) -> None:
+        stdin = self.procs[rank].stdin
+        assert stdin is not None
+        stdin.write(text + "\n")
+        stdin.flush()
+
+    def command(self, **cmd: Any) -> None:
+        for r in range(len(self.procs)):
+            self.send(r, json.dumps(cmd))
+
+    def push(self, ranks: list[int] | None = None, **cmd: Any) -> list[dict[str, Any]]:
+        self.command(op="push", **cmd)
+        return [self.read(r) for r in (ranks if ranks is not None else range(len(self.procs)))]
+
+    def close(self) -> None:
+        for r, p in enumerate(self.procs):
+            if p.poll() is None:
+                try:
+                    self.send(r, json.dumps({"op": "quit"}))
+                except (BrokenPipeError, OSError):
+                    pass
+        for p in self.procs:
+            try:
+                p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+
+
+@pytest.fixture
+def ranks2(fleet: Fleet) -> Iterator[Ranks]:
+    r = Ranks(2, fleet.addresses())
+    yield r
+    r.close()
+
+
+def kept_bytes(member: Member) -> int:
+    manifest = member.stub().GetManifest(pb.GetManifestRequest()).manifest
+    assert manifest.receives_slices
+    return ShardManifest.from_proto(manifest).kept_bytes
+
+
+def assert_landed(fleet: Fleet, answers: list[dict[str, Any]], version: int, seed: int) -> None:
+    """Every rank returned the same results; every worker got exactly its slices and holds them."""
+    assert all(a["ok"] for a in answers), answers
+    assert all(a["results"] == answers[0]["results"] for a in answers)
+    results = answers[0]["results"]
+    full = full_checkpoint(CONFIG, seed)
+    for m in fleet.members:
+        r = results[m.address]
+        assert (r["version"], r["state"], r["transport"]) == (version, "CONSISTENT", "transfer_group")
+        assert r["bytes_received"] == r["bytes_loaded"] == kept_bytes(m), m.worker_id
+        fleet.assert_holds(m, version, full)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_sends_and_every_worker_receives_only_its_slices(fleet: Fleet, world: int) -> None:
+    ranks = Ranks(world, fleet.addresses())
+    try:
+        version = fleet.next_version()
+        answers = ranks.push(version=version, seed=version)
+        assert_landed(fleet, answers, version, version)
+        first = answers[0]["group_id"]
+        # The next step reuses the group: no new formation, the same group id on every worker.
+        answers = ranks.push(version=version + 1, seed=version + 7)
+        assert_landed(fleet, answers, version + 1, version + 7)
+        assert {a["group_id"] for a in answers} == {first} and answers[0]["formations"] == 1
+        for m in fleet.members:
+            tg = m.status().transfer_group
+            assert (tg.group_id, tg.world_size) == (first, world + len(fleet.members))
+    finally:
+        ranks.close()
+
+
+def test_ranks_that_disagree_or_leave_a_tensor_out_are_refused_before_any_byte(
+    fleet: Fleet, ranks2: Ranks
+) -> None:
+    before = {m.address: m.status().weights_version for m in fleet.members}
+    version = max(before.values()) + 1
+    # A FULL update without a tensor the workers own: refused on every rank, nothing sent.
+    answers = ranks2.push(version=version, seed=1, drop=["model.norm.weight"])
+    assert [a["ok"] for a in answers] == [False, False]
+    assert {a["error"]["reason"] for a in answers} == {"INCOMPLETE_UPDATE"}, answers
+    # Ranks that push different tensors (a PARTIAL update, rank 1 without the norm): refused.
+    for r in (0, 1):
+        drop = ["model.norm.weight"] if r else []
+        ranks2.send(
+            r, json.dumps({"op": "push", "version": version, "seed": 1, "scope": "partial", "drop": drop})
+        )
+    answers = [ranks2.read(0), ranks2.read(1)]
+    assert [a["ok"] for a in answers] == [False, False]
+    assert {a["error"]["reason"] for a in answers} == {"TRAINER_RANKS_DISAGREE"}, answers
+    assert {m.address: m.status().weights_version for m in fleet.members} == before
+
+
+def test_a_trainer_rank_lost_mid_transfer_fails_every_rank_and_the_group_reforms(fleet: Fleet) -> None:
+    ranks = Ranks(3, fleet.addresses())
+    try:
+        before = fleet.next_version() - 1
+        ranks.command(op="push", version=before + 1, seed=5, pause_rank=2)
+        assert ranks.read(2) == {"paused": True}
+        ranks.send(2, "die")
+        answers = [ranks.read(0), ranks.read(1)]
+        assert [a["ok"] for a in answers] == [False, False], answers
+        failures = answers[0]["error"]["failures"]
+        assert failures == answers[1]["error"]["failures"]
+        assert {f["reason"] for f in failures.values()} <= {
+            "TRANSFER_FAILED",
+            "CANCELLED",
+            "TRAINER_RANK_FAILED",
+        }
+        for m in fleet.members:
+            assert wait_until(lambda m=m: m.status().state != pb.WORKER_STATE_UPDATING, timeout=30)
+            assert m.status().weights_version == before
+    finally:
+        ranks.close()
+    # A new trainer (its ranks restarted, as after a crash) forms a new group and lands.
+    ranks = Ranks(2, fleet.addresses())
+    try:
+        answers = ranks.push(version=before + 1, seed=6)
+        assert_landed(fleet, answers, before + 1, 6)
+    finally:
+        ranks.close()
+
+
+def test_a_worker_lost_mid_transfer_is_named_and_the_group_reforms_after_its_restart(
+    fleet: Fleet, ranks2: Ranks
+) -> None:
+    victim = next(
+        m for m in fleet.members if m.rank.pp_rank == 1 and m.rank.tp_rank == 1 and m.rank.dp_rank == 0
+    )
+    before = fleet.next_version() - 1
+    ranks2.command(op="push", version=before + 1, seed=8)
+    first = [ranks2.read(0), ranks2.read(1)]
+    assert_landed(fleet, first, before + 1, 8)
+    ranks2.command(op="push", version=before + 2, seed=9, pause_rank=1)
+    assert ranks2.read(1) == {"paused": True}
+    victim.process.proc.kill()  # SIGKILL mid-transfer: it holds its bucket and waits for bytes
+    victim.process.proc.wait()
+    ranks2.send(1, "go")
+    answers = [ranks2.read(0), ranks2.read(1)]
+    assert [a["ok"] for a in answers] == [False, False], answers
+    failures = answers[0]["error"]["failures"]
+    assert failures[victim.address]["reason"] in ("UNAVAILABLE", "TRANSFER_FAILED"), failures
+    for m in fleet.members:
+        if m is victim:
+            continue
+        assert failures[m.address]["reason"] == "CANCELLED", failures[m.address]
+        assert wait_until(lambda m=m: m.status().state != pb.WORKER_STATE_UPDATING, timeout=30)
+        assert m.status().weights_version == before + 1
+    fleet.restart(victim)
+    # Its channel reconnects first (UNAVAILABLE at worst, on every rank alike); then the next push
+    # reads the manifests again, forms a new group with the restarted worker and lands.
+    for _ in range(50):
+        answers = ranks2.push(version=before + 2, seed=9)
+        if answers[0]["ok"]:
+            break
+        assert {f["reason"] for f in answers[0]["error"]["failures"].values()} <= {"UNAVAILABLE"}, answers
+    assert_landed(fleet, answers, before + 2, 9)
+    assert answers[0]["group_id"] != first[0]["group_id"] and answers[0]["formations"] == 2
