@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from weightwire.core import dtypes
@@ -33,9 +33,9 @@ from weightwire.core.transports.transfer_group import transfer_error
 from weightwire.core.transports.transfer_plan import Box, Transfer, TransferPlan, TransferPlanError
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
-# Below this a region of whole rows is still packed with its neighbours: a message per small region
-# would cost more in per-message work than the copy it saves.
-DIRECT_MIN_BYTES = 256 << 10
+# Below this a region is packed with its neighbours: a message per small region would cost more in
+# per-message work than the copies it saves.
+DIRECT_MIN_BYTES = 64 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,30 +65,44 @@ def messages(
     max_message_bytes: int,
     direct_min_bytes: int = DIRECT_MIN_BYTES,
 ) -> list[list[Transfer]]:
-    """The transfers ``source`` sends ``worker``, in plan order, grouped into messages. A transfer
-    of whole rows (``Transfer.rows``) of at least ``direct_min_bytes`` is a message of its own, sent
-    from the shard and received into the kept tensor in place; the others are packed together."""
-    out: list[list[Transfer]] = []
+    """The transfers ``source`` sends ``worker``, grouped into messages: first the transfers under
+    ``direct_min_bytes``, in plan order, packed back to back into messages of at most
+    ``max_message_bytes``; then, in plan order, each transfer of at least ``direct_min_bytes`` as a
+    message of its own. Such a message is sent from the shard in place when its region is
+    contiguous there (whole rows of a ``Shard(0)`` shard), else copied once into a buffer sent to
+    all its destinations, and received in place when its region is contiguous in the kept tensor
+    (whole rows, or the rows of a row-parallel slice), else into a buffer and copied."""
+    packed: list[list[Transfer]] = []
+    alone: list[list[Transfer]] = []
     size = 0
-    packing = False
     for t in plan.transfers:
         if t.source != source or worker not in t.destinations:
             continue
-        if _direct(t, direct_min_bytes):
-            out.append([t])
-            packing = False
+        if _alone(t, direct_min_bytes):
+            alone.append([t])
             continue
-        if not packing or size + t.nbytes > max_message_bytes:
-            out.append([])
+        if not packed or size + t.nbytes > max_message_bytes:
+            packed.append([])
             size = 0
-            packing = True
-        out[-1].append(t)
+        packed[-1].append(t)
         size += t.nbytes
-    return out
+    return packed + alone
 
 
-def _direct(t: Transfer, direct_min_bytes: int) -> bool:
-    return t.rows and t.nbytes >= direct_min_bytes
+def _alone(t: Transfer, direct_min_bytes: int) -> bool:
+    return t.nbytes >= direct_min_bytes
+
+
+def send_order(ranks: GroupRanks, source: int) -> list[str]:
+    """The order trainer rank ``source`` serves the workers: all of them, starting at a different
+    one per source (``source * workers // trainers``), so the sources do not all send to the first
+    worker first while the last waits. Only the order of posting; what one source sends one worker
+    keeps plan order (``messages``)."""
+    n = len(ranks.workers)
+    if n == 0:
+        return []
+    first = source * n // max(ranks.trainers, 1) % n
+    return [ranks.workers[(first + k) % n] for k in range(n)]
 
 
 def agree(pg: Any, plan: TransferPlan, rank: int, world_size: int, timeout_s: float) -> None:
@@ -132,6 +146,68 @@ def _view(buf: torch.Tensor, offset: int, t: Transfer, dtype: torch.dtype) -> to
     return buf[offset : offset + t.nbytes].view(dtype).view([b - a for a, b in t.box])
 
 
+Op = tuple[int, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int, str]
+"""(peer's group rank, the buffer sent or received into, the copies (to, from) before the send or
+after the receive, bytes, the peer's name for errors)."""
+
+
+@dataclasses.dataclass
+class _Ops:
+    """One side's operations for a plan, kept in ``staging`` across updates: building them (the
+    messages, each region's view) costs more Python than posting them, and the same plan into the
+    same tensors makes the same ones. Valid while the plan and the parameters are the same and
+    every tensor used is the same object with the same storage, shape and strides."""
+
+    plan: TransferPlan
+    params: tuple[Any, ...]
+    tensors: dict[str, tuple[torch.Tensor, int, tuple[int, ...], tuple[int, ...]]]
+    meta: dict[str, Any]  # what else a tensor's views were made from (its holding, its pieces)
+    ops: list[Op]
+
+    def valid(
+        self, plan: TransferPlan, params: tuple[Any, ...], tensors: Mapping[str, Any], meta: Mapping[str, Any]
+    ) -> bool:
+        return (
+            self.plan is plan
+            and self.params == params
+            and all(
+                tensors.get(n) is t and t.data_ptr() == p and t.shape == sh and t.stride() == st
+                for n, (t, p, sh, st) in self.tensors.items()
+            )
+            and all((v := meta.get(n)) is w or v == w for n, w in self.meta.items())
+        )
+
+    def track(
+        self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], name: str
+    ) -> tuple[torch.Tensor, Any]:
+        """``tensors[name]`` and ``meta[name]``, noted as what this tensor's views are made from."""
+        t, m = tensors[name], meta[name]
+        if name not in self.tensors:
+            self.tensors[name] = (t, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            self.meta[name] = m
+        return t, m
+
+
+def _cached_ops(
+    staging: dict[Any, torch.Tensor] | None,
+    key: Any,
+    plan: TransferPlan,
+    params: tuple[Any, ...],
+    tensors: Mapping[str, torch.Tensor],
+    meta: Mapping[str, Any],
+    build: Callable[[_Ops], None],
+) -> list[Op]:
+    store = cast(dict[Any, Any] | None, staging)
+    entry = store.get(key) if store is not None else None
+    if isinstance(entry, _Ops) and entry.valid(plan, params, tensors, meta):
+        return entry.ops
+    entry = _Ops(plan, params, {}, {}, [])
+    build(entry)
+    if store is not None:
+        store[key] = entry
+    return entry.ops
+
+
 def send_slices(
     pg: Any,
     plan: TransferPlan,
@@ -146,32 +222,52 @@ def send_slices(
     direct_min_bytes: int = DIRECT_MIN_BYTES,
 ) -> int:
     """Send what the plan gives trainer rank ``source``: ``local[name]`` is its shard of tensor
-    ``name``, the region ``holdings[name]`` of the full tensor. Each region is copied once, into its
-    place in the message. Returns the bytes sent."""
-    works, sent = [], 0
-    for worker in ranks.workers:
-        for index, message in enumerate(messages(plan, source, worker, max_message_bytes, direct_min_bytes)):
-            if _direct(message[0], direct_min_bytes):
+    ``name``, the region ``holdings[name]`` of the full tensor. A region contiguous in the shard is
+    sent from it; any other is copied once, into its place in a message (a region travelling alone
+    is copied once for all its destinations). Returns the bytes sent (a transfer to k workers
+    counted k times)."""
+
+    def build(into: _Ops) -> None:
+        alone: dict[Transfer, torch.Tensor] = {}  # the message of a transfer travelling alone
+
+        def region(t: Transfer) -> torch.Tensor:
+            shard, held = into.track(local, holdings, t.tensor)
+            return _region(shard, t.box, [a for a, _ in held])
+
+        for worker in send_order(ranks, source):
+            dst = ranks.of_worker(worker)
+            for index, message in enumerate(
+                messages(plan, source, worker, max_message_bytes, direct_min_bytes)
+            ):
                 t = message[0]
-                shard = local[t.tensor]
-                view = _region(shard, t.box, [a for a, _ in holdings[t.tensor]]).contiguous()  # no copy: rows
-                works.append(
-                    _post(lambda v=view, w=worker: pg.send([v], ranks.of_worker(w), 0), f"send to {worker}")
-                )
-                sent += t.nbytes
-                continue
-            buf = _buffer(staging, (worker, index), sum(t.nbytes for t in message))
-            offset = 0
-            for t in message:
-                shard = local[t.tensor]
-                _view(buf, offset, t, shard.dtype).copy_(
-                    _region(shard, t.box, [a for a, _ in holdings[t.tensor]])
-                )
-                offset += t.nbytes
-            works.append(
-                _post(lambda b=buf, w=worker: pg.send([b], ranks.of_worker(w), 0), f"send to {worker}")
-            )
-            sent += buf.numel()
+                copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+                if _alone(t, direct_min_bytes):
+                    buf = alone.get(t)
+                    if buf is None:
+                        r = region(t)
+                        if r.is_contiguous():
+                            buf = r
+                        else:
+                            buf = _buffer(staging, ("alone", worker, index), t.nbytes)
+                            copies.append((_view(buf, 0, t, r.dtype), r))
+                        alone[t] = buf
+                else:
+                    buf = _buffer(staging, (worker, index), sum(t.nbytes for t in message))
+                    offset = 0
+                    for t in message:
+                        r = region(t)
+                        copies.append((_view(buf, offset, t, r.dtype), r))
+                        offset += t.nbytes
+                into.ops.append((dst, buf, copies, sum(t.nbytes for t in message), worker))
+
+    params = ("send", ranks, source, max_message_bytes, direct_min_bytes)
+    works, sent = [], 0
+    ops = _cached_ops(staging, ("ops", "send", source), plan, params, local, holdings, build)
+    for dst, buf, copies, nbytes, worker in ops:
+        for to, frm in copies:
+            to.copy_(frm)
+        works.append(_post(lambda b=buf, d=dst: pg.send([b], d, 0), f"send to {worker}"))
+        sent += nbytes
     for work in works:
         _wait(work, timeout_s, "a send")
     return sent
@@ -227,46 +323,40 @@ def receive_slices(
 ) -> int:
     """Receive every region the plan sends ``worker`` into ``kept`` (by tensor name). Returns the
     bytes received."""
-    posted: list[tuple[Any, torch.Tensor | None, list[Transfer]]] = []
-    for source in range(ranks.trainers):
-        for index, message in enumerate(messages(plan, source, worker, max_message_bytes, direct_min_bytes)):
-            t = message[0]
-            if (
-                _direct(t, direct_min_bytes)
-                and (region := kept_region(kept[t.tensor], owned[t.tensor], t.box)).is_contiguous()
+
+    def build(into: _Ops) -> None:
+        def region(t: Transfer) -> torch.Tensor:
+            k, o = into.track(kept, owned, t.tensor)
+            return kept_region(k, o, t.box)
+
+        for source in range(ranks.trainers):
+            for index, message in enumerate(
+                messages(plan, source, worker, max_message_bytes, direct_min_bytes)
             ):
-                posted.append(
-                    (
-                        _post(
-                            lambda r=region, s=source: pg.recv([r], s, 0),
-                            f"receive from trainer rank {source}",
-                        ),
-                        None,
-                        message,
-                    )
-                )
-                continue
-            staged = _buffer(staging, (source, index), sum(t.nbytes for t in message))
-            posted.append(
-                (
-                    _post(
-                        lambda b=staged, s=source: pg.recv([b], s, 0), f"receive from trainer rank {source}"
-                    ),
-                    staged,
-                    message,
-                )
-            )
+                t = message[0]
+                nbytes = sum(t.nbytes for t in message)
+                copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+                if _alone(t, direct_min_bytes) and (r := region(t)).is_contiguous():
+                    target = r  # received in place
+                else:
+                    target = _buffer(staging, (source, index), nbytes)
+                    offset = 0
+                    for t in message:
+                        r = region(t)
+                        copies.append((r, _view(target, offset, t, dtypes.to_torch(owned[t.tensor].dtype))))
+                        offset += t.nbytes
+                into.ops.append((source, target, copies, nbytes, f"trainer rank {source}"))
+
+    params = ("receive", ranks, worker, max_message_bytes, direct_min_bytes)
+    ops = _cached_ops(staging, ("ops", "receive", worker), plan, params, kept, owned, build)
+    works = [
+        _post(lambda b=target, s=source: pg.recv([b], s, 0), f"receive from {peer}")
+        for source, target, _, _, peer in ops
+    ]
     received = 0
-    for work, into, message in posted:
-        _wait(work, timeout_s, f"a receive from trainer rank {message[0].source}")
-        if into is None:  # received in place
-            received += message[0].nbytes
-            continue
-        buf = into
-        offset = 0
-        for t in message:
-            o = owned[t.tensor]
-            kept_region(kept[t.tensor], o, t.box).copy_(_view(buf, offset, t, dtypes.to_torch(o.dtype)))
-            offset += t.nbytes
-        received += buf.numel()
+    for work, (_, _, copies, nbytes, peer) in zip(works, ops, strict=True):
+        _wait(work, timeout_s, f"a receive from {peer}")
+        for to, frm in copies:
+            to.copy_(frm)
+        received += nbytes
     return received
