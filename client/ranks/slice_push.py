@@ -86,46 +86,75 @@ def _placements(name: str, t: Any) -> list[Placement]:
 
 
 def holdings_of(
-    items: Sequence[tuple[str, torch.Tensor]],
-    group: Any,
-    cast_to: CastTo = None,
-    device: torch.device | None = None,
-) -> tuple[list[Holding], dict[str, torch.Tensor], dict[str, Box]]:
-    """What every rank of ``group`` holds of each tensor, and this rank's local parts (cast when
-    asked, and on ``device``, the one the group's backend sends from, when given) with the boxes
-    they are."""
+    items: Sequence[tuple[str, torch.Tensor]], group: Any, cast_to: CastTo = None
+) -> list[Holding]:
+    """What every rank of ``group`` holds of each tensor (in the dtype it is sent as)."""
     import torch.distributed as dist
 
     size = dist.get_world_size(group)
-    me = dist.get_rank(group)
+    meshes: dict[int, list[int]] = {}
     specs: list[Holding] = []
+    for name, t in items:
+        code = dtypes.from_torch(target_dtype(t.dtype, cast_to))
+        shape = tuple(int(d) for d in t.shape)
+        if not is_dtensor(t):
+            specs.append(Holding.whole_on(name, shape, code, range(size)))
+            continue
+        mesh = t.device_mesh  # type: ignore[attr-defined]
+        ranks = meshes.get(id(mesh))
+        if ranks is None:
+            ranks = meshes[id(mesh)] = [
+                dist.get_group_rank(group, int(g)) for g in mesh.mesh.flatten().tolist()
+            ]
+        if any(r < 0 for r in ranks):
+            raise PlanError(
+                Reason.TRANSPORT_UNAVAILABLE,
+                f"{name}: its device mesh has ranks outside the group given as group=",
+                tensor=name,
+            )
+        specs.append(Holding.dtensor(name, shape, code, tuple(mesh.shape), _placements(name, t), ranks))
+    return specs
+
+
+def local_parts(
+    items: Sequence[tuple[str, torch.Tensor]],
+    specs: Sequence[Holding],
+    rank: int,
+    cast_to: CastTo = None,
+    device: torch.device | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
+    """This rank's parts of ``items`` (the local shard of a DTensor; cast when asked, and on
+    ``device``, the one the group's backend sends from, when given) and the boxes they are."""
     local: dict[str, torch.Tensor] = {}
     boxes: dict[str, Box] = {}
-    for name, t in items:
+    for (name, t), spec in zip(items, specs, strict=True):
+        box = spec.holdings.get(rank)
+        if box is None:
+            continue
+        part = (t.to_local() if is_dtensor(t) else t).detach()  # type: ignore[attr-defined]
         dtype = target_dtype(t.dtype, cast_to)
-        code = dtypes.from_torch(dtype)
-        shape = tuple(int(d) for d in t.shape)
-        if is_dtensor(t):
-            mesh = t.device_mesh  # type: ignore[attr-defined]
-            ranks = [dist.get_group_rank(group, int(g)) for g in mesh.mesh.flatten().tolist()]
-            if any(r < 0 for r in ranks):
-                raise PlanError(
-                    Reason.TRANSPORT_UNAVAILABLE,
-                    f"{name}: its device mesh has ranks outside the group given as group=",
-                    tensor=name,
-                )
-            spec = Holding.dtensor(name, shape, code, tuple(mesh.shape), _placements(name, t), ranks)
-            part = t.to_local()  # type: ignore[attr-defined]
-        else:
-            spec = Holding.whole_on(name, shape, code, range(size))
-            part = t
-        specs.append(spec)
-        if me in spec.holdings:
-            part = part.detach()
-            to = device if device is not None and part.device.type != device.type else part.device
-            local[name] = part if (part.dtype, part.device) == (dtype, to) else part.to(device=to, dtype=dtype)
-            boxes[name] = spec.holdings[me]
-    return specs, local, boxes
+        to = device if device is not None and part.device.type != device.type else part.device
+        local[name] = part if (part.dtype, part.device) == (dtype, to) else part.to(device=to, dtype=dtype)
+        boxes[name] = box
+    return local, boxes
+
+
+def _layout_key(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[object, ...]:
+    """What the plan of ``items`` depends on, cheap to build every push: names, dtypes, shapes and,
+    for a DTensor, its mesh's ranks and its placements (each distinct mesh read once)."""
+    meshes: dict[int, tuple[object, ...]] = {}
+
+    def mesh_of(t: Any) -> tuple[object, ...]:
+        mesh = t.device_mesh
+        key = meshes.get(id(mesh))
+        if key is None:
+            key = meshes[id(mesh)] = (tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+        return key
+
+    return tuple(
+        (n, t.dtype, tuple(t.shape), (mesh_of(t), tuple(map(str, t.placements))) if is_dtensor(t) else None)  # type: ignore[attr-defined]
+        for n, t in items
+    )
 
 
 class _Streams:
@@ -189,6 +218,8 @@ class _SliceUpdate:
         self.fingerprints: dict[str, str] = {}
         self.options = options
         self.ranks = ranks
+        # The group id every rank still holds for these workers ("" : none), said with the plan.
+        self.groups_held: list[str] = []
 
     def plan(
         self, items: Sequence[tuple[str, torch.Tensor]]
@@ -198,6 +229,7 @@ class _SliceUpdate:
         plan: TransferPlan | None = None
         local: dict[str, torch.Tensor] = {}
         boxes: dict[str, Box] = {}
+        group_held = ""
         try:
             self.manifests, self.fingerprints = self._read_manifests()
             unable = sorted(m.worker_id or a for a, m in self.manifests.items() if not m.receives_slices)
@@ -208,22 +240,42 @@ class _SliceUpdate:
                     "false: an older weightwire, or an engine adapter that does not expose the tensors it keeps); a "
                     "multi-rank push over a transfer group needs every worker to",
                 )
-            specs = [spec_of(n, t, opts.cast_to) for n, t in items]
-            unknown = set(
-                planning.check_update(
-                    specs, self.manifests, scope=opts.scope, allow_unowned=opts.allow_unowned
+            key = (
+                _layout_key(items),
+                opts.scope,
+                opts.allow_unowned,
+                str(opts.cast_to),
+                tuple(sorted(self.fingerprints.items())),
+            )
+            planned = self.link.plans.get(key)
+            if planned is None:
+                specs = [spec_of(n, t, opts.cast_to) for n, t in items]
+                unknown = set(
+                    planning.check_update(
+                        specs, self.manifests, scope=opts.scope, allow_unowned=opts.allow_unowned
+                    )
                 )
+                held = holdings_of(
+                    [(n, t) for n, t in items if n not in unknown], self.ranks.group, opts.cast_to
+                )
+                planned = (unknown, held, plan_transfers(held, self.manifests))
+                self.link.remember_plan(key, planned)
+            unknown, held, plan = planned
+            local, boxes = local_parts(
+                [(n, t) for n, t in items if n not in unknown],
+                held,
+                self.ranks.rank,
+                opts.cast_to,
+                self.link.device,
             )
-            held, local, boxes = holdings_of(
-                [(n, t) for n, t in items if n not in unknown], self.ranks.group, opts.cast_to, self.link.device
-            )
-            plan = plan_transfers(held, self.manifests)
+            group_held = self.link.held_group(self.manifests)
         except Exception as e:
             local_error = e
         said = self.ranks.exchange(
             json.dumps(
                 {
                     "fp": plan.fingerprint if plan is not None else "",
+                    "group": group_held,
                     "update": [opts.version, int(opts.scope), opts.update_id, str(opts.cast_to)],
                     "error": RankFailure.of(local_error).to_json() if local_error else None,
                 }
@@ -250,11 +302,12 @@ class _SliceUpdate:
                 + "); every rank must push the same tensors, shapes and dtypes",
             )
         assert plan is not None
+        self.groups_held = [str(rec["group"]) for rec in records]
         return plan, local, boxes
 
     def run(self, items: Sequence[tuple[str, torch.Tensor]]) -> dict[str, PushResult]:
         plan, local, boxes = self.plan(items)
-        formed = self.link.ensure(self.ranks, self.manifests)
+        formed = self.link.ensure(self.ranks, self.manifests, self.groups_held)
         owner = _Streams(lambda: self.link.teardown("a worker failed the update"))
         streams = self._open(owner, formed, plan) if self.ranks.rank == 0 else {}
         deadline = time.monotonic() + self.link.timeout_s

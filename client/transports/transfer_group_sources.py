@@ -43,6 +43,7 @@ _JOIN_GRACE_S = 5.0
 _LEAVE_TIMEOUT_S = 5.0
 # A plan of a few thousand members, exchanged between the ranks as its protobuf.
 _MAX_SPEC_BYTES = 4 << 20
+_MAX_PLANS = 4
 
 
 @dataclasses.dataclass
@@ -80,6 +81,9 @@ class SourcesLink:
         self._sequence = 0
         # Message buffers of this rank's sends, reused while the plan stays the same.
         self.staging: dict[Any, torch.Tensor] = {}
+        # The plans of recent updates by what they depend on (``slice_push``); planning a model of
+        # hundreds of tensors takes tens of milliseconds of Python, every step alike.
+        self.plans: dict[object, Any] = {}
 
     @property
     def device(self) -> torch.device:
@@ -95,7 +99,14 @@ class SourcesLink:
         self._sequence += 1
         return self._sequence
 
-    def _reusable(self, manifests: Mapping[str, ShardManifest]) -> str:
+    def remember_plan(self, key: object, planned: Any) -> None:
+        """Keep an update's plan for the next push of the same layout to the same workers."""
+        if len(self.plans) >= _MAX_PLANS:
+            self.plans.pop(next(iter(self.plans)))
+        self.plans[key] = planned
+
+    def held_group(self, manifests: Mapping[str, ShardManifest]) -> str:
+        """The id of the group this rank holds with exactly these workers, or "" (for ``ensure``)."""
         formed = self._formed
         if formed is None or formed.group.closed:
             return ""
@@ -103,11 +114,13 @@ class SourcesLink:
             return ""
         return formed.group_id
 
-    def ensure(self, ranks: RankGroup, manifests: Mapping[str, ShardManifest]) -> FormedSources:
+    def ensure(
+        self, ranks: RankGroup, manifests: Mapping[str, ShardManifest], held: list[str]
+    ) -> FormedSources:
         """The group every rank holds, formed now unless every rank still holds the same one with
-        exactly these workers. Collective: every rank of ``ranks`` calls it."""
-        held = ranks.exchange(self._reusable(manifests).encode(), "the transfer group in use")
-        if held[0] and len(set(held)) == 1 and self._formed is not None:
+        exactly these workers (``held``: every rank's ``held_group``, exchanged by the caller).
+        Collective: every rank of ``ranks`` calls it."""
+        if held and held[0] and len(set(held)) == 1 and self._formed is not None:
             return self._formed
         self.teardown("forming a new group")
         return self._form(ranks, manifests)
