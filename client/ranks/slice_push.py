@@ -231,6 +231,7 @@ class _SliceUpdate:
         boxes: dict[str, Box] = {}
         group_held = ""
         try:
+            self.link.check_backend()
             self.manifests, self.fingerprints = self._read_manifests()
             unable = sorted(m.worker_id or a for a, m in self.manifests.items() if not m.receives_slices)
             if unable:

@@ -24,10 +24,10 @@ import torch
 from weightwire.client.push.rpc import Worker, error_from_rpc
 from weightwire.client.ranks import rank_records
 from weightwire.client.ranks.rank_agreement import RankGroup
-from weightwire.client.ranks.rank_records import RankResults
+from weightwire.client.ranks.rank_records import RankFailure, RankResults
 from weightwire.client.transports.transfer_group import TransferGroupOptions
 from weightwire.client.transports.transfer_group_link import TRAINER_KEY
-from weightwire.core.errors import PushError, Reason, WeightwireError
+from weightwire.core.errors import PushError, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports.transfer_group import TransferGroup, check_backend
 from weightwire.core.transports.transfer_group_plan import MemberIdentity, check_spec, plan_group
@@ -88,8 +88,16 @@ class SourcesLink:
     @property
     def device(self) -> torch.device:
         if self.options.backend_value == pb.TRANSFER_BACKEND_NCCL:
-            return torch.device("cuda", torch.cuda.current_device())
+            return (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cuda")
+            )
         return torch.device("cpu")
+
+    def check_backend(self) -> None:
+        """TRANSPORT_UNAVAILABLE when the group's backend cannot run here (NCCL without a GPU)."""
+        check_backend(self.options.backend_value, self.device)
 
     @property
     def group_id(self) -> str | None:
@@ -137,23 +145,19 @@ class SourcesLink:
         except WeightwireError as err:
             mine = err
         said = ranks.exchange(
-            json.dumps({"instance": self.instance_id, "ok": mine is None}).encode(),
+            json.dumps(
+                {"instance": self.instance_id, "error": RankFailure.of(mine).to_json() if mine else None}
+            ).encode(),
             "the trainer ranks' identities",
         )
         records = [json.loads(raw) for raw in said]
-        bad = [r for r, rec in enumerate(records) if not rec.get("ok")]
-        if bad:
-            raise PushError(
-                {
-                    f"trainer rank {r}": mine
-                    if r == me and mine is not None
-                    else WeightwireError(
-                        Reason.TRAINER_RANK_FAILED,
-                        f"trainer rank {r} could not take part in the transfer group (its own error says why)",
-                    )
-                    for r in bad
-                }
-            )
+        refused = {
+            f"{TRAINER_KEY} rank {r}": WeightwireError(f.reason, f.message, code=f.code)
+            for r, rec in enumerate(records)
+            if rec.get("error") is not None and (f := RankFailure.from_json(rec["error"]))
+        }
+        if refused:  # the same on every rank: each rank's own reason
+            raise PushError(refused)
         trainers = [MemberIdentity.of_trainer(r, str(rec["instance"])) for r, rec in enumerate(records)]
         identity = trainers[me]
         spec_bytes = b""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import threading
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from weightwire.core.errors import Reason, WeightwireError
@@ -163,9 +163,11 @@ class GroupImporter(PayloadImporter):
         checked: SlicePlan,
         kept: Mapping[str, torch.Tensor],
         manifest: ShardManifest,
+        will_write: Callable[[], None],
     ) -> int:
-        """Receive a checked slices payload into ``kept`` (the adapter's kept tensors); a failed
-        receive tears the group down. Returns the bytes received."""
+        """Receive a checked slices payload into ``kept`` (the adapter's kept tensors), calling
+        ``will_write`` once every member agreed on the plan, before the first byte may land; a
+        failed receive tears the group down. Returns the bytes received."""
         member = self.membership.current()
         check_kept(kept, manifest, checked.names)
         gid = member.group.group_id
@@ -180,6 +182,7 @@ class GroupImporter(PayloadImporter):
                 manifest,
                 self._slice_staging[1],
                 self._slice_lock,
+                will_write,
             )
         except WeightwireError as err:
             self.membership.teardown(f"{err.reason}: {clip(err.message, 200)}")

@@ -19,7 +19,7 @@ import bisect
 import collections
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from weightwire.core import dtypes
@@ -200,9 +200,11 @@ def receive_bucket(
     manifest: ShardManifest,
     staging: dict[object, torch.Tensor],
     lock: threading.Lock,
+    will_write: Callable[[], None],
 ) -> int:
-    """Agree on the plan with every member, then receive every region into ``kept``. Returns the
-    bytes received; TRANSFER_FAILED / GROUP_PLAN_MISMATCH on failure (the caller tears down)."""
+    """Agree on the plan with every member, then (after ``will_write``: from here on bytes may land
+    in the model) receive every region into ``kept``. Returns the bytes received; TRANSFER_FAILED /
+    GROUP_PLAN_MISMATCH on failure (the caller tears down)."""
     group = member.group
     pg = group.process_group()
     timeout_s = group.timeout.total_seconds()
@@ -215,6 +217,7 @@ def receive_bucket(
                 mirrors[name] = into[name] = torch.empty(into[name].shape, dtype=into[name].dtype)
     with lock:
         agree(pg, checked.plan, group.rank, group.world_size, timeout_s)
+        will_write()
         received = receive_slices(
             pg,
             checked.plan,

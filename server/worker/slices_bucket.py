@@ -73,10 +73,10 @@ def load_slices(
     if len(names_seen) + len(checked.names) > max_tensors:
         raise WeightwireError(Reason.MALFORMED_STREAM, f"more than {max_tensors} tensors in one update")
     kept = cast(KeepsTensors, adapter).kept_tensors()
-    will_write()
     t0 = time.perf_counter_ns()
     try:
-        received = importer.receive_slices(sel.payload, checked, kept, manifest)
+        # A plan refused by the group (GROUP_PLAN_MISMATCH) wrote nothing: the worker keeps its state.
+        received = importer.receive_slices(sel.payload, checked, kept, manifest, will_write)
         if any(kept[n].is_cuda for n in checked.names):
             # NCCL receives complete on the stream; the ack promises the bytes are in the model.
             torch.cuda.synchronize()

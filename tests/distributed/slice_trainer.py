@@ -3,7 +3,7 @@ model sharded with FSDP2, and one ``WeightPusher(..., transfer_group=...)`` kept
 ``model.state_dict()`` with ``group=`` the way a training loop would (every rank runs the same line).
 
 Started by the test with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment as
-``slice_trainer.py ADDR...``. Reads one JSON command per line on stdin and answers one JSON line on
+``slice_trainer.py [--backend nccl] ADDR...``. Reads one JSON command per line on stdin and answers one JSON line on
 stdout for each:
 
   {"op": "push", "version": V, "seed": S, "scope": "full"|"partial", "drop": [names], "cast_to": dtype,
@@ -100,8 +100,14 @@ def run_push(pusher: WeightPusher, cmd: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    args = sys.argv[1:]
+    backend = "gloo"
+    if args[:1] == ["--backend"]:
+        backend, args = args[1], args[2:]
     pusher = WeightPusher(
-        sys.argv[1:], transfer_group=TransferGroupOptions(host="127.0.0.1", timeout_s=20), timeout_s=60
+        args,
+        transfer_group=TransferGroupOptions(host="127.0.0.1", timeout_s=20, backend=backend),
+        timeout_s=60,
     )
     answer({"ready": True, "rank": dist.get_rank()})
     try:
