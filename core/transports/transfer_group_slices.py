@@ -6,10 +6,12 @@ kept bytes``) and writes them into its kept tensors (a tensor kept as several pi
 concatenation along the pieces' dimension, in the manifest's order: the layout of a fused q/k/v or
 gate/up parameter, and of a TP shard).
 
-Buffers can be kept across updates (``staging``: memory of one update's messages, for speed).
-Both sides derive the messages from the plan alone: what one source sends one worker is the plan's
-transfers between them, in plan order, packed back to back and cut into messages of at most
-``max_message_bytes`` (a transfer larger than that travels alone). Every member first compares the
+Buffers can be kept across updates (``staging``: memory of one update's messages and the operations
+built for them, reused while the plan and the tensors are the same; for speed).
+Both sides derive the messages from the plan alone (``messages``): what one source sends one
+worker is the plan's transfers between them, the small ones packed back to back into messages of
+at most ``max_message_bytes``, every other one alone, sent from the shard and received into the
+kept tensor in place where its region is contiguous there. Every member first compares the
 plan's fingerprint with every other member (``agree``), so a member with another plan refuses
 before a byte moves instead of pairing the wrong bytes.
 
@@ -67,8 +69,8 @@ def messages(
 ) -> list[list[Transfer]]:
     """The transfers ``source`` sends ``worker``, grouped into messages: first the transfers under
     ``direct_min_bytes``, in plan order, packed back to back into messages of at most
-    ``max_message_bytes``; then, in plan order, each transfer of at least ``direct_min_bytes`` as a
-    message of its own. Such a message is sent from the shard in place when its region is
+    ``max_message_bytes``; then each transfer of at least ``direct_min_bytes`` as a message of its
+    own, those of whole rows (``Transfer.rows``) first, each group in plan order. Such a message is sent from the shard in place when its region is
     contiguous there (whole rows of a ``Shard(0)`` shard), else copied once into a buffer sent to
     all its destinations, and received in place when its region is contiguous in the kept tensor
     (whole rows, or the rows of a row-parallel slice), else into a buffer and copied."""
@@ -86,7 +88,8 @@ def messages(
             size = 0
         packed[-1].append(t)
         size += t.nbytes
-    return packed + alone
+    # Whole rows first: sent from a Shard(0) shard in place, they flow while the others are copied.
+    return packed + [m for m in alone if m[0].rows] + [m for m in alone if not m[0].rows]
 
 
 def _alone(t: Transfer, direct_min_bytes: int) -> bool:
@@ -103,6 +106,26 @@ def send_order(ranks: GroupRanks, source: int) -> list[str]:
         return []
     first = source * n // max(ranks.trainers, 1) % n
     return [ranks.workers[(first + k) % n] for k in range(n)]
+
+
+def send_sequence(
+    plan: TransferPlan,
+    ranks: GroupRanks,
+    source: int,
+    max_message_bytes: int,
+    direct_min_bytes: int = DIRECT_MIN_BYTES,
+) -> list[tuple[str, int, list[Transfer]]]:
+    """``(worker, index, message)`` in the order trainer rank ``source`` posts its sends: the
+    workers in ``send_order`` taking turns, one message each, so every worker's stream starts at
+    once and the copies of the later, packed regions overlap the earlier ones' sends. Each worker's
+    messages keep their order (``messages``), which is all the receiver relies on."""
+    streams = [
+        (w, messages(plan, source, w, max_message_bytes, direct_min_bytes)) for w in send_order(ranks, source)
+    ]
+    out = []
+    for index in range(max((len(m) for _, m in streams), default=0)):
+        out += [(w, index, m[index]) for w, m in streams if index < len(m)]
+    return out
 
 
 def agree(pg: Any, plan: TransferPlan, rank: int, world_size: int, timeout_s: float) -> None:
@@ -234,31 +257,28 @@ def send_slices(
             shard, held = into.track(local, holdings, t.tensor)
             return _region(shard, t.box, [a for a, _ in held])
 
-        for worker in send_order(ranks, source):
+        for worker, index, message in send_sequence(plan, ranks, source, max_message_bytes, direct_min_bytes):
             dst = ranks.of_worker(worker)
-            for index, message in enumerate(
-                messages(plan, source, worker, max_message_bytes, direct_min_bytes)
-            ):
-                t = message[0]
-                copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-                if _alone(t, direct_min_bytes):
-                    buf = alone.get(t)
-                    if buf is None:
-                        r = region(t)
-                        if r.is_contiguous():
-                            buf = r
-                        else:
-                            buf = _buffer(staging, ("alone", worker, index), t.nbytes)
-                            copies.append((_view(buf, 0, t, r.dtype), r))
-                        alone[t] = buf
-                else:
-                    buf = _buffer(staging, (worker, index), sum(t.nbytes for t in message))
-                    offset = 0
-                    for t in message:
-                        r = region(t)
-                        copies.append((_view(buf, offset, t, r.dtype), r))
-                        offset += t.nbytes
-                into.ops.append((dst, buf, copies, sum(t.nbytes for t in message), worker))
+            t = message[0]
+            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if _alone(t, direct_min_bytes):
+                buf = alone.get(t)
+                if buf is None:
+                    r = region(t)
+                    if r.is_contiguous():
+                        buf = r
+                    else:
+                        buf = _buffer(staging, ("alone", worker, index), t.nbytes)
+                        copies.append((_view(buf, 0, t, r.dtype), r))
+                    alone[t] = buf
+            else:
+                buf = _buffer(staging, (worker, index), sum(t.nbytes for t in message))
+                offset = 0
+                for t in message:
+                    r = region(t)
+                    copies.append((_view(buf, offset, t, r.dtype), r))
+                    offset += t.nbytes
+            into.ops.append((dst, buf, copies, sum(t.nbytes for t in message), worker))
 
     params = ("send", ranks, source, max_message_bytes, direct_min_bytes)
     works, sent = [], 0
