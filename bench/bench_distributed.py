@@ -21,16 +21,22 @@ is the share of the limit's throughput weightwire reaches (goal >= 0.9). Results
 
 Every trainer rank a source (issue 27):
 
-    .venv/bin/python bench/bench_distributed.py --sources 1,2,4 [--slice-engine 2,2] [--reps 5] [--out DIR]
+    .venv/bin/python bench/bench_distributed.py --sources 1,2,4 [--slice-engine 2,2] [--reps 7] [--predict] [--out DIR]
 
 For each source count M: M trainer processes holding FSDP2 ``Shard(0)`` shards of the model and the
 workers of a TP x DP engine (``--slice-engine tp,dp``; TorchAdapter parameters, the bench model's
 TP rules) in one gloo group; per repetition, between two barriers, ``plan``: the transfer plan
 carried out (``core.transports.transfer_group_slices``: each source packs its regions per
 destination, each worker receives exactly its slices into its parameters), against ``bare``: the
-same message sizes between the same processes, packed once beforehand, received and not unpacked.
-M = 1 is the single-source plan. Ratio = bare / plan (goal >= 0.9). Results go to
-``DIR/slices_results.json``.
+same messages (sizes and order: ``send_sequence``) between the same processes, packed once
+beforehand with the bytes they carry, received and not unpacked. M = 1 is the single-source plan.
+Ratio = bare / plan (goal >= 0.9). Results go to ``DIR/slices_results.json``.
+
+With ``--predict`` each group also measures its loopback as one port (trainer rank 0 to the first
+worker: one message of ``--bucket-mb``, then a stream of small ones), describes the run as a fleet
+(every process a node with one NIC of that rate and per-message cost) in
+``DIR/topology-M-sources.json`` (``weightwire plan`` reads it) and adds the planner's prediction
+(``core.transports.transfer_plan_fleet``) to each row, next to what was measured.
 """
 
 from __future__ import annotations
@@ -323,6 +329,7 @@ def run_slice_member(args: argparse.Namespace) -> int:
         GroupRanks,
         messages,
         receive_slices,
+        send_sequence,
         send_slices,
     )
     from weightwire.core.transports.transfer_plan import Shard, TensorSpec, plan_transfers
@@ -376,10 +383,13 @@ def run_slice_member(args: argparse.Namespace) -> int:
         }
         holdings = {s.name: s.holdings[args.rank] for s in specs if args.rank in s.holdings}
         del tensors
+        # The same messages in the same order, each packed once beforehand with the bytes it
+        # carries (a buffer never written reads the kernel's one zero page, always in cache, which
+        # no real send does); the same message to several workers is one buffer, as in the plan.
+        packed: dict[tuple[Any, ...], torch.Tensor] = {}
         bare = [
-            (group.of_worker(w), torch.empty(sum(t.nbytes for t in m), dtype=torch.uint8))
-            for w in group.workers
-            for m in messages(plan, args.rank, w, limit)
+            (group.of_worker(w), packed.setdefault(tuple(m), pack_message(m, local, holdings)))
+            for w, _, m in send_sequence(plan, group, args.rank, limit)
         ]
 
         def plan_step() -> int:
@@ -447,8 +457,109 @@ def run_slice_member(args: argparse.Namespace) -> int:
             barrier()
             if rep:
                 times[name].append(time.perf_counter() - t0)
-    print(json.dumps({"rank": args.rank, "times": times, "bytes": moved}), flush=True)
+    result: dict[str, Any] = {"rank": args.rank, "times": times, "bytes": moved}
+    if args.probe:
+        result["probe"] = probe_loopback(pg, barrier, args.rank, sources, limit)
+    print(json.dumps(result), flush=True)
     return 0
+
+
+def probe_loopback(pg: Any, barrier: Any, rank: int, sender_to: int, nbytes: int) -> dict[str, float]:
+    """The loopback as one port, in the same group and run: trainer rank 0 sends group rank
+    ``sender_to`` (the first worker) one message of ``nbytes`` (real bytes), then a stream of small
+    ones, while every other member waits at a barrier. The receiver's medians: bytes per second of
+    the big message, microseconds per small message (all posted, then waited)."""
+    big = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    small = [torch.ones(4, dtype=torch.uint8) for _ in range(256)]
+    seconds: dict[str, list[float]] = {"big": [], "small": []}
+    for rep in range(4):
+        for kind in ("big", "small"):
+            bufs = [big] if kind == "big" else small
+            barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                works = [pg.send([b], sender_to, 0) for b in bufs]
+            elif rank == sender_to:
+                works = [pg.recv([b], 0, 0) for b in bufs]
+            else:
+                works = []
+            for w in works:
+                w.wait()
+            if rep:
+                seconds[kind].append(time.perf_counter() - t0)
+            barrier()
+    return {
+        "bytes_per_s": nbytes / statistics.median(seconds["big"]),
+        "message_us": statistics.median(seconds["small"]) / len(small) * 1e6,
+    }
+
+
+def model_config(preset: str) -> dict[str, Any]:
+    """The bench model as a Hugging Face config (what ``weightwire plan`` reads)."""
+    s = models.PRESETS[preset]
+    return {
+        "model_type": "qwen3" if s.qk_norm else "qwen2",
+        "hidden_size": s.hidden,
+        "intermediate_size": s.intermediate,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "vocab_size": s.vocab,
+        "tie_word_embeddings": s.tied_embeddings,
+        "attention_bias": s.qkv_bias,
+    }
+
+
+def predict_run(args: argparse.Namespace, sources: int, probe: dict[str, float]) -> dict[str, Any]:
+    """This run as a fleet description (every process a node of one NIC at the loopback's
+    measured rate and per-message cost) and the planner's prediction for it
+    (``core.transports.transfer_plan_fleet``, what ``weightwire plan`` runs)."""
+    from weightwire.core.model_shapes import model_shapes
+    from weightwire.core.transports.transfer_plan_fleet import fleet_from, plan_fleet, predict
+
+    tp, dp = (int(x) for x in args.slice_engine.split(","))
+    description = {
+        "name": f"bench_distributed --sources {sources}: {sources} -> TP{tp} x DP{dp} on loopback gloo",
+        "measured": "network: this run's loopback probe (one big message, a stream of small ones)",
+        "model": model_config(args.model),
+        "trainer": {"gpus": sources, "gpus_per_node": 1, "layout": "fsdp"},
+        "engine": {"tp": tp, "pp": 1, "dp": dp, "ep": 1, "gpus_per_node": 1, "dtype": "bf16"},
+        "network": {
+            "nic_gbit_per_s": round(probe["bytes_per_s"] * 8 / 1e9, 3),
+            "nics_per_node": 1,
+            "nvlink_gbyte_per_s": 450,
+            "message_latency_us": round(probe["message_us"], 1),
+            "bucket_mib": args.bucket_mb,
+        },
+    }
+    fleet = fleet_from(description, model_shapes(description["model"]))
+    pred = predict(plan_fleet(fleet))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"topology-{sources}-sources.json"), "w") as f:
+            json.dump(description, f, indent=1)
+    return {
+        "predicted_s": round(pred.seconds, 4),
+        "bottleneck": str(pred.bottleneck),
+        "bottleneck_bytes": pred.port_bytes.get(pred.bottleneck, 0),
+        "bottleneck_messages": pred.port_messages.get(pred.bottleneck, 0),
+        "total_bytes": pred.total_bytes,
+        "network": description["network"],
+    }
+
+
+def pack_message(
+    message: list[Any], local: dict[str, torch.Tensor], holdings: dict[str, Any]
+) -> torch.Tensor:
+    """One message of the plan as one flat buffer: its regions' bytes back to back, in order."""
+    parts = []
+    for t in message:
+        region = local[t.tensor][
+            tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(t.box, holdings[t.tensor], strict=True))
+        ]
+        parts.append(region.contiguous().view(-1).view(torch.uint8))
+    return torch.cat(parts)
 
 
 def run_sources(args: argparse.Namespace) -> int:
@@ -484,6 +595,7 @@ def run_sources(args: argparse.Namespace) -> int:
                     str(args.reps),
                     "--bucket-mb",
                     str(args.bucket_mb),
+                    *(["--probe"] if args.predict else []),
                 ],
                 stdout=subprocess.PIPE,
                 text=True,
@@ -512,6 +624,14 @@ def run_sources(args: argparse.Namespace) -> int:
             "bare_all_s": [round(x, 4) for x in per_rep["bare"]],
             "sent_per_source": [o["bytes"] for o in outs[:m]],
         }
+        if args.predict:
+            probe = outs[m]["probe"]
+            row["loopback_probe"] = {
+                "gbyte_per_s": round(probe["bytes_per_s"] / 1e9, 3),
+                "message_us": round(probe["message_us"], 1),
+            }
+            row["planner"] = predict_run(args, m, probe)
+            row["planner"]["measured_over_predicted"] = round(med["plan"] / row["planner"]["predicted_s"], 2)
         rows.append(row)
         print(
             f"{m} source(s) -> TP{tp} x DP{dp}: plan {med['plan']:.3f} s vs bare {med['bare']:.3f} s "
@@ -551,6 +671,13 @@ def main() -> int:
     p.add_argument("--store-port", type=int, default=0)
     p.add_argument("--group", default="")
     p.add_argument("--rank", type=int, default=0)
+    p.add_argument(
+        "--predict",
+        action="store_true",
+        help="with --sources: also probe the loopback (one big message, a stream of small ones) in each "
+        "group and have the planner (weightwire plan) predict the run from it; writes DIR/topology-M-sources.json",
+    )
+    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     os.environ.update(_QUIET)
     if args.role == "worker":
