@@ -15,8 +15,10 @@ kept tensor in place where its region is contiguous there. Every member first co
 plan's fingerprint with every other member (``agree``), so a member with another plan refuses
 before a byte moves instead of pairing the wrong bytes.
 
-Not yet wired into ``WeightPusher.push`` (the gRPC plan, acks and commit of a multi-source update);
-this is the data plane that push will drive. Pure torch.distributed: any process group with
+``WeightPusher.push`` drives it in a multi-rank push over a transfer group
+(``weightwire.client.ranks.slice_push`` on the trainer's ranks, ``weightwire.server.transports.
+transfer_group_slices`` on the workers; gRPC carries the plan, acks and commit). Pure
+torch.distributed: any process group with
 ``send``/``recv``/``allgather`` (``ProcessGroupGloo`` here, ``ProcessGroupNCCL`` on GPUs).
 """
 
