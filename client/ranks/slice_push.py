@@ -181,25 +181,26 @@ class _Streams:
 
 
 def _slices_bucket(
-    stream: WorkerStream, formed: FormedSources, plan: TransferPlan, manifest: ShardManifest, sequence: int
-) -> None:
-    request = stream.new_request()
+    address: str, formed: FormedSources, plan: TransferPlan, manifest: ShardManifest
+) -> pb.PushWeightsRequest:
+    """The bucket of ``address``'s part of ``plan``: the same message every update with the same
+    plan and group (so the worker finds it checked already)."""
+    request = pb.PushWeightsRequest()
     payload = request.bucket.payloads.add()
     payload.device.CopyFrom(manifest.device.to_proto())
     h = payload.transfer_group
     h.group_id = formed.group_id
     h.mode = pb.TRANSFER_MODE_SLICES
-    h.sequence = sequence
     h.plan_fingerprint = plan.fingerprint
     h.max_message_bytes = DEFAULT_MAX_MESSAGE_BYTES
     size = 0
-    for t in plan.for_worker(stream.address):
+    for t in plan.for_worker(address):
         s = h.slices.add(tensor=t.tensor, source_rank=t.source)
         s.start.extend(a for a, _ in t.box)
         s.stop.extend(b for _, b in t.box)
         size += t.nbytes
     payload.size_bytes = size
-    stream.send_bucket(0, request)
+    return request
 
 
 class _SliceUpdate:
@@ -341,14 +342,18 @@ class _SliceUpdate:
 
     def _open(self, owner: _Streams, formed: FormedSources, plan: TransferPlan) -> dict[str, WorkerStream]:
         """Rank 0: every worker's stream, its header and its slices bucket on the way."""
-        sequence = self.link.next_sequence()
         streams: dict[str, WorkerStream] = {}
         for a, m in self.manifests.items():
             s = WorkerStream(owner, self.connections, a, self.options.header(self.fingerprints[a]))
             streams[a] = s
             s.start()
             s.send_header()
-            _slices_bucket(s, formed, plan, m, sequence)
+            key = (formed.group_id, plan.fingerprint, a)
+            request = self.link.buckets.get(key)
+            if request is None:
+                request = _slices_bucket(a, formed, plan, m)
+                self.link.remember_bucket(key, request)
+            s.send_bucket(0, request)
             s.ensure_reader()
         return streams
 

@@ -44,6 +44,7 @@ _LEAVE_TIMEOUT_S = 5.0
 # A plan of a few thousand members, exchanged between the ranks as its protobuf.
 _MAX_SPEC_BYTES = 4 << 20
 _MAX_PLANS = 4
+_MAX_BUCKETS = 4096
 
 
 @dataclasses.dataclass
@@ -78,7 +79,8 @@ class SourcesLink:
         self._store: StoreServer | None = None
         self._formed: FormedSources | None = None
         self.formations = 0
-        self._sequence = 0
+        # Each worker's slices bucket of recent plans (``remember_bucket``).
+        self.buckets: dict[tuple[str, str, str], pb.PushWeightsRequest] = {}
         # Message buffers of this rank's sends, reused while the plan stays the same.
         self.staging: dict[Any, torch.Tensor] = {}
         # The plans of recent updates by what they depend on (``slice_push``); planning a model of
@@ -103,9 +105,12 @@ class SourcesLink:
     def group_id(self) -> str | None:
         return self._formed.group_id if self._formed is not None else None
 
-    def next_sequence(self) -> int:
-        self._sequence += 1
-        return self._sequence
+    def remember_bucket(self, key: tuple[str, str, str], request: pb.PushWeightsRequest) -> None:
+        """Keep a worker's slices bucket (by group, plan and worker) for the next update: the same
+        message every step, built once (tens of thousands of regions on a large model)."""
+        if len(self.buckets) >= _MAX_BUCKETS:
+            self.buckets.pop(next(iter(self.buckets)))
+        self.buckets[key] = request
 
     def remember_plan(self, key: object, planned: Any) -> None:
         """Keep an update's plan for the next push of the same layout to the same workers."""
