@@ -60,6 +60,18 @@ class TransferGroupOptions:
     def backend_value(self) -> int:
         return _BACKENDS[self.backend]
 
+    @property
+    def device(self) -> torch.device:
+        """Where the backend sends from: the current GPU for NCCL (asked at each use: a trainer may
+        select its GPU after building the pusher), the host for gloo."""
+        if self.backend_value == pb.TRANSFER_BACKEND_NCCL:
+            return (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cuda")
+            )
+        return torch.device("cpu")
+
 
 # --------------------------------------------------------------------------------------------
 # The exporter: staging buffers on the backend's device

@@ -41,19 +41,33 @@ from weightwire.core.transports.transfer_group_plan import GroupPlan, MemberIden
 from weightwire.core.transports.transfer_group_store import StoreServer
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-__all__ = ["TRAINER_KEY", "GroupLink"]
+__all__ = ["JOIN_GRACE_S", "TRAINER_KEY", "GroupLink", "leave_all"]
 
 log = logging.getLogger(__name__)
 
 # How much longer than the group's timeout a JoinTransferGroup call may take (the worker answers
 # with its reason at the group's timeout; the RPC deadline only guards a hung worker).
-_JOIN_GRACE_S = 5.0
+JOIN_GRACE_S = 5.0
 _LEAVE_TIMEOUT_S = 5.0
 # How long closing the pusher waits for its process groups to be destroyed (they end at once unless
 # an operation is still running; a process exiting meanwhile would cut a destructor off halfway).
 _CLOSE_WAIT_S = 10.0
 # Key of the trainer's own part in a PushError about forming (workers are keyed by address).
 TRAINER_KEY = "trainer"
+
+
+def leave_all(workers: Mapping[str, Worker], group_id: str, metadata: tuple[tuple[str, str], ...]) -> None:
+    """Tell every worker to leave ``group_id`` (best effort, concurrently, each within a few seconds)."""
+    request = pb.LeaveTransferGroupRequest(group_id=group_id)
+    futures = [
+        w.stub.LeaveTransferGroup.future(request, timeout=_LEAVE_TIMEOUT_S, metadata=metadata)
+        for w in workers.values()
+    ]
+    for fut in futures:
+        try:
+            fut.result()
+        except grpc.RpcError:
+            pass  # a worker that is gone has left already
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,13 +117,7 @@ class GroupLink:
 
     @property
     def device(self) -> torch.device:
-        if self.options.backend_value == pb.TRANSFER_BACKEND_NCCL:
-            return (
-                torch.device("cuda", torch.cuda.current_device())
-                if torch.cuda.is_available()
-                else torch.device("cuda")
-            )
-        return torch.device("cpu")
+        return self.options.device
 
     @property
     def group_id(self) -> str | None:
@@ -179,7 +187,7 @@ class GroupLink:
         request = pb.JoinTransferGroupRequest(spec=plan.spec)
         futures = {
             a: self._workers[a].stub.JoinTransferGroup.future(
-                request, timeout=self.timeout_s + _JOIN_GRACE_S, metadata=self._metadata
+                request, timeout=self.timeout_s + JOIN_GRACE_S, metadata=self._metadata
             )
             for a in manifests
         }
@@ -243,16 +251,7 @@ class GroupLink:
             self._leave_all(formed.plan.group_id)
 
     def _leave_all(self, group_id: str) -> None:
-        request = pb.LeaveTransferGroupRequest(group_id=group_id)
-        futures = [
-            w.stub.LeaveTransferGroup.future(request, timeout=_LEAVE_TIMEOUT_S, metadata=self._metadata)
-            for w in self._workers.values()
-        ]
-        for fut in futures:
-            try:
-                fut.result()
-            except grpc.RpcError:
-                pass  # a worker that is gone has left already
+        leave_all(self._workers, group_id, self._metadata)
 
     def close(self) -> None:
         self.teardown("the pusher closed")

@@ -26,7 +26,7 @@ from weightwire.client.ranks import rank_records
 from weightwire.client.ranks.rank_agreement import RankGroup
 from weightwire.client.ranks.rank_records import RankFailure, RankResults
 from weightwire.client.transports.transfer_group import TransferGroupOptions
-from weightwire.client.transports.transfer_group_link import TRAINER_KEY
+from weightwire.client.transports.transfer_group_link import JOIN_GRACE_S, TRAINER_KEY, leave_all
 from weightwire.core.errors import PushError, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports.transfer_group import TransferGroup, check_backend
@@ -39,8 +39,6 @@ __all__ = ["FormedSources", "SourcesLink"]
 
 log = logging.getLogger(__name__)
 
-_JOIN_GRACE_S = 5.0
-_LEAVE_TIMEOUT_S = 5.0
 # A plan of a few thousand members, exchanged between the ranks as its protobuf.
 _MAX_SPEC_BYTES = 4 << 20
 _MAX_PLANS = 4
@@ -89,13 +87,7 @@ class SourcesLink:
 
     @property
     def device(self) -> torch.device:
-        if self.options.backend_value == pb.TRANSFER_BACKEND_NCCL:
-            return (
-                torch.device("cuda", torch.cuda.current_device())
-                if torch.cuda.is_available()
-                else torch.device("cuda")
-            )
-        return torch.device("cpu")
+        return self.options.device
 
     def check_backend(self) -> None:
         """TRANSPORT_UNAVAILABLE when the group's backend cannot run here (NCCL without a GPU)."""
@@ -188,7 +180,7 @@ class SourcesLink:
             request = pb.JoinTransferGroupRequest(spec=spec)
             futures = {
                 a: self._workers[a].stub.JoinTransferGroup.future(
-                    request, timeout=self.timeout_s + _JOIN_GRACE_S, metadata=self._metadata
+                    request, timeout=self.timeout_s + JOIN_GRACE_S, metadata=self._metadata
                 )
                 for a in manifests
             }
@@ -245,16 +237,7 @@ class SourcesLink:
             formed.group.close()
 
     def _leave_all(self, group_id: str) -> None:
-        request = pb.LeaveTransferGroupRequest(group_id=group_id)
-        futures = [
-            w.stub.LeaveTransferGroup.future(request, timeout=_LEAVE_TIMEOUT_S, metadata=self._metadata)
-            for w in self._workers.values()
-        ]
-        for fut in futures:
-            try:
-                fut.result()
-            except grpc.RpcError:
-                pass  # a worker that is gone has left already
+        leave_all(self._workers, group_id, self._metadata)
 
     def close(self, wait_s: float = 10.0) -> None:
         formed, self._formed = self._formed, None
