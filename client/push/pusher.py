@@ -225,6 +225,8 @@ class WeightPusher:
         if self._sources is None:
             self._sources = SourcesLink(self._group.options, self._workers, self._metadata, self.timeout_s)
         link = self._sources
+        if self.metrics is not None:
+            options = dataclasses.replace(options, metrics=self.metrics)
         connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)
 
         def read_manifests() -> tuple[dict[str, ShardManifest], dict[str, str]]:

@@ -35,7 +35,7 @@ from weightwire.client.push import plan as planning
 from weightwire.client.push.blame import collect_results
 from weightwire.client.push.plan import PlanError
 from weightwire.client.push.stream import Connections, WorkerStream
-from weightwire.client.push.types import PushResult
+from weightwire.client.push.types import PushProgress, PushResult
 from weightwire.client.ranks import rank_records
 from weightwire.client.ranks.dtensor_gather import CastTo, is_dtensor, spec_of, target_dtype
 from weightwire.client.ranks.rank_agreement import RankGroup, peer_failed
@@ -158,16 +158,26 @@ def _layout_key(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[object, ...]
 
 
 class _Streams:
-    """Rank 0's streams of one update: acks and ends, and a callback at the first failure."""
+    """Rank 0's streams of one update: acks (each worker's one bucket, reported to ``progress``)
+    and ends, and a callback at the first failure."""
 
-    def __init__(self, on_failure: Callable[[], None]) -> None:
+    def __init__(
+        self, on_failure: Callable[[], None], options: PushOptions, bytes_total: int, workers: int
+    ) -> None:
         self.cond = threading.Condition()
         self.failed: str | None = None
         self._on_failure = on_failure
+        self._progress = options.progress
+        self._done = (0, 0)
+        self._total = (workers, bytes_total)
 
     def on_ack(self, stream: WorkerStream, ack: pb.BucketAck) -> None:
         with self.cond:
+            self._done = (self._done[0] + 1, self._done[1] + ack.bytes_loaded)
+            report = PushProgress(self._done[0], self._total[0], self._done[1], self._total[1])
             self.cond.notify_all()
+        if self._progress is not None:
+            self._progress(report)
 
     def on_stream_end(self, stream: WorkerStream) -> None:
         first = False
@@ -310,7 +320,12 @@ class _SliceUpdate:
     def run(self, items: Sequence[tuple[str, torch.Tensor]]) -> dict[str, PushResult]:
         plan, local, boxes = self.plan(items)
         formed = self.link.ensure(self.ranks, self.manifests, self.groups_held)
-        owner = _Streams(lambda: self.link.teardown("a worker failed the update"))
+        owner = _Streams(
+            lambda: self.link.teardown("a worker failed the update"),
+            self.options,
+            sum(plan.bytes_to().values()),
+            len(self.manifests),
+        )
         streams = self._open(owner, formed, plan) if self.ranks.rank == 0 else {}
         deadline = time.monotonic() + self.link.timeout_s
         sent_error = self._send(formed, plan, local, boxes)
@@ -399,6 +414,10 @@ class _SliceUpdate:
                 s.cancel()
         for s in streams.values():
             s.done.wait(max(0.0, deadline - time.monotonic()) + _GROUP_GRACE_S)
+        if self.options.metrics is not None:
+            self.options.metrics.record_session(
+                streams, self.manifests, version=self.options.version, started_at=self.options.started_at
+            )
         try:
             results = collect_results(
                 streams,

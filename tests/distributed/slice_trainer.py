@@ -12,7 +12,9 @@ stdout for each:
                     sends, and waits for a line on stdin ("go": send; "die": exit at once, code 3)
   {"op": "quit"}
 
-The answer: {"ok": true, "results": {addr: {...}}, "group_id": ..., "formations": N} or {"ok": false,
+The answer: {"ok": true, "results": {addr: {...}}, "group_id": ..., "formations": N, "progress":
+[[buckets_done, buckets_total, bytes_done, bytes_total], ...], "committed_pushes": the pusher's
+metrics count} or {"ok": false,
 "error": {"reason", "failures": {addr: {"reason", "message"}}}}. The pause wraps the library's
 ``send_slices`` in this process only (a test harness, not part of weightwire).
 """
@@ -28,9 +30,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from prometheus_client import CollectorRegistry
 from torch.distributed.fsdp import fully_shard
 from weightwire.adapters.torch.demo import DemoConfig, build_demo_model
-from weightwire.client import PushError, WeightPusher, WeightwireError
+from weightwire.client import PushError, PushProgress, TrainerMetrics, WeightPusher, WeightwireError
 from weightwire.client.ranks import slice_push
 from weightwire.client.transports.transfer_group import TransferGroupOptions
 from weightwire.core.manifest import ParallelRank
@@ -69,14 +72,25 @@ def run_push(pusher: WeightPusher, cmd: dict[str, Any]) -> dict[str, Any]:
     model = fsdp_model(int(cmd["seed"]))
     tensors = {n: t for n, t in model.state_dict().items() if n not in set(cmd.get("drop", []))}
     _pause = cmd.get("pause_rank") == dist.get_rank()
+    reports: list[list[int]] = []
+
+    def progress(p: PushProgress) -> None:
+        reports.append([p.buckets_done, p.buckets_total, p.bytes_done, p.bytes_total])
+
     try:
         results = pusher.push(
             tensors,
             version=int(cmd["version"]),
             scope=cmd.get("scope", "full"),
             cast_to=getattr(torch, cmd["cast_to"]) if cmd.get("cast_to") else None,
+            progress=progress,
+        )
+        pushes = pusher.metrics.registry.get_sample_value(  # type: ignore[union-attr]
+            "weightwire_trainer_pushes_total", {"outcome": "committed"}
         )
         return {
+            "progress": reports,
+            "committed_pushes": pushes,
             "ok": True,
             "results": {a: dataclasses.asdict(r) for a, r in results.items()},
             "group_id": pusher._sources.group_id if pusher._sources is not None else None,
@@ -108,6 +122,7 @@ def main() -> int:
         args,
         transfer_group=TransferGroupOptions(host="127.0.0.1", timeout_s=20, backend=backend),
         timeout_s=60,
+        metrics=TrainerMetrics(CollectorRegistry()),
     )
     answer({"ready": True, "rank": dist.get_rank()})
     try:

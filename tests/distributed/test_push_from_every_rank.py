@@ -144,6 +144,14 @@ def test_every_rank_sends_and_every_worker_receives_only_its_slices(fleet: Fleet
         version = fleet.next_version()
         answers = ranks.push(version=version, seed=version)
         assert_landed(fleet, answers, version, version)
+        # Rank 0 holds the streams: its progress callback sees every worker's bucket acked, its
+        # metrics the committed push; the other ranks' see nothing of the workers.
+        total = sum(kept_bytes(m) for m in fleet.members)
+        n = len(fleet.members)
+        assert answers[0]["progress"][-1] == [n, n, total, total]
+        assert [p[0] for p in answers[0]["progress"]] == list(range(1, n + 1))
+        assert answers[0]["committed_pushes"] == 1.0
+        assert all(a["progress"] == [] for a in answers[1:])
         first = answers[0]["group_id"]
         # The next step reuses the group: no new formation, the same group id on every worker.
         answers = ranks.push(version=version + 1, seed=version + 7)
