@@ -220,6 +220,7 @@ class SourcesLink:
             {a: (m.worker_id, m.instance_id) for a, m in manifests.items()},
         )
         self.staging = {}
+        self.buckets = {}  # built for the old group's id
         self.formations += 1
         log.info(
             "transfer group %s formed: %d trainer ranks, %d workers",

@@ -15,6 +15,7 @@ A failed update (``release``) tears the group down.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -147,7 +148,8 @@ class GroupImporter(PayloadImporter):
         """The checked plan of a slices payload (``transfer_group_slices.check_slices``)."""
         member = self.membership.current()
         gid = member.group.group_id
-        key = payload.SerializeToString(deterministic=True)
+        # By digest: a handle may be megabytes, and what is kept must stay small whatever a client sends.
+        key = hashlib.blake2b(payload.SerializeToString(deterministic=True), digest_size=16).digest()
         hit = self._slices.get(key)
         if hit is not None and hit[0] == gid:
             return hit[1]
