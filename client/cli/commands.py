@@ -313,7 +313,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     import grpc
     from google.protobuf import json_format
-    from weightwire.client.push.rpc import Worker, call_metadata, error_from_rpc
+    from weightwire.client.push.rpc import Worker, call_metadata, close_workers, error_from_rpc
     from weightwire.v1 import weight_transfer_pb2 as pb
 
     metadata = call_metadata(_token(args))
@@ -331,8 +331,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 count=args.count,
             )
         finally:
-            for w in workers:
-                w.close()
+            # Ctrl-C may have landed inside a call, whose lock a plain close would then wait on forever.
+            close_workers(workers)
     try:
         pending = {
             w.address: w.stub.GetStatus.future(pb.GetStatusRequest(), timeout=args.timeout, metadata=metadata)
@@ -347,8 +347,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             except futures.CancelledError:
                 statuses[addr] = WeightwireError(Reason.CANCELLED, "cancelled", worker=addr)
     finally:
-        for w in workers:
-            w.close()
+        close_workers(workers)
     if args.json:
         out = {
             a: (

@@ -133,7 +133,9 @@ def test_demo_runs_clean() -> None:
 
 
 def test_demo_cleans_up_on_ctrl_c() -> None:
-    proc = _demo("--tp", "1", "--pp", "1")
+    # Enough versions that the demo is still pushing when the Ctrl-C comes, however late this test
+    # gets to send it on a loaded machine (with the default 3 it could finish first and exit 0).
+    proc = _demo("--tp", "1", "--pp", "1", "--versions", "100000")
     assert proc.stdout is not None
     line = ""
     for line in proc.stdout:
