@@ -6,6 +6,7 @@ The helpers they use live in ``tests/helpers.py`` (importable as ``helpers``).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -14,6 +15,13 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# A suite started in the background of a shell without job control inherits SIGINT ignored, and so
+# would every process the tests start: Python then installs no KeyboardInterrupt handler, and the
+# tests that press Ctrl-C on a CLI (the demo, the fleet watch) would see it ignored. With a handler
+# here, children start with SIGINT at its default, as under a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from helpers import ShmSegments, WorkerProcess, spawn_worker
 from weightwire.adapters.torch import TorchAdapter
