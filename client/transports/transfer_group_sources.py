@@ -135,7 +135,6 @@ class SourcesLink:
         mine: WeightwireError | None = None
         store_address = ""
         try:
-            check_backend(self.options.backend_value, self.device)
             if me == 0 and self._store is None:
                 self._store = StoreServer(self.options.host, self.options.port, timeout_s=self.timeout_s)
             store_address = self._store.address if self._store is not None else ""
