@@ -201,7 +201,8 @@ def _in_place_jobs(
     complete = options.scope == pb.UPDATE_SCOPE_FULL and all(n == 1 for n in counts.values())
     jobs: list[Job] = []
     for p in plans:
-        exported = exporter.export_tensors([kept[i] for i in p.items], p.recipients)
+        tensors = [kept[i] for i in p.items]
+        exported = exporter.export_tensors(tensors, p.recipients)
         if exported is None:
             return None
         memo = exported.specs_memo.get(id(p))
@@ -216,7 +217,7 @@ def _in_place_jobs(
                 specs,
                 p.recipients,
                 sum(s.nbytes for s in p.specs),
-                in_place_job(exporter, exported, complete),
+                in_place_job(exporter, exported, complete, tensors),
             )
         )
     return Jobs(jobs, [])

@@ -56,6 +56,7 @@ from weightwire.client.ranks.dtensor_gather import (
     CastTo,
     check_cast_to,
     has_dtensors,
+    local_device,
     named_items,
     single_rank_items,
     source_device,
@@ -98,6 +99,10 @@ class WeightPusher:
     ``transfer_group`` (``weightwire.client.transports.transfer_group.TransferGroupOptions``) moves the bytes over a
     torch.distributed group between machines instead (docs/distributed.md); it is then the
     transport ``"auto"`` picks.
+    ``fresh_pool_bytes`` bounds the GPU buffers a CUDA IPC push packs fresh tensors into (tensors
+    in new storages every step, such as gathered or converted ones: docs/client.md, "Fresh tensors
+    and the buffer pool"); left out, the pool holds at most the bytes it packs (one copy of them),
+    and 0 shares every fresh storage anew instead.
     """
 
     def __init__(
@@ -114,6 +119,7 @@ class WeightPusher:
         recheck_manifests: bool = True,
         metrics: TrainerMetrics | None = None,
         transfer_group: TransferGroupOptions | None = None,
+        fresh_pool_bytes: int | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("WeightPusher needs at least one worker endpoint")
@@ -136,6 +142,7 @@ class WeightPusher:
             int(bucket_size_bytes) if bucket_size_bytes is not None else planning.DEFAULT_BUCKET_BYTES,
             max(1, int(pipeline_depth)),
             bucket_size_given=bucket_size_bytes is not None,
+            fresh_pool_bytes=None if fresh_pool_bytes is None else max(0, int(fresh_pool_bytes)),
         )
         self._templates = SpecTemplates()
         self._checked = CheckedLayouts()
@@ -276,6 +283,41 @@ class WeightPusher:
         stay alive and unchanged until the push that carries the payload returned.
         """
         return self._staging.export_in_place(flat_bytes(flat, "export_payload"), size_bytes)
+
+    def tensor_buffers(
+        self,
+        like: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        device: torch.device | str | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Tensors to write a push's values into, one per name of ``like`` with its shape and dtype
+        (a DTensor's full shape; ``like`` may be on the meta device), as views of one allocation
+        on ``device`` (default: the device of ``like``'s first tensor not on the meta device, else the
+        current GPU).
+
+        A trainer that produces its tensors for each push (a gather, a conversion, a cast) writes
+        them here instead (``out=``, ``copy_``) and pushes the dict: the same storage every step, so
+        the push sends it where it lives with no packing copy, as for a trainer's kept parameters.
+        The caller owns the memory (one copy of the tensors); the values must stay unchanged until
+        ``push`` returned, and may be overwritten after.
+        """
+        items = named_items(like)
+        if device is None:
+            local = [local_device(t) for _, t in items if t.device.type != "meta"]
+            device = local[0] if local else torch.device("cuda", torch.cuda.current_device())
+        target = torch.device(device)
+        places: list[tuple[str, torch.dtype, torch.Size, int]] = []
+        end = 0
+        for name, t in items:
+            at = planning.align_up(end, self.align_bytes)
+            shape = torch.Size(t.shape)
+            places.append((name, t.dtype, shape, at))
+            end = at + shape.numel() * t.dtype.itemsize
+        flat = torch.empty(max(end, 1), dtype=torch.uint8, device=target)
+        return {
+            name: flat.narrow(0, at, shape.numel() * dtype.itemsize).view(dtype).view(shape)
+            for name, dtype, shape, at in places
+        }
 
     # ---------------------------------------------------------------- entry points
 

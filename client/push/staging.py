@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 from weightwire.client.push import plan as planning
 from weightwire.client.push.plan import PlanError, TensorSpec
 from weightwire.client.transports import exporter as exp
+from weightwire.client.transports.cuda_ipc import CudaIpcExporter
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason
 from weightwire.core.transports import table as transports
@@ -111,9 +113,16 @@ class Staging:
     across updates so segments and device buffers are reused; plus the caller's ``host_buffer``s."""
 
     def __init__(
-        self, bucket_size_bytes: int, pipeline_depth: int, *, bucket_size_given: bool = True
+        self,
+        bucket_size_bytes: int,
+        pipeline_depth: int,
+        *,
+        bucket_size_given: bool = True,
+        fresh_pool_bytes: int | None = None,
     ) -> None:
         self.bucket_size_bytes = bucket_size_bytes
+        # The CUDA IPC exporters' fresh-tensor pool bound (``CudaIpcExporter.pool_limit_bytes``).
+        self.fresh_pool_bytes = fresh_pool_bytes
         self.pipeline_depth = pipeline_depth
         # False: the caller left the bucket size to the pusher, and ``push`` packs GPU buckets of
         # ``plan.DEFAULT_CUDA_BUCKET_BYTES`` (a host transport keeps ``bucket_size_bytes``).
@@ -126,7 +135,10 @@ class Staging:
         row = transports.by_name(name)
         key = f"{name}:{source}" if row is not None and row.per_source_device else name
         if key not in self._exporters:
-            self._exporters[key] = exp.make_exporter(name, source)
+            exporter = exp.make_exporter(name, source)
+            if isinstance(exporter, CudaIpcExporter):
+                exporter.pool_limit_bytes = self.fresh_pool_bytes
+            self._exporters[key] = exporter
         return self._exporters[key]
 
     def add_exporter(self, exporter: exp.Exporter) -> None:
@@ -271,16 +283,35 @@ def packer(
     return prepare
 
 
+@runtime_checkable
+class PacksTensors(Protocol):
+    """An export of tensors where they live that packs some of them first (the CUDA IPC exporter's
+    fresh-tensor pool): ``pack`` copies them on the current stream before the payload's event is
+    recorded; ``discard`` after a failed push, whose workers may still read what was packed."""
+
+    def pack(self, tensors: Sequence[torch.Tensor]) -> None: ...
+
+    def discard(self) -> None: ...
+
+
 def in_place_job(
-    exporter: exp.Exporter, exported: object, complete: bool
+    exporter: exp.Exporter, exported: object, complete: bool, tensors: Sequence[torch.Tensor] = ()
 ) -> Callable[[Callable[[], bool], float], PreparedBucket]:
     """A bucket of the caller's own CUDA tensors, exported where they live (``CudaIpcExporter.
-    export_tensors``): nothing staged, nothing to release; each worker's payload names its own
-    shares of the storages and carries the event of the writes queued so far (or this waits for them)."""
+    export_tensors``), the fresh ones among them packed into the exporter's pool first: nothing
+    else staged; each worker's payload names its own shares of the storages and carries the event
+    of the writes queued so far, the packing included (or this waits for them)."""
+    packer = exported if isinstance(exported, PacksTensors) else None
+
+    def release(ok: bool) -> None:
+        if not ok and packer is not None:
+            packer.discard()
 
     def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
+        if packer is not None:
+            packer.pack(tensors)
         payloads = exporter.tensors_payloads(exported, complete=complete)
-        return PreparedBucket([], None, None, lambda ok: None, per_recipient=payloads.__getitem__)
+        return PreparedBucket([], None, None, release, per_recipient=payloads.__getitem__)
 
     return prepare
 

@@ -33,6 +33,7 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+from weightwire.client.transports.cuda_ipc_pool import PoolRegion, copy_into, lay_out, pack_fresh
 from weightwire.client.transports.exporter import Exporter, StagingBuffer, consumers_wait, crc32_of
 from weightwire.core.devices import DeviceRef, cuda_device_uuid
 from weightwire.core.errors import Reason, WeightwireError
@@ -161,6 +162,27 @@ class ExportedTensors:
     storages: dict[str, list[pb.CudaIpcStorage]]
     _payloads: dict[tuple[str, bool, bool], pb.Payload] = dataclasses.field(default_factory=dict)
     specs_memo: dict[int, tuple[object, list[object]]] = dataclasses.field(default_factory=dict)
+    # Tensors packed into the fresh-tensor pool (``cuda_ipc_pool``): their indices among the
+    # exported tensors and the pool views they are copied into before each send; the region
+    # holding those views (kept while this payload is).
+    packs: tuple[int, ...] = ()
+    pack_views: tuple[torch.Tensor, ...] = ()
+    region: PoolRegion | None = None
+
+    def pack(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy this push's fresh tensors (``tensors``: the exported ones, in order) into the pool,
+        on the current stream, before the payload's event is recorded."""
+        if self.packs:
+            if self.region is None:
+                raise RuntimeError("this payload's pool buffers were discarded after a failed push")
+            copy_into(self.pack_views, [tensors[i] for i in self.packs])
+
+    def discard(self) -> None:
+        """A push of this payload failed: a cancelled worker may still read its pool buffers, so they
+        are never packed into again (the exporter lays out new ones at the next packing push)."""
+        if self.packs:
+            self.region = None
+            self.pack_views = ()
 
     def payload(
         self, recipient: str, label: DeviceRef, event_handle: bytes | None, complete: bool
@@ -219,6 +241,16 @@ class CudaIpcExporter(Exporter):
         )
         self._tensor_event: ProducerEvent | None = None
         self.storages_shared = 0
+        # The fresh-tensor pool (``cuda_ipc_pool``): at most this many bytes (None: as many as the
+        # tensors it packs; 0: never pack, share every storage anew); per recipient group, its
+        # payload with the region it packs into; the recipient groups exported to before (a first
+        # push shares); the storages the last packing push packed, weakly (pushed again, they are
+        # kept ones, and go where they live from then on).
+        self.pool_limit_bytes: int | None = None
+        self._pooled: dict[tuple[str, ...], tuple[tuple[object, ...], ExportedTensors]] = {}
+        self._exported_to: set[tuple[str, ...]] = set()
+        self._packed_seen: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.tensors_packed = 0
 
     def _new_event(self) -> ProducerEvent | None:
         """The event for a newly exported buffer, or None beyond ``_MAX_EVENTS`` (caller holds no lock)."""
@@ -308,6 +340,161 @@ class CudaIpcExporter(Exporter):
             if known is not None:
                 self._exported.move_to_end(key)
                 return known
+        group = tuple(recipients)
+        fresh = self._fresh_storages(storages, group)
+        if fresh:
+            pooled = self._export_pooled(tensors, storages, group, fresh)
+            if pooled is not None:
+                return pooled
+        exported = self._export_shared(tensors, storages, recipients, key)
+        if exported is not None:
+            with self._lock:
+                self._exported_to.add(group)
+                # Nothing of this group is packed any more: its pool buffers go (a worker that still
+                # maps them lets them go at this payload, which lists everything it should keep).
+                self._pooled.pop(group, None)
+        return exported
+
+    def _fresh_storages(self, storages: Sequence[torch.UntypedStorage], group: tuple[str, ...]) -> set[int]:
+        """The storages (by id) this push packs into the pool, or none: storages neither shared nor
+        packed by the push before (new every step), when there are enough of them to pack
+        (``cuda_ipc_pool.pack_fresh``) and this group was exported to before (a first push shares
+        where they live: nothing says yet whether the trainer keeps them)."""
+        if self.pool_limit_bytes == 0 or group not in self._exported_to:
+            return set()
+        fresh: dict[int, int] = {}
+        seen: set[int] = set()
+        distinct = 0
+        shares, packed = self._shares, self._packed_seen
+        for storage in storages:
+            sid = id(storage)
+            if sid in seen:
+                continue
+            seen.add(sid)
+            nbytes = storage.nbytes()
+            if nbytes == 0:
+                continue
+            distinct += 1
+            share = shares.get(sid)
+            if share is not None and share.ref() is storage:
+                continue
+            ref = packed.get(sid)
+            if ref is not None and ref() is storage:
+                continue
+            fresh[sid] = nbytes
+        if not pack_fresh(len(fresh), distinct, sum(fresh.values())):
+            return set()
+        return set(fresh)
+
+    def _export_pooled(
+        self,
+        tensors: Sequence[torch.Tensor],
+        storages: Sequence[torch.UntypedStorage],
+        group: tuple[str, ...],
+        fresh: set[int],
+    ) -> ExportedTensors | None:
+        """``tensors`` with those in ``fresh`` storages packed into this group's pool region and the
+        others where they live, or None (the pool would exceed ``pool_limit_bytes``, the device has
+        no room for it, or a storage cannot be shared: every storage is then shared anew). The same
+        layout (kept storages and places, packed dtypes and shapes) gives the same payload object."""
+        signature = (
+            self._generation,
+            tuple(
+                [
+                    (None, t.dtype, t.shape) if id(s) in fresh else (id(s), t.storage_offset())
+                    for s, t in zip(storages, tensors, strict=True)
+                ]
+            ),
+        )
+        with self._lock:
+            known = self._pooled.get(group)
+        if known is not None and known[0] == signature and known[1].region is not None:
+            self._remember_packed(storages, known[1].packs)
+            return known[1]
+        packs = tuple(
+            i for i, (s, t) in enumerate(zip(storages, tensors, strict=True)) if id(s) in fresh and t.numel()
+        )
+        layout = lay_out([tensors[i].nbytes for i in packs])
+        if self.pool_limit_bytes is not None and layout.total_bytes > self.pool_limit_bytes:
+            return None
+        region = known[1].region if known is not None else None
+        if region is None or region.layout != layout:
+            with self._lock:
+                self._pooled.pop(group, None)
+            del known, region  # the old buffers go before the new ones are allocated
+            try:
+                region = PoolRegion(layout, self.device)
+            except torch.OutOfMemoryError:
+                return None
+        places: dict[int, int] = {}
+        messages: dict[str, list[pb.CudaIpcStorage]] = {r: [] for r in group}
+        end = 0
+        for storage in storages:
+            sid = id(storage)
+            if sid in fresh or sid in places:
+                continue
+            if storage.nbytes() == 0:
+                places[sid] = 0
+                continue
+            at = -(-end // 256) * 256
+            if not self._add_shares(messages, storage, at):
+                return None
+            places[sid] = at
+            end = at + int(storage.nbytes())
+        chunk_at: list[int] = []
+        for chunk in region.chunks:
+            at = -(-end // 256) * 256
+            if not self._add_shares(messages, chunk.untyped_storage(), at):
+                return None
+            chunk_at.append(at)
+            end = at + int(chunk.nbytes)
+        packed_at = {i: chunk_at[c] + off for i, (c, off) in zip(packs, layout.places, strict=True)}
+        offsets = tuple(
+            packed_at[i]
+            if i in packed_at
+            else (
+                places[id(s)] + int(t.storage_offset()) * t.element_size()
+                if t.numel() and id(s) in places
+                else 0
+            )
+            for i, (s, t) in enumerate(zip(storages, tensors, strict=True))
+        )
+        views = region.views([(tensors[i].dtype, tensors[i].shape) for i in packs])
+        exported = ExportedTensors(
+            offsets, end, messages, packs=packs, pack_views=tuple(views), region=region
+        )
+        with self._lock:
+            self._pooled[group] = (signature, exported)
+        self._remember_packed(storages, packs)
+        return exported
+
+    def _add_shares(
+        self, messages: dict[str, list[pb.CudaIpcStorage]], storage: torch.UntypedStorage, at: int
+    ) -> bool:
+        """Each recipient's share of ``storage`` at payload offset ``at``; False when torch refuses."""
+        for recipient, out in messages.items():
+            share = self._share_storage(storage, recipient)
+            if share is None:
+                return False
+            msg = pb.CudaIpcStorage()
+            msg.CopyFrom(share)
+            msg.payload_offset_bytes = at
+            out.append(msg)
+        return True
+
+    def _remember_packed(self, storages: Sequence[torch.UntypedStorage], packs: tuple[int, ...]) -> None:
+        """The storages this push packs, weakly: pushed again, they are a trainer's kept ones."""
+        self._packed_seen = {id(storages[i]): weakref.ref(storages[i]) for i in packs}
+        self.tensors_packed += len(packs)
+
+    def _export_shared(
+        self,
+        tensors: Sequence[torch.Tensor],
+        storages: Sequence[torch.UntypedStorage],
+        recipients: Sequence[str],
+        key: tuple[object, ...],
+    ) -> ExportedTensors | None:
+        """Every storage shared where it lives (each once per recipient, then kept)."""
         places: dict[int, int] = {}
         messages: dict[str, list[pb.CudaIpcStorage]] = {r: [] for r in recipients}
         end = 0
@@ -319,14 +506,8 @@ class CudaIpcExporter(Exporter):
                 places[sid] = 0  # an empty tensor: nothing to share, the worker views nothing
                 continue
             at = -(-end // 256) * 256
-            for recipient in recipients:
-                share = self._share_storage(storage, recipient)
-                if share is None:
-                    return None
-                msg = pb.CudaIpcStorage()
-                msg.CopyFrom(share)
-                msg.payload_offset_bytes = at
-                messages[recipient].append(msg)
+            if not self._add_shares(messages, storage, at):
+                return None
             places[sid] = at
             end = at + int(storage.nbytes())
         if not recipients or not messages[recipients[0]]:
@@ -428,6 +609,9 @@ class CudaIpcExporter(Exporter):
             self._exported.clear()
             self._shares.clear()
             self._tensor_event = None
+            pooled, self._pooled = self._pooled, {}
+            self._packed_seen = {}
+        del pooled
         for buf in buffers:
             buf.close()
         del buffers
