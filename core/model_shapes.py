@@ -12,6 +12,11 @@ Each tensor carries a ``split``, the engine's rule for it (the parallel layer SG
 for it): ``column`` (rows split over TP ranks), ``row`` (columns split), ``q`` / ``kv`` (a QKV layer's
 parts; k/v replicated when there are fewer heads than ranks), ``vocab`` (rows of the vocabulary),
 ``replicated``; routed experts carry their expert index and are split over expert-parallel ranks.
+
+A config is data from a file: every size must be a whole number from 1 to ``MAX_DIM`` (a string,
+a float, zero or a negative number is refused naming the key), and a model of more than
+``MAX_MODEL_TENSORS`` tensors (layers x tensors per layer, experts counted) is refused before one
+is built, so a config claiming 10^9 layers or 10^6 experts costs nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +24,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
+
+MAX_DIM = 1 << 24
+"""Largest size of one dimension (hidden size, vocabulary, heads, layers, experts, ...): 16,777,216."""
+MAX_MODEL_TENSORS = 500_000
+"""Most checkpoint tensors a planned model may have (Kimi-K2 has ~70,000)."""
+
+
+class ModelConfigError(ValueError):
+    """A config this module cannot describe (the message names the key and why)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,46 +69,92 @@ class ModelShapes:
         return total
 
 
-def _get(config: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    value = config.get(key, default)
+def _size(config: Mapping[str, Any], key: str, default: int | None = None, *, minimum: int = 1) -> int:
+    """``config[key]`` as a size: a whole number from ``minimum`` to ``MAX_DIM`` (missing or null:
+    ``default``, and without one the key is required)."""
+    value = config.get(key)
     if value is None:
-        raise ValueError(f"model config has no {key!r}")
+        if default is None:
+            raise ModelConfigError(f"model config has no {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelConfigError(f"model config {key!r} must be a whole number, got {_shown(value)}")
+    if not minimum <= value <= MAX_DIM:
+        raise ModelConfigError(f"model config {key!r} must be {minimum}..{MAX_DIM:,}, got {value}")
     return value
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _flag(config: Mapping[str, Any], key: str) -> bool:
+    value = config.get(key, False)
+    if not isinstance(value, bool):
+        raise ModelConfigError(f"model config {key!r} must be true or false, got {_shown(value)}")
+    return value
+
+
+def _grouped_heads(config: Mapping[str, Any], hidden: int, heads: int) -> tuple[int, int]:
+    """(k/v heads, head dim) of grouped-query attention."""
+    kv_heads = _size(config, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ModelConfigError(
+            f"model config: {heads} attention heads do not group over {kv_heads} k/v heads"
+        )
+    if hidden < heads and config.get("head_dim") is None:
+        raise ModelConfigError(f"model config: hidden_size {hidden} is smaller than {heads} heads")
+    return kv_heads, _size(config, "head_dim", hidden // heads)
+
+
+def _check_tensor_count(layers: int, experts: int, moe_layers: int) -> None:
+    # At most 16 tensors per layer besides the experts' three each; counted before any is built.
+    estimate = 2 + layers * 16 + moe_layers * 3 * experts
+    if estimate > MAX_MODEL_TENSORS:
+        raise ModelConfigError(
+            f"model config: {layers:,} layers and {experts:,} experts in {moe_layers:,} of them make about "
+            f"{estimate:,} tensors, over the {MAX_MODEL_TENSORS:,} a planned model may have"
+        )
 
 
 def model_shapes(config: Mapping[str, Any]) -> ModelShapes:
     """The checkpoint tensors of the model ``config`` describes (see the module docstring)."""
     if "text_config" in config:
         config = config["text_config"]
-    hidden = int(_get(config, "hidden_size"))
-    layers = int(_get(config, "num_hidden_layers"))
-    vocab = int(_get(config, "vocab_size"))
-    heads = int(_get(config, "num_attention_heads"))
-    tied = bool(config.get("tie_word_embeddings", False))
+        if not isinstance(config, Mapping):
+            raise ModelConfigError(f"model config 'text_config' must be an object, got {_shown(config)}")
+    hidden = _size(config, "hidden_size")
+    layers = _size(config, "num_hidden_layers")
+    vocab = _size(config, "vocab_size")
+    heads = _size(config, "num_attention_heads")
+    tied = _flag(config, "tie_word_embeddings")
     out: list[ModelTensor] = [ModelTensor("model.embed_tokens.weight", (vocab, hidden), "vocab")]
 
     mla = "kv_lora_rank" in config
+    q_rank: int | None = None
     if mla:
         family = "deepseek-v3"
         kv_heads = heads
-        nope, rope = int(_get(config, "qk_nope_head_dim")), int(_get(config, "qk_rope_head_dim"))
-        v_dim, kv_rank = int(_get(config, "v_head_dim")), int(_get(config, "kv_lora_rank"))
-        q_rank = config.get("q_lora_rank")
+        nope, rope = _size(config, "qk_nope_head_dim"), _size(config, "qk_rope_head_dim")
+        v_dim, kv_rank = _size(config, "v_head_dim"), _size(config, "kv_lora_rank")
+        q_rank = _size(config, "q_lora_rank", 0, minimum=0) or None
         head_dim = nope + rope
-        experts = int(config.get("n_routed_experts") or 0)
-        dense_layers = int(config.get("first_k_dense_replace", 0))
-        moe_every = int(config.get("moe_layer_freq", 1))
-        shared = int(config.get("n_shared_experts") or 0)
+        experts = _size(config, "n_routed_experts", 0, minimum=0)
+        dense_layers = _size(config, "first_k_dense_replace", 0, minimum=0)
+        moe_every = _size(config, "moe_layer_freq", 1)
+        shared = _size(config, "n_shared_experts", 0, minimum=0)
     else:
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        experts = int(config.get("num_experts") or 0)
+        kv_heads, head_dim = _grouped_heads(config, hidden, heads)
+        experts = _size(config, "num_experts", 0, minimum=0)
         family = "qwen3-moe" if experts else "dense"
         dense_layers = 0
-        moe_every = int(config.get("decoder_sparse_step", 1))
+        moe_every = _size(config, "decoder_sparse_step", 1)
         shared = 0
-    moe_inter = int(config.get("moe_intermediate_size") or 0)
-    inter = int(config.get("intermediate_size") or 0)
+    moe_layers = 0 if not experts else len(range(dense_layers, layers, moe_every))
+    _check_tensor_count(layers, experts, moe_layers)
+    moe_inter = _size(config, "moe_intermediate_size") if experts else 0
+    inter = _size(config, "intermediate_size") if moe_layers < layers else 0
 
     for n in range(layers):
         p = f"model.layers.{n}."
@@ -116,9 +176,9 @@ def model_shapes(config: Mapping[str, Any]) -> ModelShapes:
         a = "self_attn."
         if mla:
             if q_rank:
-                add(a + "q_a_proj.weight", (int(q_rank), hidden), "replicated")
-                add(a + "q_a_layernorm.weight", (int(q_rank),), "replicated", linear=False)
-                add(a + "q_b_proj.weight", (heads * head_dim, int(q_rank)), "column")
+                add(a + "q_a_proj.weight", (q_rank, hidden), "replicated")
+                add(a + "q_a_layernorm.weight", (q_rank,), "replicated", linear=False)
+                add(a + "q_b_proj.weight", (heads * head_dim, q_rank), "column")
             else:
                 add(a + "q_proj.weight", (heads * head_dim, hidden), "column")
             add(a + "kv_a_proj_with_mqa.weight", (kv_rank + rope, hidden), "replicated")

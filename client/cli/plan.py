@@ -6,6 +6,11 @@ file) or an inline ``model`` table, ``trainer``, ``engine`` and ``network`` tabl
 ``published`` (``seconds``, ``source``) to print next to the prediction. Prints the bytes per link
 and per NIC of the plan the transfer planner makes for it, the predicted time of one update and the
 model behind the prediction; ``--json`` prints the same as one JSON object.
+
+A description it cannot use (unreadable, nested past the parser, over 16 MiB, a field of the wrong
+type, a zero, negative or NaN bandwidth or size, a layout that does not split, a fleet or model past
+the bounds of ``transfer_plan_fleet`` and ``model_shapes``) exits 2 with one line naming the field;
+docs/plan.md lists every field and bound.
 """
 
 from __future__ import annotations
@@ -49,9 +54,20 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def load_description(path: Path) -> dict[str, Any]:
-    text = path.read_bytes()
-    if path.suffix == ".toml":
+# A fleet description or a model config is a few KiB; reading more than this is not what was meant.
+MAX_FILE_BYTES = 16 << 20
+
+
+def _read_bounded(path: Path, what: str) -> bytes:
+    with path.open("rb") as f:
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise FleetError(f"{what} {path}: larger than {MAX_FILE_BYTES >> 20} MiB, not a description")
+    return data
+
+
+def _parse(data: bytes, path: Path, what: str, *, toml: bool) -> Any:
+    if toml:
         try:
             import tomllib  # Python >= 3.11
         except ImportError:
@@ -59,11 +75,29 @@ def load_description(path: Path) -> dict[str, Any]:
                 f"{path}: reading TOML needs Python 3.11 or later; give the description as JSON"
             ) from None
     try:
-        data = tomllib.loads(text.decode()) if path.suffix == ".toml" else json.loads(text)
+        return tomllib.loads(data.decode()) if toml else json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
-        raise FleetError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {e}") from None
+        raise FleetError(f"{what} {path}: not valid {'TOML' if toml else 'JSON'}: {e}") from None
+    except RecursionError:  # nesting deeper than the parser's stack
+        raise FleetError(f"{what} {path}: nested too deeply to be a description") from None
+
+
+def load_description(path: Path) -> dict[str, Any]:
+    data = _parse(_read_bounded(path, "description"), path, "description", toml=path.suffix == ".toml")
     if not isinstance(data, dict):
         raise FleetError(f"{path}: the description must be a table/object")
+    name = data.get("name", "")
+    if not isinstance(name, str):
+        raise FleetError(f"name must be a string, got {type(name).__name__}")
+    published = data.get("published")
+    if published is not None:
+        if not isinstance(published, Mapping):
+            raise FleetError(f"published must be a table (seconds, source), got {type(published).__name__}")
+        seconds, source = published.get("seconds"), published.get("source", "")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float, str)):
+            raise FleetError('published.seconds must be a number or a string (a range: "1.9-2.8")')
+        if not isinstance(source, str):
+            raise FleetError("published.source must be a string")
     return data
 
 
@@ -72,11 +106,11 @@ def fleet_of(path: Path, *, single_source: bool = False) -> tuple[dict[str, Any]
     if "model" in description:
         config = description["model"]
     elif "model_config" in description:
-        config_path = path.parent / str(description["model_config"])
-        try:
-            config = json.loads(config_path.read_text())
-        except (OSError, ValueError) as e:
-            raise FleetError(f"model_config {config_path}: {e}") from None
+        relative = description["model_config"]
+        if not isinstance(relative, str):
+            raise FleetError(f"model_config must be a path (a string), got {type(relative).__name__}")
+        config_path = path.parent / relative
+        config = _parse(_read_bounded(config_path, "model_config"), config_path, "model_config", toml=False)
     else:
         raise FleetError(f"{path}: give the model as `model_config` (a config.json path) or a `model` table")
     if not isinstance(config, Mapping):
@@ -84,9 +118,12 @@ def fleet_of(path: Path, *, single_source: bool = False) -> tuple[dict[str, Any]
     try:
         model = model_shapes(config)
     except ValueError as e:
-        raise FleetError(f"model config: {e}") from None
+        raise FleetError(str(e)) from None
     if single_source:
-        description = {**description, "trainer": {**description.get("trainer", {}), "layout": "single"}}
+        trainer = description.get("trainer")
+        if not isinstance(trainer, Mapping):
+            raise FleetError("the description needs a 'trainer' table")
+        description = {**description, "trainer": {**trainer, "layout": "single"}}
     return description, fleet_from(description, model)
 
 
@@ -198,8 +235,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         description, fleet = fleet_of(Path(args.topology), single_source=args.single_source)
         fp = plan_fleet(fleet)
-    except (FleetError, WeightwireError, OSError) as e:
+    except (FleetError, WeightwireError) as e:
         print(f"weightwire plan: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the description or its model config cannot be read
+        print(
+            f"weightwire plan: cannot read {e.filename or args.topology}: {e.strerror or e}", file=sys.stderr
+        )
         return 2
     s = summary(description, fp, predict(fp))
     print(json.dumps(s, indent=1, sort_keys=True) if args.json else render(s))

@@ -25,7 +25,10 @@ the control plane, congestion inside the fabric.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,8 +108,45 @@ class Fleet:
     model_dtype: str = "bf16"
 
 
+# What ``weightwire plan`` takes. Past these a description is refused before anything is built: the
+# planner lists every trainer rank, engine worker and port, so 10^9 of any would exhaust memory.
+MAX_GPUS = 65_536
+"""Most GPUs on either side (trainer ranks; engine TP x PP x DP)."""
+MAX_GPUS_PER_NODE = 1024
+MAX_PLAN_WORK = 30_000_000
+"""Most (tensor classes) x (engine workers) x (trainer ranks sending) a plan may take: about 20 s
+and 1 GB of planning; DeepSeek-V3 from 1024 FSDP ranks into 128 GPUs is 10^7."""
+NETWORK_RANGES: Mapping[str, tuple[float, float]] = {
+    "nic_gbit_per_s": (0.0, 1e6),
+    "nvlink_gbyte_per_s": (0.0, 1e6),
+    "message_latency_us": (0.0, 1e7),
+    "bucket_mib": (0.0, float(1 << 20)),
+}
+"""(low, high) of each network number: bandwidths and bucket sizes > low, latency >= low; all <= high."""
+_KINDS = {"int": "a whole number", "float": "a number", "str": "a string", "bool": "true or false"}
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _typed(value: Any, kind: str) -> bool:
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == "int":
+        return isinstance(value, int)
+    if kind == "float":
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, str)
+
+
 def fleet_from(description: Mapping[str, Any], model: ModelShapes) -> Fleet:
-    """A ``Fleet`` from a parsed description (``trainer``, ``engine``, ``network`` tables)."""
+    """A ``Fleet`` from a parsed description (``trainer``, ``engine``, ``network`` tables). Every
+    field is checked for its type and range here (``FleetError`` naming it), so planning and the
+    prediction only ever see numbers they can use."""
 
     def table(cls: type, key: str, required: bool = True) -> Any:
         raw = description.get(key)
@@ -114,46 +154,69 @@ def fleet_from(description: Mapping[str, Any], model: ModelShapes) -> Fleet:
             return cls()
         if not isinstance(raw, Mapping):
             raise FleetError(f"the description needs a {key!r} table")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
+        fields = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in set(raw) - set(fields))
         if unknown:
-            raise FleetError(f"{key}: unknown field(s) {unknown}; known: {sorted(known)}")
+            raise FleetError(f"{key}: unknown field(s) {unknown}; known: {sorted(fields)}")
+        for name, value in raw.items():
+            if not _typed(value, fields[name]):
+                raise FleetError(f"{key}.{name} must be {_KINDS[fields[name]]}, got {_shown(value)}")
         try:
             return cls(**raw)
-        except TypeError as e:
+        except TypeError as e:  # a required field left out
             raise FleetError(f"{key}: {e}") from None
 
+    model_dtype = description.get("model_dtype", "bf16")
+    if not isinstance(model_dtype, str):
+        raise FleetError(f"model_dtype must be a string, got {_shown(model_dtype)}")
     fleet = Fleet(
         model,
         table(Trainer, "trainer"),
         table(Engine, "engine"),
         table(Network, "network", False),
-        str(description.get("model_dtype", "bf16")),
+        model_dtype,
     )
     _check(fleet)
     return fleet
 
 
 def _check(f: Fleet) -> None:
-    t, e, m = f.trainer, f.engine, f.model
+    t, e, m, n = f.trainer, f.engine, f.model, f.network
     if t.layout not in TRAINER_LAYOUTS:
         raise FleetError(f"trainer.layout {t.layout!r}: one of {TRAINER_LAYOUTS}")
-    for what, value in (
-        ("trainer.gpus", t.gpus),
-        ("trainer.gpus_per_node", t.gpus_per_node),
-        ("trainer.tp", t.tp),
-        ("trainer.ep", t.ep),
-        ("engine.tp", e.tp),
-        ("engine.pp", e.pp),
-        ("engine.dp", e.dp),
-        ("engine.ep", e.ep),
-        ("engine.gpus_per_node", e.gpus_per_node),
-        ("network.nics_per_node", f.network.nics_per_node),
+    for what, value, high in (
+        ("trainer.gpus", t.gpus, MAX_GPUS),
+        ("trainer.gpus_per_node", t.gpus_per_node, MAX_GPUS_PER_NODE),
+        ("trainer.tp", t.tp, MAX_GPUS),
+        ("trainer.ep", t.ep, MAX_GPUS),
+        ("engine.tp", e.tp, MAX_GPUS),
+        ("engine.pp", e.pp, MAX_GPUS),
+        ("engine.dp", e.dp, MAX_GPUS),
+        ("engine.ep", e.ep, MAX_GPUS),
+        ("engine.gpus_per_node", e.gpus_per_node, MAX_GPUS_PER_NODE),
+        ("network.nics_per_node", n.nics_per_node, MAX_GPUS_PER_NODE),
     ):
-        if not isinstance(value, int) or value < 1:
-            raise FleetError(f"{what} must be a positive integer, got {value!r}")
+        if not 1 <= value <= high:
+            raise FleetError(f"{what} must be a whole number from 1 to {high:,}, got {value!r}")
+    if e.tp * e.pp * e.dp > MAX_GPUS:
+        raise FleetError(
+            f"engine TP{e.tp} x PP{e.pp} x DP{e.dp} is {e.tp * e.pp * e.dp:,} GPUs, over the {MAX_GPUS:,} planned"
+        )
+    for name, (low, top) in NETWORK_RANGES.items():
+        number: float = getattr(n, name)
+        floor_ok = number >= low if name == "message_latency_us" else number > low
+        if not (floor_ok and number <= top):
+            bound = ">= 0" if name == "message_latency_us" else "> 0"
+            raise FleetError(f"network.{name} must be {bound} and at most {top:g}, got {number!r}")
+    if n.bucket_mib * (1 << 20) < 1:
+        raise FleetError(f"network.bucket_mib {n.bucket_mib!r} is less than one byte")
     if t.gpus % t.tp or t.gpus % t.ep:
         raise FleetError(f"trainer.gpus {t.gpus} is not divisible by trainer.tp {t.tp} and trainer.ep {t.ep}")
+    if t.layout == "fsdp+tp" and (t.gpus // t.ep) % t.tp:
+        raise FleetError(
+            f"trainer.gpus {t.gpus} over trainer.ep {t.ep} groups leaves {t.gpus // t.ep} ranks per group, "
+            f"not divisible by trainer.tp {t.tp}"
+        )
     if e.tp % e.ep:
         raise FleetError(f"engine.ep {e.ep} must divide engine.tp {e.tp}")
     if m.num_experts and (m.num_experts % e.ep or m.num_experts % t.ep):
@@ -182,10 +245,16 @@ def _stages_of(t: ModelTensor, f: Fleet) -> tuple[int, ...]:
     """The pipeline stages holding ``t`` (a tied embedding: the first and the last)."""
     e, m = f.engine, f.model
     if t.layer is not None:
-        return tuple(p for p in range(e.pp) if t.layer in pp_layer_span(m.num_layers, p, e.pp))
+        return (bisect.bisect_right(_stage_starts(m.num_layers, e.pp), t.layer) - 1,)
     if t.name.startswith("model.embed_tokens."):
         return (0, e.pp - 1) if m.tied and e.pp > 1 else (0,)
     return (e.pp - 1,)
+
+
+@functools.cache
+def _stage_starts(num_layers: int, pp: int) -> tuple[int, ...]:
+    """The first layer of each pipeline stage (stages hold consecutive layers, in order)."""
+    return tuple(pp_layer_span(num_layers, p, pp).start for p in range(pp))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,6 +385,16 @@ def plan_fleet(f: Fleet) -> FleetPlan:
         key = (t.shape, t.split, t.linear, _stages_of(t, f), engine_ep, trainer_ep, t.expert is not None)
         rep = classes.setdefault(key, t)
         counts[rep.name] = counts.get(rep.name, 0) + 1
+    # Each class is cut at every sending rank's boundary for every worker that keeps it: bound that
+    # before planning, as the planner's memory and time grow with it.
+    senders = 1 if tr.layout == "single" else tr.gpus
+    work = len(classes) * e.tp * e.pp * e.dp * senders
+    if work > MAX_PLAN_WORK:
+        raise FleetError(
+            f"{len(classes):,} tensor classes x {e.tp * e.pp * e.dp:,} engine workers x {senders:,} trainer ranks "
+            f"is {work:,}, over the {MAX_PLAN_WORK:,} one plan may take; plan fewer replicas (engine.dp: "
+            "every replica receives the same bytes) or fewer trainer ranks"
+        )
 
     owned: dict[str, list[OwnedTensor]] = {w: [] for w in worker_ids(e)}
     specs = []
