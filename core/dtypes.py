@@ -1,64 +1,85 @@
-"""The contract's DType enum <-> torch dtypes. One table; nothing else maps dtypes."""
+"""The contract's DType enum <-> torch dtypes. One table; nothing else maps dtypes.
+
+The table is plain data (the torch attribute name and the bytes per element of each dtype) and torch
+is imported only by the functions that return or take a torch dtype: sizes and names are what the
+command line's ``manifest``, ``status`` and ``plan`` need, and they should not wait seconds for torch.
+"""
 
 from __future__ import annotations
 
-import torch
+import functools
+from typing import TYPE_CHECKING
+
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-_TABLE: tuple[tuple[pb.DType.ValueType, torch.dtype], ...] = (
-    (pb.DTYPE_FLOAT32, torch.float32),
-    (pb.DTYPE_FLOAT16, torch.float16),
-    (pb.DTYPE_BFLOAT16, torch.bfloat16),
-    (pb.DTYPE_FLOAT64, torch.float64),
-    (pb.DTYPE_INT8, torch.int8),
-    (pb.DTYPE_UINT8, torch.uint8),
-    (pb.DTYPE_INT16, torch.int16),
-    (pb.DTYPE_INT32, torch.int32),
-    (pb.DTYPE_INT64, torch.int64),
-    (pb.DTYPE_BOOL, torch.bool),
-    (pb.DTYPE_FLOAT8_E4M3FN, torch.float8_e4m3fn),
-    (pb.DTYPE_FLOAT8_E5M2, torch.float8_e5m2),
+if TYPE_CHECKING:
+    import torch
+
+# (contract dtype, torch attribute name, bytes per element)
+_TABLE: tuple[tuple[pb.DType.ValueType, str, int], ...] = (
+    (pb.DTYPE_FLOAT32, "float32", 4),
+    (pb.DTYPE_FLOAT16, "float16", 2),
+    (pb.DTYPE_BFLOAT16, "bfloat16", 2),
+    (pb.DTYPE_FLOAT64, "float64", 8),
+    (pb.DTYPE_INT8, "int8", 1),
+    (pb.DTYPE_UINT8, "uint8", 1),
+    (pb.DTYPE_INT16, "int16", 2),
+    (pb.DTYPE_INT32, "int32", 4),
+    (pb.DTYPE_INT64, "int64", 8),
+    (pb.DTYPE_BOOL, "bool", 1),
+    (pb.DTYPE_FLOAT8_E4M3FN, "float8_e4m3fn", 1),
+    (pb.DTYPE_FLOAT8_E5M2, "float8_e5m2", 1),
 )
-_TO_TORCH: dict[int, torch.dtype] = dict(_TABLE)
-_FROM_TORCH: dict[torch.dtype, pb.DType.ValueType] = {t: p for p, t in _TABLE}
+_NAMES: dict[int, str] = {p: n for p, n, _ in _TABLE}
+_ITEMSIZE: dict[int, int] = {p: s for p, _, s in _TABLE}
 
 
-def to_torch(dtype: int) -> torch.dtype:
-    """Contract dtype -> torch dtype; DTYPE_UNSPECIFIED and unknown values are rejected."""
+@functools.cache
+def _to_torch_table() -> dict[int, torch.dtype]:
+    import torch
+
+    return {p: getattr(torch, n) for p, n, _ in _TABLE}
+
+
+@functools.cache
+def _from_torch_table() -> dict[torch.dtype, pb.DType.ValueType]:
+    return {t: pb.DType.ValueType(p) for p, t in _to_torch_table().items()}
+
+
+def _known(dtype: int) -> None:
     if dtype == pb.DTYPE_UNSPECIFIED:
         raise WeightwireError(
             Reason.DTYPE_UNSPECIFIED, "tensor dtype is DTYPE_UNSPECIFIED; set it explicitly"
         )
-    try:
-        return _TO_TORCH[dtype]
-    except KeyError:
+    if dtype not in _NAMES:
         raise WeightwireError(
             Reason.DTYPE_UNSPECIFIED,
-            f"unknown dtype enum value {dtype}; this worker knows {sorted(_TO_TORCH)}",
-        ) from None
+            f"unknown dtype enum value {dtype}; this worker knows {sorted(_NAMES)}",
+        )
+
+
+def to_torch(dtype: int) -> torch.dtype:
+    """Contract dtype -> torch dtype; DTYPE_UNSPECIFIED and unknown values are rejected."""
+    _known(dtype)
+    return _to_torch_table()[dtype]
 
 
 def from_torch(dtype: torch.dtype) -> pb.DType.ValueType:
     """torch dtype -> contract dtype. Raises ValueError for a dtype the contract cannot carry."""
     try:
-        return _FROM_TORCH[dtype]
+        return _from_torch_table()[dtype]
     except KeyError:
         raise ValueError(f"torch dtype {dtype} has no weightwire.v1.DType") from None
 
 
 def itemsize(dtype: int) -> int:
     """Bytes per element of a contract dtype."""
-    return to_torch(dtype).itemsize
+    _known(dtype)
+    return _ITEMSIZE[dtype]
 
 
 def name(dtype: int) -> str:
     """Readable name for messages, e.g. 'bfloat16' (or 'DTYPE_UNSPECIFIED')."""
-    t = _TO_TORCH.get(dtype)
-    return (
-        str(t).removeprefix("torch.")
-        if t is not None
-        else pb.DType.Name(dtype)
-        if dtype in pb.DType.values()
-        else f"dtype#{dtype}"
-    )
+    n = _NAMES.get(dtype)
+    return n if n is not None else pb.DType.Name(dtype) if dtype in pb.DType.values() else f"dtype#{dtype}"

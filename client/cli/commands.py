@@ -31,7 +31,13 @@ def add_parser(subparsers: Any) -> None:
         help="show what one worker owns (its shard manifest)",
         description="Print a worker's device, parallel ranks, layer range and every checkpoint tensor it consumes.",
     )
-    p.add_argument("address", metavar="ADDR", help="worker address: unix:/path.sock or HOST:PORT")
+    p.add_argument(
+        "address",
+        nargs=1,
+        action=_Addresses,
+        metavar="ADDR",
+        help="worker address: unix:/path.sock or HOST:PORT",
+    )
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     _connection_args(p)
     p.set_defaults(func=cmd_manifest)
@@ -129,8 +135,39 @@ def add_parser(subparsers: Any) -> None:
     demo.add_parser(subparsers)
 
 
+# sockaddr_un.sun_path holds 108 bytes with the terminating NUL; gRPC refuses longer paths with a
+# multi-line log on stderr instead of an error.
+_MAX_UNIX_PATH = 107
+# Targets gRPC resolves by a scheme of its own; anything else must be unix:PATH or HOST:PORT.
+_GRPC_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
+
+
+def address_problem(text: str) -> str | None:
+    """Why ``text`` cannot be a worker's address, or None. gRPC would take a socket path without
+    ``unix:`` as a host name and a host without a port as port 443, and report either much later as
+    a worker that went away; the command refuses them before connecting, as ``serve`` does."""
+    if (
+        text.startswith("unix:")
+        and len(text.removeprefix("unix:").removeprefix("//").encode()) > _MAX_UNIX_PATH
+    ):
+        return f"{text!r}: a Unix socket path is at most {_MAX_UNIX_PATH} bytes (sun_path); use a shorter directory"
+    if text.startswith(_GRPC_SCHEMES):
+        return None if text.partition(":")[2] else f"{text!r}: nothing after the scheme"
+    if text.startswith("[") and text.endswith("]"):
+        return f"{text!r} has no port: a worker address is HOST:PORT or unix:/path.sock"
+    if "/" in text or text.endswith(".sock"):
+        return f"{text!r} looks like a socket path: a Unix socket address starts with unix: (unix:{text})"
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or host.endswith(":"):  # no port, or a bare IPv6 address
+        return f"{text!r} has no port: a worker address is HOST:PORT or unix:/path.sock"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"{text!r}: port {port!r} is not 1..65535"
+    return None
+
+
 class _Addresses(argparse.Action):
-    """Worker addresses, each at most once: a worker named twice would get the update twice."""
+    """Worker addresses, each at most once (a worker named twice would get the update twice), each
+    one gRPC will read as meant (``address_problem``)."""
 
     def __call__(
         self,
@@ -139,6 +176,10 @@ class _Addresses(argparse.Action):
         values: Any,
         option: str | None = None,
     ) -> None:
+        for value in values:
+            problem = address_problem(value)
+            if problem:
+                parser.error(f"{option or 'ADDR'}: {problem}")
         twice = sorted(a for a, n in collections.Counter(values).items() if n > 1)
         if twice:
             parser.error(f"{option or 'ADDR'}: {', '.join(twice)} given more than once")
@@ -252,13 +293,14 @@ def cmd_manifest(args: argparse.Namespace) -> int:
     from weightwire.core.transports import table as transport_table
     from weightwire.v1 import weight_transfer_pb2 as pb
 
-    worker = Worker(args.address, tls_ca=_read(args.tls_ca))
+    (address,) = args.address
+    worker = Worker(address, tls_ca=_read(args.tls_ca))
     try:
         resp = worker.stub.GetManifest(
             pb.GetManifestRequest(), timeout=args.timeout, metadata=call_metadata(_token(args))
         )
     except grpc.RpcError as e:
-        return _fail(error_from_rpc(e, worker=args.address, context="GetManifest"))
+        return _fail(error_from_rpc(e, worker=address, context="GetManifest"))
     finally:
         worker.close()
     m = resp.manifest
@@ -278,7 +320,7 @@ def cmd_manifest(args: argparse.Namespace) -> int:
         )
     lr = m.layer_range
     transports = ", ".join(transport_table.kind_name(k) for k in m.transports)
-    print(f"worker       {m.worker_id or '?'}  ({args.address})")
+    print(f"worker       {m.worker_id or '?'}  ({address})")
     print(f"device       {short_device(m.device.kind, m.device.uuid)}  (uuid {m.device.uuid})")
     print(f"ranks        {_ranks(m.rank)}")
     print(f"layers       [{lr.start_layer}, {lr.end_layer}) of {lr.num_layers}")
@@ -364,7 +406,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     for addr, s in statuses.items():
         if isinstance(s, WeightwireError):
             bad = True
-            rows.append((addr, "-", "-", "-", "UNREACHABLE", "-", f"{s.reason}: {s.message}"[:90]))
+            # The whole reason and message: this table is the place a user reads why.
+            rows.append((addr, "-", "-", "-", "UNREACHABLE", "-", f"{s.reason}: {s.message}"))
             continue
         state = pb.WorkerState.Name(s.state).removeprefix("WORKER_STATE_")
         bad |= s.state != pb.WORKER_STATE_CONSISTENT
@@ -375,7 +418,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         err = "-"
         if s.HasField("last_error"):
             le = s.last_error
-            err = f"v{le.version} {_when(le.time)} {le.reason}: {le.message}"[:90]
+            err = f"v{le.version} {_when(le.time)} {le.reason}: {le.message}"
         rows.append(
             (
                 f"{s.worker_id or '?'} {addr}",

@@ -1,6 +1,11 @@
 """The ``weightwire`` command line. Each subcommand lives with the code it drives and registers
 itself here: ``serve`` (weightwire.server.cli), ``manifest``/``status``/``push``/``demo``
-(weightwire.client)."""
+(weightwire.client).
+
+Registering a subcommand must not import torch (seconds): ``--version``, ``status`` and ``manifest``
+never need it, and each command imports what it uses when it runs. Ctrl-C anywhere exits 130 with
+one line.
+"""
 
 from __future__ import annotations
 
@@ -41,14 +46,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The shell's status for a process ended by SIGINT (128 + 2), which scripts test for.
+INTERRUPTED = 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        # Ctrl-C lands wherever the main thread is (an import of torch, a gRPC wait): the user asked
+        # to stop, not for that frame's traceback. Nothing is left half-done: a push that did not
+        # commit leaves every worker's version where it was.
+        print("weightwire: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except BrokenPipeError:
         # Output piped into a reader that left early (`weightwire manifest ADDR | head`): not an
         # error of ours; point stdout at /dev/null so the interpreter's final flush stays quiet.
