@@ -3,7 +3,8 @@
 ``weightwire status ADDR...`` prints it once; with ``--watch`` it is a live table (``rich.live``)
 redrawn in place every ``--interval`` seconds until Ctrl-C (or ``--count`` refreshes); with
 ``--json`` each refresh is one JSON object on its own line (JSON Lines) for scripts. When stdout is
-not a terminal ``--watch`` prints one table per refresh instead of redrawing.
+not a terminal ``--watch`` prints one plain-text table per refresh instead of redrawing, with every
+column and the whole error (rich would fit it to 80 columns and drop some).
 
 ``poll_statuses`` asks every worker at once; a worker that does not answer is shown as UNREACHABLE
 with the reason, and the others are still shown. Called by ``weightwire.client.cli.commands``.
@@ -101,29 +102,33 @@ def _cut(text: str, limit: int = _MAX_ERROR_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def fleet_table(statuses: Mapping[str, Status], *, title: str | None = None) -> Table:
-    """One row per worker: worker, address, device, ranks, version, state, last update, updates ok/failed,
-    open mappings, last error."""
-    table = Table(title=title, title_justify="left", header_style="bold")
-    for name, justify in (
-        ("worker", "left"),
-        ("address", "left"),
-        ("device", "left"),
-        ("ranks", "left"),
-        ("version", "right"),
-        ("state", "left"),
-        ("last update", "left"),
-        ("ok/failed", "right"),
-        ("mappings", "right"),
-        ("last error", "left"),
-    ):
-        table.add_column(name, justify=justify, no_wrap=name != "last error")  # type: ignore[arg-type]
+COLUMNS = (
+    "worker",
+    "address",
+    "device",
+    "ranks",
+    "version",
+    "state",
+    "last update",
+    "ok/failed",
+    "mappings",
+    "last error",
+)
+_RIGHT = (4, 7, 8)
+
+
+def fleet_rows(statuses: Mapping[str, Status], *, cut: bool = True) -> list[tuple[str, ...]]:
+    """One row of ``COLUMNS`` per worker; ``cut`` shortens the error message (never its reason)."""
+
+    def message(text: str) -> str:
+        return _cut(text) if cut else text
+
+    rows: list[tuple[str, ...]] = []
     for address, s in statuses.items():
         state = state_of(s)
-        styled = Text(state, style=_STATE_STYLE.get(state, ""))
         if isinstance(s, WeightwireError):
-            table.add_row(
-                "?", address, "-", "-", "-", styled, "-", "-", "-", _cut(f"{s.reason}: {s.message}")
+            rows.append(
+                ("?", address, "-", "-", "-", state, "-", "-", "-", f"{s.reason}: {message(s.message)}")
             )
             continue
         last = "-"
@@ -133,20 +138,41 @@ def fleet_table(statuses: Mapping[str, Status], *, title: str | None = None) -> 
         err = "-"
         if s.HasField("last_error"):
             e = s.last_error
-            err = _cut(f"v{e.version} {_clock(e.time)} {e.reason or e.code}: {e.message}")
-        table.add_row(
-            s.worker_id or "?",
-            address,
-            _device(s.device),
-            _ranks(s.rank),
-            str(s.weights_version),
-            styled,
-            last,
-            f"{s.updates_succeeded}/{s.updates_failed}",
-            str(s.open_mappings),
-            err,
+            err = f"v{e.version} {_clock(e.time)} {e.reason or e.code}: {message(e.message)}"
+        rows.append(
+            (
+                s.worker_id or "?",
+                address,
+                _device(s.device),
+                _ranks(s.rank),
+                str(s.weights_version),
+                state,
+                last,
+                f"{s.updates_succeeded}/{s.updates_failed}",
+                str(s.open_mappings),
+                err,
+            )
         )
+    return rows
+
+
+def fleet_table(statuses: Mapping[str, Status], *, title: str | None = None) -> Table:
+    """The live view's table: ``COLUMNS``, the state coloured, the error message cut to fit."""
+    table = Table(title=title, title_justify="left", header_style="bold")
+    for i, name in enumerate(COLUMNS):
+        table.add_column(name, justify="right" if i in _RIGHT else "left", no_wrap=name != "last error")
+    for row in fleet_rows(statuses):
+        state = row[5]
+        table.add_row(*row[:5], Text(state, style=_STATE_STYLE.get(state, "")), *row[6:])
     return table
+
+
+def fleet_text(statuses: Mapping[str, Status], *, title: str) -> str:
+    """The same table as plain text, every column at its full width and nothing cut: for a pipe or
+    a log, where there is no terminal width to fit and a reader wants the whole error."""
+    from weightwire.client.cli.commands import format_table
+
+    return title + "\n" + format_table(COLUMNS, fleet_rows(statuses, cut=False), right=_RIGHT)
 
 
 def fleet_json(statuses: Mapping[str, Status]) -> dict[str, Any]:
@@ -215,7 +241,8 @@ def watch(
             elif live is not None:
                 live.update(fleet_table(statuses, title=_summary(statuses, interval_s)), refresh=True)
             else:
-                console.print(fleet_table(statuses, title=_summary(statuses, interval_s)))
+                out.write(fleet_text(statuses, title=_summary(statuses, interval_s)) + "\n\n")
+                out.flush()
             refreshes += 1
             if count is not None and refreshes >= count:
                 break

@@ -98,6 +98,28 @@ def test_watch_not_a_terminal_prints_each_refresh(engine: list[WorkerProcess]) -
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("weightwire fleet: 2 workers") == 2
     assert "\x1b[" not in out.stdout  # plain text in a pipe
+    # Every column, whatever the width: a pipe has no terminal to fit (rich squeezed it to 80
+    # columns and dropped the worker and version columns).
+    frame = out.stdout.strip().split("\n\n")[-1].splitlines()
+    header, rows = frame[1], frame[3:]
+    for column in (
+        "worker",
+        "address",
+        "device",
+        "ranks",
+        "version",
+        "state",
+        "last update",
+        "ok/failed",
+        "mappings",
+        "last error",
+    ):
+        assert column in header, header
+    assert len(rows) == 2
+    for w, row in zip(engine, rows, strict=True):
+        cells = row.split()
+        assert cells[0].startswith("tp") and cells[1] == w.address, row
+        assert "CONSISTENT" in cells and cells[cells.index("CONSISTENT") - 1].isdigit(), row
 
 
 def test_unreachable_worker_is_shown_with_the_others(
