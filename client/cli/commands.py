@@ -23,6 +23,22 @@ from weightwire.core.errors import PushError, Reason, WeightwireError
 from weightwire.core.transports.table import names as transport_names
 
 _MB = 1024 * 1024
+# --cast-to's names -> torch dtype attribute names (resolved when the push runs: torch loads late).
+_CAST_TO = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# The library's refusals name its Python arguments; on the command line the same choice is a flag.
+_FLAG_FOR_ARGUMENT = (
+    ("pass cast_to=torch.bfloat16 (or a {from: to} map) to push", "pass --cast-to bf16 (or fp16, fp32)"),
+    ("use scope='partial'", "use --partial"),
+    ("Pass allow_unowned=True", "Pass --allow-unowned"),
+    ("use transport='inline'", "use --transport inline"),
+)
+
+
+def as_cli_hint(message: str) -> str:
+    """``message`` with the Python API's hints (``scope='partial'``) written as this CLI's flags."""
+    for python, flag in _FLAG_FOR_ARGUMENT:
+        message = message.replace(python, flag)
+    return message
 
 
 def add_parser(subparsers: Any) -> None:
@@ -119,6 +135,14 @@ def add_parser(subparsers: Any) -> None:
         choices=["auto", *transport_names()],
         metavar="NAME",
         help=f"auto (default) or one of: {', '.join(transport_names())}",
+    )
+    p.add_argument(
+        "--cast-to",
+        choices=sorted(_CAST_TO),
+        default=None,
+        metavar="DTYPE",
+        help="convert every floating-point tensor to this dtype on the way: bf16, fp16 or fp32 "
+        "(default: none; a dtype the workers do not hold is refused)",
     )
     p.add_argument("--allow-unowned", action="store_true", help="skip checkpoint tensors no worker owns")
     p.add_argument("--verify-checksums", action="store_true", help="send CRC-32 per bucket; workers verify")
@@ -225,7 +249,7 @@ def _pusher(args: argparse.Namespace, addresses: Sequence[str], **kw: Any) -> An
 
 
 def _fail(err: BaseException) -> int:
-    print(f"weightwire: {err}", file=sys.stderr)
+    print(f"weightwire: {as_cli_hint(str(err))}", file=sys.stderr)
     return 1
 
 
@@ -477,6 +501,19 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     return tensors
 
 
+# Below this many bytes a worker's update time is mostly per-call latency (planning, the streams'
+# round trips, the commit), so bytes / time says nothing about the link: the rate is left out.
+MIN_RATE_BYTES = 8 * _MB
+LATENCY_NOTE = (
+    f"GB/s: for shards of {MIN_RATE_BYTES // _MB} MiB or more; a smaller update is latency-bound (see ms)"
+)
+
+
+def rate(nbytes: int, gbps: float) -> str:
+    """A worker's GB/s for a table, or "-" where its update was too small to measure a rate."""
+    return f"{gbps:.2f}" if nbytes >= MIN_RATE_BYTES else "-"
+
+
 def results_table(results: Mapping[str, Any], manifests: Mapping[str, Any] | None = None) -> str:
     rows = []
     for addr, r in results.items():
@@ -491,15 +528,24 @@ def results_table(results: Mapping[str, Any], manifests: Mapping[str, Any] | Non
                 r.handles_opened,
                 human_bytes(r.bytes_loaded),
                 f"{r.duration_s * 1e3:.1f}",
-                f"{r.gbps:.2f}",
+                rate(r.bytes_loaded, r.gbps),
                 r.transport,
             )
         )
-    return format_table(
+    table = format_table(
         ("worker", "version", "owned", "loaded", "buckets", "handles", "bytes", "ms", "GB/s", "transport"),
         rows,
         right=(1, 2, 3, 4, 5, 6, 7, 8),
     )
+    return table + ("\n" + LATENCY_NOTE if any(row[8] == "-" for row in rows) else "")
+
+
+def _cast_to(name: str | None) -> Any:
+    if name is None:
+        return None
+    import torch
+
+    return getattr(torch, _CAST_TO[name])
 
 
 def cmd_push(args: argparse.Namespace) -> int:
@@ -528,6 +574,7 @@ def cmd_push(args: argparse.Namespace) -> int:
             results = pusher.push(
                 tensors,
                 version=args.version,
+                cast_to=_cast_to(args.cast_to),
                 scope="partial" if args.partial else "full",
                 allow_unowned=args.allow_unowned,
                 verify_checksums=args.verify_checksums,

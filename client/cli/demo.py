@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace, workdir: str, workers: LocalWorkers, pusher_box: list[Any]) -> int:
     from weightwire.adapters.torch.demo import DemoConfig, expected_shard, full_checkpoint
-    from weightwire.client.cli.commands import format_table, human_bytes, short_device
+    from weightwire.client.cli.commands import LATENCY_NOTE, format_table, human_bytes, rate, short_device
     from weightwire.client.push.plan import PlanError, TensorSpec, layout_flat, pack_into
     from weightwire.client.push.pusher import GatheredBucket, WeightPusher
     from weightwire.core.devices import DeviceRef
@@ -276,7 +276,7 @@ def _demo(args: argparse.Namespace, workdir: str, workers: LocalWorkers, pusher_
             [
                 (
                     m.worker_id,
-                    str(m.device)[:13],
+                    short_device(m.device.kind, m.device.uuid),
                     m.rank.short(),
                     f"[{m.layer_start},{m.layer_end})",
                     len(m.tensors),
@@ -345,9 +345,7 @@ def _demo(args: argparse.Namespace, workdir: str, workers: LocalWorkers, pusher_
         )
         checks.ok(not e.results, "no worker committed the mislabelled update")
         for addr, err in e.failures.items():
-            _say(
-                f"  {manifests[addr].worker_id}: {err.code}/{err.reason}: {err.message.splitlines()[0][:150]}"
-            )
+            _say(f"  {manifests[addr].worker_id}: {err.code}/{err.reason}: {err.message.splitlines()[0]}")
     statuses = pusher.status()
     for addr, st in statuses.items():
         checks.ok(
@@ -384,18 +382,21 @@ def _demo(args: argparse.Namespace, workdir: str, workers: LocalWorkers, pusher_
                 len(m.tensors),
                 r.tensors_loaded,
                 human_bytes(r.bytes_loaded),
-                f"{r.gbps:.3f}",
+                f"{r.duration_s * 1e3:.1f}",
+                rate(r.bytes_loaded, r.gbps),
                 f"v{st.weights_version}",
                 pb.WorkerState.Name(st.state).removeprefix("WORKER_STATE_"),
             )
         )
     _say(
         format_table(
-            ("worker", "device", "tp", "pp", "owned", "loaded", "bytes", "GB/s", "version", "state"),
+            ("worker", "device", "tp", "pp", "owned", "loaded", "bytes", "ms", "GB/s", "version", "state"),
             rows,
-            right=(2, 3, 4, 5, 6, 7),
+            right=(2, 3, 4, 5, 6, 7, 8),
         )
     )
+    if any(row[8] == "-" for row in rows):
+        _say(LATENCY_NOTE)
 
     pusher.close()
     leftovers = (
