@@ -31,13 +31,20 @@ from weightwire.client.transports.transfer_group import TransferGroupOptions
 from weightwire.client.transports.transfer_group_sends import (
     Segment,
     Sends,
+    announce_segments,
     direct_segments,
     packed_segments,
 )
 from weightwire.core.errors import PushError, Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports.transfer_group import TransferGroup, check_backend
-from weightwire.core.transports.transfer_group_plan import GroupPlan, MemberIdentity, message_tag, plan_group
+from weightwire.core.transports.transfer_group_plan import (
+    ANNOUNCEMENT_INDEX,
+    GroupPlan,
+    MemberIdentity,
+    message_tag,
+    plan_group,
+)
 from weightwire.core.transports.transfer_group_store import StoreServer
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -73,6 +80,24 @@ def leave_all(workers: Mapping[str, Worker], group_id: str, metadata: tuple[tupl
 # --------------------------------------------------------------------------------------------
 # Byte ranges of a bucket
 # --------------------------------------------------------------------------------------------
+
+
+# Each receiver first gets the sizes and last bytes of its messages, so it can tell a message that
+# arrived short from a whole one (``weightwire.core.transports.whole_messages``).
+def _post_broadcast(group: TransferGroup, subgroup: int, segments: Sequence[Segment]) -> list[Any]:
+    if not segments:
+        return []
+    return [group.broadcast(announce_segments(segments), subgroup)] + [
+        group.broadcast(g.source, subgroup) for g in segments
+    ]
+
+
+def _post_sends(group: TransferGroup, dst: int, seq: int, segments: Sequence[Segment]) -> list[Any]:
+    if not segments:
+        return []
+    return [group.send(announce_segments(segments), dst, message_tag(seq, ANNOUNCEMENT_INDEX))] + [
+        group.send(g.source, dst, message_tag(seq, i)) for i, g in enumerate(segments)
+    ]
 
 
 def _byte_ranges(ranges: Sequence[tuple[int, int]]) -> list[pb.ByteRange]:
@@ -430,16 +455,13 @@ class GroupLink:
         def on_sent() -> None:
             # Every recipient's stream has the bucket message; now the bytes. Errors arrive through
             # ``Sends`` (the worker concerned then fails its update and the session ends it).
-            works: list[Any] = []
             try:
                 if subgroup is not None:
                     what = f"broadcast of bucket {seq}"
-                    works = [group.broadcast(g.source, subgroup) for g in segments]
+                    works = _post_broadcast(group, subgroup, segments)
                 else:
                     what = f"sending bucket {seq}"
-                    for a, mine in sends:
-                        dst = plan.ranks[a]
-                        works += [group.send(g.source, dst, message_tag(seq, i)) for i, g in enumerate(mine)]
+                    works = [w for a, mine in sends for w in _post_sends(group, plan.ranks[a], seq, mine)]
             except WeightwireError as err:
                 self._send_failed(err)
                 return

@@ -16,6 +16,7 @@ import torch
 from weightwire.client.push.plan import TensorSpec
 from weightwire.core.errors import WeightwireError
 from weightwire.core.transports.transfer_group import TransferGroup
+from weightwire.core.transports.whole_messages import announce, last_byte
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,11 @@ class Segment:
     size: int
     names: tuple[str, ...]
     source: torch.Tensor
+
+
+def announce_segments(segments: Sequence[Segment]) -> torch.Tensor:
+    """The announcement of ``segments``' messages, sent before them."""
+    return announce([(g.size, last_byte(g.source)) for g in segments], segments[0].source.device)
 
 
 def packed_segments(specs: Sequence[TensorSpec], data: torch.Tensor, base: int) -> list[Segment]:

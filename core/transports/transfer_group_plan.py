@@ -24,9 +24,11 @@ GROUP_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
 MAX_WORLD_SIZE = 4096
 MAX_SUBGROUPS = 64
 # Messages per bucket (ByteRange count); the tag of a message packs the bucket's sequence and the
-# message's index, so both sides must agree on both (see ``message_tag``).
+# message's index, so both sides must agree on both (see ``message_tag``). The index after the last
+# message's is the bucket's announcement (``weightwire.core.transports.whole_messages``).
 MAX_RANGES = 1024
-_TAG_INDEX_BITS = 10
+ANNOUNCEMENT_INDEX = MAX_RANGES
+_TAG_INDEX_BITS = 11
 _TAG_SEQUENCE_MODULUS = 1 << 20
 MIN_TIMEOUT_MS = 100
 MAX_TIMEOUT_MS = 3_600_000
@@ -306,6 +308,7 @@ def check_ranges(ranges: Sequence[pb.ByteRange], size_bytes: int) -> list[tuple[
 
 
 __all__ = [
+    "ANNOUNCEMENT_INDEX",
     "GROUP_ID_RE",
     "MAX_RANGES",
     "MAX_SUBGROUPS",

@@ -13,7 +13,9 @@ worker is the plan's transfers between them, the small ones packed back to back 
 at most ``max_message_bytes``, every other one alone, sent from the shard and received into the
 kept tensor in place where its region is contiguous there. Every member first compares the
 plan's fingerprint with every other member (``agree``), so a member with another plan refuses
-before a byte moves instead of pairing the wrong bytes.
+before a byte moves instead of pairing the wrong bytes; each source then announces to each worker
+the sizes and last bytes of its messages, so a message that arrives short is refused, not counted
+(``weightwire.core.transports.whole_messages``).
 
 ``WeightPusher.push`` drives it in a multi-rank push over a transfer group
 (``weightwire.client.ranks.slice_push`` on the trainer's ranks, ``weightwire.server.transports.
@@ -35,6 +37,7 @@ from weightwire.core.errors import Reason
 from weightwire.core.manifest import OwnedTensor
 from weightwire.core.transports.transfer_group import transfer_error
 from weightwire.core.transports.transfer_plan import Box, Transfer, TransferPlan, TransferPlanError
+from weightwire.core.transports.whole_messages import Arrivals, announce, last_byte
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 # Below this a region is packed with its neighbours: a message per small region would cost more in
@@ -134,7 +137,9 @@ def agree(pg: Any, plan: TransferPlan, rank: int, world_size: int, timeout_s: fl
     """Every member's plan fingerprint against every other's; ``GROUP_PLAN_MISMATCH`` on every
     member naming the ranks that differ from this one."""
     mine = torch.frombuffer(bytearray(bytes.fromhex(plan.fingerprint)), dtype=torch.uint8)
-    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    # Primed with the complement of this member's fingerprint: a short or missing contribution
+    # reads as a different plan, never as this one.
+    gathered = [torch.bitwise_not(mine) for _ in range(world_size)]
     try:
         pg.allgather([gathered], [mine]).wait(datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
@@ -171,9 +176,10 @@ def _view(buf: torch.Tensor, offset: int, t: Transfer, dtype: torch.dtype) -> to
     return buf[offset : offset + t.nbytes].view(dtype).view([b - a for a, b in t.box])
 
 
-Op = tuple[int, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int, str]
+Op = tuple[int, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int, str, torch.Tensor | None]
 """(peer's group rank, the buffer sent or received into, the copies (to, from) before the send or
-after the receive, bytes, the peer's name for errors)."""
+after the receive, bytes, the peer's name for errors, and on the sending side the last byte of the
+message's content where it is read before the copies: ``last_byte`` of its last region)."""
 
 
 @dataclasses.dataclass
@@ -280,12 +286,22 @@ def send_slices(
                     r = region(t)
                     copies.append((_view(buf, offset, t, r.dtype), r))
                     offset += t.nbytes
-            into.ops.append((dst, buf, copies, sum(t.nbytes for t in message), worker))
+            # The announcement goes out before the copies are made: its last byte is read from the
+            # region itself.
+            last = last_byte(region(message[-1]))
+            into.ops.append((dst, buf, copies, sum(t.nbytes for t in message), worker, last))
 
     params = ("send", ranks, source, max_message_bytes, direct_min_bytes)
     works, sent = [], 0
     ops = _cached_ops(staging, ("ops", "send", source), plan, params, local, holdings, build)
-    for dst, buf, copies, nbytes, worker in ops:
+    streams: dict[int, tuple[str, list[tuple[int, torch.Tensor]]]] = {}
+    for dst, _, _, nbytes, worker, last in ops:
+        assert last is not None
+        streams.setdefault(dst, (worker, []))[1].append((nbytes, last))
+    for dst, (worker, listed) in streams.items():
+        note = announce(listed, ops[0][1].device)
+        works.append(_post(lambda b=note, d=dst: pg.send([b], d, 0), f"announcing to {worker}"))
+    for dst, buf, copies, nbytes, worker, _ in ops:
         for to, frm in copies:
             to.copy_(frm)
         works.append(_post(lambda b=buf, d=dst: pg.send([b], d, 0), f"send to {worker}"))
@@ -342,9 +358,13 @@ def receive_slices(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     staging: dict[Any, torch.Tensor] | None = None,
     direct_min_bytes: int = DIRECT_MIN_BYTES,
+    before_writing: Callable[[], None] | None = None,
 ) -> int:
     """Receive every region the plan sends ``worker`` into ``kept`` (by tensor name). Returns the
-    bytes received."""
+    bytes received. Every source's announcement is checked first (``Arrivals.open``: a source with
+    another plan or a short announcement is refused before anything lands); then
+    ``before_writing`` is called, and the bytes land. A message that arrives short raises
+    MESSAGE_TRUNCATED before its bytes are counted or copied on."""
 
     def build(into: _Ops) -> None:
         def region(t: Transfer) -> torch.Tensor:
@@ -367,17 +387,32 @@ def receive_slices(
                         r = region(t)
                         copies.append((r, _view(target, offset, t, dtypes.to_torch(owned[t.tensor].dtype))))
                         offset += t.nbytes
-                into.ops.append((source, target, copies, nbytes, f"trainer rank {source}"))
+                into.ops.append((source, target, copies, nbytes, f"trainer rank {source}", None))
 
     params = ("receive", ranks, worker, max_message_bytes, direct_min_bytes)
     ops = _cached_ops(staging, ("ops", "receive", worker), plan, params, kept, owned, build)
-    works = [
-        _post(lambda b=target, s=source: pg.recv([b], s, 0), f"receive from {peer}")
-        for source, target, _, _, peer in ops
-    ]
+    sizes: dict[int, list[int]] = {}
+    indices: list[int] = []  # each op's index among its source's messages
+    for source, _, _, nbytes, _, _ in ops:
+        indices.append(len(sizes.setdefault(source, [])))
+        sizes[source].append(nbytes)
+    arrivals = {s: Arrivals(n, ops[0][1].device, f"trainer rank {s}") for s, n in sizes.items()}
+    notes = []
+    for source, a in arrivals.items():
+        notes.append(_post(lambda b=a.buffer, s=source: pg.recv([b], s, 0), f"announcement from {a.what}"))
+    for note, a in zip(notes, arrivals.values(), strict=True):
+        _wait(note, timeout_s, f"the announcement from {a.what}")
+        a.open()
+    if before_writing is not None:
+        before_writing()
+    works = []
+    for (source, target, _, _, peer, _), index in zip(ops, indices, strict=True):
+        arrivals[source].prime(index, target)
+        works.append(_post(lambda b=target, s=source: pg.recv([b], s, 0), f"receive from {peer}"))
     received = 0
-    for work, (_, _, copies, nbytes, peer) in zip(works, ops, strict=True):
+    for work, (source, target, copies, nbytes, peer, _), index in zip(works, ops, indices, strict=True):
         _wait(work, timeout_s, f"a receive from {peer}")
+        arrivals[source].check(index, target)
         for to, frm in copies:
             to.copy_(frm)
         received += nbytes

@@ -17,7 +17,8 @@ import time
 import torch
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.transports.transfer_group import TransferGroup, staging_device
-from weightwire.core.transports.transfer_group_plan import check_ranges, clip, message_tag
+from weightwire.core.transports.transfer_group_plan import ANNOUNCEMENT_INDEX, check_ranges, clip, message_tag
+from weightwire.core.transports.whole_messages import Arrivals
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["DEFAULT_MAX_STAGING_BYTES", "MAX_STAGING_BUFFERS", "BucketReceive", "JoinedGroup"]
@@ -325,12 +326,26 @@ class JoinedGroup:
             if h.mode == pb.TRANSFER_MODE_POINT_TO_POINT
             else f"receiving broadcast of bucket sequence {recv.sequence} in subgroup {h.subgroup_id}"
         )
+        if not recv.ranges:
+            return
+        p2p = h.mode == pb.TRANSFER_MODE_POINT_TO_POINT
+
+        def post(t: torch.Tensor, index: int) -> object:
+            if p2p:
+                return group.recv(t, h.source_rank, message_tag(recv.sequence, index))
+            return group.broadcast(t, h.subgroup_id)
+
+        # The sender announces each message's size and last byte first: a message that lands short
+        # is then refused instead of counted (``whole_messages``).
+        arrivals = Arrivals([size for _, size in recv.ranges], recv.buffer.device, what)
+        group.wait(post(arrivals.buffer, ANNOUNCEMENT_INDEX), f"{what} (its announcement)")
+        arrivals.open()
+        views = [recv.buffer[offset : offset + size] for offset, size in recv.ranges]
         works = []
-        for i, (offset, size) in enumerate(recv.ranges):
-            view = recv.buffer[offset : offset + size]
-            if h.mode == pb.TRANSFER_MODE_POINT_TO_POINT:
-                works.append(group.recv(view, h.source_rank, message_tag(recv.sequence, i)))
-            else:
-                works.append(group.broadcast(view, h.subgroup_id))
+        for i, view in enumerate(views):
+            arrivals.prime(i, view)
+            works.append(post(view, i))
         for work in works:
             group.wait(work, what)
+        for i, view in enumerate(views):
+            arrivals.check(i, view)

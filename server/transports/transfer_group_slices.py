@@ -202,9 +202,10 @@ def receive_bucket(
     lock: threading.Lock,
     will_write: Callable[[], None],
 ) -> int:
-    """Agree on the plan with every member, then (after ``will_write``: from here on bytes may land
-    in the model) receive every region into ``kept``. Returns the bytes received; TRANSFER_FAILED /
-    GROUP_PLAN_MISMATCH on failure (the caller tears down)."""
+    """Agree on the plan with every member, check every source's announcement, then (after
+    ``will_write``: from here on bytes may land in the model) receive every region into ``kept``.
+    Returns the bytes received; TRANSFER_FAILED / GROUP_PLAN_MISMATCH / MESSAGE_TRUNCATED on
+    failure (the caller tears down)."""
     group = member.group
     pg = group.process_group()
     timeout_s = group.timeout.total_seconds()
@@ -217,7 +218,6 @@ def receive_bucket(
                 mirrors[name] = into[name] = torch.empty(into[name].shape, dtype=into[name].dtype)
     with lock:
         agree(pg, checked.plan, group.rank, group.world_size, timeout_s)
-        will_write()
         received = receive_slices(
             pg,
             checked.plan,
@@ -228,6 +228,7 @@ def receive_bucket(
             timeout_s=timeout_s,
             max_message_bytes=max_message_bytes,
             staging=staging,
+            before_writing=will_write,
         )
     for name, host in mirrors.items():
         kept[name].copy_(host)

@@ -12,11 +12,15 @@ slices. Prints one JSON line: the bytes it sent or received, its parameters' che
 slice), for the refusal test; ``--die-after-agree`` exits at once after the plan check (a trainer
 rank lost mid-update). ``--direct-min-bytes 0`` sends every region of whole rows in place
 (the demo model's tensors are all below the default bound, so they are otherwise all packed).
+``--short-messages data`` makes a trainer rank send every slices message at half its planned size
+(its announcements whole), ``--short-messages announcement`` its announcements at half theirs: a
+broken or hostile sender, for the test that a short message is refused, never counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -69,6 +73,25 @@ def engine(tp: int, pp: int, dp: int) -> dict[str, tuple[ParallelRank, TorchAdap
     return out
 
 
+class ShortSends:
+    """A process group whose sends carry only the first half of some messages: after the first one
+    to each peer (``data``: the announcement goes whole), or only the first (``announcement``)."""
+
+    def __init__(self, pg: object, mode: str) -> None:
+        self.pg, self.mode, self.sent_to = pg, mode, collections.Counter[int]()
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> object:
+        first = self.sent_to[dst] == 0
+        self.sent_to[dst] += 1
+        if first == (self.mode == "announcement"):
+            flat = tensors[0].reshape(-1).view(torch.uint8)
+            tensors = [flat[: flat.numel() // 2]]
+        return self.pg.send(tensors, dst, tag)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.pg, name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", required=True)  # host:port
@@ -80,6 +103,7 @@ def main() -> None:
     ap.add_argument("--plan-variant", action="store_true")
     ap.add_argument("--direct-min-bytes", type=int, default=DIRECT_MIN_BYTES)
     ap.add_argument("--die-after-agree", action="store_true")
+    ap.add_argument("--short-messages", choices=["data", "announcement"])
     args = ap.parse_args()
     tp, pp, dp = (int(x) for x in args.engine.split(","))
 
@@ -126,7 +150,7 @@ def main() -> None:
             holdings = {s.name: s.holdings[args.rank] for s in specs if args.rank in s.holdings}
             del full
             result["sent"] = send_slices(
-                pg,
+                ShortSends(pg, args.short_messages) if args.short_messages else pg,
                 plan,
                 ranks,
                 args.rank,

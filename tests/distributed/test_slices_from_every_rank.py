@@ -32,6 +32,7 @@ def run_group(
     variant_rank: int | None = None,
     in_place: bool = False,
     die_rank: int | None = None,
+    short: tuple[int, str] | None = None,
 ) -> list[dict]:
     tp, pp, dp = engine
     world = trainers + tp * pp * dp
@@ -61,6 +62,8 @@ def run_group(
             cmd += ["--direct-min-bytes", "0"]
         if rank == die_rank:
             cmd.append("--die-after-agree")
+        if short is not None and rank == short[0]:
+            cmd += ["--short-messages", short[1]]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     try:
@@ -118,3 +121,15 @@ def test_a_trainer_rank_lost_after_the_check_ends_every_worker_with_a_reason() -
     assert all("received" not in r for r in workers)
     # The surviving trainer rank ends too: its sends completed or failed with the reason.
     assert results[0].get("error") in (None, "TRANSFER_FAILED"), results[0]
+
+
+@pytest.mark.parametrize("what", ["data", "announcement"])
+def test_a_trainer_rank_sending_short_messages_is_refused_never_counted(what: str) -> None:
+    """Trainer rank 1 of 2 agrees the plan, then sends every slices message (or its announcements)
+    at half its size. gloo completes such receives as if they were whole: every worker must still
+    end with MESSAGE_TRUNCATED naming that rank, and none reports its slices received."""
+    results = run_group(2, (2, 1, 1), short=(1, what))
+    workers = results[2:]
+    assert all(r.get("error") == "MESSAGE_TRUNCATED" for r in workers), workers
+    assert all("trainer rank 1" in r["message"] for r in workers), workers
+    assert all("received" not in r for r in workers)

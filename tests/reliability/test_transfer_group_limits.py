@@ -1,6 +1,7 @@
 """Transfer groups refuse or give up instead of waiting: a join whose store accepts TCP and never
 answers ends within its timeout, and the next join still works; a bucket whose byte ranges leave out
-a tensor the worker owns is refused before anything waits for bytes; an update whose call ends
+a tensor the worker owns is refused before anything waits for bytes; a bucket whose message (or
+its announcement) arrives short is refused, nothing counted; an update whose call ends
 (cancelled, past its deadline) while it waits for group bytes ends at once, so the worker is not
 left UPDATING until the group's timeout, can leave the group and takes the next push.
 
@@ -19,12 +20,19 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+import torch
 from helpers import RequestFeed, error_info, full_update_requests, header, pack, push, wait_until
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports.transfer_group import TransferGroup
-from weightwire.core.transports.transfer_group_plan import MemberIdentity, plan_group
+from weightwire.core.transports.transfer_group_plan import (
+    ANNOUNCEMENT_INDEX,
+    MemberIdentity,
+    message_tag,
+    plan_group,
+)
 from weightwire.core.transports.transfer_group_store import StoreServer
+from weightwire.core.transports.whole_messages import announce, last_byte
 from weightwire.server import serve
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
@@ -245,3 +253,45 @@ def test_an_update_whose_call_ends_while_waiting_for_group_bytes_ends_at_once(
     landed = push(worker.stub, full_update_requests(version, full, None), timeout=CALL_TIMEOUT_S)
     assert landed.code == grpc.StatusCode.OK, (landed.code, landed.reason, landed.message)
     assert worker.status().weights_version == version
+
+
+@pytest.mark.parametrize("short", ["message", "announcement"])
+def test_a_message_that_arrives_short_is_refused_and_nothing_counts(
+    worker: Worker, group: object, short: str
+) -> None:
+    """The trainer announces the bucket's one message whole, then sends only its first half (or
+    sends half the announcement). gloo completes the worker's receive as if it were whole; the
+    worker must refuse with MESSAGE_TRUNCATED, the version must not move, and the model is as it
+    was (the bytes were staged, not written)."""
+    formed, spec = group  # type: ignore[misc]
+    before = worker.status()
+    version = before.weights_version + 1
+    reqs = _norm_update(worker, spec, version, lambda size: [(0, size)])
+    data = torch.frombuffer(
+        bytearray(pack({NORM: full_checkpoint(DemoConfig(), version)[NORM]}).data), dtype=torch.uint8
+    )
+    note = announce([(data.numel(), last_byte(data))], data.device)
+    if short == "message":
+        data = data[: data.numel() // 2]
+    else:
+        note = note[: note.numel() // 2]
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    pushed = pool.submit(push, worker.stub, reqs, timeout=CALL_TIMEOUT_S)
+    works = [
+        formed.send(note, 1, message_tag(1, ANNOUNCEMENT_INDEX)),
+        formed.send(data, 1, message_tag(1, 0)) if short == "message" else None,
+    ]
+    out = pushed.result(timeout=CALL_TIMEOUT_S + 10)
+    pool.shutdown()
+    assert (out.code, out.reason) == (grpc.StatusCode.DATA_LOSS, "MESSAGE_TRUNCATED"), (
+        out.code,
+        out.reason,
+        out.message,
+    )
+    for work in works:
+        if work is not None:
+            formed.wait(work, "the test's send")
+    st = worker.status()
+    assert st.weights_version == before.weights_version
+    assert st.state != pb.WORKER_STATE_INCONSISTENT, st
+    assert st.last_error.reason == "MESSAGE_TRUNCATED", st.last_error

@@ -91,7 +91,8 @@ class WeightTransferServiceStub:
       UNAVAILABLE: TRANSFER_FAILED (bytes over a transfer group did not arrive: the sender closed,
         died or did not send within the group's timeout; the worker has left the group).
       ABORTED: UPDATE_IN_PROGRESS (another push is running on this worker).
-      DATA_LOSS: CHECKSUM_MISMATCH.
+      DATA_LOSS: CHECKSUM_MISMATCH, MESSAGE_TRUNCATED (a transfer-group message arrived short; the
+        worker has left the group and counts none of its bytes as received).
       INTERNAL: LOAD_FAILED (the engine adapter raised while loading), INTERNAL (an unexpected
         error in the worker; GetStatus.last_error records the same).
       UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
@@ -203,7 +204,8 @@ class WeightTransferServiceAsyncStub(WeightTransferServiceStub):
       UNAVAILABLE: TRANSFER_FAILED (bytes over a transfer group did not arrive: the sender closed,
         died or did not send within the group's timeout; the worker has left the group).
       ABORTED: UPDATE_IN_PROGRESS (another push is running on this worker).
-      DATA_LOSS: CHECKSUM_MISMATCH.
+      DATA_LOSS: CHECKSUM_MISMATCH, MESSAGE_TRUNCATED (a transfer-group message arrived short; the
+        worker has left the group and counts none of its bytes as received).
       INTERNAL: LOAD_FAILED (the engine adapter raised while loading), INTERNAL (an unexpected
         error in the worker; GetStatus.last_error records the same).
       UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
@@ -324,7 +326,8 @@ class WeightTransferServiceServicer(metaclass=_abc_1.ABCMeta):
           UNAVAILABLE: TRANSFER_FAILED (bytes over a transfer group did not arrive: the sender closed,
             died or did not send within the group's timeout; the worker has left the group).
           ABORTED: UPDATE_IN_PROGRESS (another push is running on this worker).
-          DATA_LOSS: CHECKSUM_MISMATCH.
+          DATA_LOSS: CHECKSUM_MISMATCH, MESSAGE_TRUNCATED (a transfer-group message arrived short; the
+            worker has left the group and counts none of its bytes as received).
           INTERNAL: LOAD_FAILED (the engine adapter raised while loading), INTERNAL (an unexpected
             error in the worker; GetStatus.last_error records the same).
           UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
