@@ -37,6 +37,7 @@ import grpc
 import torch
 from weightwire.client.push import jobs as job_builders
 from weightwire.client.push import plan as planning
+from weightwire.client.push.one_rank import OneRankItems
 from weightwire.client.push.options import PushOptions, scope_value
 from weightwire.client.push.routing import CheckedLayouts, flat_bytes, manifest_changes, route_own_device
 from weightwire.client.push.rpc import Worker, call_metadata, close_workers, collect_unary, start_unary
@@ -58,7 +59,6 @@ from weightwire.client.ranks.dtensor_gather import (
     has_dtensors,
     local_device,
     named_items,
-    single_rank_items,
     source_device,
 )
 from weightwire.client.transports import exporter as exp
@@ -145,6 +145,7 @@ class WeightPusher:
             fresh_pool_bytes=None if fresh_pool_bytes is None else max(0, int(fresh_pool_bytes)),
         )
         self._templates = SpecTemplates()
+        self._one_rank = OneRankItems()
         self._checked = CheckedLayouts()
         self._push_lock = threading.Lock()
         self._closed = False
@@ -297,7 +298,8 @@ class WeightPusher:
 
         A trainer that produces its tensors for each push (a gather, a conversion, a cast) writes
         them here instead (``out=``, ``copy_``) and pushes the dict: the same storage every step, so
-        the push sends it where it lives with no packing copy, as for a trainer's kept parameters.
+        from its second push on it goes where it lives with no packing copy, as a trainer's kept
+        parameters do.
         The caller owns the memory (one copy of the tensors); the values must stay unchanged until
         ``push`` returned, and may be overwritten after.
         """
@@ -369,7 +371,7 @@ class WeightPusher:
         ranked = group is not None or has_dtensors(items)
         if ranked:
             # One trainer rank: nothing to agree on or gather, so the plain push (and its fast paths).
-            single = single_rank_items(items, group)
+            single = self._one_rank.items(items, group)
             if single is not None:
                 items, group, ranked = single, None, False
         if ranked:
