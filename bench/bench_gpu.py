@@ -19,6 +19,10 @@ each model, in order of importance (a total time budget skips what does not fit)
                   named_parameters(), version=v)`` (and ``model.state_dict()``) of an ``nn.Module``
                   whose parameters are separately allocated (as a Hugging Face model's are); compare
                   with ``limit``'s per-tensor copy
+``ww_fresh``      the same line when every parameter is in a new storage before each push (``new
+                  storages``: clones made outside the timing, as gathers or conversions give; the
+                  exporter packs them into its pool), and when the producer writes each step's values
+                  into ``WeightPusher.tensor_buffers`` (``tensor_buffers``)
 ``ww_peer``       weightwire ``push_gathered`` of a buffer on GPU 1 into a worker on GPU 0
                   (``allow_peer_device_import``)
 ``per_tensor``    one CUDA IPC handle per tensor, pickled per tensor (OpenRLHF's
@@ -194,6 +198,7 @@ class Bench:
                 "ww_packed": "weightwire",
                 "ww_peer": "weightwire",
                 "ww_params": "weightwire",
+                "ww_fresh": "weightwire",
                 "per_tensor": "per_tensor",
                 "ckpt_engine": "ckpt_engine",
             }
@@ -250,6 +255,20 @@ class Bench:
                     x.copy_(v)
 
             out["peer_per_tensor_ms"] = common.time_reps(peer_per_tensor, self.sync, reps)
+        # The fresh-tensor pool's packing copy alone: one copy per tensor (small ones grouped), and
+        # one torch.cat per run of back-to-back tensors, into the pool layout of these tensors.
+        from weightwire.client.transports import cuda_ipc_pool as cpool
+
+        shapes = [(x.dtype, x.shape) for x in rig.tensors]
+        layout = cpool.lay_out([x.nbytes for x in rig.tensors])
+        region = cpool.PoolRegion(layout, rig.device)  # freed when this returns
+        pool_views = region.views(shapes)
+        runs = cpool.cat_runs(layout, region.chunks, shapes)
+        out["pack_grouped_ms"] = common.time_reps(
+            lambda: cpool.copy_into(pool_views, rig.tensors), self.sync, reps
+        )
+        out["pack_cat_ms"] = common.time_reps(lambda: cpool.cat_into(runs, rig.tensors), self.sync, reps)
+        out["pack_cat_runs"] = len(runs)
         # Everything above rewrote the trainer's buffers with their own bytes; keep digests honest.
         rig.refill()
         return out
@@ -286,7 +305,7 @@ class Bench:
         rig.refill()
         devices = [self.device] + ([torch.device("cuda", 1)] if kind == "peer" else [])
         w.call({"cmd": "release"})
-        if kind in ("params", "state_dict", "params_list"):
+        if kind in ("params", "state_dict", "params_list", "fresh", "buffers"):
             # The README's line: every option left at its default.
             pusher = WeightPusher([addr])
         else:
@@ -300,9 +319,12 @@ class Bench:
             )
         updates: list[dict[str, Any]] = []
         mem: dict[str, Any] = {}
-        restore = force_packing() if kind == "packed" else contextlib.nullcontext()
+        # Work of the trainer's own before each push, outside the timing (a fresh case's new storages).
+        before: Callable[[], None] = nothing
+        restore: contextlib.AbstractContextManager[Any] = (
+            force_packing() if kind == "packed" else contextlib.nullcontext()
+        )
         try:
-            restore.__enter__()
             pusher.manifests()
             if kind in ("params", "state_dict", "params_list"):
                 module = param_module(rig)
@@ -318,6 +340,34 @@ class Bench:
                         return pusher.push(kept, version=v)
                     tensors = module.named_parameters() if kind == "params" else module.state_dict()
                     return pusher.push(tensors, version=v)
+            elif kind in ("fresh", "fresh_cat"):
+                # Every parameter in a new storage before each push, as a gather, a conversion or a
+                # state_dict() copy hands them over (the previous step's tensors freed first, so the
+                # caching allocator may give their blocks back).
+                # Each step's tensors stay referenced until the next step's are made (as a trainer's
+                # `sd = ...; push(sd)` keeps them past the call), so freeing them is not timed.
+                pending: list[list[tuple[str, torch.Tensor]]] = []
+                if kind == "fresh_cat":
+                    restore = pack_with_cat()
+
+                def before() -> None:
+                    pending.clear()
+                    pending.append([(n, x.clone()) for n, x in rig.named])
+                    self.sync()
+
+                def push(v: int) -> Any:
+                    return pusher.push(pending[-1], version=v)
+            elif kind == "buffers":
+                # The producer writes each step's values into the library's buffers (tensor_buffers).
+                bufs = pusher.tensor_buffers(rig.named)
+
+                def before() -> None:
+                    for n, x in rig.named:
+                        bufs[n].copy_(x)
+                    self.sync()
+
+                def push(v: int) -> Any:
+                    return pusher.push(bufs, version=v)
             elif kind == "inplace":
                 src = rig.flat
                 if not self.cuda:  # a host buffer is exported in place only from the pusher's own segment
@@ -341,6 +391,7 @@ class Bench:
                     return pusher.push_gathered(gathered, version=v, allow_peer_device_import=True)
             else:
                 raise ValueError(kind)
+            restore.__enter__()
             w_mem0 = w.call({"cmd": "reset_peak"})
             collect()
             self.sync()
@@ -349,6 +400,7 @@ class Bench:
             case_t0 = time.monotonic()
             for i in range(self.args.reps + 1):
                 version = self.next_version(w.name)
+                before()
                 reset_counters()
                 t0 = now()
                 results = push(version)
@@ -373,6 +425,7 @@ class Bench:
                     break
             self.sync()
             mem1 = trainer_mem(devices)
+            mem.update(pool_stats(pusher))
             stats = w.call({"cmd": "stats"})
             w_mem1 = w.call({"cmd": "mem"})
             got = w.call({"cmd": "digest"}, timeout_s=300)["digest"]
@@ -710,6 +763,9 @@ class Bench:
             ("ww_params", "named_parameters", lambda: self.ww_case(rig, ww, "params", None), need),
             ("ww_params", "state_dict", lambda: self.ww_case(rig, ww, "state_dict", None), need),
             ("ww_params", "kept list", lambda: self.ww_case(rig, ww, "params_list", None), need),
+            ("ww_fresh", "new storages", lambda: self.ww_case(rig, ww, "fresh", None), need),
+            ("ww_fresh", "new storages, cat", lambda: self.ww_case(rig, ww, "fresh_cat", None), need),
+            ("ww_fresh", "tensor_buffers", lambda: self.ww_case(rig, ww, "buffers", None), need),
             ("per_tensor", "per_tensor", lambda: self.per_tensor_case(rig, pt, "per_tensor"), 3 * need),
         ]
         if ce is not None:
@@ -765,6 +821,38 @@ def param_module(rig: Rig) -> torch.nn.Module:
             mod = child
         mod.register_parameter(leaf, torch.nn.Parameter(x, requires_grad=False))
     return root
+
+
+def nothing() -> None:
+    pass
+
+
+def pool_stats(pusher: WeightPusher) -> dict[str, int]:
+    """Bench only: the CUDA IPC exporters' fresh-tensor pool (bytes held now, tensors packed)."""
+    from weightwire.client.transports.cuda_ipc import CudaIpcExporter
+
+    out = {"pool_bytes": 0, "tensors_packed": 0}
+    for e in pusher._staging._exporters.values():
+        if isinstance(e, CudaIpcExporter):
+            out["tensors_packed"] += e.tensors_packed
+            out["pool_bytes"] += sum(
+                c.nbytes for _, x in e._pooled.values() if x.region is not None for c in x.region.chunks
+            )
+    return out
+
+
+@contextlib.contextmanager
+def pack_with_cat() -> Any:
+    """Bench only: the fresh-tensor pool packs by one ``torch.cat`` per run of back-to-back tensors
+    (``cuda_ipc_pool.PACK_WITH_CAT``) instead of one copy per tensor."""
+    from weightwire.client.transports import cuda_ipc_pool
+
+    original = cuda_ipc_pool.PACK_WITH_CAT
+    cuda_ipc_pool.PACK_WITH_CAT = not original
+    try:
+        yield
+    finally:
+        cuda_ipc_pool.PACK_WITH_CAT = original
 
 
 @contextlib.contextmanager

@@ -205,6 +205,15 @@ def benchmark(device: str, preset: str, reps: int, out: dict[str, Any], log_dir:
             for _ in range(reps):
                 for variant in times:
                     one(variant)
+            # Where the difference goes: the one-rank conversion push() runs on the DTensors (to_local
+            # of each, checked whole), timed alone in this process.
+            from weightwire.client.ranks.dtensor_gather import named_items, single_rank_items
+
+            conversions: list[float] = []
+            for _ in range(max(reps, 5)):
+                t0 = time.perf_counter()
+                single_rank_items(named_items(sd), None)
+                conversions.append((time.perf_counter() - t0) * 1e3)
             # The last push was plain tensors of the same values: the worker must hold them exactly.
             want = models.digest([plain[n] for n in names])
             got = proc.call({"cmd": "digest"})["digest"]
@@ -227,11 +236,12 @@ def benchmark(device: str, preset: str, reps: int, out: dict[str, Any], log_dir:
             "worker_digest_matches": ok,
             "variants": summary,
             "fsdp2_over_plain": ratio,
+            "single_rank_items_ms": statistics.median(conversions),
         }
         print(
             f"benchmark {preset} ({model_bytes / 2**30:.2f} GiB, {len(shapes)} tensors): "
             f"fsdp2 {summary['fsdp2_state_dict']['median_ms']:.2f} ms, plain {summary['plain_tensors']['median_ms']:.2f} ms "
-            f"(x{ratio:.3f}); digest {'OK' if ok else 'MISMATCH'}; peak device bytes added {peak}",
+            f"(x{ratio:.3f}; the one-rank conversion alone {statistics.median(conversions):.2f} ms); digest {'OK' if ok else 'MISMATCH'}; peak device bytes added {peak}",
             flush=True,
         )
     finally:

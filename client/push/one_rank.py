@@ -41,7 +41,9 @@ class OneRankItems:
     def __init__(self) -> None:
         self._whole: dict[int, weakref.ref[torch.Tensor]] = {}
 
-    def items(self, items: list[tuple[str, torch.Tensor]], group: object) -> list[tuple[str, torch.Tensor]] | None:
+    def items(
+        self, items: list[tuple[str, torch.Tensor]], group: object
+    ) -> list[tuple[str, torch.Tensor]] | None:
         if group is not None:
             return single_rank_items(items, group)
         whole = self._whole

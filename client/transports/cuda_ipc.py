@@ -33,7 +33,15 @@ import weakref
 from collections.abc import Sequence
 
 import torch
-from weightwire.client.transports.cuda_ipc_pool import PoolRegion, copy_into, lay_out, pack_fresh
+from weightwire.client.transports import cuda_ipc_pool
+from weightwire.client.transports.cuda_ipc_pool import (
+    PoolRegion,
+    cat_into,
+    cat_runs,
+    copy_into,
+    lay_out,
+    pack_fresh,
+)
 from weightwire.client.transports.exporter import Exporter, StagingBuffer, consumers_wait, crc32_of
 from weightwire.core.devices import DeviceRef, cuda_device_uuid
 from weightwire.core.errors import Reason, WeightwireError
@@ -168,6 +176,8 @@ class ExportedTensors:
     packs: tuple[int, ...] = ()
     pack_views: tuple[torch.Tensor, ...] = ()
     region: PoolRegion | None = None
+    # The same places as runs of back-to-back tensors of one dtype (``cuda_ipc_pool.cat_runs``).
+    pack_runs: list[tuple[torch.Tensor, list[int]]] = dataclasses.field(default_factory=list)
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy this push's fresh tensors (``tensors``: the exported ones, in order) into the pool,
@@ -175,7 +185,11 @@ class ExportedTensors:
         if self.packs:
             if self.region is None:
                 raise RuntimeError("this payload's pool buffers were discarded after a failed push")
-            copy_into(self.pack_views, [tensors[i] for i in self.packs])
+            srcs = [tensors[i] for i in self.packs]
+            if cuda_ipc_pool.PACK_WITH_CAT:
+                cat_into(self.pack_runs, srcs)
+            else:
+                copy_into(self.pack_views, srcs)
 
     def discard(self) -> None:
         """A push of this payload failed: a cancelled worker may still read its pool buffers, so they
@@ -183,6 +197,7 @@ class ExportedTensors:
         if self.packs:
             self.region = None
             self.pack_views = ()
+            self.pack_runs = []
 
     def payload(
         self, recipient: str, label: DeviceRef, event_handle: bytes | None, complete: bool
@@ -459,9 +474,15 @@ class CudaIpcExporter(Exporter):
             )
             for i, (s, t) in enumerate(zip(storages, tensors, strict=True))
         )
-        views = region.views([(tensors[i].dtype, tensors[i].shape) for i in packs])
+        shapes = [(tensors[i].dtype, tensors[i].shape) for i in packs]
         exported = ExportedTensors(
-            offsets, end, messages, packs=packs, pack_views=tuple(views), region=region
+            offsets,
+            end,
+            messages,
+            packs=packs,
+            pack_views=tuple(region.views(shapes)),
+            region=region,
+            pack_runs=cat_runs(layout, region.chunks, shapes),
         )
         with self._lock:
             self._pooled[group] = (signature, exported)

@@ -108,6 +108,44 @@ class PoolRegion:
         return out
 
 
+# How ``ExportedTensors.pack`` copies: False, one copy per tensor (``copy_into``); True, one
+# ``torch.cat`` into each run of packed tensors of one dtype that lie back to back (``cat_runs``).
+PACK_WITH_CAT = False
+
+
+def cat_runs(
+    layout: Layout, chunks: Sequence[torch.Tensor], shapes: Sequence[tuple[torch.dtype, torch.Size]]
+) -> list[tuple[torch.Tensor, list[int]]]:
+    """The packed tensors (indices into ``shapes``) cut into runs of one dtype lying back to back in
+    one chunk, each with the flat view of the chunk it fills (what one ``torch.cat`` writes)."""
+    runs: list[tuple[torch.Tensor, list[int]]] = []
+    start = end = -1
+    run: list[int] = []
+    run_chunk = -1
+    run_dtype: torch.dtype | None = None
+
+    def close() -> None:
+        if run and run_dtype is not None:
+            runs.append((chunks[run_chunk].narrow(0, start, end - start).view(run_dtype), list(run)))
+
+    for i, ((chunk, at), (dtype, shape)) in enumerate(zip(layout.places, shapes, strict=True)):
+        n = shape.numel() * dtype.itemsize
+        if not (chunk == run_chunk and dtype == run_dtype and at == end):
+            close()
+            run, run_chunk, run_dtype, start = [], chunk, dtype, at
+        run.append(i)
+        end = at + n
+    close()
+    return runs
+
+
+def cat_into(runs: Sequence[tuple[torch.Tensor, list[int]]], srcs: Sequence[torch.Tensor]) -> None:
+    """Every run's sources (contiguous tensors) concatenated into its flat view, on the current stream."""
+    with torch.no_grad():
+        for out, members in runs:
+            torch.cat([srcs[i].view(-1) for i in members], out=out)
+
+
 def copy_into(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
     """Every ``srcs[i]`` into ``dsts[i]`` on the current stream: small ones in one grouped launch,
     large ones by their own copy (a grouped copy of large tensors is slower than plain copies)."""

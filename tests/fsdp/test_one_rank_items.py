@@ -58,7 +58,7 @@ def test_a_replaced_local_tensor_is_read_anew(one_rank_group: object) -> None:
     items = list(model.state_dict().items())
     memo = OneRankItems()
     memo.items(items, None)
-    name, dt = items[0]
+    _, dt = items[0]
     new = torch.full_like(dt._local_tensor, 7.0)  # type: ignore[attr-defined]
     dt._local_tensor = new  # type: ignore[attr-defined]
     got = memo.items(items, None)

@@ -238,3 +238,31 @@ def test_tensor_buffers_are_views_of_one_allocation() -> None:
     assert len(storages) == 1
     assert all(t.storage_offset() * t.element_size() % 256 == 0 for t in bufs.values())
     assert all(t.is_contiguous() for t in bufs.values())
+
+
+def test_packing_by_cat_lands_the_same_bytes(
+    exporter: cuda_ipc.CudaIpcExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pool, "PACK_WITH_CAT", True)
+    exporter.export_tensors(fresh_tensors(1), ["w0"])
+    tensors = fresh_tensors(2)
+    tensors[3] = tensors[3].to(torch.bfloat16)  # a dtype of its own cuts the run
+    exported = exporter.export_tensors(tensors, ["w0"])
+    assert exported is not None and exported.packs
+    exported.pack(tensors)
+    for i, t in enumerate(tensors):
+        assert torch.equal(read_back(exported, tensors, i), t)
+
+
+def test_cat_runs_cut_at_dtypes_gaps_and_chunks() -> None:
+    shapes = [
+        (torch.float32, torch.Size([64])),
+        (torch.float32, torch.Size([3])),
+        (torch.float32, torch.Size([64])),
+    ]
+    shapes += [(torch.bfloat16, torch.Size([128])), (torch.float32, torch.Size([64]))]
+    layout = pool.lay_out([d.itemsize * s.numel() for d, s in shapes])
+    chunks = [torch.empty(n, dtype=torch.uint8) for n in layout.chunks]
+    runs = pool.cat_runs(layout, chunks, shapes)
+    # 64 floats fill 256 bytes, so 0 and 1 lie back to back; 1 leaves a gap before 2.
+    assert [m for _, m in runs] == [[0, 1], [2], [3], [4]]
