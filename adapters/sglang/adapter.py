@@ -349,6 +349,9 @@ class SGLangAdapter:
             param = self._params[param_name]
             if param.dim() == 0:
                 continue
+            if any(t.expert_id is not None for t in targets):
+                out.update(self._expert_destinations(param_name, param, targets))
+                continue
             if all(t.shard_id is None for t in targets):
                 ordered = targets
                 fused = False
@@ -379,6 +382,36 @@ class SGLangAdapter:
                 if not fused and local[0] != param.shape[0] and not self._is_vocab(param_name):
                     continue
                 out[(param_name, t.shard_id, t.name)] = param.data.narrow(0, start, local[0])
+        return out
+
+    def _expert_destinations(
+        self, param_name: str, param: torch.Tensor, targets: list[LoadTarget]
+    ) -> dict[tuple[str, str | int | None, str], torch.Tensor]:
+        """A routed expert's place in a ``FusedMoE`` parameter: its local slot, then gate (``w1``)
+        in the first half of ``w13``'s rows and up (``w3``) in the second, ``w2`` whole."""
+        module_name = param_name.rpartition(".")[0]
+        layer = self.model.get_submodule(module_name)
+        out: dict[tuple[str, str | int | None, str], torch.Tensor] = {}
+        for t in targets:
+            if t.expert_id is None or t.dtype != param.dtype:
+                continue
+            slot = int(layer._map_global_expert_id_to_local_expert_id(t.expert_id))  # type: ignore[operator]
+            if not 0 <= slot < param.shape[0]:
+                continue
+            local = list(t.shape)
+            for piece in t.pieces:
+                local[piece.dim] = piece.length
+            expert = param.data[slot]
+            if t.shard_id in ("w1", "w3") and len(local) == 2:
+                # A padded intermediate size (CPU, unaligned TP): the checkpoint's rows come first.
+                rows = expert.shape[0] // 2
+                region = expert.narrow(0, 0 if t.shard_id == "w1" else rows, min(rows, local[0]))
+            elif t.shard_id == "w2" and len(local) == 2:
+                region = expert.narrow(1, 0, min(expert.shape[1], local[1]))
+            else:
+                continue
+            if tuple(region.shape) == tuple(local):
+                out[(param_name, t.shard_id, t.name)] = region
         return out
 
     def _is_vocab(self, param_name: str) -> bool:
@@ -511,7 +544,7 @@ class SGLangAdapter:
         finally:
             for undo in restore:
                 undo()
-        wanted = sorted((t.param_name, repr(t.shard_id)) for t in expected)
+        wanted = sorted((t.param_name, repr(_call_shard(t.shard_id, t.expert_id))) for t in expected)
         seen = sorted((p, repr(s)) for p, s in calls)
         if seen != wanted:
             raise WeightwireError(
@@ -537,7 +570,12 @@ class SGLangAdapter:
         param_name = target.param_name
 
         def recording_loader(p: torch.Tensor, loaded: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            shard = args[0] if args else kwargs.get("loaded_shard_id", kwargs.get("shard_id"))
+            if target.expert_id is not None:
+                # FusedMoE.weight_loader(param, loaded, weight_name, shard_id, expert_id)
+                given = dict(zip(("weight_name", "shard_id", "expert_id"), args, strict=False)) | kwargs
+                shard: object = _call_shard(given.get("shard_id"), given.get("expert_id"))
+            else:
+                shard = args[0] if args else kwargs.get("loaded_shard_id", kwargs.get("shard_id"))
             calls.append((param_name, shard))
             return original(p, loaded, *args, **kwargs)
 
@@ -563,7 +601,14 @@ _QKV_ORDER = ("q", "k", "v")
 _MAX_DIRECT_KEYS = 1024
 
 
+def _call_shard(shard_id: object, expert_id: object) -> object:
+    """How a weight-loader call is recorded: its shard id, with the expert for a routed expert."""
+    return shard_id if expert_id is None else f"{shard_id} of expert {expert_id}"
+
+
 def _describe(targets: Sequence[LoadTarget]) -> str:
     return ", ".join(
-        f"{t.param_name}" + (f" (shard {t.shard_id!r})" if t.shard_id is not None else "") for t in targets
+        f"{t.param_name}"
+        + (f" (shard {_call_shard(t.shard_id, t.expert_id)!r})" if t.shard_id is not None else "")
+        for t in targets
     )

@@ -13,6 +13,15 @@ checked against them, so a layout this module does not understand fails here, at
 instead of publishing a wrong manifest. Quantized layers and pre-sharded checkpoints are refused
 for the same reason.
 
+Mixture-of-experts layers (``FusedMoE``) hold every local expert's gate and up projections stacked
+in one ``w13_weight`` ``[local_experts, 2 * I / moe_tp, hidden]`` and the down projections in
+``w2_weight`` ``[local_experts, hidden, I / moe_tp]``. Each is expanded to the checkpoint's
+per-expert names (``mlp.experts.{e}.gate_proj.weight`` and so on, as the model's loader names them
+through ``FusedMoE.make_expert_params_mapping``) for the experts of this rank's expert-parallel
+rank only, each with this rank's MoE-TP slice: rows of gate/up, columns of down. Layouts the
+loader would transform (Triton-kernel transposes, up-before-gate, padded intermediate sizes,
+redundant or fused shared experts, biases) are refused.
+
 Called by ``weightwire.adapters.sglang.adapter`` (inside the scheduler process, or a test process
 that built an SGLang model under SGLang's parallel state).
 """
@@ -50,12 +59,14 @@ class LoadTarget:
     param_name: str
     """The SGLang parameter it fills, e.g. ``model.layers.3.self_attn.qkv_proj.weight``."""
     shard_id: str | int | None
-    """The shard id SGLang's weight loader is called with (``"k"``, ``1``), None if unfused."""
+    """The shard id SGLang's weight loader is called with (``"k"``, ``1``, ``"w1"``), None if unfused."""
     dtype: torch.dtype
     shape: tuple[int, ...]
     """Full checkpoint shape (not this rank's slice)."""
     pieces: tuple[TensorPiece, ...] = ()
     """What this parameter keeps of the checkpoint tensor (``layer_geometry``; empty: all of it)."""
+    expert_id: int | None = None
+    """A routed expert's global id (the ``expert_id`` its weight loader is called with), else None."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +107,19 @@ def packed_modules_mapping(model: torch.nn.Module) -> dict[str, tuple[str, ...]]
     return dict(DEFAULT_PACKED_MODULES)
 
 
+# Model class -> the checkpoint module names of an expert's (gate, up, down) projections, as its
+# ``load_weights`` passes them to ``FusedMoE.make_expert_params_mapping``. A MoE model not listed
+# is refused: its loader may name or split its experts otherwise.
+# The fourth entry is the config attribute of the experts' intermediate size: on CPU, SGLang pads
+# it to a multiple of its MoE padding times TP (``adjust_config_with_unaligned_cpu_tp``) and keeps
+# the checkpoint's size as ``original_<attr>``.
+EXPERT_CHECKPOINT_NAMES: Mapping[str, tuple[str, str, str, str]] = {
+    "Qwen2MoeForCausalLM": ("gate_proj", "up_proj", "down_proj", "moe_intermediate_size"),
+    "Qwen3MoeForCausalLM": ("gate_proj", "up_proj", "down_proj", "moe_intermediate_size"),
+    "MixtralForCausalLM": ("w1", "w3", "w2", "intermediate_size"),
+}
+
+
 def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa: C901 - known; split when next changed
     """Every checkpoint tensor this rank's ``model`` consumes (see module docstring)."""
     from sglang.srt.layers.linear import (
@@ -108,6 +132,11 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
     )
     from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
     from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    try:
+        from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    except ImportError:  # a release without it has no MoE layer this module could meet
+        FusedMoE = ()  # type: ignore[assignment,misc]
 
     packed = packed_modules_mapping(model)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -125,13 +154,14 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
         param: torch.Tensor,
         shape: tuple[int, ...],
         pieces: tuple[TensorPiece, ...] = (),
+        expert_id: int | None = None,
     ) -> None:
         try:
             dtypes.from_torch(param.dtype)
         except ValueError as e:
             raise ManifestError(f"{param_name}: {e}") from None
         targets.setdefault(name, []).append(
-            LoadTarget(name, param_name, shard_id, param.dtype, shape, pieces)
+            LoadTarget(name, param_name, shard_id, param.dtype, shape, pieces, expert_id)
         )
 
     def add_feeds(
@@ -147,6 +177,19 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
         attr = module_name.rpartition(".")[2]
         parent = module_name.rpartition(".")[0]
         local = tuple(param.shape)
+
+        if FusedMoE and isinstance(module, FusedMoE):
+            for target in _expert_targets(model, hf_config, module, module_name, leaf, param):
+                add(
+                    target.name,
+                    param_name,
+                    target.shard_id,
+                    param,
+                    target.shape,
+                    target.pieces,
+                    target.expert_id,
+                )
+            continue
 
         if leaf not in ("weight", "bias"):
             if isinstance(module, (LinearBase, VocabParallelEmbedding)):
@@ -224,6 +267,106 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
             raise ManifestError(f"{name} feeds parameters of different dtype/shape: {found}")
         frozen[name] = tuple(found)
     return ModelLayout(frozen, layer_start, layer_end, num_layers, tied)
+
+
+def _expert_targets(
+    model: torch.nn.Module, hf_config: Any, layer: Any, module_name: str, leaf: str, param: torch.Tensor
+) -> list[LoadTarget]:
+    """The checkpoint tensors one ``FusedMoE`` parameter (``w13_weight`` or ``w2_weight``) is
+    filled from: per local expert, gate and up (``w1``, ``w3``) or down (``w2``), each with this
+    rank's slice of the intermediate dimension. The arithmetic is ``FusedMoE.weight_loader``'s
+    (SGLang 0.5.23 ``_map_global_expert_id_to_local_expert_id``, ``_load_w13``, ``_load_w2``,
+    ``narrow_padded_param_and_loaded_weight``): rank ``r`` keeps checkpoint rows
+    ``[r * per_rank, (r + 1) * per_rank)`` clipped to the checkpoint's size; where padding leaves a
+    rank none of them, it consumes nothing of that tensor (its padded rows stay zero)."""
+    where = f"{module_name}.{leaf}"
+    arch = type(model).__name__
+    names = EXPERT_CHECKPOINT_NAMES.get(arch)
+    if names is None:
+        raise ManifestError(
+            f"{where}: mixture-of-experts layer of {arch}, whose checkpoint expert names this adapter does not "
+            f"know (known: {sorted(EXPERT_CHECKPOINT_NAMES)})"
+        )
+    method = type(getattr(layer, "quant_method", None)).__name__
+    if method != "UnquantizedFusedMoEMethod":
+        raise ManifestError(
+            f"{where}: experts are quantized ({method}); only unquantized experts are supported"
+        )
+    if leaf not in ("w13_weight", "w2_weight"):
+        raise ManifestError(f"{where}: expert parameter {leaf!r} (bias or scale) is not supported")
+    refusals = {
+        "pre-sharded checkpoints": bool(getattr(layer, "use_presharded_weights", False)),
+        "fused shared experts": int(getattr(layer, "num_fused_shared_experts", 0) or 0) > 0,
+        "the triton-kernels MoE backend (transposed experts)": bool(
+            getattr(layer, "use_triton_kernels", False)
+        ),
+        "non-gated experts": not bool(layer.moe_runner_config.is_gated),
+        "up before gate in w13 (FlashInfer layouts)": bool(
+            getattr(getattr(layer, "quant_method", None), "load_up_proj_weight_first", False)
+        ),
+    }
+    for what, found in refusals.items():
+        if found:
+            raise ManifestError(f"{where}: {what} are not supported")
+    tp_rank, tp_size = int(layer.moe_tp_rank), int(layer.moe_tp_size)
+    per_rank = int(layer.intermediate_size_per_partition)
+    hidden = int(layer.hidden_size)
+    num_local = int(layer.num_local_experts)
+    ep_rank = int(layer.moe_ep_rank)
+    if int(getattr(layer, "_expert_storage_rank", ep_rank)) != ep_rank:
+        raise ManifestError(f"{where}: elastic expert parallelism (storage rank != EP rank) is not supported")
+    first = ep_rank * num_local
+    if num_local * int(layer.moe_ep_size) != int(layer.num_experts):
+        raise ManifestError(f"{where}: {num_local} local experts do not tile {layer.num_experts} experts")
+    _check_trivial_placement(where, layer)
+    for local_id in range(num_local):
+        if layer._map_global_expert_id_to_local_expert_id(first + local_id) != local_id:
+            raise ManifestError(f"{where}: expert {first + local_id} is not local slot {local_id}")
+    padded = per_rank * tp_size
+    config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    full = int(getattr(config, f"original_{names[3]}", None) or getattr(config, names[3], padded) or padded)
+    if not 0 < full <= padded or (full != padded and not getattr(layer, "use_padded_loading", False)):
+        raise ManifestError(
+            f"{where}: {tp_size} x {per_rank} intermediate rows per expert for a checkpoint size of {full}"
+        )
+    start = tp_rank * per_rank
+    kept = min(per_rank, full - start)
+    if kept <= 0:
+        return []
+    piece_rows = () if kept == full else (TensorPiece(0, start, kept),)
+    piece_cols = () if kept == full else (TensorPiece(1, start, kept),)
+    shards: tuple[tuple[str, str, tuple[int, int], tuple[TensorPiece, ...]], ...]
+    if leaf == "w13_weight":
+        _check_local(where, tuple(param.shape), (num_local, 2 * per_rank, hidden))
+        shards = (("w1", names[0], (full, hidden), piece_rows), ("w3", names[1], (full, hidden), piece_rows))
+    else:
+        _check_local(where, tuple(param.shape), (num_local, hidden, per_rank))
+        shards = (("w2", names[2], (hidden, full), piece_cols),)
+    return [
+        LoadTarget(f"{module_name}.{e}.{ckpt}.weight", where, sid, param.dtype, shape, pieces, e)
+        for e in range(first, first + num_local)
+        for sid, ckpt, shape, pieces in shards
+    ]
+
+
+def _check_trivial_placement(where: str, layer: Any) -> None:
+    """SGLang's expert-location metadata (EPLB) may place a logical expert in several physical
+    slots; the manifest states one slot per expert, so only the identity placement is accepted."""
+    if not getattr(layer, "uses_expert_location", False):
+        return
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    meta = get_global_expert_location_metadata()
+    if meta is None:
+        return
+    if meta.num_physical_experts != meta.num_logical_experts:
+        raise ManifestError(f"{where}: redundant experts (EPLB) are not supported")
+    layer_id = int(layer.layer_id)
+    for e in range(int(meta.num_logical_experts)):
+        if list(meta.logical_to_all_physical(layer_id, e)) != [e]:
+            raise ManifestError(
+                f"{where}: expert {e} is placed at {meta.logical_to_all_physical(layer_id, e)}"
+            )
 
 
 def _fused_names(
