@@ -21,8 +21,8 @@ each model, in order of importance (a total time budget skips what does not fit)
                   with ``limit``'s per-tensor copy
 ``ww_fresh``      the same line when every parameter is in a new storage before each push (``new
                   storages``: clones made outside the timing, as gathers or conversions give; the
-                  exporter packs them into its pool), and when the producer writes each step's values
-                  into ``WeightPusher.tensor_buffers`` (``tensor_buffers``)
+                  exporter packs them into its pool by torch.cat, or ``per-tensor copies``), and when
+                  the producer writes each step's values into ``WeightPusher.tensor_buffers``
 ``ww_peer``       weightwire ``push_gathered`` of a buffer on GPU 1 into a worker on GPU 0
                   (``allow_peer_device_import``)
 ``per_tensor``    one CUDA IPC handle per tensor, pickled per tensor (OpenRLHF's
@@ -340,15 +340,15 @@ class Bench:
                         return pusher.push(kept, version=v)
                     tensors = module.named_parameters() if kind == "params" else module.state_dict()
                     return pusher.push(tensors, version=v)
-            elif kind in ("fresh", "fresh_cat"):
+            elif kind in ("fresh", "fresh_copies"):
                 # Every parameter in a new storage before each push, as a gather, a conversion or a
                 # state_dict() copy hands them over (the previous step's tensors freed first, so the
                 # caching allocator may give their blocks back).
                 # Each step's tensors stay referenced until the next step's are made (as a trainer's
                 # `sd = ...; push(sd)` keeps them past the call), so freeing them is not timed.
                 pending: list[list[tuple[str, torch.Tensor]]] = []
-                if kind == "fresh_cat":
-                    restore = pack_with_cat()
+                if kind == "fresh_copies":
+                    restore = pack_by_copies()
 
                 def before() -> None:
                     pending.clear()
@@ -764,7 +764,12 @@ class Bench:
             ("ww_params", "state_dict", lambda: self.ww_case(rig, ww, "state_dict", None), need),
             ("ww_params", "kept list", lambda: self.ww_case(rig, ww, "params_list", None), need),
             ("ww_fresh", "new storages", lambda: self.ww_case(rig, ww, "fresh", None), need),
-            ("ww_fresh", "new storages, cat", lambda: self.ww_case(rig, ww, "fresh_cat", None), need),
+            (
+                "ww_fresh",
+                "new storages, per-tensor copies",
+                lambda: self.ww_case(rig, ww, "fresh_copies", None),
+                need,
+            ),
             ("ww_fresh", "tensor_buffers", lambda: self.ww_case(rig, ww, "buffers", None), need),
             ("per_tensor", "per_tensor", lambda: self.per_tensor_case(rig, pt, "per_tensor"), 3 * need),
         ]
@@ -842,13 +847,13 @@ def pool_stats(pusher: WeightPusher) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def pack_with_cat() -> Any:
-    """Bench only: the fresh-tensor pool packs by one ``torch.cat`` per run of back-to-back tensors
-    (``cuda_ipc_pool.PACK_WITH_CAT``) instead of one copy per tensor."""
+def pack_by_copies() -> Any:
+    """Bench only: the fresh-tensor pool packs by one copy per tensor (small ones grouped) instead of
+    one ``torch.cat`` per run of back-to-back tensors (``cuda_ipc_pool.PACK_WITH_CAT``)."""
     from weightwire.client.transports import cuda_ipc_pool
 
     original = cuda_ipc_pool.PACK_WITH_CAT
-    cuda_ipc_pool.PACK_WITH_CAT = not original
+    cuda_ipc_pool.PACK_WITH_CAT = False
     try:
         yield
     finally:

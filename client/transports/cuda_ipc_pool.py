@@ -5,9 +5,9 @@ RL trainers mostly hand ``push`` tensors made for it (an FSDP ``full_tensor()`` 
 HF conversion, a ``state_dict()`` copy, ``load_state_dict(assign=True)``): every parameter in a new
 storage each step. Exported where they live, each such storage is shared anew and opened anew by
 every worker (about 0.2 ms each: 72-90 ms for Qwen3-8B's 399 parameters on one H200). Packed into
-the pool instead, the payload names the same few pool storages every step, so each worker finds it
-kept with its views and prepared load (the kept path's cost on the worker), and the trainer pays
-one device copy of the bytes.
+the pool instead (one ``torch.cat`` per run of back-to-back tensors), the payload names the same
+few pool storages every step, so each worker finds it kept with its views and prepared load (the
+kept path's cost on the worker), and the trainer pays one device copy of the bytes.
 
 ``CudaIpcExporter.export_tensors`` decides per push, from what it already shared, which storages go
 where they live and which are packed (``pack_fresh``); this module has that rule, the pool's layout
@@ -108,9 +108,11 @@ class PoolRegion:
         return out
 
 
-# How ``ExportedTensors.pack`` copies: False, one copy per tensor (``copy_into``); True, one
-# ``torch.cat`` into each run of packed tensors of one dtype that lie back to back (``cat_runs``).
-PACK_WITH_CAT = False
+# How ``ExportedTensors.pack`` copies: True, one ``torch.cat`` into each run of packed tensors of one
+# dtype that lie back to back (``cat_runs``; Qwen3-8B's 399 tensors are 16 runs, one per chunk);
+# False, one copy per tensor with the small ones grouped (``copy_into``). On one H200 the cat packs
+# those 15.26 GiB in 8.20 ms against 8.48 (BENCHMARKS.md, "Issue 37").
+PACK_WITH_CAT = True
 
 
 def cat_runs(

@@ -240,10 +240,11 @@ def test_tensor_buffers_are_views_of_one_allocation() -> None:
     assert all(t.is_contiguous() for t in bufs.values())
 
 
-def test_packing_by_cat_lands_the_same_bytes(
-    exporter: cuda_ipc.CudaIpcExporter, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("cat", [True, False])
+def test_both_packings_land_the_same_bytes(
+    exporter: cuda_ipc.CudaIpcExporter, monkeypatch: pytest.MonkeyPatch, cat: bool
 ) -> None:
-    monkeypatch.setattr(pool, "PACK_WITH_CAT", True)
+    monkeypatch.setattr(pool, "PACK_WITH_CAT", cat)
     exporter.export_tensors(fresh_tensors(1), ["w0"])
     tensors = fresh_tensors(2)
     tensors[3] = tensors[3].to(torch.bfloat16)  # a dtype of its own cuts the run
