@@ -21,7 +21,10 @@ own) and kept, by a weak reference, for as long as the trainer keeps it; a paylo
 (``CudaIpcHandle.storages``), each tensor at its storage's place plus its own offset. The payload of
 the same tensors in the same storages is built once and sent again every update; a storage that
 dies (a parameter freed or replaced) is forgotten, and the next payload is built anew and says it is
-complete when it lists everything the workers should keep, so they close the rest.
+complete when it lists everything the workers should keep, so they close the rest. Tensors in new
+storages every push (gathers, conversions) are packed instead into the exporter's fresh-tensor
+pool (``cuda_ipc_pool``), buffers of the same payload that every worker opened once; which
+storages go which way is decided per push, from what was shared and packed before.
 """
 
 from __future__ import annotations
@@ -264,7 +267,7 @@ class CudaIpcExporter(Exporter):
         self.pool_limit_bytes: int | None = None
         self._pooled: dict[tuple[str, ...], tuple[tuple[object, ...], ExportedTensors]] = {}
         self._exported_to: set[tuple[str, ...]] = set()
-        self._packed_seen: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._packed_seen: dict[tuple[str, ...], dict[int, weakref.ref[torch.UntypedStorage]]] = {}
         self.tensors_packed = 0
 
     def _new_event(self) -> ProducerEvent | None:
@@ -368,6 +371,7 @@ class CudaIpcExporter(Exporter):
                 # Nothing of this group is packed any more: its pool buffers go (a worker that still
                 # maps them lets them go at this payload, which lists everything it should keep).
                 self._pooled.pop(group, None)
+                self._packed_seen.pop(group, None)
         return exported
 
     def _fresh_storages(self, storages: Sequence[torch.UntypedStorage], group: tuple[str, ...]) -> set[int]:
@@ -380,7 +384,7 @@ class CudaIpcExporter(Exporter):
         fresh: dict[int, int] = {}
         seen: set[int] = set()
         distinct = 0
-        shares, packed = self._shares, self._packed_seen
+        shares, packed = self._shares, self._packed_seen.get(group, {})
         for storage in storages:
             sid = id(storage)
             if sid in seen:
@@ -424,14 +428,21 @@ class CudaIpcExporter(Exporter):
         with self._lock:
             known = self._pooled.get(group)
         if known is not None and known[0] == signature and known[1].region is not None:
-            self._remember_packed(storages, known[1].packs)
+            self._remember_packed(group, storages, known[1].packs)
             return known[1]
         packs = tuple(
             i for i, (s, t) in enumerate(zip(storages, tensors, strict=True)) if id(s) in fresh and t.numel()
         )
         layout = lay_out([tensors[i].nbytes for i in packs])
-        if self.pool_limit_bytes is not None and layout.total_bytes > self.pool_limit_bytes:
-            return None
+        if self.pool_limit_bytes is not None:
+            with self._lock:
+                others = sum(
+                    e.region.layout.total_bytes
+                    for g, (_, e) in self._pooled.items()
+                    if g != group and e.region is not None
+                )
+            if others + layout.total_bytes > self.pool_limit_bytes:
+                return None
         region = known[1].region if known is not None else None
         if region is None or region.layout != layout:
             with self._lock:
@@ -486,7 +497,7 @@ class CudaIpcExporter(Exporter):
         )
         with self._lock:
             self._pooled[group] = (signature, exported)
-        self._remember_packed(storages, packs)
+        self._remember_packed(group, storages, packs)
         return exported
 
     def _add_shares(
@@ -503,9 +514,11 @@ class CudaIpcExporter(Exporter):
             out.append(msg)
         return True
 
-    def _remember_packed(self, storages: Sequence[torch.UntypedStorage], packs: tuple[int, ...]) -> None:
-        """The storages this push packs, weakly: pushed again, they are a trainer's kept ones."""
-        self._packed_seen = {id(storages[i]): weakref.ref(storages[i]) for i in packs}
+    def _remember_packed(
+        self, group: tuple[str, ...], storages: Sequence[torch.UntypedStorage], packs: tuple[int, ...]
+    ) -> None:
+        """The storages this push packs for ``group``, weakly: pushed again, they are kept ones."""
+        self._packed_seen[group] = {id(storages[i]): weakref.ref(storages[i]) for i in packs}
         self.tensors_packed += len(packs)
 
     def _export_shared(

@@ -267,3 +267,27 @@ def test_cat_runs_cut_at_dtypes_gaps_and_chunks() -> None:
     runs = pool.cat_runs(layout, chunks, shapes)
     # 64 floats fill 256 bytes, so 0 and 1 lie back to back; 1 leaves a gap before 2.
     assert [m for _, m in runs] == [[0, 1], [2], [3], [4]]
+
+
+def test_two_recipient_groups_each_keep_their_own_history(exporter: cuda_ipc.CudaIpcExporter) -> None:
+    """Pipeline stages: one payload per group of workers in one push. After every storage was new
+    once, the tensors that survive go where they live in both groups, not only in the last one."""
+    for step in (1, 2):
+        a, b = fresh_tensors(step), fresh_tensors(step + 10)
+        ea = exporter.export_tensors(a, ["w0"])
+        eb = exporter.export_tensors(b, ["w1"])
+    assert ea is not None and eb is not None and ea.packs and eb.packs
+    again_a = exporter.export_tensors(a, ["w0"])
+    again_b = exporter.export_tensors(b, ["w1"])
+    assert again_a is not None and again_a.packs == ()
+    assert again_b is not None and again_b.packs == ()
+
+
+def test_the_pool_limit_counts_every_group(exporter: cuda_ipc.CudaIpcExporter) -> None:
+    exporter.pool_limit_bytes = pool.ALLOC_GRANULE  # one group's pool of these tensors fits, not two
+    exporter.export_tensors(fresh_tensors(1), ["w0"])
+    exporter.export_tensors(fresh_tensors(2), ["w1"])
+    first = exporter.export_tensors(fresh_tensors(3), ["w0"])
+    second = exporter.export_tensors(fresh_tensors(4), ["w1"])
+    assert first is not None and first.packs
+    assert second is not None and second.packs == ()
