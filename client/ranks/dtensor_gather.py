@@ -22,22 +22,29 @@ from typing import Any
 
 import torch
 from weightwire.client.push.plan import TensorSpec
-from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.errors import PushError, Reason, WeightwireError
 
 # ``cast_to``: one dtype for every floating-point tensor, or a map from a pushed dtype to the dtype
 # the engine gets. Integer and bool tensors are never converted by the single-dtype form.
 CastTo = torch.dtype | Mapping[torch.dtype, torch.dtype] | None
 
 
-class RankLostError(WeightwireError):
+class RankLostError(WeightwireError, PushError):
     """A collective of the trainer's process group failed: a rank died, or did not take part in time.
 
     After this the group is out of step (a collective was left half done); no further update can use
     it, so the trainer must restart its ranks (the usual answer to a lost rank in torch.distributed).
+    It is a ``PushError`` (a caller's ``except PushError`` catches every failed push; no worker
+    failed, so ``failures`` and ``results`` are empty) and a ``WeightwireError`` with reason
+    ``TRAINER_RANK_LOST``.
     """
 
     def __init__(self, message: str, **metadata: str) -> None:
-        super().__init__(Reason.TRAINER_RANK_LOST, message, **metadata)
+        # Not through super(): the two bases take different arguments.
+        described = WeightwireError(Reason.TRAINER_RANK_LOST, message, **metadata)
+        self.__dict__.update(described.__dict__)
+        PushError.__init__(self, {})
+        self.args = (str(self),)
 
 
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, *, group: Any, async_op: bool) -> Any:

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 from weightwire.core import dtypes
-from weightwire.core.errors import Reason
+from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import OwnedTensor
 from weightwire.core.transports.transfer_group import transfer_error
 from weightwire.core.transports.transfer_plan import Box, Transfer, TransferPlan, TransferPlanError
@@ -43,6 +44,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 # Below this a region is packed with its neighbours: a message per small region would cost more in
 # per-message work than the copies it saves.
 DIRECT_MIN_BYTES = 64 << 10
+# How often a wait that watches for its call's end looks: at first often (most operations end
+# within microseconds of each other), then at most this rarely.
+_FIRST_POLL_S = 0.0002
+_LAST_POLL_S = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,17 +138,22 @@ def send_sequence(
     return out
 
 
-def agree(pg: Any, plan: TransferPlan, rank: int, world_size: int, timeout_s: float) -> None:
+def agree(
+    pg: Any,
+    plan: TransferPlan,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    stopped: Callable[[], bool] | None = None,
+) -> None:
     """Every member's plan fingerprint against every other's; ``GROUP_PLAN_MISMATCH`` on every
-    member naming the ranks that differ from this one."""
+    member naming the ranks that differ from this one (CANCELLED once ``stopped()``, see ``_wait``)."""
     mine = torch.frombuffer(bytearray(bytes.fromhex(plan.fingerprint)), dtype=torch.uint8)
     # Primed with the complement of this member's fingerprint: a short or missing contribution
     # reads as a different plan, never as this one.
     gathered = [torch.bitwise_not(mine) for _ in range(world_size)]
-    try:
-        pg.allgather([gathered], [mine]).wait(datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        raise transfer_error(e, "comparing transfer plans") from None
+    work = _post(lambda: pg.allgather([gathered], [mine]), "comparing transfer plans")
+    _wait(work, timeout_s, "comparing transfer plans", stopped)
     differ = [r for r, g in enumerate(gathered) if not torch.equal(g, mine)]
     if differ:
         raise TransferPlanError(
@@ -320,10 +330,29 @@ def _post(op: Any, what: str) -> Any:
         raise transfer_error(e, what) from None
 
 
-def _wait(work: Any, timeout_s: float, what: str) -> None:
+def _wait(work: Any, timeout_s: float, what: str, stopped: Callable[[], bool] | None = None) -> None:
     """Wait for a posted operation within the group's timeout: a peer that died or never sends
     ends it with TRANSFER_FAILED (gloo fails a pending receive at once when its peer's sockets
-    close, and at the timeout otherwise), never a hang."""
+    close, and at the timeout otherwise), never a hang. With ``stopped`` (a worker's update whose
+    call may end: cancelled, past its deadline) the wait also ends with CANCELLED as soon as
+    ``stopped()``: the operation is watched (``is_completed``) rather than waited on, since a wait
+    that times out finishes it. Only for collectives: gloo marks a point-to-point receive completed
+    only inside its wait, and nothing but the peer's sockets closing or the timeout ends that wait."""
+    if stopped is not None:
+        deadline = time.monotonic() + timeout_s
+        pause = _FIRST_POLL_S
+        while not work.is_completed():
+            if stopped():
+                raise WeightwireError(
+                    Reason.CANCELLED,
+                    f"the update's call ended (cancelled, or past its deadline) during {what}; nothing was committed",
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _LAST_POLL_S)
+        timeout_s = max(deadline - time.monotonic(), 0.001)
     try:
         work.wait(datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:

@@ -166,10 +166,12 @@ class GroupImporter(PayloadImporter):
         kept: Mapping[str, torch.Tensor],
         manifest: ShardManifest,
         will_write: Callable[[], None],
+        call_ended: threading.Event | None = None,
     ) -> int:
         """Receive a checked slices payload into ``kept`` (the adapter's kept tensors), calling
         ``will_write`` once every member agreed on the plan, before the first byte may land; a
-        failed receive tears the group down. Returns the bytes received."""
+        failed receive, or one whose call ended (``call_ended``), tears the group down. Returns the
+        bytes received."""
         member = self.membership.current()
         check_kept(kept, manifest, checked.names)
         gid = member.group.group_id
@@ -185,6 +187,7 @@ class GroupImporter(PayloadImporter):
                 self._slice_staging[1],
                 self._slice_lock,
                 will_write,
+                call_ended.is_set if call_ended is not None else None,
             )
         except WeightwireError as err:
             self.membership.teardown(f"{err.reason}: {clip(err.message, 200)}")

@@ -201,11 +201,15 @@ def receive_bucket(
     staging: dict[object, torch.Tensor],
     lock: threading.Lock,
     will_write: Callable[[], None],
+    stopped: Callable[[], bool] | None = None,
 ) -> int:
     """Agree on the plan with every member, check every source's announcement, then (after
     ``will_write``: from here on bytes may land in the model) receive every region into ``kept``.
     Returns the bytes received; TRANSFER_FAILED / GROUP_PLAN_MISMATCH / MESSAGE_TRUNCATED on
-    failure (the caller tears down)."""
+    failure, CANCELLED as soon as ``stopped()`` (the update's call ended) while the plans are
+    compared, where a silent trainer rank holds every member (the caller tears down). Once the
+    plans agree, the receives wait for the senders or their sockets closing, up to the group's
+    timeout (gloo offers no way to end a posted receive sooner)."""
     group = member.group
     pg = group.process_group()
     timeout_s = group.timeout.total_seconds()
@@ -217,7 +221,7 @@ def receive_bucket(
             if into[name].device.type != "cpu":
                 mirrors[name] = into[name] = torch.empty(into[name].shape, dtype=into[name].dtype)
     with lock:
-        agree(pg, checked.plan, group.rank, group.world_size, timeout_s)
+        agree(pg, checked.plan, group.rank, group.world_size, timeout_s, stopped)
         received = receive_slices(
             pg,
             checked.plan,

@@ -10,6 +10,7 @@ the model as they arrive, so a failure after the receive began leaves the worker
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Set
 from typing import cast
@@ -47,9 +48,11 @@ def load_slices(
     names_seen: Set[str],
     max_tensors: int,
     will_write: Callable[[], None],
+    call_ended: threading.Event | None = None,
 ) -> tuple[pb.BucketAck, frozenset[str]]:
     """Check the bucket, receive its regions into the adapter's kept tensors, return the ack (after
-    the bytes are in the model) and the names it filled."""
+    the bytes are in the model) and the names it filled. Once ``call_ended`` is set (the update's
+    call was cancelled or passed its deadline) every wait of the receive stops: CANCELLED."""
     if msg.tensors or len(msg.payloads) != 1:
         raise WeightwireError(
             Reason.MALFORMED_STREAM,
@@ -76,7 +79,7 @@ def load_slices(
     t0 = time.perf_counter_ns()
     try:
         # A plan refused by the group (GROUP_PLAN_MISMATCH) wrote nothing: the worker keeps its state.
-        received = importer.receive_slices(sel.payload, checked, kept, manifest, will_write)
+        received = importer.receive_slices(sel.payload, checked, kept, manifest, will_write, call_ended)
         if any(kept[n].is_cuda for n in checked.names):
             # NCCL receives complete on the stream; the ack promises the bytes are in the model.
             torch.cuda.synchronize()

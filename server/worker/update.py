@@ -269,6 +269,7 @@ class Update:
             names_seen=self._names_seen,
             max_tensors=MAX_TENSORS_PER_UPDATE,
             will_write=will_write,
+            call_ended=self._rpc_ended,
         )
         self._names_seen |= names
         self._slice_names |= names

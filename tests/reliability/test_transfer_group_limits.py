@@ -218,14 +218,43 @@ def test_an_owned_tensor_outside_the_ranges_is_refused_before_any_wait(worker: W
     assert (st.weights_version, st.state) == (before.weights_version, before.state)
 
 
+def _norm_slices_update(
+    worker: Worker, spec: pb.TransferGroupSpec, version: int
+) -> list[pb.PushWeightsRequest]:
+    """A PARTIAL update of the norm weight as a slices bucket (every trainer rank a source: here
+    the one trainer, group rank 0), whose receive starts by comparing plans with every member."""
+    owned = worker.manifest.tensors[NORM]
+    request = pb.PushWeightsRequest()
+    payload = request.bucket.payloads.add()
+    payload.device.CopyFrom(worker.manifest.device.to_proto())
+    h = payload.transfer_group
+    h.group_id, h.mode = spec.group_id, pb.TRANSFER_MODE_SLICES
+    h.plan_fingerprint, h.max_message_bytes = "0" * 32, 1 << 20
+    s = h.slices.add(tensor=NORM, source_rank=0)
+    s.start.extend(0 for _ in owned.shape)
+    s.stop.extend(owned.shape)
+    payload.size_bytes = owned.nbytes
+    return [
+        header(version, scope=pb.UPDATE_SCOPE_PARTIAL),
+        request,
+        pb.PushWeightsRequest(commit=pb.UpdateCommit(bucket_count=1)),
+    ]
+
+
 @pytest.mark.parametrize("how", ["stream cancelled", "PushUpdate deadline"])
+@pytest.mark.parametrize("plane", ["point-to-point", "slices"])
 def test_an_update_whose_call_ends_while_waiting_for_group_bytes_ends_at_once(
-    worker: Worker, group: object, how: str
+    worker: Worker, group: object, how: str, plane: str
 ) -> None:
+    """The trainer (this process) never sends: the worker waits for its bytes (point to point) or
+    for the plan comparison (slices, where a silent trainer rank holds every member)."""
     _, spec = group  # type: ignore[misc]
     before = worker.status()
     version = before.weights_version + 1
-    reqs = _norm_update(worker, spec, version, lambda size: [(0, size)])  # bytes the trainer never sends
+    if plane == "slices":
+        reqs = _norm_slices_update(worker, spec, version)
+    else:
+        reqs = _norm_update(worker, spec, version, lambda size: [(0, size)])  # bytes never sent
     if how == "stream cancelled":
         feed = RequestFeed()
         call = worker.stub.PushWeights(iter(feed), timeout=CALL_TIMEOUT_S)

@@ -155,3 +155,22 @@ def test_results_and_failures_survive_the_exchange() -> None:
 def test_labels_round_trip() -> None:
     for label in (DeviceRef.cuda("GPU-1A2B"), DeviceRef.host("boot-id"), None):
         assert label_of(label_text(label)) == label
+
+
+def test_a_lost_rank_is_a_push_error_with_its_reason() -> None:
+    """docs/distributed.md promises a ``PushError`` for every failed push, a lost rank included: a
+    caller's ``except PushError`` must catch it and still read its reason."""
+    from weightwire.client.ranks.dtensor_gather import RankLostError
+
+    try:
+        raise RankLostError("trainer rank 1: the ranks' exchange failed", rank="1")
+    except PushError as e:
+        assert isinstance(e, WeightwireError)
+        assert (e.reason, e.code, e.metadata, e.failures, e.results) == (
+            "TRAINER_RANK_LOST",
+            "UNAVAILABLE",
+            {"rank": "1"},
+            {},
+            {},
+        )
+        assert str(e) == "UNAVAILABLE/TRAINER_RANK_LOST: trainer rank 1: the ranks' exchange failed"
