@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any
 
+from shm_leftovers import GroupShm
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 START_TIMEOUT_S = 600.0
@@ -118,6 +120,7 @@ class EngineHost:
             env=process_env,
             start_new_session=True,  # its own process group: stop() can end everything it started
         )
+        self.shm = GroupShm(self.proc.pid)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         try:
@@ -125,6 +128,7 @@ class EngineHost:
             if not ready.get("ready"):
                 raise EngineError(f"unexpected first line from the engine host: {ready}")
             self.sglang_version: str = ready["sglang"]
+            self.shm.sample()
         except BaseException:
             self.stop()
             raise
@@ -177,7 +181,9 @@ class EngineHost:
         self.call("continue")
 
     def stop(self) -> None:
-        """Shut the engine down; whatever is left of its process group after 60 s is killed."""
+        """Shut the engine down; whatever is left of its process group after 60 s is killed, and
+        the shared memory it leaves (SGLang kills its own processes) is removed."""
+        self.shm.sample()  # while it still runs: its shutdown kills the processes that hold them
         if self.proc.poll() is None and self.proc.stdin is not None:
             try:
                 self.proc.stdin.write(json.dumps({"op": "shutdown"}) + "\n")
@@ -188,13 +194,20 @@ class EngineHost:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             pass
-        stop_process_group(self.proc)
+        stop_process_group(self.proc, shm=self.shm)
         self._log.close()
 
 
-def stop_process_group(proc: subprocess.Popen[str], grace_s: float = 0.0) -> None:
+def stop_process_group(
+    proc: subprocess.Popen[str], grace_s: float = 0.0, shm: GroupShm | None = None
+) -> None:
     """End ``proc`` and everything left in its process group (it was started with
-    ``start_new_session=True``): SIGTERM, up to ``grace_s`` for a clean exit, then SIGKILL."""
+    ``start_new_session=True``): SIGTERM, up to ``grace_s`` for a clean exit, then SIGKILL; then
+    remove the /dev/shm segments the group held (``shm``: sampled while it ran; else sampled here,
+    before the first signal) that nothing alive holds any more."""
+    if shm is None:
+        shm = GroupShm(proc.pid)
+    shm.sample()
     if grace_s > 0 and proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -211,3 +224,4 @@ def stop_process_group(proc: subprocess.Popen[str], grace_s: float = 0.0) -> Non
         proc.poll()  # reap the leader, or its zombie keeps the group alive
         sig = signal.SIGKILL
     proc.wait(timeout=30)
+    shm.remove_leftovers()
