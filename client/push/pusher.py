@@ -231,8 +231,17 @@ class WeightPusher:
 
         assert self._group is not None
         if self._sources is None:
-            self._sources = SourcesLink(self._group.options, self._workers, self._metadata, self.timeout_s)
+            # On the single-source link's store: one listening socket, however the pushes alternate.
+            self._sources = SourcesLink(
+                self._group.options, self._workers, self._metadata, self.timeout_s, self._group.store
+            )
         link = self._sources
+        if self._group.group_id is not None:
+            # The workers were last told to join this pusher's single-source group, leaving the
+            # one of every rank: both are stale now (this rank's held group then differs from the
+            # others', so every rank forms a new one together).
+            self._group.teardown("a multi-rank push forms its own group", leave=False)
+            link.teardown("the workers joined this pusher's single-source group since")
         if self.metrics is not None:
             options = dataclasses.replace(options, metrics=self.metrics)
         connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)

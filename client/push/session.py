@@ -17,12 +17,11 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-import grpc
 from weightwire.client.push.blame import collect_results
 from weightwire.client.push.options import PushOptions
 from weightwire.client.push.plan import TensorSpec
 from weightwire.client.push.staging import Job, PreparedBucket, StagingPool, Stopped
-from weightwire.client.push.stream import Connections, WorkerStream
+from weightwire.client.push.stream import Connections, WorkerStream, settle_cancelled
 from weightwire.client.push.types import PushProgress, PushResult
 from weightwire.core.devices import DeviceRef
 from weightwire.core.manifest import ShardManifest
@@ -32,7 +31,6 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 # names the worker) normally fires first.
 _GRACE_S = 2.0
 # How often a failed push asks a cancelled worker whether it has ended the update.
-_SETTLE_POLL_S = 0.02
 
 
 # Asked on the pushing thread once every bucket was sent and acked (argument None), or with what went
@@ -329,43 +327,9 @@ class UpdateSession:
             s.done.wait(_GRACE_S)
 
     def _await_cancelled_updates(self, deadline: float) -> None:
-        """Return only once every worker whose stream this session cancelled has ended that update
-        (GetStatus no longer UPDATING), or at the deadline. A cancelled worker may still be inside a
-        load; a trainer retrying at once must not be refused (UPDATE_IN_PROGRESS) by its own failed
-        update. A worker that does not answer GetStatus, or that was busy with another update before
-        this one started, is not waited for. Each stream takes the last answer (``WorkerStream.settle``):
-        a worker that had refused the update on its own is blamed for that, not reported CANCELLED."""
-        waiting = [
-            s
-            for s in self.streams.values()
-            if s.cancelled_by_us and s.call is not None and s.address not in self._updating_before
-        ]
-        while waiting:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            calls = [
-                (
-                    s,
-                    s.worker.stub.GetStatus.future(
-                        pb.GetStatusRequest(), timeout=remaining, metadata=self._metadata
-                    ),
-                )
-                for s in waiting
-            ]
-            still: list[WorkerStream] = []
-            for s, call in calls:
-                try:
-                    status = call.result()
-                except grpc.RpcError:
-                    continue
-                if status.state == pb.WORKER_STATE_UPDATING:
-                    still.append(s)
-                else:
-                    s.settle(status)  # what the worker recorded: its own refusal, if it made one
-            waiting = still
-            if waiting:
-                time.sleep(min(_SETTLE_POLL_S, max(0.0, deadline - time.monotonic())))
+        """``settle_cancelled`` for this session's streams; a worker that was busy with another
+        update before this one started is not waited for."""
+        settle_cancelled(self.streams.values(), self._metadata, deadline, skip=self._updating_before)
 
     def _discard_unacked(self) -> None:
         with self._cond:

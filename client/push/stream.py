@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Protocol
 
 import grpc
@@ -278,3 +278,45 @@ class WorkerStream:
             self._put(None)
             self.done.set()
             owner.on_stream_end(self)
+
+
+# How often a cancelled worker is asked whether it has ended its update.
+_SETTLE_POLL_S = 0.02
+
+
+def settle_cancelled(
+    streams: Iterable[WorkerStream],
+    metadata: tuple[tuple[str, str], ...],
+    deadline: float,
+    *,
+    skip: Collection[str] = (),
+) -> None:
+    """Return only once every worker whose stream this client cancelled has ended that update
+    (GetStatus no longer UPDATING), or at the deadline. A cancelled worker may still be inside a
+    load; a trainer retrying at once must not be refused (UPDATE_IN_PROGRESS) by its own failed
+    update. A worker that does not answer GetStatus, or one in ``skip`` (busy with another update
+    before this one started), is not waited for. Each stream takes the last answer
+    (``WorkerStream.settle``): a worker that had refused the update on its own is blamed for that
+    (MANIFEST_CHANGED, GROUP_NOT_JOINED, ...), not reported CANCELLED."""
+    waiting = [s for s in streams if s.cancelled_by_us and s.call is not None and s.address not in skip]
+    while waiting:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        calls = [
+            (s, s.worker.stub.GetStatus.future(pb.GetStatusRequest(), timeout=remaining, metadata=metadata))
+            for s in waiting
+        ]
+        still: list[WorkerStream] = []
+        for s, call in calls:
+            try:
+                status = call.result()
+            except grpc.RpcError:
+                continue
+            if status.state == pb.WORKER_STATE_UPDATING:
+                still.append(s)
+            else:
+                s.settle(status)  # what the worker recorded: its own refusal, if it made one
+        waiting = still
+        if waiting:
+            time.sleep(min(_SETTLE_POLL_S, max(0.0, deadline - time.monotonic())))

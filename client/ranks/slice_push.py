@@ -34,7 +34,7 @@ import torch
 from weightwire.client.push import plan as planning
 from weightwire.client.push.blame import collect_results
 from weightwire.client.push.plan import PlanError
-from weightwire.client.push.stream import Connections, WorkerStream
+from weightwire.client.push.stream import Connections, WorkerStream, settle_cancelled
 from weightwire.client.push.types import PushProgress, PushResult
 from weightwire.client.ranks import rank_records
 from weightwire.client.ranks.dtensor_gather import CastTo, is_dtensor, spec_of, target_dtype
@@ -414,6 +414,10 @@ class _SliceUpdate:
                 s.cancel()
         for s in streams.values():
             s.done.wait(max(0.0, deadline - time.monotonic()) + _GROUP_GRACE_S)
+        if not commit:
+            # A worker's own refusal (MANIFEST_CHANGED after a restart, GROUP_NOT_JOINED after it
+            # joined another group) can be overtaken by the cancel: ask each what it recorded.
+            settle_cancelled(streams.values(), self.connections.metadata, deadline + _GROUP_GRACE_S)
         if self.options.metrics is not None:
             self.options.metrics.record_session(
                 streams, self.manifests, version=self.options.version, started_at=self.options.started_at

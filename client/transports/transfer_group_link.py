@@ -45,7 +45,7 @@ from weightwire.core.transports.transfer_group_plan import (
     message_tag,
     plan_group,
 )
-from weightwire.core.transports.transfer_group_store import StoreServer
+from weightwire.core.transports.transfer_group_store import SharedStore
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["JOIN_GRACE_S", "TRAINER_KEY", "GroupLink", "leave_all"]
@@ -125,13 +125,17 @@ class GroupLink:
         workers: Mapping[str, Worker],
         metadata: tuple[tuple[str, str], ...],
         timeout_s: float,
+        store: SharedStore | None = None,
     ) -> None:
         self.options = options
         self.timeout_s = float(options.timeout_s if options.timeout_s is not None else timeout_s)
         self._workers = workers
         self._metadata = metadata
         self.identity = MemberIdentity.of_trainer(options.trainer_rank, uuid.uuid4().hex)
-        self._store: StoreServer | None = None
+        # The pusher's store, shared with its every-rank-a-source link (closed by the pusher), or
+        # one of this link's own.
+        self._owns_store = store is None
+        self.store = store if store is not None else SharedStore(options.host, options.port, self.timeout_s)
         self._formed: _Formed | None = None
         self._closing: list[TransferGroup] = []
         self._lock = threading.Lock()
@@ -196,15 +200,14 @@ class GroupLink:
     def _form(self, manifests: Mapping[str, ShardManifest], max_bucket_bytes: int) -> None:
         backend = self.options.backend_value
         check_backend(backend, self.device)
-        if self._store is None:
-            self._store = StoreServer(self.options.host, self.options.port, timeout_s=self.timeout_s)
+        server = self.store.server()
         largest = max((t.nbytes for m in manifests.values() for t in m.tensors.values()), default=0)
         plan = plan_group(
             manifests,
             trainer=self.identity,
             group_id=f"ww-{uuid.uuid4().hex[:20]}",
             backend=backend,
-            store_address=self._store.address,
+            store_address=server.address,
             timeout_ms=int(self.timeout_s * 1000),
             max_bucket_bytes=max(max_bucket_bytes, largest),
             broadcast=self.options.broadcast,
@@ -224,7 +227,7 @@ class GroupLink:
                 self.identity,
                 listen_host=self.options.host,
                 device=self.device,
-                store=self._store.store,
+                store=server.store,
             )
         except WeightwireError as err:
             mine = err
@@ -288,9 +291,8 @@ class GroupLink:
         for group in closing:
             group.close(max(0.0, deadline - time.monotonic()))
         self._sends.stop(max(0.0, deadline - time.monotonic()))
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        if self._owns_store:
+            self.store.close()
 
     # ---------------------------------------------------------------- routing
 

@@ -32,7 +32,7 @@ from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports.transfer_group import TransferGroup, check_backend
 from weightwire.core.transports.transfer_group_plan import MemberIdentity, check_spec, plan_group
 from weightwire.core.transports.transfer_group_slices import GroupRanks
-from weightwire.core.transports.transfer_group_store import StoreServer
+from weightwire.core.transports.transfer_group_store import SharedStore, StoreServer
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["FormedSources", "SourcesLink"]
@@ -68,12 +68,16 @@ class SourcesLink:
         workers: Mapping[str, Worker],
         metadata: tuple[tuple[str, str], ...],
         timeout_s: float,
+        store: SharedStore | None = None,
     ) -> None:
         self.options = options
         self.timeout_s = float(options.timeout_s if options.timeout_s is not None else timeout_s)
         self._workers = workers
         self._metadata = metadata
         self.instance_id = uuid.uuid4().hex
+        # Rank 0 serves the store: the pusher's (shared with its single-source link) or its own.
+        self._owns_store = store is None
+        self._shared = store if store is not None else SharedStore(options.host, options.port, self.timeout_s)
         self._store: StoreServer | None = None
         self._formed: FormedSources | None = None
         self.formations = 0
@@ -136,7 +140,7 @@ class SourcesLink:
         store_address = ""
         try:
             if me == 0 and self._store is None:
-                self._store = StoreServer(self.options.host, self.options.port, timeout_s=self.timeout_s)
+                self._store = self._shared.server()
             store_address = self._store.address if self._store is not None else ""
         except WeightwireError as err:
             mine = err
@@ -245,6 +249,6 @@ class SourcesLink:
             formed.group.close(wait_s)
             if self._store is not None:  # rank 0 formed it: the workers leave too
                 self._leave_all(formed.group_id)
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        self._store = None
+        if self._owns_store:
+            self._shared.close()

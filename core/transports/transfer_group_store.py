@@ -79,6 +79,31 @@ class StoreServer:
         self.store = None  # type: ignore[assignment]
 
 
+class SharedStore:
+    """One ``StoreServer`` for every group a pusher forms, made at the first that needs it: the
+    single-source and the every-rank-a-source groups of one pusher both form on it, so a fixed
+    ``port`` is listened on once instead of once per kind of group (which failed the second with
+    "Address already in use")."""
+
+    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self._server: StoreServer | None = None
+        self._lock = threading.Lock()
+
+    def server(self) -> StoreServer:
+        """The store, listening from now on; GROUP_STORE_UNREACHABLE if it cannot listen."""
+        with self._lock:
+            if self._server is None:
+                self._server = StoreServer(self.host, self.port, timeout_s=self.timeout_s)
+            return self._server
+
+    def close(self) -> None:
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            server.close()
+
+
 def _is_ipv6(host: str) -> bool:
     try:
         return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)

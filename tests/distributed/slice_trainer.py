@@ -3,11 +3,14 @@ model sharded with FSDP2, and one ``WeightPusher(..., transfer_group=...)`` kept
 ``model.state_dict()`` with ``group=`` the way a training loop would (every rank runs the same line).
 
 Started by the test with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment as
-``slice_trainer.py [--backend nccl] ADDR...``. Reads one JSON command per line on stdin and answers one JSON line on
+``slice_trainer.py [--backend nccl] [--store-port P] ADDR...`` (``--store-port``: the
+pusher's store on a fixed port, as docs/distributed.md shows). Reads one JSON command per line on stdin and answers one JSON line on
 stdout for each:
 
   {"op": "push", "version": V, "seed": S, "scope": "full"|"partial", "drop": [names], "cast_to": dtype,
-   "pause_rank": R} push the checkpoint of seed S (``drop``: tensors left out). On rank R, the push
+   "pause_rank": R, "single": bool} push the checkpoint of seed S (``drop``: tensors left out;
+                    ``single``: rank 0 alone pushes it as plain tensors, one source, the
+                    others answer {"ok": true} at once). On rank R, the push
                     prints {"paused": true} after the group compared the plan, right before its own
                     sends, and waits for a line on stdin ("go": send; "die": exit at once, code 3)
   {"op": "quit"}
@@ -69,7 +72,12 @@ def answer(record: dict[str, Any]) -> None:
 
 def run_push(pusher: WeightPusher, cmd: dict[str, Any]) -> dict[str, Any]:
     global _pause
-    model = fsdp_model(int(cmd["seed"]))
+    if cmd.get("single"):
+        if dist.get_rank() != 0:
+            return {"ok": True}
+        model = build_demo_model(DemoConfig(), ParallelRank(), "cpu", int(cmd["seed"]))
+    else:
+        model = fsdp_model(int(cmd["seed"]))
     tensors = {n: t for n, t in model.state_dict().items() if n not in set(cmd.get("drop", []))}
     _pause = cmd.get("pause_rank") == dist.get_rank()
     reports: list[list[int]] = []
@@ -118,9 +126,12 @@ def main() -> int:
     backend = "gloo"
     if args[:1] == ["--backend"]:
         backend, args = args[1], args[2:]
+    port = 0
+    if args[:1] == ["--store-port"]:
+        port, args = int(args[1]), args[2:]
     pusher = WeightPusher(
         args,
-        transfer_group=TransferGroupOptions(host="127.0.0.1", timeout_s=20, backend=backend),
+        transfer_group=TransferGroupOptions(host="127.0.0.1", port=port, timeout_s=20, backend=backend),
         timeout_s=60,
         metrics=TrainerMetrics(CollectorRegistry()),
     )

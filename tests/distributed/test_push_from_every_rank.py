@@ -164,6 +164,52 @@ def test_every_rank_sends_and_every_worker_receives_only_its_slices(fleet: Fleet
         ranks.close()
 
 
+def test_workers_that_joined_another_group_say_so_and_the_next_push_reforms(
+    fleet: Fleet, ranks2: Ranks
+) -> None:
+    """Another trainer's ranks push in between, so the workers leave this trainer's group for
+    theirs. This trainer's next push is refused by the workers themselves (GROUP_NOT_JOINED): that
+    reason must reach every rank, not a CANCELLED that blames each worker on itself (the cancel
+    used to overtake the refusals); the push after it forms a new group and lands."""
+    version = fleet.next_version()
+    assert_landed(fleet, ranks2.push(version=version, seed=version), version, version)
+    other = Ranks(2, fleet.addresses())
+    try:
+        assert_landed(fleet, other.push(version=version + 1, seed=version + 1), version + 1, version + 1)
+    finally:
+        other.close()
+    answers = ranks2.push(version=version + 2, seed=version + 2)
+    assert not any(a["ok"] for a in answers), answers
+    failures = answers[0]["error"]["failures"]
+    assert set(failures) == {m.address for m in fleet.members}
+    assert "GROUP_NOT_JOINED" in {f["reason"] for f in failures.values()}, failures
+    for address, f in failures.items():
+        assert f["reason"] in ("GROUP_NOT_JOINED", "CANCELLED"), (address, f)
+        if f["reason"] == "CANCELLED":
+            assert address not in f["message"].split("because")[-1], (address, f)
+    assert all(m.status().weights_version == version + 1 for m in fleet.members)
+    assert_landed(fleet, ranks2.push(version=version + 2, seed=version + 2), version + 2, version + 2)
+
+
+def test_a_fixed_store_port_serves_multi_rank_and_single_source_pushes_in_turn(fleet: Fleet) -> None:
+    """One pusher per rank made with ``TransferGroupOptions(host, port=P)``, as docs/distributed.md
+    shows: a multi-rank push, a single-source push from rank 0, then a multi-rank push again. Both
+    kinds of group form on the one store the pusher listens with (each used to start its own on
+    the same port: the second failed with GROUP_STORE_UNREACHABLE, "Address already in use")."""
+    ranks = Ranks(2, fleet.addresses(), "--store-port", str(_free_port()))
+    try:
+        version = fleet.next_version()
+        assert_landed(fleet, ranks.push(version=version, seed=version), version, version)
+        single = ranks.push(version=version + 1, seed=version + 3, single=True)
+        assert all(a["ok"] for a in single), single
+        for m in fleet.members:
+            assert single[0]["results"][m.address]["version"] == version + 1
+            fleet.assert_holds(m, version + 1, full_checkpoint(CONFIG, version + 3))
+        assert_landed(fleet, ranks.push(version=version + 2, seed=version + 5), version + 2, version + 5)
+    finally:
+        ranks.close()
+
+
 def test_ranks_that_disagree_or_leave_a_tensor_out_are_refused_before_any_byte(
     fleet: Fleet, ranks2: Ranks
 ) -> None:
