@@ -338,11 +338,27 @@ class VLLMAdapter:
                     method = getattr(module, "quant_method", None)
                     if method is not None:
                         method.process_weights_after_loading(module)
+            for layer in sorted(reloaded):
+                _repack_cpu_experts(self._layers[layer])
         self._synchronize()
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _repack_cpu_experts(layer: torch.nn.Module) -> None:
+    """Prepack a reloaded MoE layer's experts again for vLLM's CPU kernel.
+
+    vLLM 0.32's ``UnquantizedFusedMoEMethod._setup_kernel`` runs the experts kernel's own
+    ``process_weights_after_loading`` (on CPU: ``cpu_prepack_moe_weight`` into its grouped-GEMM
+    layout) only the first time; on a weight update it copies the reloaded model-format weights
+    into the prepacked storage, which the CPU kernel then reads as packed (wrong tokens, no error).
+    """
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is not None and any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__):
+        experts.process_weights_after_loading(layer)
 
 
 def _names(names: set[str], limit: int = 10) -> str:

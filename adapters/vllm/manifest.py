@@ -15,6 +15,16 @@ the model-format shapes vLLM records for its layerwise reload before any repacki
 those sizes, so a layout this module does not understand fails at engine start instead of
 publishing a wrong manifest). Quantized layers are refused for the same reason.
 
+Mixture-of-experts layers (``RoutedExperts``, inside a ``MoERunner`` named ``...mlp.experts``)
+hold every local expert's gate and up projections stacked in ``w13_weight``
+``[local_experts, 2 * I / moe_tp, hidden]`` and the down projections in ``w2_weight``
+``[local_experts, hidden, I / moe_tp]``. Each is expanded to the checkpoint's per-expert names
+(``mlp.experts.{e}.{gate,up,down}_proj.weight``, with the checkpoint module names the layer
+records for its loader), for the experts of this worker's expert-parallel rank only
+(``expert_map_manager``), each with this worker's MoE-TP slice: rows of gate/up, columns of down.
+Layouts vLLM's loader would transform (padded sizes, transposed or fused checkpoints, biases,
+fused shared or redundant experts, quantized experts) are refused.
+
 Each checkpoint name maps to the vLLM layer (module) whose parameters it fills. vLLM's layerwise
 reload processes a layer once every tensor feeding it has arrived, so the adapter uses
 ``ModelLayout.names_by_layer`` to know when a layer is complete, and ``tied_layers`` to know which
@@ -93,6 +103,11 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
     )
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    except ImportError:  # a release without it: its MoE layers are refused below, as before
+        RoutedExperts = ()  # type: ignore[assignment,misc]
+
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     tied = bool(getattr(text_config, "tie_word_embeddings", False))
     num_layers = int(getattr(text_config, "num_hidden_layers", 0) or 0)
@@ -144,6 +159,14 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
             add(names[feed.component], layer_name, leaf, feed.shard_id, dtype, feed.shape, feed.pieces)
 
     for layer_name, module in model.named_modules():
+        if getattr(module, "_fse_fuse_gate", False):
+            # A MoERunner holding both the router and the shared-expert gate concatenates their
+            # weights once, on its first forward pass, and reads only that copy; vLLM's reload
+            # never refreshes it, so a pushed gate would be ignored.
+            raise ManifestError(
+                f"MoE layer {layer_name} fuses its router and shared-expert gates into a copy vLLM "
+                "does not refresh on reload; not supported"
+            )
         own = [(leaf, p) for leaf, p in module._parameters.items() if p is not None]
         if not own:
             continue
@@ -158,6 +181,10 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
                 continue
             owner_of_param[id(param)] = layer_name
             where = _join(layer_name, leaf)
+            if RoutedExperts and isinstance(module, RoutedExperts):
+                for t in _expert_targets(module, layer_name, leaf, model_format(module, leaf, param), param):
+                    add(t.name, layer_name, leaf, t.shard_id, t.dtype, t.shape, t.pieces)
+                continue
             if isinstance(module, (LinearBase, VocabParallelEmbedding)) and leaf not in ("weight", "bias"):
                 raise ManifestError(
                     f"{where}: parallel layer with parameter {leaf!r} (quantization scales?); weightwire's "
@@ -252,6 +279,68 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
         num_layers=num_layers,
         tie_word_embeddings=tied,
     )
+
+
+def _expert_targets(
+    layer: Any, layer_name: str, leaf: str, local: tuple[int, ...], param: torch.Tensor
+) -> list[LoadTarget]:
+    """The checkpoint tensors one ``RoutedExperts`` parameter (``w13_weight``, ``w2_weight``) is
+    filled from: per local expert, gate and up (``w1``, ``w3``) or down (``w2``), each with this
+    worker's slice of the intermediate dimension, as ``RoutedExperts.load_weights`` /
+    ``weight_loader`` / ``_load_w13`` / ``_load_w2`` (vLLM 0.32) slice them."""
+    where = _join(layer_name, leaf)
+    method = type(layer.quant_method).__name__
+    if method != "UnquantizedFusedMoEMethod":
+        raise ManifestError(
+            f"{where}: experts are quantized ({method}); only unquantized experts are supported"
+        )
+    if leaf not in ("w13_weight", "w2_weight"):
+        raise ManifestError(f"{where}: expert parameter {leaf!r} (bias or scale) is not supported")
+    config = layer.moe_config
+    managers = layer.expert_map_manager
+    refusals = {
+        "non-gated experts": not config.is_act_and_mul,
+        "expert biases": bool(config.has_bias),
+        "padded intermediate or hidden sizes": bool(config.tp_shard_with_padding)
+        or (config.intermediate_size_per_partition_unpadded or config.intermediate_size_per_partition)
+        != config.intermediate_size_per_partition
+        or (config.hidden_dim_unpadded or config.hidden_dim) != config.hidden_dim,
+        "redundant experts (EPLB)": config.num_experts != config.num_logical_experts,
+        "fused shared experts": int(getattr(managers, "num_fused_shared_experts", 0) or 0) > 0,
+        "transposed fused checkpoints": bool(getattr(layer, "is_fused_checkpoint_transposed", False)),
+        "transposed expert weights": bool(getattr(param, "is_transposed", False)),
+        "a missing up projection name": layer.ckpt_up_proj_name is None,
+    }
+    for what, found in refusals.items():
+        if found:
+            raise ManifestError(f"{where}: {what} are not supported")
+    parallel = config.moe_parallel_config
+    tp_rank, tp_size = int(parallel.tp_rank), int(parallel.tp_size)
+    per_rank, hidden = int(config.intermediate_size_per_partition), int(config.hidden_dim)
+    full = per_rank * tp_size
+    experts = [int(e) for e in managers.get_local_expert_ids()]
+    if [int(managers.map_global_to_local(e)) for e in experts] != list(range(len(experts))):
+        raise ManifestError(f"{where}: local experts {experts} are not stored in their order")
+    piece_rows = () if tp_size == 1 else (TensorPiece(0, tp_rank * per_rank, per_rank),)
+    piece_cols = () if tp_size == 1 else (TensorPiece(1, tp_rank * per_rank, per_rank),)
+    shards: tuple[tuple[str, str, tuple[int, int], tuple[TensorPiece, ...]], ...]
+    if leaf == "w13_weight":
+        _check_local(where, local, (len(experts), 2 * per_rank, hidden))
+        shards = (
+            ("w1", layer.ckpt_gate_proj_name, (full, hidden), piece_rows),
+            ("w3", layer.ckpt_up_proj_name, (full, hidden), piece_rows),
+        )
+    else:
+        _check_local(where, local, (len(experts), hidden, per_rank))
+        shards = (("w2", layer.ckpt_down_proj_name, (hidden, full), piece_cols),)
+    # The loader qualifies a checkpoint name with the runner's prefix: layer.layer_name.
+    return [
+        LoadTarget(
+            f"{layer.layer_name}.{e}.{ckpt}.weight", layer_name, where, sid, param.dtype, shape, pieces
+        )
+        for e in experts
+        for sid, ckpt, shape, pieces in shards
+    ]
 
 
 def _model_format_shapes() -> Any:

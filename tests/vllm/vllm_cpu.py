@@ -152,7 +152,7 @@ class CpuEngine:
     """A ``vllm.LLM`` (TP x PP workers, float32, eager) started on ``model_dir`` with the weightwire
     backend; ``stop()`` shuts it down and checks that no process of it is left."""
 
-    def __init__(self, model_dir: Path, *, tp: int, pp: int, socket_dir: Path) -> None:
+    def __init__(self, model_dir: Path, *, tp: int, pp: int, socket_dir: Path, **engine_args: Any) -> None:
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
@@ -175,6 +175,7 @@ class CpuEngine:
                 seed=0,
                 weight_transfer_config=WeightTransferConfig(backend="weightwire"),
                 **({"worker_extension_cls": "cpu_pp_fix.CpuPipelineBuffers"} if pp > 1 else {}),
+                **engine_args,
             )
         except BaseException:
             self._env.close()
