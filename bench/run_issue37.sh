@@ -21,7 +21,7 @@ if compgen -G "wheels/*.whl" >/dev/null; then
   python3 -m pip install -q --no-deps --no-index --no-compile wheels/*.whl >/dev/null 2>&1 || exit 1
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || exit 1
-timeout 200 python3 -m pytest -m gpu tests/gpu/test_fresh_pool.py tests/gpu/test_param_export.py -k "not expandable" \
+timeout 200 python3 -m pytest -m gpu tests/gpu/test_fresh_pool_gpu.py tests/gpu/test_param_export.py -k "not expandable" \
   -p no:cacheprovider -q -rA -x >"$out/pytest.log" 2>&1
 echo "pytest rc=$?"; tail -n 5 "$out/pytest.log"
 timeout $((budget + 120)) bench/run_gpu.sh "$out" --models qwen3-8b \

@@ -2,7 +2,7 @@
 sends where they live, the pool's layout, that what is packed lands at the payload offsets the
 workers read, and that a payload whose layout did not change is the same object (the workers then
 find it kept). torch's CUDA sharing is replaced by a stand-in that hands out distinct shares, so
-everything here runs without a GPU; tests/gpu/test_fresh_pool.py runs the same path on one."""
+everything here runs without a GPU; tests/gpu/test_fresh_pool_gpu.py runs the same path on one."""
 
 from __future__ import annotations
 
