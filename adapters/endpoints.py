@@ -20,7 +20,6 @@ talking to each other:
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
 import math
 import os
@@ -30,6 +29,7 @@ import stat
 from collections.abc import Mapping
 
 from weightwire.core.manifest import ParallelRank
+from weightwire.core.netutil import is_loopback as is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -220,12 +220,3 @@ def unix_socket_alive(path: str) -> bool:
         except OSError:
             return False
     return True
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -28,17 +28,22 @@ model constructed under SGLang's parallel state.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
+from weightwire.adapters.sglang.direct_copy import DirectCopy, destinations, direct_pairs
 from weightwire.adapters.sglang.engine_thread import EngineTaskQueue
 from weightwire.adapters.sglang.manifest import LoadTarget, ModelLayout, model_layout
+from weightwire.adapters.sglang.sessions import (
+    LoaderWeightSession,
+    UpdatePhases,
+    WeightUpdateSession,
+)
 from weightwire.adapters.sglang.settings import worker_id as default_worker_id
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef, device_ref_of
@@ -48,107 +53,8 @@ from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest, t
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_GROUP_COPY: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None = getattr(
-    torch, "_foreach_copy_", None
-)
-
 EngineGate = Callable[[], "str | None"]
 """Returns None when the engine may be written to now, else why not (a message for the trainer)."""
-
-
-class WeightUpdateSession(Protocol):
-    """SGLang's per-runner update steps: ``ModelRunner.weight_updater`` has exactly these."""
-
-    def begin_weight_update(self) -> None: ...
-
-    def end_weight_update(self, *, run_post_load: bool) -> None: ...
-
-
-class NoWeightSession:
-    """For SGLang releases whose own updates call ``load_weights`` with nothing around it (0.5.17)."""
-
-    def begin_weight_update(self) -> None:
-        return None
-
-    def end_weight_update(self, *, run_post_load: bool) -> None:
-        return None
-
-
-class LoaderWeightSession:
-    """The steps of SGLang's ``WeightUpdater.begin/end_weight_update`` for a model that has no
-    ``ModelRunner`` around it (tests): the same ``DefaultModelLoader`` calls."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
-        self.model = model
-        self.device = device
-
-    def begin_weight_update(self) -> None:
-        from sglang.srt.model_loader.loader import DefaultModelLoader
-
-        DefaultModelLoader.restore_weights_before_loading(self.model, self.device)
-
-    def end_weight_update(self, *, run_post_load: bool) -> None:
-        from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
-
-        if run_post_load:
-            post_load_weights(self.model)
-        DefaultModelLoader.postprocess_weights(self.model, self.device)
-
-
-@dataclasses.dataclass
-class UpdatePhases:
-    """Where one update's time went on this worker (nanoseconds, summed over its steps).
-
-    ``*_wait_ns``: from handing a step to the scheduler thread until that thread started it (the
-    hand-off); ``load_ns``: the load steps' work (synchronizes, copies or ``load_weights``);
-    ``commit_ns``: ``on_committed`` (SGLang's version record and cache flush); ``between_ns``: from
-    the end of one step to the hand-off of the next (the worker's gRPC thread receiving, opening
-    and checking the next bucket, acking the last); ``total_ns``: from
-    ``begin_update`` until ``end_update`` returned, the time between steps (the gRPC threads
-    receiving and opening buckets) included."""
-
-    version: int
-    begin_wait_ns: int = 0
-    begin_ns: int = 0
-    load_wait_ns: int = 0
-    load_ns: int = 0
-    sync_ns: int = 0
-    end_wait_ns: int = 0
-    end_ns: int = 0
-    commit_ns: int = 0
-    between_ns: int = 0
-    total_ns: int = 0
-    loads: int = 0
-    tensors: int = 0
-    direct_loads: int = 0
-    gate_refusals: int = 0
-
-    def as_ms(self) -> dict[str, float | int]:
-        return {
-            k.removesuffix("_ns") + "_ms" if k.endswith("_ns") else k: (v / 1e6 if k.endswith("_ns") else v)
-            for k, v in dataclasses.asdict(self).items()
-        }
-
-
-class _DirectCopy:
-    """The regions a load writes, as (parameter view, source view) pairs."""
-
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.pairs = pairs
-        same = [(d, s) for d, s in pairs if d.device == s.device]
-        self._grouped = ([d for d, _ in same], [s for _, s in same]) if _GROUP_COPY is not None else ([], [])
-        self._each = [(d, s) for d, s in pairs if _GROUP_COPY is None or d.device != s.device]
-
-    def matches(self) -> bool:
-        return all(torch.equal(d, s) for d, s in self.pairs)
-
-    def copy(self) -> None:
-        dsts, srcs = self._grouped
-        if dsts:
-            assert _GROUP_COPY is not None
-            _GROUP_COPY(dsts, srcs)
-        for d, s in self._each:
-            d.copy_(s)
 
 
 class SGLangAdapter:
@@ -226,7 +132,7 @@ class SGLangAdapter:
             transports=transports_for(self.own_device),
             instance_id=uuid.uuid4().hex,
         )
-        self._dst = self._destinations() if direct_copy else {}
+        self._dst = destinations(model, self._params, self.layout) if direct_copy else {}
 
     # --- EngineAdapter -------------------------------------------------------------------------
 
@@ -262,16 +168,16 @@ class SGLangAdapter:
         named = list(named_tensors)
         for name, tensor in named:
             self._check_tensor(name, tensor)
-        pairs = self._direct_pairs(named) if self._direct_copy and named else None
+        pairs = direct_pairs(self.layout, self._dst, named) if self._direct_copy and named else None
         return lambda: self._load_checked(named, pairs) if named else None
 
-    def _load_checked(self, named: list[tuple[str, torch.Tensor]], pairs: _DirectCopy | None) -> None:
+    def _load_checked(self, named: list[tuple[str, torch.Tensor]], pairs: DirectCopy | None) -> None:
         """Load checked tensors: copied directly when this set of names was checked against
         ``load_weights`` before, else through ``load_weights`` (checking the regions the first time)."""
         key = tuple(name for name, _ in named)
         state = self._direct_state.get(key) if self._direct_copy else False
         if state is not False and pairs is None:
-            pairs = self._direct_pairs(named)
+            pairs = direct_pairs(self.layout, self._dst, named)
             if pairs is None:
                 state = self._remember(key, False)
         what = f"load {len(named)} tensor(s)"
@@ -317,110 +223,6 @@ class SGLangAdapter:
             self._direct_state.clear()
         self._direct_state[key] = direct
         return direct
-
-    def _direct_pairs(self, named: Sequence[tuple[str, torch.Tensor]]) -> _DirectCopy | None:
-        """(parameter region, source region) for every target of ``named``, or None when the
-        geometry of one cannot be stated (``load_weights`` then does it all)."""
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name, full in named:
-            for target in self.layout.targets[name]:
-                dst = self._dst.get((target.param_name, target.shard_id, name))
-                if dst is None:
-                    return None
-                src = full
-                for piece in target.pieces:
-                    src = src.narrow(piece.dim, piece.offset, piece.length)
-                if src.shape != dst.shape or src.dtype != dst.dtype:
-                    return None
-                pairs.append((dst, src))
-        return _DirectCopy(pairs)
-
-    def _destinations(self) -> dict[tuple[str, str | int | None, str], torch.Tensor]:
-        """Where each target's rows lie in its parameter: a fused parameter holds its shards' rows
-        one after another in the layer's shard order (q, k, v; gate, up), an unfused one from row 0
-        (a vocabulary's padding rows past the checkpoint's are never written). Targets whose place
-        cannot be stated are left out (their loads go through ``load_weights``)."""
-        by_param: dict[str, list[LoadTarget]] = {}
-        for found in self.layout.targets.values():
-            for t in found:
-                by_param.setdefault(t.param_name, []).append(t)
-        out: dict[tuple[str, str | int | None, str], torch.Tensor] = {}
-        for param_name, targets in by_param.items():
-            param = self._params[param_name]
-            if param.dim() == 0:
-                continue
-            if any(t.expert_id is not None for t in targets):
-                out.update(self._expert_destinations(param_name, param, targets))
-                continue
-            if all(t.shard_id is None for t in targets):
-                ordered = targets
-                fused = False
-            elif all(t.shard_id in _QKV_ORDER for t in targets):
-                ordered = sorted(targets, key=lambda t: _QKV_ORDER.index(t.shard_id))  # type: ignore[arg-type]
-                fused = True
-            elif all(isinstance(t.shard_id, int) for t in targets):
-                ordered = sorted(targets, key=lambda t: int(t.shard_id))  # type: ignore[arg-type]
-                fused = True
-            else:
-                continue
-            row = 0
-            for t in ordered:
-                local = list(t.shape)
-                for piece in t.pieces:
-                    local[piece.dim] = piece.length
-                start = row if fused else 0
-                if fused:
-                    row += local[0]
-                if (
-                    t.dtype != param.dtype
-                    or len(local) != param.dim()
-                    or tuple(local[1:]) != tuple(param.shape[1:])
-                ):
-                    continue
-                if start + local[0] > param.shape[0]:
-                    continue
-                if not fused and local[0] != param.shape[0] and not self._is_vocab(param_name):
-                    continue
-                out[(param_name, t.shard_id, t.name)] = param.data.narrow(0, start, local[0])
-        return out
-
-    def _expert_destinations(
-        self, param_name: str, param: torch.Tensor, targets: list[LoadTarget]
-    ) -> dict[tuple[str, str | int | None, str], torch.Tensor]:
-        """A routed expert's place in a ``FusedMoE`` parameter: its local slot, then gate (``w1``)
-        in the first half of ``w13``'s rows and up (``w3``) in the second, ``w2`` whole."""
-        module_name = param_name.rpartition(".")[0]
-        layer = self.model.get_submodule(module_name)
-        out: dict[tuple[str, str | int | None, str], torch.Tensor] = {}
-        for t in targets:
-            if t.expert_id is None or t.dtype != param.dtype:
-                continue
-            slot = int(layer._map_global_expert_id_to_local_expert_id(t.expert_id))  # type: ignore[operator]
-            if not 0 <= slot < param.shape[0]:
-                continue
-            local = list(t.shape)
-            for piece in t.pieces:
-                local[piece.dim] = piece.length
-            expert = param.data[slot]
-            if t.shard_id in ("w1", "w3") and len(local) == 2:
-                # A padded intermediate size (CPU, unaligned TP): the checkpoint's rows come first.
-                rows = expert.shape[0] // 2
-                region = expert.narrow(0, 0 if t.shard_id == "w1" else rows, min(rows, local[0]))
-            elif t.shard_id == "w2" and len(local) == 2:
-                region = expert.narrow(1, 0, min(expert.shape[1], local[1]))
-            else:
-                continue
-            if tuple(region.shape) == tuple(local):
-                out[(param_name, t.shard_id, t.name)] = region
-        return out
-
-    def _is_vocab(self, param_name: str) -> bool:
-        from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-        module_name = param_name.rpartition(".")[0]
-        return isinstance(
-            self.model.get_submodule(module_name) if module_name else self.model, VocabParallelEmbedding
-        )
 
     def _count_load(self, tensors: int, *, direct: bool) -> None:
         if self.phases is not None:
@@ -597,7 +399,6 @@ class SGLangAdapter:
                 self.phases.sync_ns += time.perf_counter_ns() - t0
 
 
-_QKV_ORDER = ("q", "k", "v")
 _MAX_DIRECT_KEYS = 1024
 
 

@@ -40,9 +40,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from weightwire.adapters.sglang.adapter import NoWeightSession, SGLangAdapter, WeightUpdateSession
+from weightwire.adapters.sglang.adapter import SGLangAdapter
 from weightwire.adapters.sglang.discovery import unix_socket_alive
 from weightwire.adapters.sglang.engine_thread import EngineTaskQueue
+from weightwire.adapters.sglang.sessions import NoWeightSession, WeightUpdateSession
 from weightwire.adapters.sglang.settings import (
     ENV_ALLOW_UNTESTED,
     ENV_ENABLE,
