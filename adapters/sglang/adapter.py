@@ -364,11 +364,17 @@ class SGLangAdapter:
         """
         from sglang.srt.model_loader.weight_utils import default_weight_loader
 
-        param = self._params[target.param_name]
-        own = "weight_loader" in param.__dict__
-        original = (
-            param.__dict__["weight_loader"] if own else getattr(param, "weight_loader", default_weight_loader)
+        # Looked up now, not at start: a quantized layer's post-load processing may rebind it.
+        param = self.model.get_parameter(target.param_name)
+        # Quantized layers' parameters (BasevLLMParameter) expose weight_loader as a read-only
+        # property over _weight_loader; wrap what the property returns.
+        slot = (
+            "_weight_loader"
+            if isinstance(getattr(type(param), "weight_loader", None), property)
+            else "weight_loader"
         )
+        own = slot in param.__dict__
+        original = param.__dict__[slot] if own else getattr(param, "weight_loader", default_weight_loader)
         param_name = target.param_name
 
         def recording_loader(p: torch.Tensor, loaded: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -381,13 +387,13 @@ class SGLangAdapter:
             calls.append((param_name, shard))
             return original(p, loaded, *args, **kwargs)
 
-        param.weight_loader = recording_loader  # type: ignore[attr-defined]
+        setattr(param, slot, recording_loader)
 
         def undo() -> None:
             if own:
-                param.weight_loader = original  # type: ignore[attr-defined]
+                setattr(param, slot, original)
             else:
-                del param.weight_loader  # type: ignore[attr-defined]
+                delattr(param, slot)
 
         return undo
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from weightwire.core import dtypes, layer_geometry
+from weightwire.core import dtypes, fp8_geometry, layer_geometry
 from weightwire.core.layer_geometry import GeometryError, union_of_pieces
 from weightwire.core.manifest import TensorPiece
 
@@ -44,6 +44,7 @@ DEFAULT_PACKED_MODULES: Mapping[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 _QKV_SHARD_IDS = ("q", "k", "v")
+_KV_CACHE_SCALES = ("k_scale", "v_scale")
 
 
 class ManifestError(ValueError):
@@ -130,7 +131,7 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
         ReplicatedLinear,
         RowParallelLinear,
     )
-    from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
+    from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
     from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     try:
@@ -191,17 +192,17 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
                 )
             continue
 
-        if leaf not in ("weight", "bias"):
+        if leaf in _KV_CACHE_SCALES and type(module).__name__ == "RadixAttention":
+            # KV-cache quantization scales (1.0 unless a checkpoint brought its own): not weights
+            # a trainer changes; they stay as loaded at start.
+            continue
+        block = _fp8_block(param_name, module) if isinstance(module, LinearBase) else None
+        if leaf not in ("weight", "bias") and not (block is not None and leaf == fp8_geometry.SCALE_LEAF):
             if isinstance(module, (LinearBase, VocabParallelEmbedding)):
                 raise ManifestError(
                     f"{param_name}: parallel layers with parameter {leaf!r} (quantization scales?) are not "
-                    "supported; weightwire's SGLang adapter handles unquantized models"
+                    "supported; weightwire's SGLang adapter handles unquantized and block-FP8 models"
                 )
-        if isinstance(module, LinearBase) and not isinstance(module.quant_method, UnquantizedLinearMethod):
-            raise ManifestError(
-                f"{param_name}: layer is quantized ({type(module.quant_method).__name__}); weightwire's "
-                "SGLang adapter handles unquantized models only"
-            )
         if getattr(module, "use_presharded_weights", False):
             raise ManifestError(f"{param_name}: pre-sharded checkpoints are not supported")
 
@@ -212,7 +213,7 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
                 param_name,
                 param,
                 tuple(_join(parent, n, leaf) for n in names),
-                _geometry(param_name, layer_geometry.qkv, module, leaf, tp_rank, kv_tp_rank),
+                _geometry(param_name, layer_geometry.qkv, module, leaf, tp_rank, kv_tp_rank, block=block),
             )
         elif isinstance(module, MergedColumnParallelLinear):
             names = _fused_names(packed, attr, param_name, expected=len(module.output_sizes))
@@ -220,7 +221,9 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
                 param_name,
                 param,
                 tuple(_join(parent, n, leaf) for n in names),
-                _geometry(param_name, layer_geometry.merged_column, module, leaf, _tp_ranks(module)[0]),
+                _geometry(
+                    param_name, layer_geometry.merged_column, module, leaf, _tp_ranks(module)[0], block=block
+                ),
             )
         elif isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
             if attr in packed:
@@ -228,11 +231,15 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
                     f"{param_name}: {attr} is listed as fused but is a {type(module).__name__}"
                 )
             if isinstance(module, ColumnParallelLinear):
-                feeds = _geometry(param_name, layer_geometry.column, module, leaf, _tp_ranks(module)[0])
+                feeds = _geometry(
+                    param_name, layer_geometry.column, module, leaf, _tp_ranks(module)[0], block=block
+                )
             elif isinstance(module, RowParallelLinear):
-                feeds = _geometry(param_name, layer_geometry.row, module, leaf, _tp_ranks(module)[0])
+                feeds = _geometry(
+                    param_name, layer_geometry.row, module, leaf, _tp_ranks(module)[0], block=block
+                )
             else:
-                feeds = _geometry(param_name, layer_geometry.replicated, module, leaf)
+                feeds = _geometry(param_name, layer_geometry.replicated, module, leaf, block=block)
             add_feeds(param_name, param, (param_name,), feeds)
         elif isinstance(module, LinearBase):
             raise ManifestError(f"{param_name}: unsupported parallel layer {type(module).__name__}")
@@ -390,12 +397,60 @@ def _join(parent: str, module: str, leaf: str) -> str:
 
 
 def _geometry(
-    param_name: str, rule: Callable[..., layer_geometry.LayerFeeds], *args: Any
+    param_name: str,
+    rule: Callable[..., layer_geometry.LayerFeeds],
+    module: Any,
+    leaf: str,
+    *args: Any,
+    block: tuple[int, int] | None = None,
 ) -> layer_geometry.LayerFeeds:
+    """``rule``'s feeds for ``module.<leaf>``; for a block-FP8 layer, its weight's slices checked
+    to keep whole blocks and its ``weight_scale_inv`` derived from them (``core.fp8_geometry``)."""
     try:
-        return rule(*args)
+        if block is None or leaf not in ("weight", fp8_geometry.SCALE_LEAF):
+            return rule(module, leaf, *args)
+        weight = rule(module, "weight", *args)
+        if leaf == fp8_geometry.SCALE_LEAF:
+            return fp8_geometry.scale_feeds(param_name, weight, block)
+        for feed in weight.feeds:
+            fp8_geometry.check_block_aligned(param_name, feed.shape, feed.pieces, block)
+        return weight
     except GeometryError as e:
         raise ManifestError(f"{param_name}: {e}") from None
+
+
+def _fp8_block(param_name: str, layer: Any) -> tuple[int, int] | None:
+    """None for an unquantized linear layer; the block size of a block-quantised FP8 one (the
+    DeepSeek / Kimi checkpoint layout: ``weight`` float8_e4m3fn, ``weight_scale_inv`` float32 per
+    block, both loaded as they are). Every other quantization is refused, with what it does."""
+    method: Any = getattr(layer, "quant_method", None)
+    name = type(method).__name__
+    if name == "UnquantizedLinearMethod":
+        return None
+    if name != "Fp8LinearMethod":
+        raise ManifestError(
+            f"{param_name}: layer is quantized ({name}); weightwire's SGLang adapter handles unquantized "
+            "and block-quantised FP8 layers only"
+        )
+    if not getattr(method, "is_checkpoint_fp8_serialized", False):
+        raise ManifestError(
+            f"{param_name}: FP8 quantized at load from a 16-bit checkpoint (online quantization): the engine "
+            "rebuilds these parameters after loading, so a push has nothing stable to write into; serve an "
+            "FP8 checkpoint (weight_block_size) instead"
+        )
+    if getattr(method, "use_mxfp8", False) or not getattr(method, "block_quant", False):
+        raise ManifestError(
+            f"{param_name}: per-tensor / per-channel FP8 (weight_scale) is not supported: SGLang's post-load "
+            "processing requantizes a fused layer's shards to one scale in place, which a later push of one "
+            "shard cannot undo; block-quantised FP8 (weight_block_size) is"
+        )
+    activation = getattr(method.quant_config, "activation_scheme", "dynamic")
+    if activation != "dynamic":
+        raise ManifestError(f"{param_name}: FP8 with {activation} activation scales is not supported")
+    block = tuple(int(b) for b in method.quant_config.weight_block_size)
+    if len(block) != 2:
+        raise ManifestError(f"{param_name}: FP8 block size {block} is not two-dimensional")
+    return block[0], block[1]
 
 
 def _tp_ranks(layer: Any) -> tuple[int, int]:

@@ -32,6 +32,8 @@ class ModelSpec:
     intermediate_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
+    fp8_block: int = 0
+    """> 0: every linear layer block-quantised FP8 (``weight_block_size`` [b, b]), as DeepSeek's."""
 
     @property
     def head_dim(self) -> int:

@@ -8,6 +8,7 @@ No sglang import here: the rank processes do that.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import queue
 import socket
@@ -149,6 +150,18 @@ class CpuEngine:
                 "--dump-dir",
                 dump_dir,
             ] + (["--tie"] if spec.tie else [])
+            sizes = {
+                f: getattr(spec, f)
+                for f in (
+                    "vocab_size",
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_layers",
+                    "num_heads",
+                    "fp8_block",
+                )
+            }
+            cmd += ["--spec", json.dumps(sizes)]
             env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env

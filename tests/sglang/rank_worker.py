@@ -22,6 +22,7 @@ After each committed update it writes its parameters (local shards, SGLang names
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import threading
@@ -42,7 +43,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class FakeScheduler:
     """The attributes of ``sglang.srt.managers.scheduler.Scheduler`` that the plugin uses."""
 
-    def __init__(self, model: torch.nn.Module, config: Any, dump_dir: str) -> None:
+    def __init__(self, model: torch.nn.Module, config: Any, dump_dir: str, *, sessions: bool = True) -> None:
         from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
         weight_updater = WeightUpdater(
@@ -61,7 +62,7 @@ class FakeScheduler:
             device="cpu",
             gpu_id=0,
             model_config=SimpleNamespace(hf_config=config),
-            weight_updater=weight_updater,
+            weight_updater=weight_updater if sessions else SimpleNamespace(),
         )
         self.tp_worker = SimpleNamespace(model_runner=runner)
         self.server_args = SimpleNamespace(port=None, sleep_on_idle=False)
@@ -132,14 +133,17 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--socket-dir", required=True)
     ap.add_argument("--dump-dir", required=True)
+    ap.add_argument("--spec", default="{}", help="JSON object of ModelSpec fields (sizes, fp8_block)")
     args = ap.parse_args()
 
     sglang_cpu.prepare_cpu_import()
     sglang_cpu.init_parallel(
         rank=args.rank, world_size=args.world, tp_size=args.tp, pp_size=args.pp, init_port=args.init_port
     )
-    config = ModelSpec(args.family, tie=args.tie, kv_heads=args.kv_heads).hf_config()
-    model = sglang_cpu.build_model(args.family, config, DTYPES[args.dtype])
+    spec = ModelSpec(args.family, tie=args.tie, kv_heads=args.kv_heads, **json.loads(args.spec))
+    config = spec.hf_config()
+    quant = sglang_cpu.fp8_config(spec.fp8_block) if spec.fp8_block else None
+    model = sglang_cpu.build_model(args.family, config, DTYPES[args.dtype], quant)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float("nan"))  # a slot no update wrote stays visibly unwritten
@@ -147,7 +151,7 @@ def main() -> None:
     os.environ["WEIGHTWIRE_SGLANG_SOCKET_DIR"] = args.socket_dir
     from weightwire.adapters.sglang.plugin import start_worker
 
-    scheduler = FakeScheduler(model, config, args.dump_dir)
+    scheduler = FakeScheduler(model, config, args.dump_dir, sessions=quant is None)
     worker = start_worker(scheduler)
     loop = FakeSchedulerLoop(scheduler)
     loop.start()

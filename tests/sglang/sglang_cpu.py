@@ -43,7 +43,16 @@ def init_parallel(*, rank: int, world_size: int, tp_size: int, pp_size: int, ini
     initialize_model_parallel(backend="gloo")
 
 
-def build_model(family: str, config: Any, dtype: torch.dtype) -> torch.nn.Module:
+def fp8_config(block: int) -> Any:
+    """SGLang's config of a block-quantised FP8 checkpoint (DeepSeek-V3's: dynamic activations)."""
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    return Fp8Config(
+        is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[block, block]
+    )
+
+
+def build_model(family: str, config: Any, dtype: torch.dtype, quant_config: Any = None) -> torch.nn.Module:
     """SGLang's own model class for ``family``, built under the current parallel state."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -51,11 +60,11 @@ def build_model(family: str, config: Any, dtype: torch.dtype) -> torch.nn.Module
         if family == QWEN2:
             from sglang.srt.models.qwen2 import Qwen2ForCausalLM
 
-            return Qwen2ForCausalLM(config)
+            return Qwen2ForCausalLM(config, quant_config=quant_config)
         if family == LLAMA:
             from sglang.srt.models.llama import LlamaForCausalLM
 
-            return LlamaForCausalLM(config)
+            return LlamaForCausalLM(config, quant_config=quant_config)
     finally:
         torch.set_default_dtype(previous)
     raise ValueError(f"unknown model family {family!r}")
