@@ -122,3 +122,77 @@ def test_every_reason_is_documented_on_an_rpc() -> None:
     service_doc = text.split("service WeightTransferService {")[1].split("\n}\n")[0]
     for reason in Reason:
         assert reason.name in service_doc, f"{reason.name} is not documented on any RPC"
+
+
+def test_delta_update_messages() -> None:
+    """Delta updates are additive: new fields and enums, no existing field renumbered."""
+    assert dict(pb.DeltaEncoding.items()) == {
+        "DELTA_ENCODING_UNSPECIFIED": 0,
+        "DELTA_ENCODING_INDICES": 1,
+        "DELTA_ENCODING_BITMAP": 2,
+        "DELTA_ENCODING_DENSE": 3,
+    }
+    assert [n for n, _ in pb.UpdateEncoding.items()] == [
+        "UPDATE_ENCODING_UNSPECIFIED",
+        "UPDATE_ENCODING_FULL",
+        "UPDATE_ENCODING_DELTA",
+    ]
+    assert pb.DeltaFallback.Name(4) == "DELTA_FALLBACK_TRANSPORT"
+    assert pb.ChecksumAlgorithm.Name(1) == "CHECKSUM_ALGORITHM_CRC32"
+    assert pb.ChecksumAlgorithm.Name(2) == "CHECKSUM_ALGORITHM_WEIGHTED_SUM64"
+
+    def numbers(msg: type) -> dict[str, int]:
+        return {f.name: f.number for f in msg.DESCRIPTOR.fields}  # type: ignore[attr-defined]
+
+    assert numbers(pb.TensorSpec) == {"name": 1, "dtype": 2, "shape": 3, "offset_bytes": 4, "delta": 5}
+    assert numbers(pb.SliceTransfer) == {"tensor": 1, "source_rank": 2, "start": 3, "stop": 4, "delta": 5}
+    assert numbers(pb.TensorDelta) == {
+        "encoding": 1,
+        "changed_count": 2,
+        "index_dtype": 3,
+        "values_offset_bytes": 4,
+        "result_checksums": 5,
+    }
+    assert numbers(pb.DeltaChecksum) == {"piece": 1, "checksum": 2}
+    header = numbers(pb.UpdateHeader)
+    assert header["update_id"] == 6 and header["delta_base"] == 7 and header["delta_fallback"] == 8
+    result = numbers(pb.UpdateResult)
+    assert result["bytes_received"] == 12
+    assert {k: result[k] for k in ("encoding", "base_version", "delta_fallback")} == {
+        "encoding": 13,
+        "base_version": 14,
+        "delta_fallback": 15,
+    }
+    assert {"delta_tensors", "changed_elements", "result_checksums_verified"} <= set(result)
+
+
+def test_a_header_without_a_base_is_not_a_delta() -> None:
+    """A FULL header of a trainer before delta updates reads as no base and no fallback said; a delta
+    header round-trips its base, and a TensorSpec its delta, through the wire bytes."""
+    old = pb.UpdateHeader(version=3, scope=pb.UPDATE_SCOPE_FULL).SerializeToString()
+    header = pb.UpdateHeader.FromString(old)
+    assert not header.HasField("delta_base")
+    assert header.delta_fallback == pb.DELTA_FALLBACK_UNSPECIFIED
+    delta = pb.UpdateHeader(version=4, scope=pb.UPDATE_SCOPE_FULL, delta_base=pb.DeltaBase(base_version=3))
+    assert pb.UpdateHeader.FromString(delta.SerializeToString()).delta_base.base_version == 3
+    spec = pb.TensorSpec(
+        name="w",
+        dtype=pb.DTYPE_BFLOAT16,
+        shape=[4, 4],
+        offset_bytes=0,
+        delta=pb.TensorDelta(
+            encoding=pb.DELTA_ENCODING_INDICES,
+            changed_count=1,
+            index_dtype=pb.DTYPE_INT32,
+            values_offset_bytes=4,
+            result_checksums=[
+                pb.DeltaChecksum(
+                    checksum=pb.Checksum(algorithm=pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64, value=-5)
+                )
+            ],
+        ),
+    )
+    back = pb.TensorSpec.FromString(spec.SerializeToString())
+    assert back == spec and back.delta.result_checksums[0].checksum.value == -5
+    assert not back.delta.result_checksums[0].HasField("piece")
+    assert not pb.TensorSpec(name="w").HasField("delta")

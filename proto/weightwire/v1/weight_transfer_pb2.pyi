@@ -30,10 +30,33 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT8_E4M3FN: _ClassVar[DType]
     DTYPE_FLOAT8_E5M2: _ClassVar[DType]
 
+class DeltaEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DELTA_ENCODING_UNSPECIFIED: _ClassVar[DeltaEncoding]
+    DELTA_ENCODING_INDICES: _ClassVar[DeltaEncoding]
+    DELTA_ENCODING_BITMAP: _ClassVar[DeltaEncoding]
+    DELTA_ENCODING_DENSE: _ClassVar[DeltaEncoding]
+
+class UpdateEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPDATE_ENCODING_UNSPECIFIED: _ClassVar[UpdateEncoding]
+    UPDATE_ENCODING_FULL: _ClassVar[UpdateEncoding]
+    UPDATE_ENCODING_DELTA: _ClassVar[UpdateEncoding]
+
+class DeltaFallback(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DELTA_FALLBACK_UNSPECIFIED: _ClassVar[DeltaFallback]
+    DELTA_FALLBACK_NONE: _ClassVar[DeltaFallback]
+    DELTA_FALLBACK_NO_BASE: _ClassVar[DeltaFallback]
+    DELTA_FALLBACK_BASE_MISMATCH: _ClassVar[DeltaFallback]
+    DELTA_FALLBACK_TRANSPORT: _ClassVar[DeltaFallback]
+    DELTA_FALLBACK_NOT_SMALLER: _ClassVar[DeltaFallback]
+
 class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CHECKSUM_ALGORITHM_UNSPECIFIED: _ClassVar[ChecksumAlgorithm]
     CHECKSUM_ALGORITHM_CRC32: _ClassVar[ChecksumAlgorithm]
+    CHECKSUM_ALGORITHM_WEIGHTED_SUM64: _ClassVar[ChecksumAlgorithm]
 
 class UpdateScope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -155,8 +178,22 @@ DTYPE_INT64: DType
 DTYPE_BOOL: DType
 DTYPE_FLOAT8_E4M3FN: DType
 DTYPE_FLOAT8_E5M2: DType
+DELTA_ENCODING_UNSPECIFIED: DeltaEncoding
+DELTA_ENCODING_INDICES: DeltaEncoding
+DELTA_ENCODING_BITMAP: DeltaEncoding
+DELTA_ENCODING_DENSE: DeltaEncoding
+UPDATE_ENCODING_UNSPECIFIED: UpdateEncoding
+UPDATE_ENCODING_FULL: UpdateEncoding
+UPDATE_ENCODING_DELTA: UpdateEncoding
+DELTA_FALLBACK_UNSPECIFIED: DeltaFallback
+DELTA_FALLBACK_NONE: DeltaFallback
+DELTA_FALLBACK_NO_BASE: DeltaFallback
+DELTA_FALLBACK_BASE_MISMATCH: DeltaFallback
+DELTA_FALLBACK_TRANSPORT: DeltaFallback
+DELTA_FALLBACK_NOT_SMALLER: DeltaFallback
 CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_CRC32: ChecksumAlgorithm
+CHECKSUM_ALGORITHM_WEIGHTED_SUM64: ChecksumAlgorithm
 UPDATE_SCOPE_UNSPECIFIED: UpdateScope
 UPDATE_SCOPE_FULL: UpdateScope
 UPDATE_SCOPE_PARTIAL: UpdateScope
@@ -248,16 +285,46 @@ class DeviceId(_message.Message):
     def __init__(self, kind: _Optional[_Union[DeviceKind, str]] = ..., uuid: _Optional[str] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset_bytes")
+    __slots__ = ("name", "dtype", "shape", "offset_bytes", "delta")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     offset_bytes: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
+    delta: TensorDelta
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ..., delta: _Optional[_Union[TensorDelta, _Mapping]] = ...) -> None: ...
+
+class TensorDelta(_message.Message):
+    __slots__ = ("encoding", "changed_count", "index_dtype", "values_offset_bytes", "result_checksums")
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESULT_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    encoding: DeltaEncoding
+    changed_count: int
+    index_dtype: DType
+    values_offset_bytes: int
+    result_checksums: _containers.RepeatedCompositeFieldContainer[DeltaChecksum]
+    def __init__(self, encoding: _Optional[_Union[DeltaEncoding, str]] = ..., changed_count: _Optional[int] = ..., index_dtype: _Optional[_Union[DType, str]] = ..., values_offset_bytes: _Optional[int] = ..., result_checksums: _Optional[_Iterable[_Union[DeltaChecksum, _Mapping]]] = ...) -> None: ...
+
+class DeltaChecksum(_message.Message):
+    __slots__ = ("piece", "checksum")
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    piece: TensorPiece
+    checksum: Checksum
+    def __init__(self, piece: _Optional[_Union[TensorPiece, _Mapping]] = ..., checksum: _Optional[_Union[Checksum, _Mapping]] = ...) -> None: ...
+
+class DeltaBase(_message.Message):
+    __slots__ = ("base_version",)
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    base_version: int
+    def __init__(self, base_version: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("memory_handle", "storage_offset_bytes", "storage_size_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "storages", "storages_complete")
@@ -340,20 +407,24 @@ class Bucket(_message.Message):
     def __init__(self, index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payloads: _Optional[_Iterable[_Union[Payload, _Mapping]]] = ..., checksum: _Optional[_Union[Checksum, _Mapping]] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("version", "scope", "manifest_fingerprint", "verify_checksums", "allow_peer_device_import", "update_id")
+    __slots__ = ("version", "scope", "manifest_fingerprint", "verify_checksums", "allow_peer_device_import", "update_id", "delta_base", "delta_fallback")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VERIFY_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PEER_DEVICE_IMPORT_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     version: int
     scope: UpdateScope
     manifest_fingerprint: str
     verify_checksums: bool
     allow_peer_device_import: bool
     update_id: str
-    def __init__(self, version: _Optional[int] = ..., scope: _Optional[_Union[UpdateScope, str]] = ..., manifest_fingerprint: _Optional[str] = ..., verify_checksums: bool = ..., allow_peer_device_import: bool = ..., update_id: _Optional[str] = ...) -> None: ...
+    delta_base: DeltaBase
+    delta_fallback: DeltaFallback
+    def __init__(self, version: _Optional[int] = ..., scope: _Optional[_Union[UpdateScope, str]] = ..., manifest_fingerprint: _Optional[str] = ..., verify_checksums: bool = ..., allow_peer_device_import: bool = ..., update_id: _Optional[str] = ..., delta_base: _Optional[_Union[DeltaBase, _Mapping]] = ..., delta_fallback: _Optional[_Union[DeltaFallback, str]] = ...) -> None: ...
 
 class UpdateCommit(_message.Message):
     __slots__ = ("bucket_count",)
@@ -398,7 +469,7 @@ class BucketAck(_message.Message):
     def __init__(self, index: _Optional[int] = ..., tensors_loaded: _Optional[int] = ..., tensors_skipped: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., source_device: _Optional[_Union[DeviceId, _Mapping]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., peer_device_import: bool = ..., handle_opened: bool = ..., open_duration_ns: _Optional[int] = ..., load_duration_ns: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class UpdateResult(_message.Message):
-    __slots__ = ("version", "previous_version", "scope", "bucket_count", "tensors_loaded", "bytes_loaded", "handles_opened", "duration_ns", "state", "update_id", "finish_time", "bytes_received")
+    __slots__ = ("version", "previous_version", "scope", "bucket_count", "tensors_loaded", "bytes_loaded", "handles_opened", "duration_ns", "state", "update_id", "finish_time", "bytes_received", "encoding", "base_version", "delta_fallback", "delta_tensors", "changed_elements", "result_checksums_verified")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
@@ -411,6 +482,12 @@ class UpdateResult(_message.Message):
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_TIME_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    DELTA_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_CHECKSUMS_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     version: int
     previous_version: int
     scope: UpdateScope
@@ -423,7 +500,13 @@ class UpdateResult(_message.Message):
     update_id: str
     finish_time: _timestamp_pb2.Timestamp
     bytes_received: int
-    def __init__(self, version: _Optional[int] = ..., previous_version: _Optional[int] = ..., scope: _Optional[_Union[UpdateScope, str]] = ..., bucket_count: _Optional[int] = ..., tensors_loaded: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., handles_opened: _Optional[int] = ..., duration_ns: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., update_id: _Optional[str] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+    encoding: UpdateEncoding
+    base_version: int
+    delta_fallback: DeltaFallback
+    delta_tensors: int
+    changed_elements: int
+    result_checksums_verified: int
+    def __init__(self, version: _Optional[int] = ..., previous_version: _Optional[int] = ..., scope: _Optional[_Union[UpdateScope, str]] = ..., bucket_count: _Optional[int] = ..., tensors_loaded: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., handles_opened: _Optional[int] = ..., duration_ns: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., update_id: _Optional[str] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., bytes_received: _Optional[int] = ..., encoding: _Optional[_Union[UpdateEncoding, str]] = ..., base_version: _Optional[int] = ..., delta_fallback: _Optional[_Union[DeltaFallback, str]] = ..., delta_tensors: _Optional[int] = ..., changed_elements: _Optional[int] = ..., result_checksums_verified: _Optional[int] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
     __slots__ = ("ack", "result")
@@ -656,16 +739,18 @@ class LeaveTransferGroupResponse(_message.Message):
     def __init__(self, left: bool = ...) -> None: ...
 
 class SliceTransfer(_message.Message):
-    __slots__ = ("tensor", "source_rank", "start", "stop")
+    __slots__ = ("tensor", "source_rank", "start", "stop", "delta")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     SOURCE_RANK_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     tensor: str
     source_rank: int
     start: _containers.RepeatedScalarFieldContainer[int]
     stop: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tensor: _Optional[str] = ..., source_rank: _Optional[int] = ..., start: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[int]] = ...) -> None: ...
+    delta: TensorDelta
+    def __init__(self, tensor: _Optional[str] = ..., source_rank: _Optional[int] = ..., start: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[int]] = ..., delta: _Optional[_Union[TensorDelta, _Mapping]] = ...) -> None: ...
 
 class ByteRange(_message.Message):
     __slots__ = ("offset_bytes", "size_bytes")

@@ -1,0 +1,113 @@
+"""Checksums of a tensor's bytes: what a worker verifies after applying a delta.
+
+Two algorithms of the contract's ``ChecksumAlgorithm``, both over the target's elements in
+row-major order, whatever its strides:
+
+- ``CRC32`` (zlib's CRC-32 of the bytes, the algorithm buckets already use). On the host it reads
+  the tensor in place, without a copy, and zlib releases the GIL while it runs, so tensors can be
+  verified on several threads. It is the host's choice: it is the fastest exact check a CPU worker
+  has (measured against blake2b and the weighted sum below in BENCHMARKS.md, "Deltas"). A CUDA
+  tensor must be copied to the host for it, which is why there is a second algorithm.
+- ``WEIGHTED_SUM64``: sum of (2i + 1) * bits(i) modulo 2^64, where bits(i) is element i's raw bits
+  as an unsigned integer. It is computed with integer kernels on the tensor's own device, so a
+  CUDA worker checks its weights at memory speed without moving them, and it is linear: the
+  trainer updates a base's value from the changed elements alone (``weighted_sum64_update``),
+  instead of reading the whole tensor again. Every weight is odd, hence invertible modulo 2^64, so
+  a change of any one element always changes the sum. It detects drift (a worker that does not hold
+  what the trainer thinks), not an adversary, which is all the check is for: the update stream is
+  already authenticated.
+
+``preferred_algorithm`` picks: the weighted sum when the tensors and every recipient are on CUDA,
+CRC-32 otherwise.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+
+import torch
+from weightwire.core.delta.encoding import as_bits
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+_MASK64 = (1 << 64) - 1
+# Elements per kernel pass of the weighted sum: bounds its int64 temporaries (8 bytes per element
+# twice) to 64 MiB on the host and 512 MiB on a GPU, where fewer, larger launches matter more.
+_CHUNK_HOST = 1 << 22
+_CHUNK_CUDA = 1 << 25
+_WEIGHTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _to_signed64(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def crc32(t: torch.Tensor) -> int:
+    """zlib CRC-32 of ``t``'s bytes in row-major order (host: read in place when contiguous)."""
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    flat = as_bits(t).reshape(-1)
+    return zlib.crc32(flat.view(torch.uint8).numpy())
+
+
+def _unsigned64(bits: torch.Tensor) -> torch.Tensor:
+    """Raw bits as int64 holding the unsigned value (for 64-bit elements: the same 64 bits)."""
+    wide = bits.to(torch.int64)
+    if bits.element_size() < 8:
+        wide &= (1 << (8 * bits.element_size())) - 1
+    return wide
+
+
+def _weights(device: torch.device, length: int) -> torch.Tensor:
+    key = (device, length)
+    w = _WEIGHTS.get(key)
+    if w is None:
+        w = _WEIGHTS.setdefault(key, torch.arange(length, dtype=torch.int64, device=device) * 2 + 1)
+    return w
+
+
+def weighted_sum64(t: torch.Tensor) -> int:
+    """sum((2i + 1) * bits(i)) mod 2^64 over ``t``'s row-major elements, as a signed int64 value."""
+    flat = as_bits(t).reshape(-1)
+    chunk = _CHUNK_CUDA if flat.device.type == "cuda" else _CHUNK_HOST
+    total = 0
+    n = flat.numel()
+    for start in range(0, n, chunk):
+        part = _unsigned64(flat[start : start + chunk])
+        w = _weights(flat.device, chunk)[: part.numel()]
+        # element start + j weighs 2 * start + (2j + 1): the chunk's weights are reused and the
+        # offset enters through the plain sum (torch's int64 arithmetic wraps modulo 2^64).
+        weighted = int((part * w).sum())
+        plain = int(part.sum())
+        total += weighted + 2 * start * plain
+    return _to_signed64(total)
+
+
+def weighted_sum64_update(
+    base_sum: int, positions: torch.Tensor, old_bits: torch.Tensor, new_bits: torch.Tensor
+) -> int:
+    """The weighted sum after the elements at ``positions`` (row-major, int64) went from ``old_bits``
+    to ``new_bits``: ``base_sum`` plus their change, at the cost of the changed elements only."""
+    if positions.numel() == 0:
+        return _to_signed64(base_sum)
+    w = positions.to(torch.int64) * 2 + 1
+    change = int((w * (_unsigned64(new_bits) - _unsigned64(old_bits))).sum())
+    return _to_signed64(base_sum + change)
+
+
+def checksum(t: torch.Tensor, algorithm: pb.ChecksumAlgorithm.ValueType) -> int:
+    """The value of ``algorithm`` over ``t``, as the contract's ``Checksum.value`` carries it."""
+    if algorithm == pb.CHECKSUM_ALGORITHM_CRC32:
+        return crc32(t)
+    if algorithm == pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64:
+        return weighted_sum64(t)
+    raise ValueError(f"no delta checksum algorithm {algorithm}")
+
+
+def preferred_algorithm(
+    source: torch.device, recipients: Iterable[torch.device | str]
+) -> pb.ChecksumAlgorithm.ValueType:
+    """WEIGHTED_SUM64 when the source and every recipient are CUDA devices, else CRC32."""
+    kinds = {torch.device(d).type for d in recipients} | {source.type}
+    return pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64 if kinds == {"cuda"} else pb.CHECKSUM_ALGORITHM_CRC32

@@ -1,0 +1,349 @@
+"""A tensor's changes since a base, encoded by density, and applied in place with every bound checked.
+
+The trainer calls ``encode(old, new)`` per tensor (or per slice) to get the changed elements in
+the smallest of the contract's three encodings (``DeltaEncoding``: indices + values, bitmap +
+values, dense); the worker calls ``apply_delta(target, delta)`` to write them into the model.
+Elements are compared and carried as raw bits (each tensor viewed as the integer dtype of its
+width), so -0.0 / +0.0 and NaN payloads are kept exactly and a float comparison's rules never
+decide what changed. Everything runs on the tensors' own device: torch kernels on CUDA, numpy
+(zero-copy views) on the host, where its mask, nonzero and bit packing are several times faster
+than torch's CPU kernels. Any strided view works: a non-contiguous ``old``/``new`` is read in
+row-major order, and a non-contiguous target is written through its own strides.
+
+``apply_delta`` checks the whole encoding against the target before it writes one element, and
+raises ``INVALID_DELTA`` instead: an index past the target, indices not strictly ascending, a
+bitmap of the wrong length or with bits past the end, a count of values or set bits that does not
+match, values of another width or dtype. Nothing here reads the wire; ``weightwire.core.delta.wire``
+turns the contract's ``TensorDelta`` and a payload's bytes into a ``Delta`` and back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import numpy as np
+import torch
+from weightwire.core.delta.errors import invalid_delta
+
+# Indices are int32 while they fit (4 bytes each instead of 8); a target of 2^31 or more elements
+# needs int64 ones.
+INT32_INDEX_LIMIT = 2**31
+
+_BITS_DTYPES: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BIT_WEIGHTS_CACHE: dict[torch.device, torch.Tensor] = {}
+
+
+class Encoding(enum.Enum):
+    """The contract's ``DeltaEncoding`` values (same names without the prefix)."""
+
+    INDICES = 1
+    BITMAP = 2
+    DENSE = 3
+
+
+def bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype of the same width as ``dtype``: what elements are compared and carried as."""
+    size = torch.empty((), dtype=dtype).element_size()
+    try:
+        return _BITS_DTYPES[size]
+    except KeyError:
+        raise ValueError(f"no integer dtype of {size} bytes for {dtype}") from None
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as the integer dtype of its width (same storage, same strides)."""
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t.view(bits_dtype(t.dtype))
+
+
+def index_dtype_for(numel: int) -> torch.dtype:
+    return torch.int32 if numel < INT32_INDEX_LIMIT else torch.int64
+
+
+def encoded_size_bytes(encoding: Encoding, numel: int, changed: int, itemsize: int) -> int:
+    """Bytes an encoding of ``changed`` of ``numel`` elements of ``itemsize`` bytes takes on the wire."""
+    if encoding is Encoding.INDICES:
+        return changed * (index_dtype_for(numel).itemsize + itemsize)
+    if encoding is Encoding.BITMAP:
+        return (numel + 7) // 8 + changed * itemsize
+    return numel * itemsize
+
+
+def choose_encoding(numel: int, changed: int, itemsize: int) -> Encoding:
+    """The smallest encoding for this density; a tie goes to the simpler one (dense, then indices)."""
+    sizes = {e: encoded_size_bytes(e, numel, changed, itemsize) for e in Encoding}
+    return min((Encoding.DENSE, Encoding.INDICES, Encoding.BITMAP), key=lambda e: sizes[e])
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """The changes of one target of ``numel`` elements of ``dtype`` (row-major order).
+
+    ``values`` are raw bits (``as_bits`` of the target's dtype): ``changed_count`` of them, or every
+    element for DENSE (which may then be a view of the tensor it was encoded from). ``indices``
+    (INDICES: int32/int64, strictly ascending) and ``bitmap`` (BITMAP: uint8, ``ceil(numel / 8)``
+    bytes, least significant bit first) say where they go.
+    """
+
+    encoding: Encoding
+    numel: int
+    dtype: torch.dtype
+    changed_count: int
+    values: torch.Tensor
+    indices: torch.Tensor | None = None
+    bitmap: torch.Tensor | None = None
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of this delta on the wire (indices or bitmap, then values)."""
+        extra = 0
+        if self.indices is not None:
+            extra = self.indices.numel() * self.indices.element_size()
+        elif self.bitmap is not None:
+            extra = self.bitmap.numel()
+        return extra + self.values.numel() * self.values.element_size()
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels: numpy on the host, torch elsewhere; both give the same results (the tests run both)
+# ---------------------------------------------------------------------------------------------
+
+
+class TorchOps:
+    """Mask, count, nonzero and bit (un)packing with torch kernels (any device)."""
+
+    def ne(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.ne(a, b)
+
+    def count(self, mask: torch.Tensor) -> int:
+        return int(torch.count_nonzero(mask))
+
+    def flatnonzero(self, mask: torch.Tensor) -> torch.Tensor:
+        return torch.nonzero(mask).view(-1)
+
+    def pack(self, mask: torch.Tensor) -> torch.Tensor:
+        n = mask.numel()
+        padded = torch.zeros(((n + 7) // 8) * 8, dtype=torch.uint8, device=mask.device)
+        padded[:n] = mask.view(torch.uint8)
+        lanes = padded.view(-1, 8)
+        out = lanes[:, 0].clone()
+        for bit in range(1, 8):
+            out |= lanes[:, bit] << bit
+        return out
+
+    def unpack(self, bitmap: torch.Tensor) -> torch.Tensor:
+        shifts = _BIT_WEIGHTS_CACHE.get(bitmap.device)
+        if shifts is None:
+            shifts = _BIT_WEIGHTS_CACHE.setdefault(
+                bitmap.device, torch.arange(8, dtype=torch.uint8, device=bitmap.device)
+            )
+        return ((bitmap.unsqueeze(1) >> shifts) & 1).view(-1).view(torch.bool)
+
+
+class NumpyOps(TorchOps):
+    """The same operations through numpy on zero-copy views of host tensors."""
+
+    def ne(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.not_equal(a.numpy(), b.numpy()))
+
+    def count(self, mask: torch.Tensor) -> int:
+        return int(np.count_nonzero(mask.numpy()))
+
+    def flatnonzero(self, mask: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+
+    def pack(self, mask: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
+
+    def unpack(self, bitmap: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.unpackbits(bitmap.numpy(), bitorder="little").view(np.bool_))
+
+
+_TORCH_OPS = TorchOps()
+_NUMPY_OPS = NumpyOps()
+
+
+def ops_for(device: torch.device) -> TorchOps:
+    return _NUMPY_OPS if device.type == "cpu" else _TORCH_OPS
+
+
+def _flat_bits(t: torch.Tensor) -> torch.Tensor:
+    """Row-major raw bits of ``t`` as one dimension (a view when ``t`` is contiguous, else a copy)."""
+    return as_bits(t).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encode
+# ---------------------------------------------------------------------------------------------
+
+
+def encode(old: torch.Tensor, new: torch.Tensor, *, ops: TorchOps | None = None) -> Delta:
+    """The changes from ``old`` to ``new`` (same shape, dtype and device), in the smallest encoding.
+
+    Computed on the tensors' device. Temporary memory: a mask of one byte per element, plus the
+    indices (8 bytes per changed element, while they are found) and the values; a non-contiguous
+    ``old`` or ``new`` is first copied in row-major order.
+    """
+    if old.shape != new.shape or old.dtype != new.dtype:
+        raise ValueError(
+            f"encode needs tensors of one shape and dtype, got {tuple(old.shape)} {old.dtype} "
+            f"and {tuple(new.shape)} {new.dtype}"
+        )
+    if old.device != new.device:
+        raise ValueError(f"encode needs tensors on one device, got {old.device} and {new.device}")
+    ops = ops or ops_for(new.device)
+    a, b = _flat_bits(old), _flat_bits(new)
+    numel = b.numel()
+    mask = ops.ne(a, b)
+    changed = ops.count(mask)
+    encoding = choose_encoding(numel, changed, b.element_size())
+    if encoding is Encoding.DENSE:
+        return Delta(encoding, numel, new.dtype, numel, values=b)
+    if encoding is Encoding.BITMAP:
+        return Delta(encoding, numel, new.dtype, changed, values=b[mask], bitmap=ops.pack(mask))
+    indices = ops.flatnonzero(mask)
+    values = b[indices]
+    return Delta(
+        encoding, numel, new.dtype, changed, values=values, indices=indices.to(index_dtype_for(numel))
+    )
+
+
+def changed_positions(delta: Delta, *, ops: TorchOps | None = None) -> torch.Tensor | None:
+    """Row-major positions (int64, ascending) of a checked delta's changed elements; None for DENSE."""
+    if delta.encoding is Encoding.DENSE:
+        return None
+    if delta.encoding is Encoding.INDICES:
+        assert delta.indices is not None
+        return delta.indices.to(torch.int64)
+    assert delta.bitmap is not None
+    ops = ops or ops_for(delta.bitmap.device)
+    return ops.flatnonzero(ops.unpack(delta.bitmap)[: delta.numel])
+
+
+# ---------------------------------------------------------------------------------------------
+# Check and apply
+# ---------------------------------------------------------------------------------------------
+
+
+def check_delta(target: torch.Tensor, delta: Delta, *, ops: TorchOps | None = None, **where: str) -> None:
+    """Raise ``INVALID_DELTA`` unless ``delta`` fits ``target`` exactly; reads the encoding, writes nothing.
+
+    ``where`` (e.g. ``tensor=name``) goes into the error's metadata and message.
+    """
+    label = ", ".join(f"{k} {v}" for k, v in where.items()) or "target"
+    numel = target.numel()
+    if delta.numel != numel:
+        raise invalid_delta(f"{label}: delta is for {delta.numel} elements, the target has {numel}", **where)
+    if delta.dtype != target.dtype:
+        raise invalid_delta(f"{label}: delta of {delta.dtype}, the target is {target.dtype}", **where)
+    want_bits = as_bits(torch.empty(0, dtype=target.dtype)).dtype
+    if delta.values.dtype not in (want_bits, target.dtype) or delta.values.dim() != 1:
+        raise invalid_delta(
+            f"{label}: values must be one dimension of {target.dtype} or {want_bits}, "
+            f"got {delta.values.dtype} of {delta.values.dim()} dimensions",
+            **where,
+        )
+    expected_values = numel if delta.encoding is Encoding.DENSE else delta.changed_count
+    if not 0 <= delta.changed_count <= numel:
+        raise invalid_delta(f"{label}: {delta.changed_count} changed of {numel} elements", **where)
+    if delta.values.numel() != expected_values:
+        raise invalid_delta(
+            f"{label}: {delta.values.numel()} values for {expected_values} changed elements", **where
+        )
+    if delta.encoding is Encoding.DENSE:
+        if delta.changed_count != numel:
+            raise invalid_delta(f"{label}: a dense delta changes all {numel} elements", **where)
+        return
+    if delta.encoding is Encoding.INDICES:
+        _check_indices(delta, numel, label, where)
+    else:
+        _check_bitmap(delta, numel, label, where, ops or ops_for(_device_of(delta)))
+
+
+def _device_of(delta: Delta) -> torch.device:
+    part = delta.bitmap if delta.bitmap is not None else delta.indices
+    return part.device if part is not None else delta.values.device
+
+
+def _check_indices(delta: Delta, numel: int, label: str, where: dict[str, str]) -> None:
+    idx = delta.indices
+    if idx is None or delta.bitmap is not None:
+        raise invalid_delta(f"{label}: an indices delta needs indices and no bitmap", **where)
+    if idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 1:
+        raise invalid_delta(
+            f"{label}: indices must be one dimension of int32 or int64, got {idx.dtype}", **where
+        )
+    if idx.dtype == torch.int32 and numel >= INT32_INDEX_LIMIT:
+        raise invalid_delta(f"{label}: int32 indices cannot address {numel} elements", **where)
+    if idx.numel() != delta.changed_count:
+        raise invalid_delta(f"{label}: {idx.numel()} indices for {delta.changed_count} changes", **where)
+    if idx.numel() == 0:
+        return
+    lo, hi = int(idx[0]), int(idx[-1])
+    if lo < 0 or hi >= numel:
+        raise invalid_delta(f"{label}: index {lo if lo < 0 else hi} outside [0, {numel})", **where)
+    if idx.numel() > 1 and not bool(torch.all(idx[1:] > idx[:-1])):
+        raise invalid_delta(f"{label}: indices are not strictly ascending (duplicated or unsorted)", **where)
+
+
+def _check_bitmap(delta: Delta, numel: int, label: str, where: dict[str, str], ops: TorchOps) -> None:
+    bm = delta.bitmap
+    if bm is None or delta.indices is not None:
+        raise invalid_delta(f"{label}: a bitmap delta needs a bitmap and no indices", **where)
+    if bm.dtype != torch.uint8 or bm.dim() != 1:
+        raise invalid_delta(f"{label}: the bitmap must be one dimension of uint8, got {bm.dtype}", **where)
+    if bm.numel() != (numel + 7) // 8:
+        raise invalid_delta(
+            f"{label}: bitmap of {bm.numel()} bytes for {numel} elements (needs {(numel + 7) // 8})", **where
+        )
+    tail = numel % 8
+    if tail and int(bm[-1]) >> tail:
+        raise invalid_delta(f"{label}: the bitmap has bits set past element {numel}", **where)
+    set_bits = ops.count(ops.unpack(bm))
+    if set_bits != delta.changed_count:
+        raise invalid_delta(
+            f"{label}: the bitmap sets {set_bits} bits for {delta.changed_count} changes", **where
+        )
+
+
+def apply_delta(
+    target: torch.Tensor, delta: Delta, *, ops: TorchOps | None = None, checked: bool = False, **where: str
+) -> None:
+    """Write ``delta``'s values into ``target`` in place (any strides, any device).
+
+    The whole delta is checked first (``check_delta``; ``checked=True`` when the caller just did)
+    and nothing is written when it does not fit. Indices, bitmap and values are moved to the
+    target's device if they are elsewhere.
+    """
+    if not checked:
+        check_delta(target, delta, ops=ops, **where)
+    if delta.changed_count == 0:
+        return
+    device = target.device
+    bits = as_bits(target)
+    values = _moved(delta.values, device).view(bits.dtype)
+    if delta.encoding is Encoding.DENSE:
+        bits.copy_(values.view(bits.shape))
+        return
+    if delta.encoding is Encoding.BITMAP:
+        assert delta.bitmap is not None
+        ops = ops or ops_for(device)
+        mask = ops.unpack(_moved(delta.bitmap, device))[: delta.numel]
+        if bits.is_contiguous():
+            bits.view(-1)[mask] = values
+        else:
+            bits.masked_scatter_(mask.view(bits.shape), values)
+        return
+    assert delta.indices is not None
+    idx = _moved(delta.indices, device).to(torch.int64)
+    if bits.is_contiguous():
+        bits.view(-1).index_copy_(0, idx, values)
+    else:
+        bits.index_put_(torch.unravel_index(idx, bits.shape), values)
+
+
+def _moved(t: torch.Tensor, device: torch.device) -> Any:
+    return t if t.device == device else t.to(device)
