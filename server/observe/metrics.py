@@ -25,18 +25,36 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from wsgiref.simple_server import WSGIServer
 
 from google.rpc import code_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from weightwire.core.errors import Reason
 from weightwire.core.transports import table as transports
-from weightwire.server.observe.update_events import UpdateOutcome, state_name
+from weightwire.server.observe.update_events import UpdateObserver, UpdateOutcome, state_name
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:
-    from weightwire.server.worker.service import WorkerService
+    from weightwire.core.manifest import ShardManifest
+
+
+class ObservedWorker(Protocol):
+    """What the metrics read of a worker (``WorkerService``, which sits above this folder)."""
+
+    @property
+    def manifest(self) -> ShardManifest: ...
+
+    @property
+    def weights_version(self) -> int: ...
+
+    @property
+    def state(self) -> pb.WorkerState: ...
+
+    def open_mappings(self) -> int: ...
+
+    def add_observer(self, observer: UpdateObserver) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +229,7 @@ class WorkerMetrics:
         self._by_transport: dict[str, tuple[Counter, Histogram, Histogram, Counter]] = {}
         self._by_outcome: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
 
-    def attach(self, service: WorkerService) -> WorkerMetrics:
+    def attach(self, service: ObservedWorker) -> WorkerMetrics:
         """Observe ``service`` from now on; records its current version and state."""
         self._open_mappings_of = service.open_mappings
         self._version.set(service.weights_version)
@@ -315,7 +333,7 @@ class EngineMetrics:
 
 
 def engine_metrics(
-    service: WorkerService,
+    service: ObservedWorker,
     *,
     engine: str,
     port_offset: int = 0,

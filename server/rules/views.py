@@ -22,7 +22,6 @@ from typing import Protocol, cast, runtime_checkable
 import torch
 from weightwire.core.capabilities import has_capability
 from weightwire.core.errors import Reason, WeightwireError
-from weightwire.server.worker.adapter import PreparesLoads
 
 # Segments of a copying read start at multiples of this, in the payload and in the staging buffer,
 # so every tensor keeps its alignment (no dtype has a larger element).
@@ -218,6 +217,16 @@ def batch_views(mapping: _Fetches, batch: ReadBatch) -> list[torch.Tensor]:
         memo.clear()
     memo[id(batch)] = _Kept(batch, views)
     return views
+
+
+@runtime_checkable
+class PreparesLoads(Protocol):
+    """An adapter whose ``load`` can be split: its checks and slicing once, its copies many times."""
+
+    def prepare_load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Callable[[], None]:
+        """``load``'s checks and slicing now; the returned function does its copies (finished on the
+        device when it returns) each time it is called (``TorchAdapter`` does this)."""
+        ...
 
 
 class _Loads(Protocol):

@@ -203,12 +203,6 @@ class CudaIpcImporter(PayloadImporter):
 
     TRANSPORT = transports.CUDA_IPC
     reusable = True
-    # Every mapping waits for its payload's producer event before its bytes are read (see
-    # CudaIpcMapping); the worker's manifest says so (ShardManifest.waits_for_cuda_ipc_events).
-    waits_for_producer_events = True
-    # Payloads of several storages (CudaIpcHandle.storages) are read; the worker's manifest says so
-    # (ShardManifest.imports_cuda_ipc_storages).
-    imports_storages = True
 
     def __init__(
         self, cache: CudaIpcCache | None = None, storage_sets: StorageSetCache | None = None
@@ -216,6 +210,13 @@ class CudaIpcImporter(PayloadImporter):
         self._cache = cache
         self._sets = storage_sets
         self._lock = threading.Lock()
+
+    def announce(self, manifest: pb.ShardManifest, *, keeps_tensors: bool) -> None:
+        # Every mapping waits for its payload's producer event before its bytes are read (see
+        # CudaIpcMapping), so trainers skip their own wait; payloads of several storages
+        # (CudaIpcHandle.storages) are read, so trainers export tensors where they live.
+        manifest.waits_for_cuda_ipc_events = True
+        manifest.imports_cuda_ipc_storages = True
 
     @property
     def storage_sets(self) -> StorageSetCache:

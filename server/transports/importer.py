@@ -5,7 +5,15 @@ The worker service calls ``make_importers()`` once (one importer per row of the 
 payload's handle field: ``check`` (before any memory is touched), ``open`` and then
 ``ImportedPayload.fetch`` for each batch of owned tensors (``weightwire.server.rules.views``). The
 importers: host shared memory in ``weightwire.server.transports.shm``, inline bytes in
-``weightwire.server.transports.inline``, CUDA IPC in ``weightwire.server.transports.cuda_ipc``.
+``weightwire.server.transports.inline``, CUDA IPC in ``weightwire.server.transports.cuda_ipc``,
+transfer groups in ``weightwire.server.transports.transfer_group``.
+
+How a bucket loads is the importer's to say, never the worker's to guess from a handle's name: an
+importer that loads some buckets itself, straight into the tensors the engine keeps, is
+``FillsModel`` and says per payload whether it does (``fills_model``); every other bucket is opened
+and viewed by its layout. What trainers must know of an importer (whether it waits for producer
+events, reads several storages, receives slices) it writes into the worker's manifest itself
+(``announce``); an importer that receives through the worker's transfer group is ``JoinsGroups``.
 
 Mappings of ordinary importers belong to one update: the service opens each distinct handle once per
 update (``cache_key``) and closes them all when the update ends. An importer with ``reusable = True``
@@ -18,7 +26,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -28,7 +36,9 @@ from weightwire.server.rules.views import ReadBatch
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:
+    from weightwire.core.manifest import ShardManifest
     from weightwire.server.rules.validation import CheckedSpec
+    from weightwire.server.transports.transfer_group_membership import GroupMembership
 
 
 @runtime_checkable
@@ -81,18 +91,68 @@ class ImportContext:
     call_ended: threading.Event | None = None
 
 
+class FillPlan(Protocol):
+    """What a ``FillsModel`` importer checked of a payload before anything waits or is written."""
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The owned tensors the payload's bytes fill."""
+        ...
+
+
+@runtime_checkable
+class FillsModel(Protocol):
+    """An importer that loads some buckets itself: their bytes go straight into the tensors the
+    engine keeps (``KeepsTensors``), so the bucket carries no tensor specs and nothing is opened or
+    viewed (a transfer group whose every trainer rank is a source). The update asks ``fills_model``
+    of each payload's importer; for a bucket one says yes to, ``plan_fill`` checks the worker's
+    payload against the manifest and ``fill`` receives it."""
+
+    @property
+    def field_name(self) -> str: ...
+
+    @property
+    def transport(self) -> pb.TransportKind.ValueType: ...
+
+    def fills_model(self, payload: pb.Payload) -> bool:
+        """Whether this importer loads the bucket of ``payload`` itself."""
+        ...
+
+    def plan_fill(self, payload: pb.Payload, manifest: ShardManifest) -> FillPlan:
+        """Check the payload against the manifest (raise WeightwireError); nothing waits yet."""
+        ...
+
+    def fill(
+        self,
+        payload: pb.Payload,
+        plan: FillPlan,
+        kept: Mapping[str, torch.Tensor],
+        manifest: ShardManifest,
+        will_write: Callable[[], None],
+        call_ended: threading.Event | None = None,
+    ) -> int:
+        """Receive the planned bytes into ``kept`` (the adapter's kept tensors), calling
+        ``will_write`` before the first byte may land; returns the bytes received."""
+        ...
+
+
+@runtime_checkable
+class JoinsGroups(Protocol):
+    """An importer that receives through the worker's transfer-group membership, which the service
+    then owns for JoinTransferGroup / LeaveTransferGroup and the status."""
+
+    membership: GroupMembership
+
+
 class PayloadImporter(abc.ABC):
     """One transport's importer. Subclasses set ``TRANSPORT``, their row of the transport table."""
 
     TRANSPORT: ClassVar[transports.Transport | None] = None
     # True: the importer caches mappings across updates itself; the service never closes them.
     reusable: bool = False
-    # True: its mappings wait for a payload's producer event before their bytes are read (CUDA IPC);
-    # the worker's manifest then says so, and trainers skip their own wait.
-    waits_for_producer_events: bool = False
-    # True: it reads payloads of several exported storages (a trainer's own CUDA parameters, no
-    # packing copy); the worker's manifest then says so, and trainers export tensors where they live.
-    imports_storages: bool = False
+    # True: its payloads carry the bytes in the message (too large to serialize again as a key of
+    # the layout cache).
+    bytes_in_message: ClassVar[bool] = False
 
     @property
     def field_name(self) -> str:
@@ -119,6 +179,10 @@ class PayloadImporter(abc.ABC):
 
         Raise WeightwireError(HANDLE_OPEN_FAILED, ...) when the handle cannot be opened.
         """
+
+    def announce(self, manifest: pb.ShardManifest, *, keeps_tensors: bool) -> None:  # noqa: B027 - optional hook
+        """Write what trainers must know of how this importer reads payloads into the worker's
+        manifest; ``keeps_tensors``: the engine adapter exposes the tensors it keeps."""
 
     def held_mappings(self) -> int:
         """Mappings a reusable importer keeps open between updates."""

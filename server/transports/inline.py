@@ -49,6 +49,7 @@ class InlineImporter(PayloadImporter):
     """Bytes carried in the message itself. Length must equal size_bytes."""
 
     TRANSPORT = transports.INLINE
+    bytes_in_message = True
 
     def check(self, payload: pb.Payload) -> None:
         if len(payload.inline_data) != payload.size_bytes:

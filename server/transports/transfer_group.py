@@ -10,6 +10,10 @@ receive, or this worker's part of a broadcast in its subgroup) into one of at mo
 ``MAX_STAGING_BUFFERS`` buffers on the worker's device. ``weightwire.server.transports.read_ahead``
 calls ``ahead`` with the next bucket's payload while this one loads, so its receive overlaps the load.
 A failed update (``release``) tears the group down.
+
+A slices handle (``TRANSFER_MODE_SLICES``: every trainer rank a source) is the one kind of payload
+this importer loads itself (``FillsModel``): ``plan_fill`` checks it against the manifest and
+``fill`` receives its regions straight into the tensors the engine keeps.
 """
 
 from __future__ import annotations
@@ -27,7 +31,12 @@ from weightwire.core.transports import table as transports
 from weightwire.core.transports.transfer_group_plan import check_ranges, clip
 from weightwire.server.rules.validation import CheckedSpec
 from weightwire.server.rules.views import ReadBatch
-from weightwire.server.transports.importer import ImportContext, ImportedPayload, PayloadImporter
+from weightwire.server.transports.importer import (
+    FillPlan,
+    ImportContext,
+    ImportedPayload,
+    PayloadImporter,
+)
 from weightwire.server.transports.transfer_group_member import BucketReceive, JoinedGroup
 from weightwire.server.transports.transfer_group_membership import GroupMembership
 from weightwire.server.transports.transfer_group_slices import (
@@ -123,7 +132,7 @@ class _Received:
 
 class GroupImporter(PayloadImporter):
     """The importer of transfer-group payloads, receiving through ``membership`` (the worker's
-    group; a new one unless given)."""
+    group; a new one unless given). ``JoinsGroups`` and ``FillsModel`` (slices handles)."""
 
     TRANSPORT = transports.TRANSFER_GROUP
     # Buffers and the group outlive an update; the service releases them when an update fails.
@@ -137,14 +146,22 @@ class GroupImporter(PayloadImporter):
         self._slice_staging: tuple[str, dict[object, torch.Tensor]] = ("", {})
         self._slice_lock = threading.Lock()
 
+    def fills_model(self, payload: pb.Payload) -> bool:
+        """A slices handle: its regions are received into the engine's kept tensors (``fill``)."""
+        return payload.transfer_group.mode == pb.TRANSFER_MODE_SLICES
+
+    def announce(self, manifest: pb.ShardManifest, *, keeps_tensors: bool) -> None:
+        # Slices land in the tensors the engine keeps: only an adapter that exposes them takes them.
+        manifest.receives_slices = keeps_tensors
+
     def check(self, payload: pb.Payload) -> None:
-        if payload.transfer_group.mode == pb.TRANSFER_MODE_SLICES:
-            return  # checked against the manifest by ``slices``, which the update calls first
+        if self.fills_model(payload):
+            return  # checked against the manifest by ``plan_fill``, which the update calls first
         self.membership.current().check_handle(payload)
 
     # --- slices: every trainer rank a source --------------------------------------------------
 
-    def slices(self, payload: pb.Payload, manifest: ShardManifest) -> SlicePlan:
+    def plan_fill(self, payload: pb.Payload, manifest: ShardManifest) -> SlicePlan:
         """The checked plan of a slices payload (``transfer_group_slices.check_slices``)."""
         member = self.membership.current()
         gid = member.group.group_id
@@ -159,10 +176,10 @@ class GroupImporter(PayloadImporter):
         self._slices[key] = (gid, checked)
         return checked
 
-    def receive_slices(
+    def fill(
         self,
         payload: pb.Payload,
-        checked: SlicePlan,
+        plan: FillPlan,
         kept: Mapping[str, torch.Tensor],
         manifest: ShardManifest,
         will_write: Callable[[], None],
@@ -172,6 +189,9 @@ class GroupImporter(PayloadImporter):
         ``will_write`` once every member agreed on the plan, before the first byte may land; a
         failed receive, or one whose call ended (``call_ended``), tears the group down. Returns the
         bytes received."""
+        if not isinstance(plan, SlicePlan):
+            raise TypeError(f"a transfer group fills the model by a SlicePlan, not {type(plan).__name__}")
+        checked = plan
         member = self.membership.current()
         check_kept(kept, manifest, checked.names)
         gid = member.group.group_id
@@ -196,8 +216,8 @@ class GroupImporter(PayloadImporter):
     def ahead(self, payload: pb.Payload) -> None:
         """The payload of a bucket the service will open next (``read_ahead``): start its receive
         now. Anything wrong with it is left for ``open`` to report, in order."""
-        if payload.transfer_group.mode == pb.TRANSFER_MODE_SLICES:
-            return  # received by the update itself, into the model (``receive_slices``)
+        if self.fills_model(payload):
+            return  # received by the update itself, into the model (``fill``)
         try:
             self.membership.current().enqueue(payload)
         except WeightwireError:

@@ -8,11 +8,17 @@ machine; an adapter only describes what its engine owns and copies tensors in. I
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 from weightwire.core.manifest import ShardManifest
+
+# Declared beside the views it prepares loads of (the rules sit below the worker); named here too,
+# with the adapter's other optional abilities.
+from weightwire.server.rules.views import PreparesLoads
+
+__all__ = ["EngineAdapter", "KeepsTensors", "PreparesLoads", "TracksWrites"]
 
 
 @runtime_checkable
@@ -37,7 +43,7 @@ class EngineAdapter(Protocol):
         adapter must copy, and the copy must have finished on the device when it returns (the
         service acks the bucket right after). Names are validated against ``manifest()`` already.
 
-        An adapter may also be ``PreparesLoads`` (below): for views a kept mapping serves again in
+        An adapter may also be ``PreparesLoads``: for views a kept mapping serves again in
         later updates, the service then prepares once and only calls the prepared load after that.
         """
         ...
@@ -48,16 +54,6 @@ class EngineAdapter(Protocol):
         ...
 
     # A typed ``WeightwireError`` raised by ``end_update(True)`` reaches the client as it is.
-
-
-@runtime_checkable
-class PreparesLoads(Protocol):
-    """An adapter whose ``load`` can be split: its checks and slicing once, its copies many times."""
-
-    def prepare_load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Callable[[], None]:
-        """``load``'s checks and slicing now; the returned function does its copies (finished on the
-        device when it returns) each time it is called (``TorchAdapter`` does this)."""
-        ...
 
 
 @runtime_checkable

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import cast
 
 import torch
 from weightwire.core.capabilities import has_capability
@@ -21,14 +22,12 @@ from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.text import MAX_MESSAGE_BYTES, clip_utf8
-from weightwire.core.transports import table as transports
 from weightwire.core.transports.transfer_group_plan import MemberIdentity
 from weightwire.server.observe.update_events import UpdateEvents, UpdateObserver
 from weightwire.server.observe.update_log import UpdateLog
 from weightwire.server.rules.layout import LayoutCache
-from weightwire.server.transports.importer import PayloadImporter, make_importers
+from weightwire.server.transports.importer import JoinsGroups, PayloadImporter, make_importers
 from weightwire.server.transports.read_ahead import read_ahead
-from weightwire.server.transports.transfer_group import GroupImporter
 from weightwire.server.transports.transfer_group_membership import GroupMembership
 from weightwire.server.worker.adapter import EngineAdapter, KeepsTensors
 from weightwire.server.worker.streams import DEFAULT_IDLE_TIMEOUT_S, ListedRequests, StreamReader
@@ -74,20 +73,18 @@ class WorkerService:
             else torch.device("cuda" if own_device.is_cuda else "cpu")
         )
         self.importers = importers if importers is not None else make_importers()
-        # This worker's transfer-group membership (joins, leaves, status), owned here; the group
-        # importer receives bucket bytes through it. None when that transport is not installed.
-        group_importer = self.importers.get(transports.TRANSFER_GROUP.handle_field)
-        self.transfer_group: GroupMembership | None = (
-            group_importer.membership if isinstance(group_importer, GroupImporter) else None
+        # This worker's transfer-group membership (joins, leaves, status), owned here; the importer
+        # that receives through it (``JoinsGroups``) brings it. None when no importer does.
+        self.transfer_group: GroupMembership | None = next(
+            (
+                cast(JoinsGroups, imp).membership
+                for imp in self.importers.values()
+                if has_capability(imp, JoinsGroups)
+            ),
+            None,
         )
         self.on_commit = on_commit
         self._manifest: ShardManifest = adapter.manifest()
-        cuda_importer = self.importers.get(transports.CUDA_IPC.handle_field)
-        self._waits_for_cuda_ipc_events = (
-            cuda_importer is not None and cuda_importer.waits_for_producer_events
-        )
-        self._imports_cuda_ipc_storages = cuda_importer is not None and cuda_importer.imports_storages
-        self._receives_slices = self.transfer_group is not None and has_capability(adapter, KeepsTensors)
         self.layouts = LayoutCache()
         self._update_context = UpdateContext(
             adapter=adapter,
@@ -160,9 +157,9 @@ class WorkerService:
     def get_manifest(self) -> pb.GetManifestResponse:
         manifest = self._manifest.to_proto()
         # How this worker imports is its importers' business, not the engine adapter's.
-        manifest.waits_for_cuda_ipc_events = self._waits_for_cuda_ipc_events
-        manifest.imports_cuda_ipc_storages = self._imports_cuda_ipc_storages
-        manifest.receives_slices = self._receives_slices
+        keeps_tensors = has_capability(self.adapter, KeepsTensors)
+        for importer in self.importers.values():
+            importer.announce(manifest, keeps_tensors=keeps_tensors)
         return pb.GetManifestResponse(manifest=manifest)
 
     def get_status(self) -> pb.GetStatusResponse:

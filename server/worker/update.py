@@ -6,9 +6,13 @@ through ``UpdateContext`` (what it reads: adapter, manifest, devices, importers,
 ``UpdateOwner`` (the two calls that end it: committed, failed), so the service's own state is
 written by the service alone.
 
-Per bucket (``Update.bucket``): accept (index, layout from the cache or the checks of
-``server/rules/layout.py``, names across buckets, checksum fields, ownership), select the worker's own
-payload (``selection.select_own_payload``) and its importer, then open, verify and load it, and ack.
+Per bucket (``Update.bucket``) the importer of its payloads says how it loads. One that fills the
+model itself (``FillsModel``: a transfer group's slices) gets it whole (``filled_bucket``). Every
+other bucket is accepted (``accepted.Accepted``: index, layout from the cache or the checks of
+``server/rules/layout.py``, names across buckets, checksum fields, ownership), then the worker's own
+payload is selected (``selection.select_own_payload``) with its importer, opened, verified and
+loaded by views, and acked. The commit is the update's gate: every bucket counted, a FULL update
+complete, the engine's own finish, then the version.
 """
 
 from __future__ import annotations
@@ -29,32 +33,25 @@ from weightwire.core.manifest import ShardManifest
 from weightwire.core.text import MAX_MESSAGE_BYTES, bounded_join, clip_utf8, name_list
 from weightwire.core.transports import table as transports
 from weightwire.server.observe.update_events import UpdateTally
-from weightwire.server.rules.layout import (
-    BucketLayout,
-    LayoutCache,
-    check_ownership,
-    check_structure,
-    duplicate_tensor,
-    layout_key,
-)
+from weightwire.server.rules.layout import BucketLayout, LayoutCache
 from weightwire.server.rules.selection import Selection, payload_labels, select_own_payload
 from weightwire.server.rules.views import batch_load, batch_views
 from weightwire.server.transports.importer import (
+    FillsModel,
     ImportContext,
     ImportedPayload,
     PayloadImporter,
     ReceivesBytes,
     transport_name,
 )
+from weightwire.server.worker.accepted import MAX_BUCKETS_PER_UPDATE, MAX_TENSORS_PER_UPDATE, Accepted
 from weightwire.server.worker.adapter import EngineAdapter, TracksWrites
-from weightwire.server.worker.slices_bucket import is_slices_bucket, load_slices
+from weightwire.server.worker.filled_bucket import fill_bucket
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-log = logging.getLogger(__name__)
+__all__ = ["MAX_BUCKETS_PER_UPDATE", "MAX_TENSORS_PER_UPDATE", "Update", "UpdateContext", "UpdateOwner"]
 
-# What one update may accumulate (names are kept to refuse duplicates); far above any model's.
-MAX_BUCKETS_PER_UPDATE = 1 << 20
-MAX_TENSORS_PER_UPDATE = 1 << 20
+log = logging.getLogger(__name__)
 
 
 def cancelled_error() -> WeightwireError:
@@ -135,13 +132,14 @@ class Update:
         self.finished = False
         self._rpc_ended = rpc_ended
         self._t0 = time.perf_counter_ns()
-        self._bucket_indices: set[int] = set()
-        self._names_seen: set[str] = set()
+        self._accepted = Accepted(
+            ctx.manifest, ctx.layouts, ctx.importers, verify_checksums=header.verify_checksums
+        )
         # The layouts whose owned tensors were loaded, and how many those are (no name twice: the
         # duplicate rule holds across buckets), so a commit checks a count, not 399 names.
         self._loaded_layouts: list[BucketLayout] = []
-        # Tensors filled by slices buckets (every trainer rank a source), which have no layout.
-        self._slice_names: set[str] = set()
+        # Tensors filled by buckets their importer loads itself, which have no layout.
+        self._filled_names: set[str] = set()
         # What the acked buckets loaded: the result's counts, the commit's check, a failure's outcome.
         self.tally = UpdateTally()
         self._loaded_any = False
@@ -229,10 +227,11 @@ class Update:
         return ack
 
     def _bucket(self, msg: pb.Bucket) -> pb.BucketAck:
-        if is_slices_bucket(msg):
-            return self._slices_bucket(msg)
+        filler = self._filler(msg)
+        if filler is not None:
+            return self._filled_bucket(msg, filler)
         payloads = list(msg.payloads)
-        layout, checksum = self._accept(msg, payloads)
+        layout, checksum = self._accepted.layout(msg, payloads)
         ack = pb.BucketAck(index=msg.index, tensors_skipped=len(layout.specs) - len(layout.owned))
         # Every payload's label and handle are checked, also those this worker does not select and
         # in a bucket it owns nothing of: a malformed bucket is malformed for everyone.
@@ -253,102 +252,33 @@ class Update:
         ack.bytes_received = loaded.received
         return ack
 
-    def _slices_bucket(self, msg: pb.Bucket) -> pb.BucketAck:
-        self._take_index(msg)
+    def _filler(self, msg: pb.Bucket) -> FillsModel | None:
+        """The importer that loads this bucket itself, if one of its payloads' importers says so."""
+        for payload in msg.payloads:
+            importer = self._ctx.importers.get(payload.WhichOneof("handle") or "")
+            if has_capability(importer, FillsModel) and cast(FillsModel, importer).fills_model(payload):
+                return cast(FillsModel, importer)
+        return None
+
+    def _filled_bucket(self, msg: pb.Bucket, filler: FillsModel) -> pb.BucketAck:
+        self._accepted.take_index(msg)
         ctx = self._ctx
 
         def will_write() -> None:
             self._loaded_any = True
 
-        ack, names = load_slices(
+        ack, names = fill_bucket(
             msg,
+            filler,
             adapter=ctx.adapter,
             manifest=ctx.manifest,
             own_device=ctx.own_device,
-            importers=ctx.importers,
-            names_seen=self._names_seen,
-            max_tensors=MAX_TENSORS_PER_UPDATE,
+            accept_names=self._accepted.take_names,
             will_write=will_write,
             call_ended=self._rpc_ended,
         )
-        self._names_seen |= names
-        self._slice_names |= names
+        self._filled_names |= names
         return ack
-
-    def _take_index(self, msg: pb.Bucket) -> None:
-        if msg.index < 0:
-            raise WeightwireError(Reason.MALFORMED_STREAM, f"bucket index {msg.index} is negative")
-        if msg.index in self._bucket_indices:
-            raise WeightwireError(
-                Reason.DUPLICATE_BUCKET,
-                f"bucket {msg.index} arrived twice in this update",
-                bucket=str(msg.index),
-            )
-        if len(self._bucket_indices) >= MAX_BUCKETS_PER_UPDATE:
-            raise WeightwireError(
-                Reason.MALFORMED_STREAM, f"more than {MAX_BUCKETS_PER_UPDATE} buckets in one update"
-            )
-        self._bucket_indices.add(msg.index)
-
-    def _accept(self, msg: pb.Bucket, payloads: list[pb.Payload]) -> tuple[BucketLayout, int | None]:
-        """Structure and ownership: bucket index, the layout (remembered or checked now), names
-        across buckets, checksum fields. Nothing is opened yet. Returns the layout and the
-        checksum to verify (None: none asked for)."""
-        self._take_index(msg)
-        # The count first, before any work per spec (serializing, keying or checking a bucket of
-        # 2^20 specs takes seconds of CPU): the limit is known from the message's length alone.
-        if len(msg.tensors) > MAX_TENSORS_PER_UPDATE - len(self._names_seen):
-            raise WeightwireError(
-                Reason.MALFORMED_STREAM,
-                f"bucket {msg.index} describes {len(msg.tensors)} tensors; with the {len(self._names_seen)} before it "
-                f"that is more than {MAX_TENSORS_PER_UPDATE} tensor specs in one update",
-                bucket=str(msg.index),
-            )
-        fingerprint = self._ctx.manifest.fingerprint
-        # A trainer sends byte-identical bucket messages every update (same specs, same reused
-        # handles): their serialization finds the layout faster than ``layout_key`` builds its key.
-        # Not with a checksum (new every update) or inline bytes (too large to serialize again).
-        message = b""
-        if not msg.HasField("checksum") and not any(p.HasField("inline_data") for p in payloads):
-            message = msg.SerializeToString()
-        layout = self._ctx.layouts.get_message(message, fingerprint) if message else None
-        if layout is None:
-            key = (layout_key(msg, payloads), fingerprint)
-            layout = self._ctx.layouts.get(key)
-            if layout is None:
-                specs = check_structure(msg, payloads, self._names_seen)
-                # The checksum's own checks come next in the rule order; they depend on the header,
-                # so they run per update too, but a bad checksum field must still win over ownership.
-                self._checked_checksum(msg)
-                layout = BucketLayout.of(specs, check_ownership(specs, self._ctx.manifest))
-                self._ctx.layouts.put(key, layout)
-            if message:
-                self._ctx.layouts.put_message(message, fingerprint, key)
-        repeated = layout.first_seen(self._names_seen)
-        if repeated is not None:
-            raise duplicate_tensor(repeated)
-        checksum = self._checked_checksum(msg)
-        if len(self._names_seen) + len(layout.names) > MAX_TENSORS_PER_UPDATE:
-            raise WeightwireError(
-                Reason.MALFORMED_STREAM, f"more than {MAX_TENSORS_PER_UPDATE} tensor specs in one update"
-            )
-        self._names_seen |= layout.names
-        return layout, checksum
-
-    def _checked_checksum(self, msg: pb.Bucket) -> int | None:
-        if not self.header.verify_checksums or not msg.HasField("checksum"):
-            return None
-        if msg.checksum.algorithm != pb.CHECKSUM_ALGORITHM_CRC32:
-            raise WeightwireError(
-                Reason.INVALID_CHECKSUM,
-                f"bucket {msg.index}: checksum algorithm {msg.checksum.algorithm} is unspecified or unknown; use CHECKSUM_ALGORITHM_CRC32",
-            )
-        if not 0 <= msg.checksum.value < 2**32:
-            raise WeightwireError(
-                Reason.INVALID_CHECKSUM,
-                f"bucket {msg.index}: CRC-32 value {msg.checksum.value} is out of range",
-            )
-        return msg.checksum.value
 
     def _select(self, payloads: Sequence[pb.Payload]) -> tuple[Selection, PayloadImporter]:
         """The payload of this worker's own device, and the importer for its handle."""
@@ -486,7 +416,7 @@ class Update:
             raise self.fail(err) from None
 
     def _commit(self, msg: pb.UpdateCommit) -> pb.UpdateResult:
-        received = len(self._bucket_indices)
+        received = len(self._accepted.indices)
         if msg.bucket_count != received:
             raise WeightwireError(
                 Reason.BUCKET_COUNT_MISMATCH,
@@ -498,7 +428,7 @@ class Update:
         if self.header.scope == pb.UPDATE_SCOPE_FULL and self.tally.tensors_loaded < len(manifest.tensors):
             loaded = {
                 name for layout in self._loaded_layouts for name in layout.owned_names
-            } | self._slice_names
+            } | self._filled_names
             missing = sorted(set(manifest.tensors) - loaded)
             if missing:
                 raise WeightwireError(
@@ -542,7 +472,7 @@ class Update:
             version=self.version,
             previous_version=self.previous_version,
             scope=self.header.scope,
-            bucket_count=len(self._bucket_indices),
+            bucket_count=len(self._accepted.indices),
             tensors_loaded=self.tally.tensors_loaded,
             bytes_loaded=self.tally.bytes_loaded,
             handles_opened=self.tally.handles_opened,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from helpers import header, push
-from weightwire.server.worker.update import MAX_TENSORS_PER_UPDATE
+from weightwire.server.worker.accepted import MAX_TENSORS_PER_UPDATE
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 from .common import CHANNEL_OPTIONS

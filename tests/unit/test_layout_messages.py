@@ -81,12 +81,12 @@ def _shm_bucket(
 
 
 def test_repeated_messages_load_new_contents_and_keep_every_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    from weightwire.server.worker import update as update_module
+    from weightwire.server.worker import accepted as accepted_module
 
     keyed: list[int] = []
-    full_key = update_module.layout_key
+    full_key = accepted_module.layout_key
     monkeypatch.setattr(
-        update_module,
+        accepted_module,
         "layout_key",
         lambda msg, payloads: (keyed.append(msg.index), full_key(msg, payloads))[1],
     )

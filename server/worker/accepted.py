@@ -1,0 +1,145 @@
+"""What one update accepted so far, and the rules that accept one more bucket into it.
+
+``weightwire.server.worker.update.Update`` keeps one ``Accepted``: the bucket indices (none twice, a
+bounded count) and the tensor names (none twice across buckets, a bounded count) its buckets
+brought, whichever way each bucket loads. A bucket with tensor specs is accepted by ``layout``: its
+layout from the worker's ``LayoutCache`` or the checks of ``weightwire.server.rules.layout``, then its
+checksum fields; a bucket its importer fills straight into the model by ``take_names``. The commit
+reads the count of buckets from here. Nothing is opened in here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.manifest import ShardManifest
+from weightwire.server.rules.layout import (
+    BucketLayout,
+    LayoutCache,
+    check_ownership,
+    check_structure,
+    duplicate_tensor,
+    layout_key,
+)
+from weightwire.server.transports.importer import PayloadImporter
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+__all__ = ["MAX_BUCKETS_PER_UPDATE", "MAX_TENSORS_PER_UPDATE", "Accepted"]
+
+# What one update may accumulate (names are kept to refuse duplicates); far above any model's.
+MAX_BUCKETS_PER_UPDATE = 1 << 20
+MAX_TENSORS_PER_UPDATE = 1 << 20
+
+
+class Accepted:
+    """The buckets and tensor names of one update so far (``indices``, ``names``)."""
+
+    def __init__(
+        self,
+        manifest: ShardManifest,
+        layouts: LayoutCache,
+        importers: Mapping[str, PayloadImporter],
+        *,
+        verify_checksums: bool,
+    ) -> None:
+        self._manifest = manifest
+        self._layouts = layouts
+        self._importers = importers
+        self._verify_checksums = verify_checksums
+        self.indices: set[int] = set()
+        self.names: set[str] = set()
+
+    def take_index(self, msg: pb.Bucket) -> None:
+        if msg.index < 0:
+            raise WeightwireError(Reason.MALFORMED_STREAM, f"bucket index {msg.index} is negative")
+        if msg.index in self.indices:
+            raise WeightwireError(
+                Reason.DUPLICATE_BUCKET,
+                f"bucket {msg.index} arrived twice in this update",
+                bucket=str(msg.index),
+            )
+        if len(self.indices) >= MAX_BUCKETS_PER_UPDATE:
+            raise WeightwireError(
+                Reason.MALFORMED_STREAM, f"more than {MAX_BUCKETS_PER_UPDATE} buckets in one update"
+            )
+        self.indices.add(msg.index)
+
+    def take_names(self, names: frozenset[str]) -> None:
+        """The names a bucket without specs fills: none seen before, the count bounded."""
+        repeated = sorted(names & self.names)
+        if repeated:
+            raise duplicate_tensor(repeated[0])
+        if len(self.names) + len(names) > MAX_TENSORS_PER_UPDATE:
+            raise WeightwireError(
+                Reason.MALFORMED_STREAM, f"more than {MAX_TENSORS_PER_UPDATE} tensors in one update"
+            )
+        self.names |= names
+
+    def _carries_bytes(self, payloads: Sequence[pb.Payload]) -> bool:
+        for p in payloads:
+            importer = self._importers.get(p.WhichOneof("handle") or "")
+            if importer is not None and importer.bytes_in_message:
+                return True
+        return False
+
+    def layout(self, msg: pb.Bucket, payloads: list[pb.Payload]) -> tuple[BucketLayout, int | None]:
+        """Structure and ownership: bucket index, the layout (remembered or checked now), names
+        across buckets, checksum fields. Nothing is opened yet. Returns the layout and the
+        checksum to verify (None: none asked for)."""
+        self.take_index(msg)
+        # The count first, before any work per spec (serializing, keying or checking a bucket of
+        # 2^20 specs takes seconds of CPU): the limit is known from the message's length alone.
+        if len(msg.tensors) > MAX_TENSORS_PER_UPDATE - len(self.names):
+            raise WeightwireError(
+                Reason.MALFORMED_STREAM,
+                f"bucket {msg.index} describes {len(msg.tensors)} tensors; with the {len(self.names)} before it "
+                f"that is more than {MAX_TENSORS_PER_UPDATE} tensor specs in one update",
+                bucket=str(msg.index),
+            )
+        fingerprint = self._manifest.fingerprint
+        # A trainer sends byte-identical bucket messages every update (same specs, same reused
+        # handles): their serialization finds the layout faster than ``layout_key`` builds its key.
+        # Not with a checksum (new every update) or bytes in the message (too large to serialize again).
+        message = b""
+        if not msg.HasField("checksum") and not self._carries_bytes(payloads):
+            message = msg.SerializeToString()
+        layout = self._layouts.get_message(message, fingerprint) if message else None
+        if layout is None:
+            key = (layout_key(msg, payloads), fingerprint)
+            layout = self._layouts.get(key)
+            if layout is None:
+                specs = check_structure(msg, payloads, self.names)
+                # The checksum's own checks come next in the rule order; they depend on the header,
+                # so they run per update too, but a bad checksum field must still win over ownership.
+                self.checksum(msg)
+                layout = BucketLayout.of(specs, check_ownership(specs, self._manifest))
+                self._layouts.put(key, layout)
+            if message:
+                self._layouts.put_message(message, fingerprint, key)
+        repeated = layout.first_seen(self.names)
+        if repeated is not None:
+            raise duplicate_tensor(repeated)
+        checksum = self.checksum(msg)
+        if len(self.names) + len(layout.names) > MAX_TENSORS_PER_UPDATE:
+            raise WeightwireError(
+                Reason.MALFORMED_STREAM, f"more than {MAX_TENSORS_PER_UPDATE} tensor specs in one update"
+            )
+        self.names |= layout.names
+        return layout, checksum
+
+    def checksum(self, msg: pb.Bucket) -> int | None:
+        """The CRC-32 to verify for ``msg`` (None: none asked for), its fields checked."""
+        if not self._verify_checksums or not msg.HasField("checksum"):
+            return None
+        if msg.checksum.algorithm != pb.CHECKSUM_ALGORITHM_CRC32:
+            raise WeightwireError(
+                Reason.INVALID_CHECKSUM,
+                f"bucket {msg.index}: checksum algorithm {msg.checksum.algorithm} is unspecified or unknown; use CHECKSUM_ALGORITHM_CRC32",
+            )
+        if not 0 <= msg.checksum.value < 2**32:
+            raise WeightwireError(
+                Reason.INVALID_CHECKSUM,
+                f"bucket {msg.index}: CRC-32 value {msg.checksum.value} is out of range",
+            )
+        return msg.checksum.value

@@ -1,0 +1,89 @@
+"""A bucket its importer loads itself (``FillsModel``): the update's rules for it, and its receive
+straight into the tensors the engine keeps. Today that is a transfer group's bucket whose every
+trainer rank is a source (``TRANSFER_MODE_SLICES``).
+
+Such a bucket carries no tensor specs; its one payload (labelled with this worker's device) says
+what it fills, which the importer checks against the manifest (``plan_fill``). The tensors it fills
+count as loaded for the update's rules (no name twice in an update, a FULL update delivers every
+owned tensor), and the bytes land in the model as they arrive, so a failure after the receive began
+leaves the worker INCONSISTENT.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from weightwire.core.capabilities import has_capability
+from weightwire.core.devices import DeviceRef
+from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.manifest import ShardManifest
+from weightwire.server.rules.selection import select_own_payload
+from weightwire.server.transports.importer import FillsModel
+from weightwire.server.worker.adapter import EngineAdapter, KeepsTensors
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+__all__ = ["fill_bucket"]
+
+
+def fill_bucket(
+    msg: pb.Bucket,
+    importer: FillsModel,
+    *,
+    adapter: EngineAdapter,
+    manifest: ShardManifest,
+    own_device: DeviceRef,
+    accept_names: Callable[[frozenset[str]], None],
+    will_write: Callable[[], None],
+    call_ended: threading.Event | None = None,
+) -> tuple[pb.BucketAck, frozenset[str]]:
+    """Check the bucket, have ``importer`` receive it into the adapter's kept tensors, return the
+    ack (after the bytes are in the model) and the names it filled (``accept_names`` took them). Once ``call_ended`` is set (the
+    update's call was cancelled or passed its deadline) every wait of the receive stops: CANCELLED."""
+    if msg.tensors or len(msg.payloads) != 1:
+        raise WeightwireError(
+            Reason.MALFORMED_STREAM,
+            f"bucket {msg.index}: a bucket filled straight into the model carries no tensor specs and exactly "
+            f"one payload (it has {len(msg.tensors)} specs, {len(msg.payloads)} payloads)",
+            bucket=str(msg.index),
+        )
+    sel = select_own_payload(msg.payloads, own_device)
+    if not has_capability(adapter, KeepsTensors):
+        raise WeightwireError(
+            Reason.TRANSPORT_UNAVAILABLE,
+            "this worker does not receive slices (its manifest has receives_slices false): its engine adapter "
+            "does not expose the tensors it keeps; push from one trainer rank instead",
+            transport=importer.field_name,
+        )
+    plan = importer.plan_fill(sel.payload, manifest)
+    # No name twice in the update, a bounded count (``Accepted.take_names``), before anything waits.
+    accept_names(plan.names)
+    kept = cast(KeepsTensors, adapter).kept_tensors()
+    t0 = time.perf_counter_ns()
+    try:
+        # A plan refused by the group (GROUP_PLAN_MISMATCH) wrote nothing: the worker keeps its state.
+        received = importer.fill(sel.payload, plan, kept, manifest, will_write, call_ended)
+        if any(kept[n].is_cuda for n in plan.names):
+            # NCCL receives complete on the stream; the ack promises the bytes are in the model.
+            torch.cuda.synchronize()
+    except WeightwireError:
+        raise
+    except Exception as e:
+        raise WeightwireError(
+            Reason.LOAD_FAILED,
+            f"receiving the slices of bucket {msg.index} failed: {e!r}",
+            bucket=str(msg.index),
+        ) from e
+    ack = pb.BucketAck(
+        index=msg.index,
+        tensors_loaded=len(plan.names),
+        bytes_loaded=received,
+        bytes_received=received,
+        transport=importer.transport,
+        load_duration_ns=time.perf_counter_ns() - t0,
+    )
+    ack.source_device.CopyFrom(sel.device.to_proto())
+    return ack, plan.names
