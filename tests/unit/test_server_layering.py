@@ -1,0 +1,157 @@
+"""The worker's folders, and ``weightwire.core`` below them, are layers: none imports a folder that
+imports it back, ``core`` imports nothing of ``server``, and no two modules import each other,
+directly or around a circle.
+
+The graph is read from the source with ``ast`` (every ``import`` statement, those inside functions
+and under ``TYPE_CHECKING`` included), not from a hand-kept list, so a new module or import is
+checked the day it lands. ``from package import module`` counts as an import of that module. A
+folder is a directory of modules (``server/rules``); the modules directly in ``server/`` or
+``core/`` are that package's own folder.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import pathlib
+
+_REPO = pathlib.Path(__file__).resolve().parents[2]
+_PACKAGES = {"weightwire.server": _REPO / "server", "weightwire.core": _REPO / "core"}
+# The one folder loop left, core's own modules <-> core/transports: ``core/manifest.py`` reads the
+# transport table (``core/transports/table.py``) for a host worker's transports. Listed so that
+# nothing else joins it; the test fails once it is gone, so that this line goes with it.
+_KNOWN_FOLDER_EDGES = {("weightwire.core.manifest", "weightwire.core.transports.table")}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for root, folder in _PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join([root, *parts])] = path
+    return mods
+
+
+def _imports(name: str, path: pathlib.Path, mods: dict[str, pathlib.Path]) -> set[str]:
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                found.add(sub if sub in mods else source)
+    return {m for m in found if m in mods and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {name: _imports(name, path, mods) for name, path in mods.items()}
+
+
+def _folder(module: str, mods: dict[str, pathlib.Path]) -> str:
+    """The folder a module lives in, as a path (``server/rules``; ``server`` for ``server/cli.py``)."""
+    # A package's ``__init__`` lives in the folder it names, as every other module in its own.
+    return mods[module].parent.relative_to(_REPO).as_posix()
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _folder_edges(edges: dict[str, set[str]]) -> dict[str, dict[str, list[tuple[str, str]]]]:
+    """folder -> folder it imports -> the module pairs behind that edge (the known one left out)."""
+    mods = _modules()
+    by_folder: dict[str, dict[str, list[tuple[str, str]]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list)
+    )
+    for a, targets in edges.items():
+        for b in targets:
+            fa, fb = _folder(a, mods), _folder(b, mods)
+            if fa != fb and (a, b) not in _KNOWN_FOLDER_EDGES:
+                by_folder[fa][fb].append((a, b))
+    return by_folder
+
+
+def test_the_worker_and_core_folders_import_each_other_in_one_direction_only() -> None:
+    edges = _graph()
+    by_folder = _folder_edges(edges)
+    loops = _circles({a: set(bs) for a, bs in by_folder.items()})
+    detail = [
+        f"{x} -> {y}"
+        for loop in loops
+        for a in loop
+        for b in loop
+        if b in by_folder.get(a, {})
+        for x, y in by_folder[a][b]
+    ]
+    assert not loops, f"folders importing each other: {loops}\n" + "\n".join(sorted(detail))
+    # The walk saw the layers: the worker above the transports above the rules above core.
+    assert {"server/transports", "server/rules", "server/observe", "core"} <= set(by_folder["server/worker"])
+    assert {"server/rules", "core/transports"} <= set(by_folder["server/transports"])
+    assert {"server/worker", "server/transports"} <= set(by_folder["server/rpc"])
+    for a, b in _KNOWN_FOLDER_EDGES:
+        assert b in edges[a], f"{a} no longer imports {b}: drop it from _KNOWN_FOLDER_EDGES"
+
+
+def test_core_imports_nothing_of_the_worker() -> None:
+    leaks = sorted(
+        f"{a} -> {b}"
+        for a, targets in _graph().items()
+        if a.startswith("weightwire.core")
+        for b in targets
+        if b.startswith("weightwire.server")
+    )
+    assert not leaks, leaks
+
+
+def test_no_module_of_the_worker_or_core_is_part_of_an_import_circle() -> None:
+    edges = _graph()
+    assert len(edges) >= 60, sorted(edges)
+    circles = _circles(edges)
+    assert not circles, f"modules importing each other (directly or around a circle): {circles}"
+
+
+def test_the_walk_finds_a_folder_loop_when_there_is_one() -> None:
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(edges) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
