@@ -49,7 +49,7 @@ from rig import (
     reset_counters,
 )
 from weightwire.adapters.torch import shard_tensor
-from weightwire.client.push.plan import pack_into, plan_buckets
+from weightwire.client.inputs.plan import pack_into, plan_buckets
 from weightwire.client.push.pusher import WeightPusher
 from weightwire.core.manifest import ParallelRank
 

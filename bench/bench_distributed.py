@@ -213,7 +213,7 @@ class BareGroup:
 
 def bucket_buffers(tensors: list[torch.Tensor], names: list[str], bucket_bytes: int) -> list[torch.Tensor]:
     """The same buckets the pusher plans (same sizes), packed once, for the limits."""
-    from weightwire.client.push import plan as planning
+    from weightwire.client.inputs import plan as planning
 
     specs = [planning.TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in zip(names, tensors, strict=True)]
     owners = {n: ("w",) for n in names}

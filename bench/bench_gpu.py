@@ -71,8 +71,8 @@ from rig import (
     parse_size,
     reset_counters,
 )
-from weightwire.client.push import plan as ww_plan
-from weightwire.client.push.plan import TensorSpec, pack_into, plan_buckets
+from weightwire.client.inputs import plan as ww_plan
+from weightwire.client.inputs.plan import TensorSpec, pack_into, plan_buckets
 from weightwire.client.push.pusher import GatheredBucket, WeightPusher
 
 # ---------------------------------------------------------------------------------------------
@@ -864,7 +864,7 @@ def pack_by_copies() -> Any:
 def force_packing() -> Any:
     """Bench only: ``push`` packs GPU tensors into staging buffers even for workers that read them
     where they live (what the packed cases measure)."""
-    from weightwire.client.push import jobs
+    from weightwire.client.update import jobs
 
     original = jobs.exports_in_place
     jobs.exports_in_place = lambda *a, **k: False  # type: ignore[assignment]

@@ -30,7 +30,7 @@ import models
 from common import MiB
 from rig import parse_size
 from weightwire.adapters.torch import DEFAULT_GROUP_COPY_MAX_BYTES, TorchAdapter
-from weightwire.client.push.plan import layout_flat, pack_into
+from weightwire.client.inputs.plan import layout_flat, pack_into
 from weightwire.core.devices import DeviceRef
 from weightwire.core.manifest import ParallelRank
 

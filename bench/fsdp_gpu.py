@@ -207,7 +207,7 @@ def benchmark(device: str, preset: str, reps: int, out: dict[str, Any], log_dir:
                     one(variant)
             # Where the difference goes: the one-rank conversion push() runs on the DTensors (to_local
             # of each, checked whole), timed alone in this process.
-            from weightwire.client.ranks.dtensor_gather import named_items, single_rank_items
+            from weightwire.client.inputs.dtensor_gather import named_items, single_rank_items
 
             conversions: list[float] = []
             for _ in range(max(reps, 5)):

@@ -18,8 +18,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models
 from common import GiB, MiB, now
-from weightwire.client.push import plan as ww_plan
-from weightwire.client.push.plan import TensorSpec, layout_flat, pack_into
+from weightwire.client.inputs import plan as ww_plan
+from weightwire.client.inputs.plan import TensorSpec, layout_flat, pack_into
 from weightwire.client.push.pusher import FlatBucket
 from weightwire.client.transports import exporter as ww_exporters
 

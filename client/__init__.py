@@ -33,14 +33,15 @@ __all__ = [
 
 if TYPE_CHECKING:
     from weightwire.client.cli.progress import PushProgressBar
-    from weightwire.client.observe.trainer_metrics import TrainerMetrics
-    from weightwire.client.push.plan import (
+    from weightwire.client.inputs.dtensor_gather import RankLostError
+    from weightwire.client.inputs.plan import (
         PlanError,
         TensorSpec,
         layout_flat,
         pack_into,
         strip_wrapper_prefixes,
     )
+    from weightwire.client.observe.trainer_metrics import TrainerMetrics
     from weightwire.client.push.pusher import (
         FlatBucket,
         GatheredBucket,
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
         PushResult,
         WeightPusher,
     )
-    from weightwire.client.ranks.dtensor_gather import RankLostError
     from weightwire.client.transports.transfer_group import TransferGroupOptions
     from weightwire.core.errors import PushError, WeightwireError
     from weightwire.core.manifest import ParallelRank
@@ -61,20 +61,20 @@ _LAZY = {
     "FlatBucket": "weightwire.client.push.pusher",
     "GatheredBucket": "weightwire.client.push.pusher",
     "ParallelRank": "weightwire.core.manifest",
-    "PlanError": "weightwire.client.push.plan",
+    "PlanError": "weightwire.client.inputs.plan",
     "PushError": "weightwire.core.errors",
     "PushProgress": "weightwire.client.push.pusher",
     "PushProgressBar": "weightwire.client.cli.progress",
     "PushResult": "weightwire.client.push.pusher",
-    "RankLostError": "weightwire.client.ranks.dtensor_gather",
-    "TensorSpec": "weightwire.client.push.plan",
+    "RankLostError": "weightwire.client.inputs.dtensor_gather",
+    "TensorSpec": "weightwire.client.inputs.plan",
     "TrainerMetrics": "weightwire.client.observe.trainer_metrics",
     "TransferGroupOptions": "weightwire.client.transports.transfer_group",
     "WeightPusher": "weightwire.client.push.pusher",
     "WeightwireError": "weightwire.core.errors",
-    "layout_flat": "weightwire.client.push.plan",
-    "pack_into": "weightwire.client.push.plan",
-    "strip_wrapper_prefixes": "weightwire.client.push.plan",
+    "layout_flat": "weightwire.client.inputs.plan",
+    "pack_into": "weightwire.client.inputs.plan",
+    "strip_wrapper_prefixes": "weightwire.client.inputs.plan",
 }
 
 

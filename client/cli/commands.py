@@ -15,9 +15,10 @@ import datetime
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from weightwire.client.cli.tables import format_table, human_bytes, results_table, short_device
 from weightwire.core import cli_types
 from weightwire.core.errors import PushError, Reason, WeightwireError
 from weightwire.core.transports.table import names as transport_names
@@ -259,42 +260,6 @@ def _bad_input(err: BaseException) -> int:
     return 2
 
 
-# --------------------------------------------------------------------------------------------
-# Tables
-# --------------------------------------------------------------------------------------------
-
-
-def format_table(
-    headers: Sequence[str], rows: Sequence[Sequence[object]], *, right: Sequence[int] = ()
-) -> str:
-    """A plain-text table with a header rule; columns in ``right`` are right-aligned."""
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(
-            v.rjust(w) if i in right else v.ljust(w)
-            for i, (v, w) in enumerate(zip(values, widths, strict=True))
-        ).rstrip()
-
-    return "\n".join([line(list(headers)), line(["-" * w for w in widths]), *(line(r) for r in cells)])
-
-
-def short_device(kind: int, uuid: str) -> str:
-    from weightwire.v1 import weight_transfer_pb2 as pb
-
-    name = {pb.DEVICE_KIND_CUDA: "cuda", pb.DEVICE_KIND_HOST: "host"}.get(kind, "?")
-    return f"{name}:{uuid[:8]}"
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def _ranks(rank: Any) -> str:
     from weightwire.core.manifest import ParallelRank
 
@@ -312,7 +277,7 @@ def _ranks(rank: Any) -> str:
 def cmd_manifest(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf import json_format
-    from weightwire.client.push.rpc import Worker, call_metadata, error_from_rpc
+    from weightwire.client.rpc.calls import Worker, call_metadata, error_from_rpc
     from weightwire.core import dtypes
     from weightwire.core.transports import table as transport_table
     from weightwire.v1 import weight_transfer_pb2 as pb
@@ -379,7 +344,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     import grpc
     from google.protobuf import json_format
-    from weightwire.client.push.rpc import Worker, call_metadata, close_workers, error_from_rpc
+    from weightwire.client.rpc.calls import Worker, call_metadata, close_workers, error_from_rpc
     from weightwire.v1 import weight_transfer_pb2 as pb
 
     metadata = call_metadata(_token(args))
@@ -501,45 +466,6 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     return tensors
 
 
-# Below this many bytes a worker's update time is mostly per-call latency (planning, the streams'
-# round trips, the commit), so bytes / time says nothing about the link: the rate is left out.
-MIN_RATE_BYTES = 8 * _MB
-LATENCY_NOTE = (
-    f"GB/s: for shards of {MIN_RATE_BYTES // _MB} MiB or more; a smaller update is latency-bound (see ms)"
-)
-
-
-def rate(nbytes: int, gbps: float) -> str:
-    """A worker's GB/s for a table, or "-" where its update was too small to measure a rate."""
-    return f"{gbps:.2f}" if nbytes >= MIN_RATE_BYTES else "-"
-
-
-def results_table(results: Mapping[str, Any], manifests: Mapping[str, Any] | None = None) -> str:
-    rows = []
-    for addr, r in results.items():
-        owned = len(manifests[addr].tensors) if manifests else "-"
-        rows.append(
-            (
-                r.worker_id or addr,
-                r.version,
-                owned,
-                r.tensors_loaded,
-                r.buckets,
-                r.handles_opened,
-                human_bytes(r.bytes_loaded),
-                f"{r.duration_s * 1e3:.1f}",
-                rate(r.bytes_loaded, r.gbps),
-                r.transport,
-            )
-        )
-    table = format_table(
-        ("worker", "version", "owned", "loaded", "buckets", "handles", "bytes", "ms", "GB/s", "transport"),
-        rows,
-        right=(1, 2, 3, 4, 5, 6, 7, 8),
-    )
-    return table + ("\n" + LATENCY_NOTE if any(row[8] == "-" for row in rows) else "")
-
-
 def _cast_to(name: str | None) -> Any:
     if name is None:
         return None
@@ -549,7 +475,7 @@ def _cast_to(name: str | None) -> Any:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from weightwire.client.push.plan import PlanError
+    from weightwire.client.inputs.plan import PlanError
 
     try:
         tensors = load_checkpoint(args.checkpoint)

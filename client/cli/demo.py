@@ -219,8 +219,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace, workdir: str, workers: LocalWorkers, pusher_box: list[Any]) -> int:
     from weightwire.adapters.torch.demo import DemoConfig, expected_shard, full_checkpoint
-    from weightwire.client.cli.commands import LATENCY_NOTE, format_table, human_bytes, rate, short_device
-    from weightwire.client.push.plan import PlanError, TensorSpec, layout_flat, pack_into
+    from weightwire.client.cli.tables import LATENCY_NOTE, format_table, human_bytes, rate, short_device
+    from weightwire.client.inputs.plan import PlanError, TensorSpec, layout_flat, pack_into
     from weightwire.client.push.pusher import GatheredBucket, WeightPusher
     from weightwire.core.devices import DeviceRef
     from weightwire.core.errors import PushError

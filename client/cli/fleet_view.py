@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
-from weightwire.client.push.rpc import Worker, error_from_rpc
+from weightwire.client.rpc.calls import Worker, error_from_rpc
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -170,7 +170,7 @@ def fleet_table(statuses: Mapping[str, Status], *, title: str | None = None) -> 
 def fleet_text(statuses: Mapping[str, Status], *, title: str) -> str:
     """The same table as plain text, every column at its full width and nothing cut: for a pipe or
     a log, where there is no terminal width to fit and a reader wants the whole error."""
-    from weightwire.client.cli.commands import format_table
+    from weightwire.client.cli.tables import format_table
 
     return title + "\n" + format_table(COLUMNS, fleet_rows(statuses, cut=False), right=_RIGHT)
 

@@ -28,7 +28,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TransferSpeedColumn,
 )
-from weightwire.client.push.types import PushProgress
+from weightwire.client.inputs.types import PushProgress
 
 
 class PushProgressBar:

@@ -35,7 +35,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from weightwire.core.errors import Reason
 
 if TYPE_CHECKING:
-    from weightwire.client.push.stream import WorkerStream
+    from weightwire.client.rpc.stream import WorkerStream
     from weightwire.core.manifest import ShardManifest
 
 # A push of a small model over shm is a few milliseconds, a large one over a slow path minutes.

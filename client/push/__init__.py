@@ -1,1 +1,7 @@
-"""One update's lifecycle on the trainer: planning, jobs, staging, each worker's stream, the session that commits, blame, and the public types."""
+"""``WeightPusher`` (``pusher``): the trainer's entry point, which plans a push and hands it to one
+update (``weightwire.client.update``) or to the ranks (``weightwire.client.ranks``). The top layer
+of the client below the command line.
+
+``plan`` and ``jobs`` here are the modules of ``weightwire.client.inputs.plan`` and
+``weightwire.client.update.jobs`` under the paths they had before the client was layered.
+"""

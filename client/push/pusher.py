@@ -6,7 +6,7 @@ A trainer calls, in a few lines::
         results = pusher.push(model.named_parameters(), version=step)
 
 One update runs as: fetch (cached) manifests of every worker concurrently -> check names, dtypes,
-shapes and FULL coverage against them (``weightwire.client.push.plan``) -> re-check each worker's
+shapes and FULL coverage against them (``weightwire.client.inputs.plan``) -> re-check each worker's
 manifest fingerprint and instance id -> open one PushWeights stream per worker -> pack buckets into
 bounded staging buffers (double-buffered: bucket k+1 is packed while workers copy bucket k) and send
 each only to the workers that own something in it -> reuse a buffer only after every worker that
@@ -19,9 +19,9 @@ when the transport can, e.g. a buffer from ``host_buffer``) and ``push_gathered`
 several labelled payloads, e.g. one per trainer GPU after a gather; each worker picks its own).
 
 Each entry point is the same three steps: shared setup (manifests, the re-check on its way, the
-exporter) -> jobs (``weightwire.client.push.jobs``: planning checks, one job per bucket) -> one
-``weightwire.client.push.session.UpdateSession`` that streams them and blames failures
-(``weightwire.client.push.blame``).
+exporter) -> jobs (``weightwire.client.update.jobs``: planning checks, one job per bucket) -> one
+``weightwire.client.update.session.UpdateSession`` that streams them and blames failures
+(``weightwire.client.update.blame``).
 """
 
 from __future__ import annotations
@@ -35,25 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
-from weightwire.client.push import jobs as job_builders
-from weightwire.client.push import plan as planning
-from weightwire.client.push.one_rank import OneRankItems
-from weightwire.client.push.options import PushOptions, scope_value
-from weightwire.client.push.routing import CheckedLayouts, flat_bytes, manifest_changes, route_own_device
-from weightwire.client.push.rpc import Worker, call_metadata, close_workers, collect_unary, start_unary
-from weightwire.client.push.session import CommitGate, SpecTemplates, UpdateSession, open_streams
-from weightwire.client.push.setup import PushSetup, recheck_needed, updating_workers
-from weightwire.client.push.staging import Staging, StagingPool
-from weightwire.client.push.stream import Connections, WorkerStream
-from weightwire.client.push.types import (
-    FlatBucket,
-    GatheredBucket,
-    ProgressFn,
-    PushProgress,
-    PushResult,
-    Scope,
-)
-from weightwire.client.ranks.dtensor_gather import (
+from weightwire.client.inputs import plan as planning
+from weightwire.client.inputs.dtensor_gather import (
     CastTo,
     check_cast_to,
     has_dtensors,
@@ -61,9 +44,26 @@ from weightwire.client.ranks.dtensor_gather import (
     named_items,
     source_device,
 )
+from weightwire.client.inputs.types import (
+    FlatBucket,
+    GatheredBucket,
+    ProgressFn,
+    PushProgress,
+    PushResult,
+    Scope,
+)
+from weightwire.client.rpc.calls import Worker, call_metadata, close_workers, collect_unary, start_unary
+from weightwire.client.rpc.stream import Connections, WorkerStream
 from weightwire.client.transports import exporter as exp
 from weightwire.client.transports.transfer_group import GroupExporter, TransferGroupOptions
 from weightwire.client.transports.transfer_group_link import GroupLink
+from weightwire.client.update import jobs as job_builders
+from weightwire.client.update.one_rank import OneRankItems
+from weightwire.client.update.options import PushOptions, scope_value
+from weightwire.client.update.routing import CheckedLayouts, flat_bytes, manifest_changes, route_own_device
+from weightwire.client.update.session import CommitGate, SpecTemplates, UpdateSession, open_streams
+from weightwire.client.update.setup import PushSetup, recheck_needed, updating_workers
+from weightwire.client.update.staging import Staging, StagingPool
 from weightwire.core.errors import PushError, Reason
 from weightwire.core.kept_threads import KeptThreads
 from weightwire.core.manifest import ShardManifest
@@ -71,7 +71,7 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:
     from weightwire.client.observe.trainer_metrics import TrainerMetrics
-    from weightwire.client.transports.transfer_group_sources import SourcesLink
+    from weightwire.client.ranks.transfer_group_sources import SourcesLink
 
 
 def _close_all(staging: Staging, workers: list[Worker], readers: KeptThreads) -> None:
@@ -227,7 +227,7 @@ class WeightPusher:
         self, items: list[tuple[str, torch.Tensor]], options: PushOptions, group: Any
     ) -> dict[str, PushResult]:
         from weightwire.client.ranks.slice_push import push_slices
-        from weightwire.client.transports.transfer_group_sources import SourcesLink
+        from weightwire.client.ranks.transfer_group_sources import SourcesLink
 
         assert self._group is not None
         if self._sources is None:
@@ -384,7 +384,7 @@ class WeightPusher:
             if single is not None:
                 items, group, ranked = single, None, False
         if ranked:
-            from weightwire.client.ranks.dtensor_gather import default_group
+            from weightwire.client.inputs.dtensor_gather import default_group
 
             if self._group is not None:
                 # Every trainer rank a source, every worker receiving only its slices.
@@ -392,7 +392,7 @@ class WeightPusher:
             from weightwire.client.ranks import collective_push
 
             return collective_push.push_from_ranks(
-                self,
+                RankedPushDriver(self),
                 items,
                 options,
                 group=group if group is not None else default_group(items),
@@ -607,6 +607,11 @@ class RankedPushDriver:
 
     def __init__(self, pusher: WeightPusher) -> None:
         self._pusher = pusher
+        self.endpoints: Sequence[str] = pusher.endpoints
+        self.timeout_s = pusher.timeout_s
+        self.pipeline_depth = pusher.pipeline_depth
+        self.bucket_size_bytes = pusher.bucket_size_bytes
+        self.align_bytes = pusher.align_bytes
 
     def prepare(self, source: torch.device, options: PushOptions) -> tuple[PushSetup, exp.Exporter]:
         pusher = self._pusher

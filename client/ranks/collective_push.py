@@ -9,7 +9,7 @@ Every rank then runs, in the same order (``weightwire.client.ranks.rank_agreemen
    workers' fingerprints re-checked), then ``agree``: any rank that could not plan, or any
    difference between the ranks' updates, fails the update on every rank before a byte moves;
 2. one global bucket plan, the same on every rank. For each bucket, in order, every rank takes part
-   in gathering its tensors' full values (``weightwire.client.ranks.dtensor_gather``); the ranks that pack
+   in gathering its tensors' full values (``weightwire.client.inputs.dtensor_gather``); the ranks that pack
    the bucket write them straight into a staging buffer, then all ranks exchange a flag (and, in the
    gathered routing, their exported payload) and stop together at the first bucket anyone is not
    fine with;
@@ -35,23 +35,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from weightwire.client.push import plan as planning
-from weightwire.client.push.jobs import Jobs
-from weightwire.client.push.plan import PlanError, TensorSpec
-from weightwire.client.push.pusher import RankedPushDriver
-from weightwire.client.push.routing import check_transport_limit
-from weightwire.client.push.session import GateProblem, SessionProblem
-from weightwire.client.push.staging import (
-    Job,
-    PreparedBucket,
-    StagingPool,
-    Stopped,
-    crc32_checksum,
-    export_staged,
-)
-from weightwire.client.push.types import PushResult
-from weightwire.client.ranks import rank_records
-from weightwire.client.ranks.dtensor_gather import (
+from weightwire.client.inputs import plan as planning
+from weightwire.client.inputs.dtensor_gather import (
     CastTo,
     FullTensorWriter,
     RankLostError,
@@ -59,6 +44,9 @@ from weightwire.client.ranks.dtensor_gather import (
     source_device,
     spec_of,
 )
+from weightwire.client.inputs.plan import PlanError, TensorSpec
+from weightwire.client.inputs.types import PushResult
+from weightwire.client.ranks import rank_records
 from weightwire.client.ranks.rank_agreement import (
     STEP_SLOT_BYTES,
     RankGroup,
@@ -70,15 +58,25 @@ from weightwire.client.ranks.rank_agreement import (
 )
 from weightwire.client.ranks.rank_records import PlanRecord, RankFailure, RankOutcome, RankResults, StopCause
 from weightwire.client.transports import exporter as exp
+from weightwire.client.transports.route import Job, PreparedBucket
+from weightwire.client.update.jobs import Jobs
+from weightwire.client.update.routing import check_transport_limit
+from weightwire.client.update.session import GateProblem, SessionProblem
+from weightwire.client.update.staging import (
+    StagingPool,
+    Stopped,
+    crc32_checksum,
+    export_staged,
+)
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import PushError, Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:
-    from weightwire.client.push.options import PushOptions
-    from weightwire.client.push.pusher import WeightPusher
-    from weightwire.client.push.setup import PushSetup
+    from weightwire.client.ranks.pusher_seam import PusherSeam
+    from weightwire.client.update.options import PushOptions
+    from weightwire.client.update.setup import PushSetup
 
 Routing = Literal["own_device", "gathered"]
 ROUTINGS: tuple[str, ...] = ("own_device", "gathered")
@@ -111,7 +109,7 @@ class _RankedUpdate:
 
     def __init__(
         self,
-        pusher: WeightPusher,
+        driver: PusherSeam,
         items: list[tuple[str, torch.Tensor]],
         options: PushOptions,
         *,
@@ -121,19 +119,18 @@ class _RankedUpdate:
     ) -> None:
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {routing!r}")
-        self.pusher = pusher
-        self.driver = RankedPushDriver(pusher)
+        self.driver = driver
         self.items = items
         self.options = options
         self.routing = routing
         self.sender_rank = int(sender_rank)
         self.cast_to: CastTo = options.cast_to
-        self.ranks = RankGroup(group, pusher.timeout_s + _GROUP_GRACE_S)
+        self.ranks = RankGroup(group, driver.timeout_s + _GROUP_GRACE_S)
         if not 0 <= self.sender_rank < self.ranks.size:
             raise ValueError(f"sender_rank={sender_rank} is not a rank of a group of {self.ranks.size}")
         self.me = self.ranks.rank
-        self.writer = FullTensorWriter(pusher.timeout_s + _GROUP_GRACE_S)
-        self.depth = max(2, pusher.pipeline_depth)
+        self.writer = FullTensorWriter(driver.timeout_s + _GROUP_GRACE_S)
+        self.depth = max(2, driver.pipeline_depth)
         # Lockstep state: the next bucket every rank gathers, whether everyone stopped early, and why
         # this rank is not fine (a local error, or its session failed).
         self.next_bucket = 0
@@ -150,7 +147,7 @@ class _RankedUpdate:
     # ---------------------------------------------------------------- 1. plan and agree
 
     def run(self) -> dict[str, PushResult]:
-        pusher, opts = self.pusher, self.options
+        driver, opts = self.driver, self.options
         local_error: Exception | None = None
         specs: list[TensorSpec] = []
         manifests: dict[str, ShardManifest] = {}
@@ -177,11 +174,11 @@ class _RankedUpdate:
                 sender_rank=self.sender_rank,
                 specs=specs,
                 layouts=[_layout_text(t) for _, t in self.items],
-                endpoints=pusher.endpoints,
+                endpoints=driver.endpoints,
                 fingerprints=self.driver.fingerprints,
                 settings={
-                    "bucket": pusher.bucket_size_bytes,
-                    "align": pusher.align_bytes,
+                    "bucket": driver.bucket_size_bytes,
+                    "align": driver.align_bytes,
                     "depth": self.depth,
                     "transport": exporter.name,
                     "allow_unowned": opts.allow_unowned,
@@ -233,11 +230,11 @@ class _RankedUpdate:
     ) -> dict[str, PushResult]:
         # Everything up to the first collective below is computed from what every rank agreed on, so
         # a refusal here happens on every rank alike.
-        pusher = self.pusher
+        driver = self.driver
         missing = unplaced_workers(manifests, labels, self.routing)
         if missing:
             raise PlanError(Reason.NO_PAYLOAD_FOR_DEVICE, missing)
-        bucket_bytes = pusher.bucket_size_bytes
+        bucket_bytes = driver.bucket_size_bytes
         if exporter.bucket_bytes_limit is not None:
             bucket_bytes = min(bucket_bytes, exporter.bucket_bytes_limit)
         kept = [(s, t) for s, (_, t) in zip(specs, items, strict=True) if s.name not in unknown]
@@ -245,7 +242,7 @@ class _RankedUpdate:
             [s for s, _ in kept],
             planning.owners_by_name(manifests),
             bucket_bytes=bucket_bytes,
-            align_bytes=pusher.align_bytes,
+            align_bytes=driver.align_bytes,
         )
         check_transport_limit(exporter, [p.size_bytes for p in plans])
         self.buckets = [
@@ -324,7 +321,7 @@ class _RankedUpdate:
     def _advance(self, until: int) -> None:
         """Take part in every bucket before ``until`` that this rank does not stream itself."""
         while self.next_bucket < until and not self.stopped_all:
-            self._bucket_step(self.next_bucket, lambda: False, time.monotonic() + self.pusher.timeout_s)
+            self._bucket_step(self.next_bucket, lambda: False, time.monotonic() + self.driver.timeout_s)
 
     def _finish_lockstep(self) -> None:
         self._advance(len(self.buckets))
@@ -533,7 +530,7 @@ class _RankedUpdate:
                     Reason.TRAINER_RANK_FAILED, self.abort_reason or "aborted"
                 )
             raise PushError({**root, **cancelled}, dict(all_results))  # type: ignore[arg-type]
-        order = {a: i for i, a in enumerate(self.pusher.endpoints)}
+        order = {a: i for i, a in enumerate(self.driver.endpoints)}
         return dict(sorted(all_results.items(), key=lambda kv: order.get(kv[0], len(order))))
 
 
@@ -544,7 +541,7 @@ def _as_error(e: Exception) -> WeightwireError:
 
 
 def push_from_ranks(
-    pusher: WeightPusher,
+    driver: PusherSeam,
     items: list[tuple[str, torch.Tensor]],
     options: PushOptions,
     *,
@@ -554,7 +551,7 @@ def push_from_ranks(
 ) -> dict[str, PushResult]:
     """Run one multi-rank update from this rank (every rank of ``group`` calls it with the same
     arguments); every rank returns the same results or raises the same error."""
-    return _RankedUpdate(pusher, items, options, group=group, routing=routing, sender_rank=sender_rank).run()
+    return _RankedUpdate(driver, items, options, group=group, routing=routing, sender_rank=sender_rank).run()
 
 
 __all__ = ["ROUTINGS", "Routing", "push_from_ranks"]

@@ -27,9 +27,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from weightwire.client.push.plan import PlanError, TensorSpec
-from weightwire.client.push.types import PushResult
-from weightwire.client.ranks.dtensor_gather import RankLostError, all_gather_single
+from weightwire.client.inputs.dtensor_gather import RankLostError, all_gather_single
+from weightwire.client.inputs.plan import PlanError, TensorSpec
+from weightwire.client.inputs.types import PushResult
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest

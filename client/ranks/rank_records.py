@@ -16,7 +16,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from weightwire.client.push.types import PushResult
+from weightwire.client.inputs.types import PushResult
 from weightwire.client.ranks.rank_agreement import (
     RankGroup,
     UpdateDigest,

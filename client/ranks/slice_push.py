@@ -31,16 +31,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from weightwire.client.push import plan as planning
-from weightwire.client.push.blame import collect_results
-from weightwire.client.push.plan import PlanError
-from weightwire.client.push.stream import Connections, WorkerStream, settle_cancelled
-from weightwire.client.push.types import PushProgress, PushResult
+from weightwire.client.inputs import plan as planning
+from weightwire.client.inputs.dtensor_gather import CastTo, is_dtensor, spec_of, target_dtype
+from weightwire.client.inputs.plan import PlanError
+from weightwire.client.inputs.types import PushProgress, PushResult
 from weightwire.client.ranks import rank_records
-from weightwire.client.ranks.dtensor_gather import CastTo, is_dtensor, spec_of, target_dtype
 from weightwire.client.ranks.rank_agreement import RankGroup, peer_failed
 from weightwire.client.ranks.rank_records import RankFailure, RankResults
-from weightwire.client.transports.transfer_group_sources import FormedSources, SourcesLink
+from weightwire.client.ranks.transfer_group_sources import FormedSources, SourcesLink
+from weightwire.client.rpc.stream import Connections, WorkerStream, settle_cancelled
+from weightwire.client.update.blame import collect_results
 from weightwire.core import dtypes
 from weightwire.core.errors import PushError, Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
@@ -57,7 +57,7 @@ from weightwire.core.transports.transfer_plan import TensorSpec as Holding
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:
-    from weightwire.client.push.options import PushOptions
+    from weightwire.client.update.options import PushOptions
 
 __all__ = ["holdings_of", "push_slices"]
 

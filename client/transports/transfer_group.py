@@ -6,15 +6,15 @@ plain memory on the device the backend sends from and routes each update over th
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from weightwire.client.push.plan import PlanError
-from weightwire.client.push.staging import Job
+from weightwire.client.inputs.plan import PlanError
 from weightwire.client.transports import exporter as exp
+from weightwire.client.transports.route import Job
+from weightwire.client.transports.transfer_group_options import TransferGroupOptions
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
@@ -27,51 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["GroupExporter", "TransferGroupOptions"]
 
 log = logging.getLogger(__name__)
-
-_BACKENDS = {"gloo": pb.TRANSFER_BACKEND_GLOO, "nccl": pb.TRANSFER_BACKEND_NCCL}
-
-
-@dataclasses.dataclass(frozen=True)
-class TransferGroupOptions:
-    """How a pusher forms its transfer group.
-
-    ``host``: this trainer's address on the network the workers reach; the rendezvous store and the
-    group's sockets listen only there. ``port``: the store's port (0 picks a free one). ``backend``:
-    ``"gloo"`` (CPU staging) or ``"nccl"`` (tensors and staging on GPUs). ``broadcast``: workers that
-    own the same tensors share one broadcast instead of receiving the same bytes one by one.
-    ``timeout_s``: deadline of forming and of every send and receive (default: the pusher's timeout).
-    ``trainer_rank``: this process's rank among the trainer's processes (only names it).
-    """
-
-    host: str
-    port: int = 0
-    backend: str = "gloo"
-    broadcast: bool = True
-    timeout_s: float | None = None
-    trainer_rank: int = 0
-
-    def __post_init__(self) -> None:
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, not {self.backend!r}")
-        if not self.host:
-            raise ValueError("TransferGroupOptions needs the host address the workers can reach")
-
-    @property
-    def backend_value(self) -> int:
-        return _BACKENDS[self.backend]
-
-    @property
-    def device(self) -> torch.device:
-        """Where the backend sends from: the current GPU for NCCL (asked at each use: a trainer may
-        select its GPU after building the pusher), the host for gloo."""
-        if self.backend_value == pb.TRANSFER_BACKEND_NCCL:
-            return (
-                torch.device("cuda", torch.cuda.current_device())
-                if torch.cuda.is_available()
-                else torch.device("cuda")
-            )
-        return torch.device("cpu")
-
 
 # --------------------------------------------------------------------------------------------
 # The exporter: staging buffers on the backend's device

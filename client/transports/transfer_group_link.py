@@ -24,10 +24,10 @@ from typing import Any
 
 import grpc
 import torch
-from weightwire.client.push.plan import TensorSpec
-from weightwire.client.push.rpc import Worker, error_from_rpc
-from weightwire.client.push.staging import Job, PreparedBucket
-from weightwire.client.transports.transfer_group import TransferGroupOptions
+from weightwire.client.inputs.plan import TensorSpec
+from weightwire.client.rpc.calls import Worker, error_from_rpc
+from weightwire.client.transports.route import Job, PreparedBucket
+from weightwire.client.transports.transfer_group_options import TransferGroupOptions
 from weightwire.client.transports.transfer_group_sends import (
     Segment,
     Sends,

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from weightwire.client.push.plan import TensorSpec
+from weightwire.client.inputs.plan import TensorSpec
 from weightwire.core.errors import WeightwireError
 from weightwire.core.transports.transfer_group import TransferGroup
 from weightwire.core.transports.whole_messages import announce, last_byte

@@ -83,7 +83,7 @@ def test_cast_to_takes_only_its_names(capsys: pytest.CaptureFixture[str]) -> Non
 def test_results_table_gives_a_rate_only_where_one_means_something() -> None:
     from types import SimpleNamespace
 
-    from weightwire.client.cli.commands import LATENCY_NOTE, results_table
+    from weightwire.client.cli.tables import LATENCY_NOTE, results_table
 
     def result(nbytes: int, gbps: float) -> SimpleNamespace:
         return SimpleNamespace(

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from weightwire.client.push.plan import (
+from weightwire.client.inputs.plan import (
     PlanError,
     TensorSpec,
     check_update,
@@ -20,8 +20,8 @@ from weightwire.client.push.plan import (
     plan_buckets,
     strip_wrapper_prefixes,
 )
-from weightwire.client.push.staging import StagingPool
 from weightwire.client.transports import exporter as exp
+from weightwire.client.update.staging import StagingPool
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef
 from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest

@@ -9,7 +9,7 @@ import pytest
 import torch
 from weightwire.adapters.torch.demo import full_checkpoint
 from weightwire.client import FlatBucket, PlanError, PushError, TensorSpec, WeightPusher
-from weightwire.client.push.rpc import error_from_rpc
+from weightwire.client.rpc.calls import error_from_rpc
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc

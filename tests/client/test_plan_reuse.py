@@ -12,7 +12,7 @@ import torch
 from conftest import InProcessWorker
 from weightwire.adapters.torch.demo import expected_shard, full_checkpoint
 from weightwire.client import PlanError, WeightPusher
-from weightwire.client.push import plan as planning
+from weightwire.client.inputs import plan as planning
 from weightwire.core.manifest import ParallelRank
 
 

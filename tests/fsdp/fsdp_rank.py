@@ -217,7 +217,7 @@ def run_gather_checks(rank: int, world: int) -> dict[str, Any]:
     to DTensor's own redistribution (Partial)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-    from weightwire.client.ranks.dtensor_gather import FullTensorWriter
+    from weightwire.client.inputs.dtensor_gather import FullTensorWriter
 
     mesh = init_device_mesh("cpu", (world,))
     writer = FullTensorWriter(timeout_s=30)

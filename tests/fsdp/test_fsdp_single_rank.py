@@ -13,8 +13,8 @@ from fsdp_ranks import Fleet, grid
 from helpers import demo_args, spawn_workers
 from weightwire.adapters.torch.demo import DemoConfig, build_demo_model
 from weightwire.client import WeightPusher
+from weightwire.client.inputs.dtensor_gather import is_dtensor, single_rank_items
 from weightwire.client.ranks import collective_push
-from weightwire.client.ranks.dtensor_gather import is_dtensor, single_rank_items
 from weightwire.core.manifest import ParallelRank
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from weightwire.adapters.torch.demo import DemoConfig, build_demo_model
-from weightwire.client.push.one_rank import OneRankItems
-from weightwire.client.ranks.dtensor_gather import is_dtensor, single_rank_items
+from weightwire.client.inputs.dtensor_gather import is_dtensor, single_rank_items
+from weightwire.client.update.one_rank import OneRankItems
 from weightwire.core.manifest import ParallelRank
 
 pytestmark = pytest.mark.timeout(120)

@@ -33,9 +33,9 @@ from typing import Any
 import grpc
 import torch
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
-from weightwire.client.push.plan import TensorSpec, layout_flat, pack_into
+from weightwire.client.inputs.plan import TensorSpec, layout_flat, pack_into
 from weightwire.client.push.pusher import GatheredBucket, WeightPusher
-from weightwire.client.push.rpc import Worker, error_from_rpc
+from weightwire.client.rpc.calls import Worker, error_from_rpc
 from weightwire.client.transports.exporter import Exporter, HostShmExporter, StagingBuffer
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import PushError, WeightwireError

@@ -28,9 +28,9 @@ from typing import Any
 import grpc
 import torch
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
-from weightwire.client.push.plan import layout_flat, pack_into
+from weightwire.client.inputs.plan import layout_flat, pack_into
 from weightwire.client.push.pusher import FlatBucket, GatheredBucket, WeightPusher
-from weightwire.client.push.rpc import Worker, error_from_rpc
+from weightwire.client.rpc.calls import Worker, error_from_rpc
 from weightwire.client.transports.cuda_ipc import CudaIpcExporter
 from weightwire.core.errors import PushError, WeightwireError
 from weightwire.v1 import weight_transfer_pb2 as pb

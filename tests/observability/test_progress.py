@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from terminal import Terminal
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.client.cli.progress import PushProgressBar
-from weightwire.client.push.types import PushProgress
+from weightwire.client.inputs.types import PushProgress
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[()][A-Z0-9]|\r")
 _MIB = 1024 * 1024

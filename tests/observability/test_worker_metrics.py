@@ -27,7 +27,7 @@ from helpers import bucket, commit, header, inline_payload, push, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.client import PushError, WeightPusher
-from weightwire.client.push.types import PushResult
+from weightwire.client.inputs.types import PushResult
 from weightwire.core import dtypes
 from weightwire.server.observe.update_log import parse_update_line
 from weightwire.v1 import weight_transfer_pb2 as pb

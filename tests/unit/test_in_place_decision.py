@@ -8,10 +8,11 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from weightwire.client.push import jobs, plan
-from weightwire.client.push.options import PushOptions
-from weightwire.client.push.staging import Staging
+from weightwire.client.inputs import plan
 from weightwire.client.transports.exporter import Exporter, InlineExporter, StagingBuffer
+from weightwire.client.update import jobs
+from weightwire.client.update.options import PushOptions
+from weightwire.client.update.staging import Staging
 from weightwire.core.devices import DeviceRef
 from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
 from weightwire.core.transports import table as transports

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from weightwire.client import PushResult
-from weightwire.client.push.plan import PlanError, TensorSpec
+from weightwire.client.inputs.plan import PlanError, TensorSpec
 from weightwire.client.ranks.rank_agreement import (
     UpdateDigest,
     disagreement,
@@ -160,7 +160,7 @@ def test_labels_round_trip() -> None:
 def test_a_lost_rank_is_a_push_error_with_its_reason() -> None:
     """docs/distributed.md promises a ``PushError`` for every failed push, a lost rank included: a
     caller's ``except PushError`` must catch it and still read its reason."""
-    from weightwire.client.ranks.dtensor_gather import RankLostError
+    from weightwire.client.inputs.dtensor_gather import RankLostError
 
     try:
         raise RankLostError("trainer rank 1: the ranks' exchange failed", rank="1")

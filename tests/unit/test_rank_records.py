@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from weightwire.client.push.plan import TensorSpec
-from weightwire.client.push.types import PushResult
+from weightwire.client.inputs.plan import TensorSpec
+from weightwire.client.inputs.types import PushResult
 from weightwire.client.ranks.rank_agreement import UpdateDigest
 from weightwire.client.ranks.rank_records import (
     PlanRecord,

@@ -1,7 +1,7 @@
 """One trainer rank's DTensors as plain local tensors, at the cost of an attribute read per tensor.
 
 An FSDP2 trainer with one rank pushes ``model.state_dict()``: DTensors on a one-device mesh, each
-holding its whole value locally. ``weightwire.client.ranks.dtensor_gather.single_rank_items`` turns
+holding its whole value locally. ``weightwire.client.inputs.dtensor_gather.single_rank_items`` turns
 them into plain tensors with ``to_local()`` (an autograd function) after checking each one's mesh,
 placements and shape: about 7 ms for Qwen3-8B's 399 DTensors on one H200's host, half the plain
 push's own time. A DTensor's mesh, placements and global shape never change (its spec is fixed), so
@@ -18,7 +18,7 @@ import weakref
 from typing import Any
 
 import torch
-from weightwire.client.ranks.dtensor_gather import is_dtensor, single_rank_items
+from weightwire.client.inputs.dtensor_gather import is_dtensor, single_rank_items
 
 # DTensor objects whose verdict is kept; a model has a few thousand at most.
 _MAX_KEPT = 1 << 16

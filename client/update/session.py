@@ -4,7 +4,7 @@ the first failure, and the deadline.
 ``UpdateSession.run`` drives it for ``weightwire.client.push.pusher``: it opens one ``WorkerStream`` per
 worker, stages each job and hands its bucket to the streams of its recipients, lets a staging buffer
 go only once all of them acked it, commits every stream once every bucket is acked, and cancels
-everything still open when one worker fails or the deadline passes. ``weightwire.client.push.blame`` then
+everything still open when one worker fails or the deadline passes. ``weightwire.client.update.blame`` then
 turns the streams into results or one ``PushError``. The session is the only writer of its state;
 the streams call back into it from their reader threads (``on_ack``, ``on_stream_end``).
 """
@@ -17,12 +17,13 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from weightwire.client.push.blame import collect_results
-from weightwire.client.push.options import PushOptions
-from weightwire.client.push.plan import TensorSpec
-from weightwire.client.push.staging import Job, PreparedBucket, StagingPool, Stopped
-from weightwire.client.push.stream import Connections, WorkerStream, settle_cancelled
-from weightwire.client.push.types import PushProgress, PushResult
+from weightwire.client.inputs.plan import TensorSpec
+from weightwire.client.inputs.types import PushProgress, PushResult
+from weightwire.client.rpc.stream import Connections, WorkerStream, settle_cancelled
+from weightwire.client.transports.route import Job, PreparedBucket
+from weightwire.client.update.blame import collect_results
+from weightwire.client.update.options import PushOptions
+from weightwire.client.update.staging import StagingPool, Stopped
 from weightwire.core.devices import DeviceRef
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb

@@ -1,8 +1,8 @@
 """``PushOptions``: the keyword arguments of one push, in one object.
 
 Each entry point of ``WeightPusher`` builds one from its arguments; the job builders
-(``weightwire.client.push.jobs``) read the planning flags, the update session
-(``weightwire.client.push.session``) the ones that go on the wire and the progress callback.
+(``weightwire.client.update.jobs``) read the planning flags, the update session
+(``weightwire.client.update.session``) the ones that go on the wire and the progress callback.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
-from weightwire.client.push.types import ProgressFn
-from weightwire.client.ranks.dtensor_gather import CastTo
+from weightwire.client.inputs.dtensor_gather import CastTo
+from weightwire.client.inputs.types import ProgressFn
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:

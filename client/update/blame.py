@@ -5,7 +5,7 @@ A worker this client cancelled because another failed may have refused the updat
 already; its stream then carries that refusal (``WorkerStream.settle``) and it is blamed for it,
 not reported CANCELLED. A worker that was really cancelled is, with the state it says it was left in.
 
-``collect_results`` reads the streams of one update (``weightwire.client.push.session``) once they have
+``collect_results`` reads the streams of one update (``weightwire.client.update.session``) once they have
 all ended and returns one ``PushResult`` per worker, or raises one ``PushError`` naming each worker
 that did not commit with its reason.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from weightwire.client.push.stream import WorkerStream
-from weightwire.client.push.types import PushResult
+from weightwire.client.inputs.types import PushResult
+from weightwire.client.rpc.stream import WorkerStream
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import PushError, Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
-from weightwire.client.push.plan import TensorSpec
+from weightwire.client.inputs.plan import TensorSpec
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 Scope = Literal["full", "partial"]

@@ -3,7 +3,7 @@ is sent (scope, flat buffers, transport limits, payload labels against the worke
 
 No gRPC, no I/O; ``weightwire.client.push.pusher`` calls these while it builds an update's jobs. The
 manifest-level checks (names, dtypes, shapes, FULL coverage) and bucket layout live in
-``weightwire.client.push.plan``.
+``weightwire.client.inputs.plan``.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
-from weightwire.client.push import plan as planning
-from weightwire.client.push.plan import PlanError, TensorSpec
-from weightwire.client.push.types import FlatBucket
-from weightwire.client.ranks.dtensor_gather import is_dtensor
+from weightwire.client.inputs import plan as planning
+from weightwire.client.inputs.dtensor_gather import is_dtensor
+from weightwire.client.inputs.plan import PlanError, TensorSpec
+from weightwire.client.inputs.types import FlatBucket
 from weightwire.client.transports import exporter as exp
 from weightwire.core.devices import DeviceRef, is_own_device
 from weightwire.core.errors import Reason

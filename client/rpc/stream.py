@@ -2,7 +2,7 @@
 
 A ``WorkerStream`` queues the requests (header, buckets, commit) that gRPC sends from its request
 iterator, reads the responses (acks, the result) on one of the pusher's kept reader threads or on
-the pushing thread, and tells its owner (``weightwire.client.push.session.UpdateSession``, through the
+the pushing thread, and tells its owner (``weightwire.client.update.session.UpdateSession``, through the
 ``StreamOwner`` protocol) about each ack and about its end. An update whose every message is
 queued before it needs an answer goes out instead as one PushUpdate call (``use_whole_update``),
 read the same way. It writes only its own state; the session reads it.
@@ -17,7 +17,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Protocol
 
 import grpc
-from weightwire.client.push.rpc import Worker, error_from_rpc, is_unimplemented
+from weightwire.client.rpc.calls import Worker, error_from_rpc, is_unimplemented
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.kept_threads import KeptThreads
 from weightwire.v1 import weight_transfer_pb2 as pb

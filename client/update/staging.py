@@ -4,23 +4,22 @@
 the reusable staging buffers of one exporter (double buffering). A ``Job`` is one bucket to send
 (its specs, its recipients, and how to stage and export its bytes); the builders here (``packer``,
 ``flat_exporter_job``, ``gathered_job``) make the ``prepare`` step of each entry point's jobs
-(``weightwire.client.push.jobs``), which ``weightwire.client.push.session`` calls in order while it streams.
+(``weightwire.client.update.jobs``), which ``weightwire.client.update.session`` calls in order while it streams.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
-from weightwire.client.push import plan as planning
-from weightwire.client.push.plan import PlanError, TensorSpec
+from weightwire.client.inputs import plan as planning
+from weightwire.client.inputs.plan import PlanError, TensorSpec
 from weightwire.client.transports import exporter as exp
 from weightwire.client.transports.cuda_ipc import CudaIpcExporter
-from weightwire.core.devices import DeviceRef
+from weightwire.client.transports.route import PreparedBucket
 from weightwire.core.errors import Reason
 from weightwire.core.transports import table as transports
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -195,47 +194,6 @@ class Staging:
             pool.close()
         for exporter in self._exporters.values():
             exporter.close()
-
-
-@dataclasses.dataclass
-class PreparedBucket:
-    """A bucket whose bytes are staged and exported: the payloads each worker gets."""
-
-    fixed: list[pb.Payload]
-    per_worker: Callable[[DeviceRef], pb.Payload] | None
-    checksum: pb.Checksum | None
-    release: Callable[[bool], None]
-    # Where the layout starts inside the exported storage (a wrapped view into a larger buffer).
-    base_offset_bytes: int = 0
-    # The buffer holding the bucket (for transports that move its bytes themselves).
-    staged: exp.StagingBuffer | None = None
-    # A transport whose payload differs per worker (transfer groups: each worker's group rank and
-    # byte ranges), by worker address; it wins over ``fixed`` and ``per_worker``.
-    per_recipient: Callable[[str], pb.Payload] | None = None
-    # Called once the bucket message is queued on every recipient's stream (the transfer starts).
-    on_sent: Callable[[], None] | None = None
-
-    def payloads_for(
-        self, device: DeviceRef, cache: dict[DeviceRef, pb.Payload], worker: str = ""
-    ) -> list[pb.Payload]:
-        if self.per_recipient is not None:
-            return [self.per_recipient(worker)]
-        if self.per_worker is None:
-            return self.fixed
-        if device not in cache:
-            cache[device] = self.per_worker(device)
-        return [*self.fixed, cache[device]]
-
-
-@dataclasses.dataclass
-class Job:
-    """One bucket to send: its layout, the workers that own something in it, its size, and how to
-    stage and export its bytes (``prepare(stopped, deadline)``, called by the session in order)."""
-
-    specs: list[TensorSpec]
-    recipients: tuple[str, ...]
-    size_bytes: int
-    prepare: Callable[[Callable[[], bool], float], PreparedBucket]
 
 
 def crc32_checksum(value: int) -> pb.Checksum:

@@ -21,12 +21,12 @@ from typing import Any
 
 import grpc
 import torch
-from weightwire.client.push.rpc import Worker, error_from_rpc
 from weightwire.client.ranks import rank_records
 from weightwire.client.ranks.rank_agreement import RankGroup
 from weightwire.client.ranks.rank_records import RankFailure, RankResults
-from weightwire.client.transports.transfer_group import TransferGroupOptions
+from weightwire.client.rpc.calls import Worker, error_from_rpc
 from weightwire.client.transports.transfer_group_link import JOIN_GRACE_S, TRAINER_KEY, leave_all
+from weightwire.client.transports.transfer_group_options import TransferGroupOptions
 from weightwire.core.errors import PushError, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports.transfer_group import TransferGroup, check_backend
