@@ -260,6 +260,12 @@ class IpcBaseline:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
+    def bench_direct_state(self) -> dict[str, Any]:
+        """What weightwire's adapter in this worker decided about direct copies (``direct.py``)."""
+        worker: Any = self
+        direct = worker.weight_transfer_engine.adapter.direct
+        return {"proven": sorted(direct.proven), "refused": dict(direct.refused), "copied": direct.copied}
+
     def bench_reload(self, path: str) -> None:
         import torch
 
@@ -318,15 +324,21 @@ class Driver:
 
         t0 = time.perf_counter()
         with update_window(self.llm, version):
+            t1 = time.perf_counter()
             answer = trainer.call(op="push", what=what, version=version, scope=scope)
+            t2 = time.perf_counter()
             if "refused" in answer:
                 raise RuntimeError(f"weightwire push of {what} v{version} refused: {answer}")
-        answer["update_s"] = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        answer["update_s"] = t3 - t0
+        # Where the whole update went: vLLM's start_weight_update RPC, the push (trainer round trip
+        # included), finish_weight_update + reset_prefix_cache.
+        answer["phases_s"] = {"start": t1 - t0, "push": t2 - t1, "finish_and_reset": t3 - t2}
         if (answer["version"], answer["state"]) != (version, "CONSISTENT"):
             raise RuntimeError(f"push of {what}: {answer}")
         return answer
 
-    def ipc_update(self, state: dict[str, Any]) -> float:
+    def ipc_update(self, state: dict[str, Any], phases: list[dict[str, float]] | None = None) -> float:
         from vllm.distributed.weight_transfer.ipc_engine import (
             IPCTrainerSendWeightsArgs,
             IPCWeightTransferEngine,
@@ -337,12 +349,21 @@ class Driver:
 
         t0 = time.perf_counter()
         self.llm.collective_rpc("bench_ipc_start")
+        t1 = time.perf_counter()
         IPCWeightTransferEngine.trainer_send_weights(
             iterator=iter(list(state.items())), trainer_args=IPCTrainerSendWeightsArgs(send_mode=send)
         )
+        t2 = time.perf_counter()
         self.llm.collective_rpc("bench_ipc_finish")
         self.llm.reset_prefix_cache()
-        return time.perf_counter() - t0
+        t3 = time.perf_counter()
+        if phases is not None:
+            phases.append({"start": t1 - t0, "push": t2 - t1, "finish_and_reset": t3 - t2})
+        return t3 - t0
+
+    def direct_state(self) -> dict[str, Any]:
+        (state,) = self.llm.collective_rpc("bench_direct_state")
+        return state  # type: ignore[no-any-return]
 
     def reload(self, path: Path) -> float:
         t0 = time.perf_counter()
@@ -438,6 +459,8 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         log("tokens after pushing Y:", tokens_y, first)
         if tokens_y == tokens_x:
             raise RuntimeError("X and Y give the same tokens: the checks would show nothing")
+        out["direct_after_first_push"] = driver.direct_state()
+        log("direct copies after the first push:", out["direct_after_first_push"])
         out["weight_version_after_push"] = driver.weight_version()
         check(
             out["weight_version_after_push"] in (None, str(version)),
@@ -508,25 +531,38 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         samples: dict[str, list[float]] = {
             "weightwire_update": [],
             "weightwire_push": [],
+            "weightwire_server": [],
             "ipc_update": [],
             "reload_weights": [],
         }
+        phases: dict[str, list[dict[str, float]]] = {"weightwire": [], "ipc": []}
+        copied_before = driver.direct_state()["copied"]
         for _ in range(args.reps):
             for what, want in (("Y", tokens_y), ("X", tokens_x)):
                 version += 1
                 answer = driver.ww_push(trainer, what, version)
                 samples["weightwire_update"].append(answer["update_s"])
                 samples["weightwire_push"].append(answer["push_s"])
+                samples["weightwire_server"].append(answer["server_s"])
+                phases["weightwire"].append(answer["phases_s"])
                 check(driver.tokens(), want, f"weightwire push of {what}", out)
             if not CPU:
                 for what, want in (("Y", tokens_y), ("X", tokens_x)):
-                    samples["ipc_update"].append(driver.ipc_update(local[what]))
+                    samples["ipc_update"].append(driver.ipc_update(local[what], phases["ipc"]))
                     check(driver.tokens(), want, f"ipc engine update to {what}", out)
             for what, want in (("Y", tokens_y), ("X", tokens_x)):
                 samples["reload_weights"].append(driver.reload(dirs[what]))
                 check(driver.tokens(), want, f"reload_weights of {what}", out)
+        out["direct_end"] = driver.direct_state()
+        out["direct_layers_copied_in_timed_pushes"] = out["direct_end"]["copied"] - copied_before
         med = {k: statistics.median(v) for k, v in samples.items() if v}
         out["median_s"], out["samples_s"] = med, samples
+        out["phases_s"] = phases
+        out["median_phases_s"] = {
+            who: {k: statistics.median(p[k] for p in rows) for k in rows[0]}
+            for who, rows in phases.items()
+            if rows
+        }
         if "ipc_update" in med:
             out["ratio_ipc_over_weightwire"] = med["ipc_update"] / med["weightwire_update"]
         out["ratio_reload_over_weightwire"] = med["reload_weights"] / med["weightwire_update"]

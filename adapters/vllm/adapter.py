@@ -23,6 +23,14 @@ arrives and finalized when the update ends, so all chunks of one update land in 
 session, and layers the update does not touch are left alone (a PARTIAL update of ``lm_head``
 reloads only ``lm_head``).
 
+Direct copies (``direct.py``). From the second time a layer arrives whole in one ``load`` on, a
+layer whose first reload was checked to be nothing but a copy of the pushed tensors into regions of
+its kernel tensors (the same objects at the same storage before and after, nothing else of the layer
+or its ``quant_method`` changed, every region holding exactly the pushed piece) is copied straight
+into those regions, in one grouped copy, without the reload's round trip. CUDA graphs read the same
+storage either way. Layers that repack (every linear and embedding on CPU), tied layers, layers the
+check could not prove, and layers split over buckets keep going through the reload.
+
 Fused layers must arrive whole. vLLM processes a layer only when all of it is loaded; a layer with
 some of its tensors missing at the end would be materialised with the rest uninitialised. So a
 committed update must deliver every checkpoint tensor of each layer it touches (q/k/v weights and
@@ -51,6 +59,7 @@ from typing import Any
 
 import torch
 from weightwire.adapters.endpoints import worker_id as default_worker_id
+from weightwire.adapters.vllm.direct import DirectLayers, LayerSnapshot, copy_pairs, snapshot
 from weightwire.adapters.vllm.forward_gate import ForwardGate
 from weightwire.adapters.vllm.manifest import ModelLayout, model_layout
 from weightwire.core import dtypes
@@ -80,7 +89,10 @@ class VLLMAdapter:
         own_device: DeviceRef | None = None,
         worker_id: str | None = None,
         forward_wait_s: float = 30.0,
+        direct_copy: bool = True,
     ) -> None:
+        """``direct_copy``: proven layers are copied straight into their kernel tensors (module
+        docstring); False: every layer through vLLM's reload."""
         self.model = model
         self.vllm_config = vllm_config
         self.rank = rank
@@ -92,6 +104,7 @@ class VLLMAdapter:
         modules = dict(model.named_modules())
         self._layers = {name: modules[name] for name in self.layout.names_by_layer}
         self._tied = {name: modules[name] for names in self.layout.tied_layers.values() for name in names}
+        self.direct = DirectLayers(self.layout, self._layers, enabled=direct_copy)
         self.gate = ForwardGate()
         self._remove_hooks = self.gate.install(model)
         self._manifest = ShardManifest.build(
@@ -185,11 +198,26 @@ class VLLMAdapter:
                 )
             self._writing = True
             self._synchronize()  # kernels of the last forward may still read the weights
-        # A tensor stays in vLLM's reload buffers until its layer is complete; views into the
-        # sender's buffer die when this call returns, so tensors of layers that stay open are copied.
         arriving: dict[str, set[str]] = {}
         for name, _ in named_tensors:
             arriving.setdefault(self.layout.targets[name].layer_name, set()).add(name)
+        by_name = dict(named_tensors)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in list(arriving):
+            found = None if layer in self._open_layers else self.direct.direct_pairs(layer, by_name)
+            if found is not None:
+                pairs.extend(found)
+                del arriving[layer]
+        if pairs:
+            with self._vllm_context():
+                copy_pairs(pairs)
+            self._wrote = True
+        if not arriving:
+            self._synchronize()  # the service acks when we return; the sender may then reuse its buffer
+            return
+        named_tensors = [(n, t) for n, t in named_tensors if self.layout.targets[n].layer_name in arriving]
+        # A tensor stays in vLLM's reload buffers until its layer is complete; views into the
+        # sender's buffer die when this call returns, so tensors of layers that stay open are copied.
         stays_open = {
             layer
             for layer, names in arriving.items()
@@ -274,8 +302,12 @@ class VLLMAdapter:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         buffered_before: dict[str, int] = {}
+        # Layers arriving whole that may be copied directly later: checked once their reload ran.
+        checking: dict[str, LayerSnapshot] = {}
         for layer in arriving:
             if layer not in self._open_layers:
+                if arriving[layer] == self.layout.names_by_layer[layer] and self.direct.candidate(layer):
+                    checking[layer] = snapshot(self._layers[layer])
                 initialize_layerwise_reload(self._layers[layer])
                 self._open_layers[layer] = set(self.layout.names_by_layer[layer])
             buffered_before[layer] = len(get_layerwise_info(self._layers[layer]).loaded_weights)
@@ -304,6 +336,15 @@ class VLLMAdapter:
             self._open_layers[layer] -= names
             if not self._open_layers[layer]:
                 self._wrote = True  # vLLM processed the complete layer: its kernel tensors hold new values
+        pushed = dict(batch)
+        for layer, before in checking.items():
+            if get_layerwise_info(self._layers[layer]).can_load():
+                continue  # vLLM defers this layer's processing to the finalize: checked another time
+            why = self.direct.verify(layer, before, pushed)
+            if why is not None:
+                log.info(
+                    "weightwire %s: %s keeps loading through vLLM's reload: %s", self.worker_id, layer, why
+                )
 
     def _restore(self, layers: dict[str, set[str]], *, why: str) -> None:
         """Drop what vLLM buffered for these layers, so finalizing puts their old kernel tensors back."""

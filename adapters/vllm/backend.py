@@ -83,6 +83,7 @@ class WeightwireWeightTransferEngine(WeightTransferEngine[WeightwireInitInfo, We
             own_device=device_ref_of(device),
             worker_id=worker_id(rank),
             forward_wait_s=self.settings.forward_wait_s,
+            direct_copy=self.settings.direct_copy,
         )
         address = self.settings.endpoints.address(rank)
         self._socket_path: str | None = None

@@ -15,6 +15,8 @@ gRPC.
   before it is refused with ENGINE_NOT_PAUSED (default 30).
 - ``WEIGHTWIRE_VLLM_FINISH_WAIT_S``: how long ``finish_weight_update`` waits for an update still
   running on a worker (default 60).
+- ``WEIGHTWIRE_VLLM_DIRECT_COPY``: ``0`` loads every layer through vLLM's layerwise reload, also
+  the layers proven to take a plain copy (default ``1``: those are copied directly; ``direct.py``).
 
 Neither SOCKET_DIR nor BASE_PORT set: sockets go to ``<tmp>/weightwire-vllm-<instance id>``, where
 the instance id is vLLM's ``VllmConfig.instance_id`` (the same in all workers of one engine,
@@ -29,7 +31,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 
-from weightwire.adapters.endpoints import EndpointSettings, SettingsError
+from weightwire.adapters.endpoints import EndpointSettings, SettingsError, env_flag, env_seconds
 
 ENV_PREFIX = "WEIGHTWIRE_VLLM"
 ENV_SOCKET_DIR = f"{ENV_PREFIX}_SOCKET_DIR"
@@ -37,6 +39,7 @@ ENV_BASE_PORT = f"{ENV_PREFIX}_BASE_PORT"
 ENV_HOST = f"{ENV_PREFIX}_HOST"
 ENV_FORWARD_WAIT = f"{ENV_PREFIX}_FORWARD_WAIT_S"
 ENV_FINISH_WAIT = f"{ENV_PREFIX}_FINISH_WAIT_S"
+ENV_DIRECT_COPY = f"{ENV_PREFIX}_DIRECT_COPY"
 
 __all__ = ["ENV_BASE_PORT", "ENV_HOST", "ENV_SOCKET_DIR", "Settings", "SettingsError", "default_socket_dir"]
 
@@ -48,6 +51,7 @@ class Settings:
     endpoints: EndpointSettings
     forward_wait_s: float = 30.0
     finish_wait_s: float = 60.0
+    direct_copy: bool = True
 
     @classmethod
     def from_env(cls, instance_id: str, env: Mapping[str, str] | None = None) -> Settings:
@@ -56,24 +60,12 @@ class Settings:
             endpoints=EndpointSettings.from_env(
                 ENV_PREFIX, default_socket_dir=default_socket_dir(instance_id), env=env
             ),
-            forward_wait_s=_seconds(env, ENV_FORWARD_WAIT, 30.0),
-            finish_wait_s=_seconds(env, ENV_FINISH_WAIT, 60.0),
+            forward_wait_s=env_seconds(env, ENV_FORWARD_WAIT, default=30.0),
+            finish_wait_s=env_seconds(env, ENV_FINISH_WAIT, default=60.0),
+            direct_copy=env_flag(env, ENV_DIRECT_COPY, default=True),
         )
 
 
 def default_socket_dir(instance_id: str) -> str:
     suffix = "".join(c for c in instance_id if c.isalnum() or c in "-_")[:24] or "default"
     return os.path.join(tempfile.gettempdir(), f"weightwire-vllm-{suffix}")
-
-
-def _seconds(env: Mapping[str, str], key: str, default: float) -> float:
-    raw = env.get(key)
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SettingsError(f"{key}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise SettingsError(f"{key} must be > 0, got {value}")
-    return value

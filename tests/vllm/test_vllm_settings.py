@@ -52,6 +52,10 @@ def test_default_directory_is_per_engine_instance() -> None:
         ({"WEIGHTWIRE_TLS_CERT": "/c.pem"}, "both"),
         ({"WEIGHTWIRE_VLLM_FORWARD_WAIT_S": "0"}, "must be > 0"),
         ({"WEIGHTWIRE_VLLM_FINISH_WAIT_S": "soon"}, "not a number"),
+        # float() reads these; a wait of nan or inf seconds never ends (or never starts).
+        ({"WEIGHTWIRE_VLLM_FINISH_WAIT_S": "nan"}, "finite"),
+        ({"WEIGHTWIRE_VLLM_FORWARD_WAIT_S": "inf"}, "finite"),
+        ({"WEIGHTWIRE_VLLM_DIRECT_COPY": "maybe"}, "use 1 or 0"),
     ],
 )
 def test_bad_settings_say_what_to_change(env: dict[str, str], fragment: str) -> None:
