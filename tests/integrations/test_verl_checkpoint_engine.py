@@ -1,0 +1,156 @@
+"""weightwire.integrations.verl driven through verl's own plug point (verl 0.9.1 from the package
+index, in ``.venv``) into real ``weightwire serve`` worker processes (the TP=2 demo model, one
+fleet for the module, on unix sockets in one directory as an engine's plugin lays them out).
+
+What runs is what verl's ``CheckpointEngineManager.update_weights`` does for a backend other than
+``naive``, minus Ray: verl's ``import_external_libs`` loads the module named in
+``custom_backend_module``, ``CheckpointEngineRegistry.new("weightwire", bucket_size=...,
+**engine_kwargs)`` builds the engine in each actor rank and each rollout worker, then ``prepare``
+on all, the class's ``build_topology`` over their metadata (checked as the manager checks it),
+``init_process_group`` with each one's share, ``send_weights`` on the actor beside
+``receive_weights`` on the rollout workers (concurrently, as verl's ``ray.get`` over both groups),
+``finalize``. Each worker's dump must then equal its TP shard of what the actor sent, at version
+``global_steps``. verl's Ray worker groups and rollout server adapters need a Ray cluster and an
+engine on a GPU: docs/integrations.md has that recipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import WorkerProcess, demo_args, load_dump, spawn_workers
+from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
+from verl.utils.import_utils import import_external_libs
+from weightwire.adapters.torch.demo import DemoConfig, expected_shard, full_checkpoint
+from weightwire.client import PlanError, PushError
+from weightwire.core.manifest import ParallelRank
+
+pytestmark = pytest.mark.timeout(300)
+
+CONFIG = DemoConfig()
+RANKS = [ParallelRank(tp_rank=t, tp_size=2, pp_rank=0, pp_size=1) for t in range(2)]
+BUCKET_BYTES = 1 << 20
+
+
+class Fleet:
+    def __init__(self, root: Path) -> None:
+        self.socket_dir, self.dump_dir = root / "sock", root / "dump"
+        self.socket_dir.mkdir(mode=0o700)
+        self.processes: list[WorkerProcess] = spawn_workers(
+            [
+                demo_args(
+                    tp=(r.tp_rank, 2),
+                    dump_dir=self.dump_dir,
+                    listen=f"unix:{self.socket_dir}/tp{r.tp_rank}-pp0.sock",
+                )
+                for r in RANKS
+            ]
+        )
+
+    def assert_holds(self, version: int, full: dict[str, torch.Tensor]) -> None:
+        for rank in RANKS:
+            got = load_dump(self.dump_dir, f"tp{rank.tp_rank}-pp0", version)
+            want = expected_shard(full, rank, CONFIG)
+            assert sorted(got) == sorted(want)
+            for name, t in want.items():
+                assert torch.equal(got[name], t), f"tp{rank.tp_rank}: {name} differs at version {version}"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(tmp_path_factory.mktemp("verl"))
+    try:
+        yield f
+    finally:
+        for p in f.processes:
+            p.stop()
+
+
+def new_engine(**engine_kwargs: object) -> CheckpointEngine:
+    # What CheckpointEngineWorker and the actor worker run: the custom module first, then the registry.
+    import_external_libs("weightwire.integrations.verl")
+    return CheckpointEngineRegistry.new("weightwire", bucket_size=BUCKET_BYTES, **engine_kwargs)
+
+
+def wire(actors: list[CheckpointEngine], rollouts: list[CheckpointEngine]) -> None:
+    """CheckpointEngineManager.build_process_group without Ray."""
+    metadata = [e.prepare() for e in actors + rollouts]
+    cls = CheckpointEngineRegistry.get("weightwire")
+    actor_kwargs, rollout_kwargs = cls.build_topology(len(actors), len(rollouts), metadata)
+    for group, kwargs in ((actors, actor_kwargs), (rollouts, rollout_kwargs)):
+        for values in kwargs.values():
+            assert len(values) == len(group)
+        for i, engine in enumerate(group):
+            engine.init_process_group(**{k: v[i] for k, v in kwargs.items()})
+
+
+def update(
+    actors: list[CheckpointEngine], rollouts: list[CheckpointEngine], weights: dict, step: int
+) -> list:
+    """The manager's step 5 and 6: every sender and receiver at once, then finalize on all."""
+
+    async def receive(engine: CheckpointEngine) -> list:
+        return [item async for item in engine.receive_weights(global_steps=step)]
+
+    async def run() -> list:
+        sends = [a.send_weights(iter(weights.items()), global_steps=step) for a in actors]
+        return await asyncio.gather(*sends, *[receive(r) for r in rollouts])
+
+    results = asyncio.run(run())
+    for e in actors + rollouts:
+        e.finalize()
+    return results
+
+
+@pytest.mark.parametrize("layout", ["colocated", "disaggregated"])
+def test_verl_updates_reach_every_worker_as_global_steps(fleet: Fleet, layout: str) -> None:
+    first = 0 if layout == "colocated" else 10
+    kwargs = {"layout": layout, "socket_dir": str(fleet.socket_dir), "group_host": "127.0.0.1"}
+    actor = new_engine(**kwargs)
+    rollouts = [new_engine(**kwargs) for _ in RANKS]  # one rollout worker per engine GPU (rank)
+    try:
+        wire([actor], rollouts)
+        # The rollout workers found the two engine workers (one device here: the host), and the actor
+        # got both.
+        assert sorted(actor.targets) == sorted(f"unix:{fleet.socket_dir}/tp{t}-pp0.sock" for t in range(2))
+        if layout == "colocated":
+            # verl's sync before step 1: the engine serves the checkpoint it started from.
+            results = update([actor], rollouts, full_checkpoint(CONFIG, seed=0), 0)
+            assert results[0]["weightwire/workers"] == 0
+        for step in (first + 1, first + 2):
+            weights = full_checkpoint(CONFIG, seed=step)
+            results = update([actor], rollouts, weights, step)
+            assert results[0]["weightwire/workers"] == 2
+            # Disaggregated: every byte over the transfer group; colocated: memory handles only.
+            assert (results[0]["weightwire/group_bytes"] > 0) == (layout == "disaggregated")
+            assert results[1:] == [[], []]  # nothing passes through verl's rollout processes
+            fleet.assert_holds(step, weights)
+
+        # A stale step is refused by every worker, with its reason, and nothing changes.
+        with pytest.raises(PushError) as stale:
+            update([actor], rollouts[:0], full_checkpoint(CONFIG, seed=99), first + 1)
+        assert {e.reason for e in stale.value.failures.values()} == {"STALE_VERSION"}
+        # An actor of another model: refused before anything is sent.
+        other = dict(full_checkpoint(CONFIG, seed=5))
+        other["model.norm.weight"] = torch.ones(CONFIG.hidden_size + 8, dtype=CONFIG.dtype)
+        with pytest.raises(PlanError) as mismatch:
+            update([actor], rollouts[:0], other, first + 3)
+        assert mismatch.value.reason == "SHAPE_MISMATCH"
+        fleet.assert_holds(first + 2, full_checkpoint(CONFIG, seed=first + 2))
+    finally:
+        for e in [actor, *rollouts]:
+            e.close()
+
+
+def test_colocated_actor_without_a_worker_on_its_device_is_refused(fleet: Fleet) -> None:
+    actor, rollout = new_engine(), new_engine(socket_dir=str(fleet.socket_dir))
+    metadata = [{**actor.prepare(), "device": "cuda:00000000-0000-0000-0000-000000000000"}, rollout.prepare()]
+    actor_kwargs, _ = CheckpointEngineRegistry.get("weightwire").build_topology(1, 1, metadata)
+    with pytest.raises(ValueError, match="no weightwire worker on actor rank 0's device"):
+        actor.init_process_group(**{k: v[0] for k, v in actor_kwargs.items()})
+    assert os.path.isdir(fleet.socket_dir)
