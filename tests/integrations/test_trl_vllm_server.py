@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -41,6 +42,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 SPEC = ModelSpec()
 START = 1
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 
 
 class Server:
@@ -218,3 +220,27 @@ def test_trainer_steps_reach_the_engine_as_its_weights_and_version(server: Serve
         wrong.destroy()
     assert server.weight_version() == "2"
     assert server.generate() == expected.tokens()
+
+
+def docs_example() -> str:
+    text = DOCS.read_text(encoding="utf-8")
+    blocks = [
+        b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if b.startswith("# trl_sync.py:")
+    ]
+    assert len(blocks) == 1, "docs/integrations.md has one trl_sync.py block"
+    return blocks[0]
+
+
+def test_the_docs_example_runs_as_written(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
+    # After the test above the engine is at version 2; the example pushes other weights as 3 and 4.
+    model = Trainer(SPEC, checkpoint(SPEC, 7)).model
+    exec(
+        compile(docs_example(), "trl_sync.py", "exec"),
+        {"server_url": server.base, "socket_dir": str(server.socket_dir), "model": model, "steps": (3, 4)},
+    )
+    printed = capsys.readouterr().out
+    assert [line.split(":")[0] for line in printed.splitlines()] == ["step 3", "step 4"], printed
+    with capsys.disabled():
+        print("\n" + printed.strip())
+    assert server.weight_version() == "4"
+    assert server.generate() == Expected(SPEC, checkpoint(SPEC, 7)).tokens()
