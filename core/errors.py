@@ -140,6 +140,23 @@ _BY_CODE_NAME = {
     r.name: r for r in (Reason.CANCELLED, Reason.DEADLINE_EXCEEDED, Reason.UNAVAILABLE, Reason.INTERNAL)
 }
 
+# The gRPC status code names (``google.rpc.Code``), spelled here so that this module imports no grpc.
+GRPC_CODES = frozenset(
+    "OK CANCELLED UNKNOWN INVALID_ARGUMENT DEADLINE_EXCEEDED NOT_FOUND ALREADY_EXISTS PERMISSION_DENIED "
+    "RESOURCE_EXHAUSTED FAILED_PRECONDITION ABORTED OUT_OF_RANGE UNIMPLEMENTED INTERNAL UNAVAILABLE "
+    "DATA_LOSS UNAUTHENTICATED".split()
+)
+
+
+def reason_label(reason: str) -> str:
+    """``reason`` as a metric label: one of weightwire's reasons or a gRPC code name as it is (``""``
+    too: no reason), anything else ``OTHER``. An engine adapter may raise with a reason of its own,
+    or a newer worker send one this version does not know, and a label must take a bounded set of
+    values (worker and trainer metrics)."""
+    if not reason or reason in Reason.__members__ or reason in GRPC_CODES:
+        return reason
+    return "OTHER"
+
 
 class PushError(Exception):
     """Raised by the client when an update failed on one or more workers.

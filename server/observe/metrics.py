@@ -28,9 +28,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 from wsgiref.simple_server import WSGIServer
 
-from google.rpc import code_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from weightwire.core.errors import Reason
+from weightwire.core.errors import reason_label
 from weightwire.core.transports import table as transports
 from weightwire.server.observe.update_events import UpdateObserver, UpdateOutcome, state_name
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -64,47 +63,12 @@ ENV_METRICS_PORT = "WEIGHTWIRE_METRICS_PORT"
 ENV_METRICS_HOST = "WEIGHTWIRE_METRICS_HOST"
 
 STATES = ("CONSISTENT", "UPDATING", "INCONSISTENT")
+# 1, 2.5 and 5 seconds times each power of ten, from a millisecond to ten seconds.
+_MS_TO_10S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Whole updates: a few milliseconds (a small partial update) to minutes (a large model over a slow path).
-UPDATE_SECONDS_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-)
+UPDATE_SECONDS_BUCKETS = (*_MS_TO_10S, 30.0, 60.0, 120.0, 300.0)
 # One bucket's open or load: from a cached handle (microseconds) to a large copy (seconds).
-BUCKET_SECONDS_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
-
-_GRPC_CODES = frozenset(code_pb2.Code.keys())
+BUCKET_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, *_MS_TO_10S)
 
 
 def transport_label(kind: pb.TransportKind.ValueType) -> str:
@@ -113,14 +77,6 @@ def transport_label(kind: pb.TransportKind.ValueType) -> str:
     table does not know (none the worker's own importers report) is ``unspecified``."""
     row = transports.by_kind(kind)
     return row.name if row is not None else "unspecified"
-
-
-def reason_label(reason: str) -> str:
-    """``reason`` when it is one of weightwire's reasons or a gRPC code, else ``OTHER``: an engine
-    adapter may raise with a reason of its own, and a label must take a bounded set of values."""
-    if not reason or reason in Reason.__members__ or reason in _GRPC_CODES:
-        return reason
-    return "OTHER"
 
 
 class WorkerMetrics:
@@ -135,13 +91,20 @@ class WorkerMetrics:
         self.worker_id = worker_id
         self.registry = registry
         w = ("worker",)
-        self._version = Gauge(
-            "weightwire_weights_version",
-            "Weights version the worker's model holds (0: as loaded at start).",
-            w,
-            multiprocess_mode="mostrecent",
-            registry=registry,
-        ).labels(worker_id)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            # A worker's own value: in multiprocess mode the one its process wrote last.
+            return Gauge(name, doc, w, multiprocess_mode="mostrecent", registry=registry).labels(worker_id)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, (*w, *labels), registry=registry)
+
+        def histogram(name: str, doc: str, label: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, (*w, label), buckets=buckets, registry=registry)
+
+        self._version = gauge(
+            "weightwire_weights_version", "Weights version the worker's model holds (0: as loaded at start)."
+        )
         state = Gauge(
             "weightwire_worker_state",
             "1 for the worker's current state (CONSISTENT, UPDATING, INCONSISTENT), 0 for the others.",
@@ -150,76 +113,57 @@ class WorkerMetrics:
             registry=registry,
         )
         self._state = {name: state.labels(worker_id, name) for name in STATES}
-        self._open_mappings = Gauge(
+        self._open_mappings = gauge(
             "weightwire_open_mappings",
             "Payload mappings the worker holds open (shm segments of an update in progress, cached CUDA IPC handles).",
-            w,
-            multiprocess_mode="mostrecent",
-            registry=registry,
-        ).labels(worker_id)
-        self._last_commit = Gauge(
-            "weightwire_last_commit_timestamp_seconds",
-            "Unix time of the worker's last committed update.",
-            w,
-            multiprocess_mode="mostrecent",
-            registry=registry,
-        ).labels(worker_id)
-        self._updates = Counter(
+        )
+        self._last_commit = gauge(
+            "weightwire_last_commit_timestamp_seconds", "Unix time of the worker's last committed update."
+        )
+        self._updates = counter(
             "weightwire_updates",
             'Updates that ended, by outcome (committed, refused, failed, cancelled) and reason ("" when committed).',
-            (*w, "outcome", "reason"),
-            registry=registry,
+            "outcome",
+            "reason",
         )
-        self._update_seconds = Histogram(
+        self._update_seconds = histogram(
             "weightwire_update_duration_seconds",
             "Duration of updates that began (header accepted), header to commit or failure, by outcome.",
-            (*w, "outcome"),
-            buckets=UPDATE_SECONDS_BUCKETS,
-            registry=registry,
+            "outcome",
+            UPDATE_SECONDS_BUCKETS,
         )
-        self._open_seconds = Histogram(
+        self._open_seconds = histogram(
             "weightwire_bucket_open_duration_seconds",
             "Time to open (or find cached) the payload of each loaded bucket, by transport.",
-            (*w, "transport"),
-            buckets=BUCKET_SECONDS_BUCKETS,
-            registry=registry,
+            "transport",
+            BUCKET_SECONDS_BUCKETS,
         )
-        self._load_seconds = Histogram(
+        self._load_seconds = histogram(
             "weightwire_bucket_load_duration_seconds",
             "Time to copy each loaded bucket into the model (device synchronised), by transport.",
-            (*w, "transport"),
-            buckets=BUCKET_SECONDS_BUCKETS,
-            registry=registry,
+            "transport",
+            BUCKET_SECONDS_BUCKETS,
         )
-        self._buckets = Counter(
+        self._buckets = counter(
             "weightwire_buckets",
             'Buckets acked, by transport ("none": nothing in it was this worker\'s).',
-            (*w, "transport"),
-            registry=registry,
+            "transport",
         )
-        self._bytes = Counter(
+        self._bytes = counter(
             "weightwire_loaded_bytes",
             "Bytes copied into the model (every acked bucket, also of updates that failed later).",
-            w,
-            registry=registry,
         ).labels(worker_id)
-        self._tensors = Counter(
-            "weightwire_loaded_tensors",
-            "Tensors copied into the model.",
-            w,
-            registry=registry,
-        ).labels(worker_id)
-        self._handles = Counter(
+        self._tensors = counter("weightwire_loaded_tensors", "Tensors copied into the model.").labels(
+            worker_id
+        )
+        self._handles = counter(
             "weightwire_handles_opened",
             "Payload handles opened (not found in a cache), by transport.",
-            (*w, "transport"),
-            registry=registry,
+            "transport",
         )
-        self._peer = Counter(
+        self._peer = counter(
             "weightwire_peer_device_imports",
             "Buckets imported from another GPU of the host (allow_peer_device_import).",
-            w,
-            registry=registry,
         ).labels(worker_id)
         # Series a dashboard expects from the first scrape on, at zero.
         self._updates.labels(worker_id, "committed", "")

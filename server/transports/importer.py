@@ -100,6 +100,18 @@ class FillPlan(Protocol):
         ...
 
 
+@dataclasses.dataclass(frozen=True)
+class FillTarget:
+    """Where a filled bucket's bytes go: ``kept``, the adapter's kept tensors by name, of this
+    ``manifest``. ``will_write`` is called once before the first byte may land; once ``call_ended``
+    is set (the update's call is over) every wait of the receive stops."""
+
+    kept: Mapping[str, torch.Tensor]
+    manifest: ShardManifest
+    will_write: Callable[[], None]
+    call_ended: threading.Event | None = None
+
+
 @runtime_checkable
 class FillsModel(Protocol):
     """An importer that loads some buckets itself: their bytes go straight into the tensors the
@@ -122,17 +134,8 @@ class FillsModel(Protocol):
         """Check the payload against the manifest (raise WeightwireError); nothing waits yet."""
         ...
 
-    def fill(
-        self,
-        payload: pb.Payload,
-        plan: FillPlan,
-        kept: Mapping[str, torch.Tensor],
-        manifest: ShardManifest,
-        will_write: Callable[[], None],
-        call_ended: threading.Event | None = None,
-    ) -> int:
-        """Receive the planned bytes into ``kept`` (the adapter's kept tensors), calling
-        ``will_write`` before the first byte may land; returns the bytes received."""
+    def fill(self, payload: pb.Payload, plan: FillPlan, into: FillTarget) -> int:
+        """Receive the planned bytes into ``into.kept``; returns the bytes received."""
         ...
 
 

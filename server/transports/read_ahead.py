@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, cast, runtime_checkable
 
 from weightwire.core.capabilities import has_capability
@@ -30,10 +30,56 @@ class ReadsAhead(Protocol):
         ...
 
 
-__all__ = ["MAX_AHEAD", "ReadsAhead", "read_ahead"]
+__all__ = ["END", "MAX_AHEAD", "Handoff", "ReadsAhead", "read_ahead"]
 
 MAX_AHEAD = 4
-_END = object()
+# What ``Handoff.get`` returns once the iterator it was fed is exhausted.
+END = object()
+_PUT_POLL_S = 0.2
+
+
+class Handoff:
+    """One iterator's items handed from a thread that reads it (``feed``) to one that uses them
+    (``get``), in order, at most ``size`` waiting in between; the iterator's end (``END``) and an
+    exception it raised (the stream broke: the client went away) arrive in order too. Used here and
+    by ``weightwire.server.worker.streams.StreamReader``."""
+
+    def __init__(self, size: int) -> None:
+        self._waiting: queue.Queue[object] = queue.Queue(size)
+        self.closed = threading.Event()
+
+    def _put(self, item: object) -> bool:
+        # Never block for good: the user may have stopped taking (the update ended): ``close``.
+        while not self.closed.is_set():
+            try:
+                self._waiting.put(item, timeout=_PUT_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def feed(self, items: Iterator[Any], each: Callable[[Any], None] | None = None) -> None:
+        """Read ``items`` to their end (or until ``close``), calling ``each`` on every one first."""
+        try:
+            for item in items:
+                if each is not None:
+                    each(item)
+                if not self._put(item):
+                    return
+            self._put(END)
+        except BaseException as e:  # raised in order, where the user takes it
+            self._put(e)
+
+    def get(self, timeout: float | None = None) -> object:
+        """The next item, or ``END``; raises what the iterator raised, or ``queue.Empty`` once
+        ``timeout`` passed."""
+        item = self._waiting.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.closed.set()
 
 
 def _announce(bucket: pb.Bucket, importers: Mapping[str, Any]) -> bool:
@@ -63,50 +109,26 @@ def read_ahead(
         # From here on, read on a thread. This bucket is announced first, here, so that the
         # transport sees every bucket in stream order; the caller then opens it right away.
         _announce(req.bucket, importers)
-        yield from _Pump(requests, importers).run(req)
+        yield from _ahead(req, requests, importers)
         return
 
 
-class _Pump:
-    """The thread that reads the rest of one stream ahead of its caller."""
+def _ahead(
+    first: pb.PushWeightsRequest, requests: Iterator[pb.PushWeightsRequest], importers: Mapping[str, Any]
+) -> Iterator[pb.PushWeightsRequest]:
+    """``first``, then the rest of ``requests`` as a thread reads them, each bucket announced."""
 
-    def __init__(self, requests: Iterator[pb.PushWeightsRequest], importers: Mapping[str, Any]) -> None:
-        self._requests = requests
-        self._importers = importers
-        self._waiting: queue.Queue[object] = queue.Queue(MAX_AHEAD)
-        self._stop = threading.Event()
+    def announce(later: pb.PushWeightsRequest) -> None:
+        if later.WhichOneof("message") == "bucket":
+            _announce(later.bucket, importers)
 
-    def _put(self, item: object) -> bool:
-        # Never block for good: the caller may have stopped reading (the update ended).
-        while not self._stop.is_set():
-            try:
-                self._waiting.put(item, timeout=0.5)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _pump(self) -> None:
-        try:
-            for later in self._requests:
-                if later.WhichOneof("message") == "bucket":
-                    _announce(later.bucket, self._importers)
-                if not self._put(later):
-                    return
-            self._put(_END)
-        except BaseException as e:  # the stream broke (client gone): the caller sees it in order
-            self._put(e)
-
-    def run(self, first: pb.PushWeightsRequest) -> Iterator[pb.PushWeightsRequest]:
-        threading.Thread(target=self._pump, name="ww-read-ahead", daemon=True).start()
-        try:
-            yield first
-            while True:
-                item = self._waiting.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item  # type: ignore[misc]
-        finally:
-            self._stop.set()
+    handoff = Handoff(MAX_AHEAD)
+    threading.Thread(
+        target=handoff.feed, args=(requests, announce), name="ww-read-ahead", daemon=True
+    ).start()
+    try:
+        yield first
+        while (item := handoff.get()) is not END:
+            yield cast(pb.PushWeightsRequest, item)
+    finally:
+        handoff.close()

@@ -22,7 +22,7 @@ import bisect
 import hashlib
 import threading
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from weightwire.core.errors import Reason, WeightwireError
@@ -33,6 +33,7 @@ from weightwire.server.rules.validation import CheckedSpec
 from weightwire.server.rules.views import ReadBatch
 from weightwire.server.transports.importer import (
     FillPlan,
+    FillTarget,
     ImportContext,
     ImportedPayload,
     PayloadImporter,
@@ -176,38 +177,29 @@ class GroupImporter(PayloadImporter):
         self._slices[key] = (gid, checked)
         return checked
 
-    def fill(
-        self,
-        payload: pb.Payload,
-        plan: FillPlan,
-        kept: Mapping[str, torch.Tensor],
-        manifest: ShardManifest,
-        will_write: Callable[[], None],
-        call_ended: threading.Event | None = None,
-    ) -> int:
-        """Receive a checked slices payload into ``kept`` (the adapter's kept tensors), calling
-        ``will_write`` once every member agreed on the plan, before the first byte may land; a
-        failed receive, or one whose call ended (``call_ended``), tears the group down. Returns the
-        bytes received."""
+    def fill(self, payload: pb.Payload, plan: FillPlan, into: FillTarget) -> int:
+        """Receive a checked slices payload into ``into.kept``, calling ``into.will_write`` once
+        every member agreed on the plan, before the first byte may land; a failed receive, or one
+        whose call ended, tears the group down. Returns the bytes received."""
         if not isinstance(plan, SlicePlan):
             raise TypeError(f"a transfer group fills the model by a SlicePlan, not {type(plan).__name__}")
-        checked = plan
         member = self.membership.current()
-        check_kept(kept, manifest, checked.names)
+        check_kept(into.kept, into.manifest, plan.names)
         gid = member.group.group_id
         if self._slice_staging[0] != gid:
             self._slice_staging = (gid, {})
+        ended = into.call_ended
         try:
             return receive_bucket(
                 member,
-                checked,
+                plan,
                 payload.transfer_group.max_message_bytes,
-                kept,
-                manifest,
+                into.kept,
+                into.manifest,
                 self._slice_staging[1],
                 self._slice_lock,
-                will_write,
-                call_ended.is_set if call_ended is not None else None,
+                into.will_write,
+                ended.is_set if ended is not None else None,
             )
         except WeightwireError as err:
             self.membership.teardown(f"{err.reason}: {clip(err.message, 200)}")

@@ -1,6 +1,7 @@
-"""What one update accepted so far, and the rules that accept one more bucket into it.
+"""What one update accepted so far, and the rules that accept its header and one more bucket.
 
-``weightwire.server.worker.update.Update`` keeps one ``Accepted``: the bucket indices (none twice, a
+``WorkerService.begin_update`` begins an update only on a header that passes ``check_header``;
+``weightwire.server.worker.update.Update`` then keeps one ``Accepted``: the bucket indices (none twice, a
 bounded count) and the tensor names (none twice across buckets, a bounded count) its buckets
 brought, whichever way each bucket loads. A bucket with tensor specs is accepted by ``layout``: its
 layout from the worker's ``LayoutCache`` or the checks of ``weightwire.server.rules.layout``, then its
@@ -14,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
+from weightwire.core.text import clip_utf8
 from weightwire.server.rules.layout import (
     BucketLayout,
     LayoutCache,
@@ -25,11 +27,55 @@ from weightwire.server.rules.layout import (
 from weightwire.server.transports.importer import PayloadImporter
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-__all__ = ["MAX_BUCKETS_PER_UPDATE", "MAX_TENSORS_PER_UPDATE", "Accepted"]
+__all__ = [
+    "MAX_BUCKETS_PER_UPDATE",
+    "MAX_TENSORS_PER_UPDATE",
+    "MAX_UPDATE_ID_BYTES",
+    "Accepted",
+    "check_header",
+]
 
+# UpdateHeader.update_id is a label for logs and status, echoed in UpdateResult.
+MAX_UPDATE_ID_BYTES = 256
 # What one update may accumulate (names are kept to refuse duplicates); far above any model's.
 MAX_BUCKETS_PER_UPDATE = 1 << 20
 MAX_TENSORS_PER_UPDATE = 1 << 20
+
+
+def check_header(header: pb.UpdateHeader, *, weights_version: int, fingerprint: str) -> None:
+    """The rules a header passes before its update begins: a scope, a positive version newer than
+    the worker's ``weights_version``, a bounded label, the manifest it was planned for."""
+    if header.scope not in (pb.UPDATE_SCOPE_FULL, pb.UPDATE_SCOPE_PARTIAL):
+        raise WeightwireError(
+            Reason.SCOPE_UNSPECIFIED,
+            f"update scope is {header.scope} (unspecified or unknown); set UPDATE_SCOPE_FULL or UPDATE_SCOPE_PARTIAL",
+        )
+    if header.version <= 0:
+        raise WeightwireError(
+            Reason.INVALID_VERSION, f"version must be a positive integer, got {header.version}"
+        )
+    id_bytes = len(header.update_id.encode())
+    if id_bytes > MAX_UPDATE_ID_BYTES:
+        # It is echoed in the result and kept for GetStatus: bounded like everything stored.
+        raise WeightwireError(
+            Reason.MALFORMED_STREAM,
+            f"update_id is {id_bytes} bytes; at most {MAX_UPDATE_ID_BYTES} (a label such as 'step-1200')",
+        )
+    if header.version <= weights_version:
+        raise WeightwireError(
+            Reason.STALE_VERSION,
+            f"version {header.version} is not newer than this worker's weights version {weights_version}",
+            current_version=str(weights_version),
+            received_version=str(header.version),
+        )
+    if header.manifest_fingerprint and header.manifest_fingerprint != fingerprint:
+        raise WeightwireError(
+            Reason.MANIFEST_CHANGED,
+            f"the update was planned for manifest {clip_utf8(header.manifest_fingerprint, 128)} but this worker's "
+            f"manifest is {fingerprint} (it restarted or changed layout); fetch the manifest again",
+            expected=clip_utf8(header.manifest_fingerprint, 256),
+            actual=fingerprint,
+        )
 
 
 class Accepted:

@@ -22,7 +22,7 @@ from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.server.rules.selection import select_own_payload
-from weightwire.server.transports.importer import FillsModel
+from weightwire.server.transports.importer import FillsModel, FillTarget
 from weightwire.server.worker.adapter import EngineAdapter, KeepsTensors
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -65,7 +65,7 @@ def fill_bucket(
     t0 = time.perf_counter_ns()
     try:
         # A plan refused by the group (GROUP_PLAN_MISMATCH) wrote nothing: the worker keeps its state.
-        received = importer.fill(sel.payload, plan, kept, manifest, will_write, call_ended)
+        received = importer.fill(sel.payload, plan, FillTarget(kept, manifest, will_write, call_ended))
         if any(kept[n].is_cuda for n in plan.names):
             # NCCL receives complete on the stream; the ack promises the bytes are in the model.
             torch.cuda.synchronize()

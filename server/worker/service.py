@@ -2,10 +2,10 @@
 
 ``WorkerService`` is what an engine worker runs; the gRPC servicer (``weightwire.server.rpc.servicer``)
 only converts messages and maps ``WeightwireError`` to a status. The service accepts one update at a
-time (``begin_update``) and runs its stream (``push``); the bucket rules, in the order they apply,
-live in ``weightwire.server.worker.update.Update``; payload choice in ``selection.select_own_payload``;
-spec checks in ``validation``; layouts in ``layout``; handle import in ``transports``. No gRPC in
-here.
+time (``begin_update``, the header's rules in ``accepted.check_header``) and runs its stream
+(``push``); the bucket rules, in the order they apply, live in ``weightwire.server.worker.update.Update``;
+payload choice in ``selection.select_own_payload``; spec checks in ``validation``; layouts in
+``layout``; handle import in ``transports``. No gRPC in here.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from weightwire.server.rules.layout import LayoutCache
 from weightwire.server.transports.importer import JoinsGroups, PayloadImporter, make_importers
 from weightwire.server.transports.read_ahead import read_ahead
 from weightwire.server.transports.transfer_group_membership import GroupMembership
+from weightwire.server.worker.accepted import check_header
 from weightwire.server.worker.adapter import EngineAdapter, KeepsTensors
 from weightwire.server.worker.streams import DEFAULT_IDLE_TIMEOUT_S, ListedRequests, StreamReader
 from weightwire.server.worker.update import Update, UpdateContext, cancelled_error, now_timestamp
@@ -39,8 +40,6 @@ __all__ = ["CommitHook", "Update", "WorkerService"]
 log = logging.getLogger(__name__)
 
 CommitHook = Callable[[pb.UpdateResult], None]
-# UpdateHeader.update_id is a label for logs and status, echoed in UpdateResult.
-MAX_UPDATE_ID_BYTES = 256
 # How long a new update waits for one whose client cancelled it to end (its engine call returns).
 ABANDONED_WAIT_S = 30.0
 # How long after the commit the stream may take to end (the client closes its side right after it).
@@ -259,7 +258,7 @@ class WorkerService:
                 if rpc_ended is not None and rpc_ended.is_set():
                     # It waited for an abandoned update and its own call ended meanwhile.
                     raise cancelled_error()
-                self._check_header(header)
+                check_header(header, weights_version=self._version, fingerprint=self._manifest.fingerprint)
             except WeightwireError as err:
                 self._record_failure(err, header.version)
                 refused = err
@@ -276,15 +275,7 @@ class WorkerService:
                 self._state = pb.WORKER_STATE_UPDATING
         if refused is not None:
             # Observers run outside the lock (one may ask for the status).
-            self._events.failed(
-                self._manifest.worker_id,
-                header,
-                refused,
-                tally=None,
-                prior_state=self._state,
-                new_state=self._state,
-                weights_version=self._version,
-            )
+            self._tell_refused(header, refused)
             raise refused
         self._events.started(header.version)
         self._notify()
@@ -304,6 +295,18 @@ class WorkerService:
         update.begun = True
         return update
 
+    def _tell_refused(self, header: pb.UpdateHeader | None, err: WeightwireError) -> None:
+        """Tell the observers of an update refused before it began (nothing changed)."""
+        self._events.failed(
+            self._manifest.worker_id,
+            header,
+            err,
+            tally=None,
+            prior_state=self._state,
+            new_state=self._state,
+            weights_version=self._version,
+        )
+
     def _wait_for_abandoned(self, version: int, rpc_ended: threading.Event | None) -> None:
         """With ``_mu`` held: wait while the active update is one whose client is gone."""
         active = self._active
@@ -317,40 +320,6 @@ class WorkerService:
                 return
             # Woken by _release; polled as well, so that this stream's own end is noticed.
             self._released.wait(min(left, 0.05))
-
-    def _check_header(self, header: pb.UpdateHeader) -> None:
-        if header.scope not in (pb.UPDATE_SCOPE_FULL, pb.UPDATE_SCOPE_PARTIAL):
-            raise WeightwireError(
-                Reason.SCOPE_UNSPECIFIED,
-                f"update scope is {header.scope} (unspecified or unknown); set UPDATE_SCOPE_FULL or UPDATE_SCOPE_PARTIAL",
-            )
-        if header.version <= 0:
-            raise WeightwireError(
-                Reason.INVALID_VERSION, f"version must be a positive integer, got {header.version}"
-            )
-        id_bytes = len(header.update_id.encode())
-        if id_bytes > MAX_UPDATE_ID_BYTES:
-            # It is echoed in the result and kept for GetStatus: bounded like everything stored.
-            raise WeightwireError(
-                Reason.MALFORMED_STREAM,
-                f"update_id is {id_bytes} bytes; at most {MAX_UPDATE_ID_BYTES} (a label such as 'step-1200')",
-            )
-        if header.version <= self._version:
-            raise WeightwireError(
-                Reason.STALE_VERSION,
-                f"version {header.version} is not newer than this worker's weights version {self._version}",
-                current_version=str(self._version),
-                received_version=str(header.version),
-            )
-        fingerprint = self._manifest.fingerprint
-        if header.manifest_fingerprint and header.manifest_fingerprint != fingerprint:
-            raise WeightwireError(
-                Reason.MANIFEST_CHANGED,
-                f"the update was planned for manifest {clip_utf8(header.manifest_fingerprint, 128)} but this worker's "
-                f"manifest is {fingerprint} (it restarted or changed layout); fetch the manifest again",
-                expected=clip_utf8(header.manifest_fingerprint, 256),
-                actual=fingerprint,
-            )
 
     # UpdateOwner: the two ways an update ends, each reported once by the update itself.
 
@@ -457,15 +426,7 @@ class WorkerService:
                 # Refused before any update began: no header, or none in time.
                 with self._mu:
                     self._record_failure(err, 0)
-                self._events.failed(
-                    self._manifest.worker_id,
-                    None,
-                    err,
-                    tally=None,
-                    prior_state=self._state,
-                    new_state=self._state,
-                    weights_version=self._version,
-                )
+                self._tell_refused(None, err)
                 raise
             update = self.begin_update(first.header, rpc_ended=rpc_ended)
             reader.waiting_for = "the next bucket or the commit"

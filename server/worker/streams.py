@@ -12,12 +12,12 @@ holds a fast sender back. No gRPC in here.
 from __future__ import annotations
 
 import queue
-import threading
 from collections.abc import Iterable, Iterator
 from typing import cast
 
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.kept_threads import KeptThreads
+from weightwire.server.transports.read_ahead import END, Handoff
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["DEFAULT_IDLE_TIMEOUT_S", "ListedRequests", "StreamReader"]
@@ -26,8 +26,6 @@ __all__ = ["DEFAULT_IDLE_TIMEOUT_S", "ListedRequests", "StreamReader"]
 # messages a trainer may stage a large bucket, wait for a slow worker's ack (it commits only after
 # every worker acked) or gather over its own ranks.
 DEFAULT_IDLE_TIMEOUT_S = 300.0
-_END = object()
-_PUT_POLL_S = 0.2
 # One thread per open stream, never fewer (a read must not wait for another stream's to end); kept
 # between streams because starting one is a hand-off on every update's path.
 READERS = KeptThreads(None, "ww-push-reader", idle_exit_s=60.0)
@@ -39,33 +37,12 @@ class StreamReader:
     ``close`` lets the reading thread go; it also ends by itself with the stream."""
 
     def __init__(self, requests: Iterator[pb.PushWeightsRequest], timeout_s: float) -> None:
-        self._requests = requests
         self.timeout_s = timeout_s
         self.waiting_for = "a message"
         self.hint = ""
         self._done = False
-        self._handoff: queue.Queue[object] = queue.Queue(maxsize=1)
-        self._closed = threading.Event()
-        READERS.submit(self._read)
-
-    def _put(self, item: object) -> bool:
-        # Never block for good: the worker may have stopped reading (the update ended).
-        while not self._closed.is_set():
-            try:
-                self._handoff.put(item, timeout=_PUT_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _read(self) -> None:
-        try:
-            for req in self._requests:
-                if not self._put(req):
-                    return
-            self._put(_END)
-        except BaseException as e:  # the stream broke (cancelled, connection lost): raised in order
-            self._put(e)
+        self._handoff = Handoff(1)
+        READERS.submit(lambda: self._handoff.feed(requests))
 
     def __iter__(self) -> StreamReader:
         return self
@@ -82,16 +59,16 @@ class StreamReader:
                 f"the update was not applied{self.hint}",
                 idle_timeout_s=f"{self.timeout_s:g}",
             ) from None
-        if item is _END:
+        except BaseException:
+            self._done = True
+            raise
+        if item is END:
             self._done = True
             raise StopIteration
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
         return cast(pb.PushWeightsRequest, item)
 
     def close(self) -> None:
-        self._closed.set()
+        self._handoff.close()
 
 
 class ListedRequests:
