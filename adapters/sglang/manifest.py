@@ -10,8 +10,10 @@ checkpoint dtype and shape and the parameter/shard that SGLang's ``load_weights`
 Full shapes come from the parallel layers' own records of their unsharded sizes (total heads, head
 size, output sizes, input size, original vocabulary size), and each parameter's local shape is
 checked against them, so a layout this module does not understand fails here, at engine start,
-instead of publishing a wrong manifest. Quantized layers and pre-sharded checkpoints are refused
-for the same reason.
+instead of publishing a wrong manifest. Pre-sharded checkpoints and quantized layers are refused
+for the same reason, except block-quantised FP8 linear layers (the DeepSeek / Kimi checkpoint
+layout): their ``weight`` (float8_e4m3fn) and ``weight_scale_inv`` (float32 per block) are two
+checkpoint tensors of their own, sliced on whole blocks (``core.fp8_geometry``).
 
 Mixture-of-experts layers (``FusedMoE``) hold every local expert's gate and up projections stacked
 in one ``w13_weight`` ``[local_experts, 2 * I / moe_tp, hidden]`` and the down projections in
