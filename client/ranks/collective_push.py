@@ -58,7 +58,7 @@ from weightwire.client.ranks.rank_agreement import (
 )
 from weightwire.client.ranks.rank_records import PlanRecord, RankFailure, RankOutcome, RankResults, StopCause
 from weightwire.client.transports import exporter as exp
-from weightwire.client.transports.route import Job, PreparedBucket
+from weightwire.client.transports.route import ExportedRoute, Job, Route
 from weightwire.client.update.jobs import Jobs
 from weightwire.client.update.routing import check_transport_limit
 from weightwire.client.update.session import GateProblem, SessionProblem
@@ -308,8 +308,8 @@ class _RankedUpdate:
 
     # ---------------------------------------------------------------- per bucket, on every rank
 
-    def _job(self, g: int) -> Callable[[Callable[[], bool], float], PreparedBucket]:
-        def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
+    def _job(self, g: int) -> Callable[[Callable[[], bool], float], Route]:
+        def prepare(stopped: Callable[[], bool], deadline: float) -> Route:
             self._advance(g)
             prepared = None if self.stopped_all else self._bucket_step(g, stopped, deadline)
             if prepared is None:  # every rank stops at this bucket
@@ -326,7 +326,7 @@ class _RankedUpdate:
     def _finish_lockstep(self) -> None:
         self._advance(len(self.buckets))
 
-    def _bucket_step(self, g: int, stopped: Callable[[], bool], deadline: float) -> PreparedBucket | None:  # noqa: C901 - known; split when next changed
+    def _bucket_step(self, g: int, stopped: Callable[[], bool], deadline: float) -> ExportedRoute | None:  # noqa: C901 - known; split when next changed
         """Bucket ``g`` on this rank: gather (and pack, if this rank exports it), then the exchange
         that tells every rank whether to go on. Returns what this rank streams, if it streams ``g``."""
         b = self.buckets[g]
@@ -347,7 +347,7 @@ class _RankedUpdate:
                 self.pool.discard(buf)
             raise
         payload = b""
-        prepared: PreparedBucket | None = None
+        prepared: ExportedRoute | None = None
         sender = self.routing == "gathered" and self.me == self.sender_rank
         if buf is not None and self.problem is None:
             try:
@@ -427,8 +427,8 @@ class _RankedUpdate:
         return data
 
     def _with_peer_payloads(
-        self, g: int, own: PreparedBucket | None, steps: Sequence[tuple[bool, bytes]]
-    ) -> PreparedBucket:
+        self, g: int, own: ExportedRoute | None, steps: Sequence[tuple[bool, bytes]]
+    ) -> ExportedRoute:
         """The sender's bucket: its own payload (if it exports this bucket) and every exporting
         rank's, each labelled with that rank's device."""
         fixed = list(own.fixed) if own is not None else []
@@ -447,11 +447,9 @@ class _RankedUpdate:
             if checksum is None and raw[0] == 1:
                 checksum = crc32_checksum(int.from_bytes(raw[1:5], "big"))
         if own is not None:
-            own.fixed = fixed
-            own.checksum = checksum
-            return own
+            return dataclasses.replace(own, fixed=tuple(fixed), checksum=checksum)
         event = self.acked.setdefault(g, threading.Event())
-        return PreparedBucket(fixed, None, checksum, lambda ok: event.set())
+        return ExportedRoute(tuple(fixed), checksum=checksum, releaser=lambda ok: event.set())
 
     def _releaser(self, g: int, buf: exp.StagingBuffer) -> Callable[[bool], None]:
         event = self.acked.setdefault(g, threading.Event())

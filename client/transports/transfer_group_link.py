@@ -26,7 +26,7 @@ import grpc
 import torch
 from weightwire.client.inputs.plan import TensorSpec
 from weightwire.client.rpc.calls import Worker, error_from_rpc
-from weightwire.client.transports.route import Job, PreparedBucket
+from weightwire.client.transports.route import ExportedRoute, Job, PerWorkerRoute, Route
 from weightwire.client.transports.transfer_group_options import TransferGroupOptions
 from weightwire.client.transports.transfer_group_sends import (
     Segment,
@@ -329,7 +329,7 @@ class GroupLink:
         manifests: Mapping[str, ShardManifest],
         sources: Mapping[str, torch.Tensor] | None,
         verify_checksums: bool,
-    ) -> Callable[[Callable[[], bool], float], PreparedBucket]:
+    ) -> Callable[[Callable[[], bool], float], Route]:
         inner = job.prepare
         workers = set(job.recipients)
         subgroup = next(
@@ -337,7 +337,7 @@ class GroupLink:
         )
         direct = None if verify_checksums or sources is None else self._direct_sources(job, sources)
 
-        def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
+        def prepare(stopped: Callable[[], bool], deadline: float) -> Route:
             if direct is not None:
                 flats = dict(zip((sp.name for sp in job.specs), direct, strict=True))
                 return self._bucket(
@@ -352,7 +352,7 @@ class GroupLink:
                 )
             prepared = inner(stopped, deadline)
             try:
-                staged = prepared.staged
+                staged = prepared.staged if isinstance(prepared, ExportedRoute) else None
                 if staged is None:
                     raise WeightwireError(
                         Reason.TRANSPORT_UNAVAILABLE, "a transfer-group bucket needs its staged buffer"
@@ -402,7 +402,7 @@ class GroupLink:
         base: int,
         checksum: pb.Checksum | None,
         release: Callable[[bool], None],
-    ) -> PreparedBucket:
+    ) -> Route:
         size = base + job.size_bytes
         self._sequence += 1
         seq = self._sequence
@@ -480,12 +480,6 @@ class GroupLink:
                 self.teardown("an update failed")
             release_once(ok)
 
-        return PreparedBucket(
-            [],
-            None,
-            checksum,
-            release_routed,
-            base_offset_bytes=base,
-            per_recipient=payloads.__getitem__,
-            on_sent=on_sent,
+        return PerWorkerRoute(
+            payloads, releaser=release_routed, checksum=checksum, base_offset_bytes=base, on_queued=on_sent
         )

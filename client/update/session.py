@@ -20,11 +20,10 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from weightwire.client.inputs.plan import TensorSpec
 from weightwire.client.inputs.types import PushProgress, PushResult
 from weightwire.client.rpc.stream import Connections, WorkerStream, settle_cancelled
-from weightwire.client.transports.route import Job, PreparedBucket
+from weightwire.client.transports.route import Job, Route
 from weightwire.client.update.blame import collect_results
 from weightwire.client.update.options import PushOptions
 from weightwire.client.update.staging import StagingPool, Stopped
-from weightwire.core.devices import DeviceRef
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -145,7 +144,7 @@ class UpdateSession:
         self.deadline_hit = False
         self.aborted_because: str | None = None
         self._pending: dict[int, set[str]] = {}
-        self._prepared: dict[int, PreparedBucket] = {}
+        self._routes: dict[int, Route] = {}
         # Set once every job was handed to its streams: from then on the last ack sends the commit
         # itself, without waking the pushing thread first.
         self._all_sent = False
@@ -252,23 +251,22 @@ class UpdateSession:
             if self.failed:
                 return False
             try:
-                prepared = job.prepare(self.stopped, deadline)
+                route = job.prepare(self.stopped, deadline)
             except Stopped:
                 return False
             with self._cond:
                 self._pending[job_id] = set(job.recipients)
-                self._prepared[job_id] = prepared
-            cache: dict[DeviceRef, pb.Payload] = {}
+                self._routes[job_id] = route
+            shares = route.payloads({a: self._manifests[a].device for a in job.recipients})
             for a in job.recipients:
                 request = self._templates.request(
-                    job.specs, prepared.base_offset_bytes, self.streams[a].new_request()
+                    job.specs, route.base_offset_bytes, self.streams[a].new_request()
                 )
-                request.bucket.payloads.extend(prepared.payloads_for(self._manifests[a].device, cache, a))
-                if prepared.checksum is not None:
-                    request.bucket.checksum.CopyFrom(prepared.checksum)
+                request.bucket.payloads.extend(shares[a])
+                if route.checksum is not None:
+                    request.bucket.checksum.CopyFrom(route.checksum)
                 self.streams[a].send_bucket(job_id, request)
-            if prepared.on_sent is not None:
-                prepared.on_sent()
+            route.queued()
         return True
 
     def _pass_gate(self, sent_all: bool) -> None:
@@ -334,11 +332,11 @@ class UpdateSession:
 
     def _discard_unacked(self) -> None:
         with self._cond:
-            leftover = list(self._prepared.values())
-            self._prepared.clear()
-        for prepared in leftover:
+            leftover = list(self._routes.values())
+            self._routes.clear()
+        for route in leftover:
             # A cancelled worker may still be reading these: never reuse them.
-            prepared.release(False)
+            route.release(False)
 
     # ---------------------------------------------------------------- called by the streams
 
@@ -357,9 +355,9 @@ class UpdateSession:
             waiting.discard(stream.address)
             if not waiting:
                 del self._pending[job_id]
-                prepared = self._prepared.pop(job_id, None)
-                if prepared is not None:
-                    prepared.release(True)
+                route = self._routes.pop(job_id, None)
+                if route is not None:
+                    route.release(True)
                 self._buckets_done += 1
                 self._bytes_done += self._jobs[job_id].size_bytes
                 report = PushProgress(

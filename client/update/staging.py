@@ -19,7 +19,7 @@ from weightwire.client.inputs import plan as planning
 from weightwire.client.inputs.plan import PlanError, TensorSpec
 from weightwire.client.transports import exporter as exp
 from weightwire.client.transports.cuda_ipc import CudaIpcExporter
-from weightwire.client.transports.route import PreparedBucket
+from weightwire.client.transports.route import ExportedRoute, PerWorkerRoute, Route
 from weightwire.core.errors import Reason
 from weightwire.core.transports import table as transports
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -201,15 +201,32 @@ def crc32_checksum(value: int) -> pb.Checksum:
 
 
 def export_staged(
-    exporter: exp.Exporter, buf: exp.StagingBuffer, size: int, verify: bool, release: Callable[[bool], None]
-) -> PreparedBucket:
+    exporter: exp.Exporter,
+    buf: exp.StagingBuffer,
+    size: int,
+    verify: bool,
+    release: Callable[[bool], None],
+    base_offset_bytes: int = 0,
+) -> ExportedRoute:
     buf.ready()
     checksum = crc32_checksum(buf.crc32(size)) if verify else None
-    if exporter.label is not None:
-        return PreparedBucket(
-            [exporter.export(buf, size, exporter.label)], None, checksum, release, staged=buf
+    label = exporter.label
+    if label is not None:
+        return ExportedRoute(
+            (exporter.export(buf, size, label),),
+            checksum=checksum,
+            releaser=release,
+            base_offset_bytes=base_offset_bytes,
+            staged=buf,
         )
-    return PreparedBucket([], lambda dev: exporter.export(buf, size, dev), checksum, release, staged=buf)
+    return ExportedRoute(
+        (),
+        lambda dev: exporter.export(buf, size, dev),
+        checksum=checksum,
+        releaser=release,
+        base_offset_bytes=base_offset_bytes,
+        staged=buf,
+    )
 
 
 def pool_release(pool: StagingPool, buf: exp.StagingBuffer) -> Callable[[bool], None]:
@@ -228,8 +245,8 @@ def packer(
     plan: planning.BucketPlan,
     tensors: list[torch.Tensor],
     verify: bool,
-) -> Callable[[Callable[[], bool], float], PreparedBucket]:
-    def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
+) -> Callable[[Callable[[], bool], float], Route]:
+    def prepare(stopped: Callable[[], bool], deadline: float) -> Route:
         buf = pool.acquire(plan.size_bytes, stopped, deadline)
         try:
             planning.pack_into(buf.tensor(), plan.specs, tensors)
@@ -254,7 +271,7 @@ class PacksTensors(Protocol):
 
 def in_place_job(
     exporter: exp.Exporter, exported: object, complete: bool, tensors: Sequence[torch.Tensor] = ()
-) -> Callable[[Callable[[], bool], float], PreparedBucket]:
+) -> Callable[[Callable[[], bool], float], Route]:
     """A bucket of the caller's own CUDA tensors, exported where they live (``CudaIpcExporter.
     export_tensors``), the fresh ones among them packed into the exporter's pool first: nothing
     else staged; each worker's payload names its own shares of the storages and carries the event
@@ -265,11 +282,11 @@ def in_place_job(
         if not ok and packer is not None:
             packer.discard()
 
-    def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
+    def prepare(stopped: Callable[[], bool], deadline: float) -> Route:
         if packer is not None:
             packer.pack(tensors)
         payloads = exporter.tensors_payloads(exported, complete=complete)
-        return PreparedBucket([], None, None, release, per_recipient=payloads.__getitem__)
+        return PerWorkerRoute(payloads, releaser=release)
 
     return prepare
 
@@ -296,12 +313,11 @@ def stage_flat(
 
 def flat_exporter_job(
     pool: StagingPool, exporter: exp.Exporter, flat: torch.Tensor, specs: list[TensorSpec], verify: bool
-) -> Callable[[Callable[[], bool], float], PreparedBucket]:
-    def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
+) -> Callable[[Callable[[], bool], float], Route]:
+    def prepare(stopped: Callable[[], bool], deadline: float) -> Route:
         buf, release = stage_flat(pool, exporter, flat, stopped, deadline)
-        prepared = export_staged(exporter, buf, buf.base_offset_bytes + flat.numel(), verify, release)
-        prepared.base_offset_bytes = buf.base_offset_bytes
-        return prepared
+        base = buf.base_offset_bytes
+        return export_staged(exporter, buf, base + flat.numel(), verify, release, base_offset_bytes=base)
 
     return prepare
 
@@ -311,8 +327,8 @@ def gathered_job(
     local: list[tuple[StagingPool, tuple[exp.Exporter, torch.Tensor]]],
     size: int,
     verify: bool,
-) -> Callable[[Callable[[], bool], float], PreparedBucket]:
-    def prepare(stopped: Callable[[], bool], deadline: float) -> PreparedBucket:
+) -> Callable[[Callable[[], bool], float], Route]:
+    def prepare(stopped: Callable[[], bool], deadline: float) -> Route:
         payloads = list(fixed)
         releases: list[Callable[[bool], None]] = []
         checksum: pb.Checksum | None = None
@@ -354,6 +370,6 @@ def gathered_job(
             for r in releases:
                 r(ok)
 
-        return PreparedBucket(payloads, None, checksum, release_all)
+        return ExportedRoute(tuple(payloads), checksum=checksum, releaser=release_all)
 
     return prepare
