@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING
 
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.transports.cuda_ipc import (
-    MAX_EVENT_HANDLE_BYTES,
-    CudaIpcFields,
     EventOpener,
     Opener,
     ReadyEvent,
@@ -26,6 +24,7 @@ from weightwire.core.transports.cuda_ipc import (
     open_cuda_storage,
     open_producer_event,
 )
+from weightwire.core.transports.cuda_ipc_fields import CudaIpcFields, check_event_fields
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:
@@ -140,14 +139,7 @@ class CudaIpcStorageSet:
             bool(msg.event_sync_required),
             bool(msg.storages_complete),
         )
-        if len(out.event_handle) > MAX_EVENT_HANDLE_BYTES:
-            raise WeightwireError(
-                Reason.HANDLE_MISSING, f"CUDA IPC event_handle is {len(out.event_handle)} bytes, too long"
-            )
-        if out.event_sync_required and not out.event_handle:
-            raise WeightwireError(
-                Reason.HANDLE_MISSING, "CUDA IPC payload requires an event sync but carries no event_handle"
-            )
+        check_event_fields(out.event_handle, out.event_sync_required)
         return out
 
 
