@@ -113,7 +113,7 @@ class Delta:
 
 
 class TorchOps:
-    """Mask, count, nonzero and bit (un)packing with torch kernels (any device)."""
+    """The element operations of encode and apply, with torch kernels (any device)."""
 
     def ne(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.ne(a, b)
@@ -142,6 +142,47 @@ class TorchOps:
             )
         return ((bitmap.unsqueeze(1) >> shifts) & 1).view(-1).view(torch.bool)
 
+    def take(self, flat: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return flat[indices]
+
+    def compress(self, mask: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        return flat[mask]
+
+    def put(self, flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+        flat.index_copy_(0, indices.to(torch.int64), values)
+
+    def place(self, flat: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> None:
+        flat[mask] = values
+
+    def ascending(self, indices: torch.Tensor) -> bool:
+        """Strictly ascending (no index twice)."""
+        return indices.numel() < 2 or bool(torch.all(indices[1:] > indices[:-1]))
+
+    def popcount(self, bitmap: torch.Tensor) -> int:
+        return self.count(self.unpack(bitmap))
+
+    def encode_flat(self, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> Delta:
+        """``encode`` of two flat, contiguous raw-bit tensors: one mask of the whole tensor."""
+        numel = b.numel()
+        mask = self.ne(a, b)
+        changed = self.count(mask)
+        encoding = choose_encoding(numel, changed, b.element_size())
+        if encoding is Encoding.DENSE:
+            return Delta(encoding, numel, dtype, numel, values=b)
+        if encoding is Encoding.BITMAP:
+            return Delta(
+                encoding, numel, dtype, changed, values=self.compress(mask, b), bitmap=self.pack(mask)
+            )
+        indices = self.flatnonzero(mask)
+        values = self.take(b, indices)
+        return Delta(
+            encoding, numel, dtype, changed, values=values, indices=indices.to(index_dtype_for(numel))
+        )
+
+    def place_bitmap(self, flat: torch.Tensor, bitmap: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` at the set bits of ``bitmap`` into ``flat`` (checked before)."""
+        self.place(flat, self.unpack(bitmap)[: flat.numel()], values)
+
 
 class NumpyOps(TorchOps):
     """The same operations through numpy on zero-copy views of host tensors."""
@@ -161,6 +202,95 @@ class NumpyOps(TorchOps):
     def unpack(self, bitmap: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.unpackbits(bitmap.numpy(), bitorder="little").view(np.bool_))
 
+    def take(self, flat: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(flat.numpy()[indices.numpy()])
+
+    def compress(self, mask: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.compress(mask.numpy(), flat.numpy()))
+
+    def put(self, flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+        np.put(flat.numpy(), indices.numpy(), values.numpy())
+
+    def place(self, flat: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> None:
+        np.place(flat.numpy(), mask.numpy(), values.numpy())
+
+    def ascending(self, indices: torch.Tensor) -> bool:
+        i = indices.numpy()
+        return i.size < 2 or bool(np.all(i[1:] > i[:-1]))
+
+    def popcount(self, bitmap: torch.Tensor) -> int:
+        bits = bitmap.numpy()
+        if _BITWISE_COUNT is not None:  # numpy >= 2
+            return int(_BITWISE_COUNT(bits).sum(dtype=np.int64))
+        return int(_POPCOUNT[bits].sum(dtype=np.int64))
+
+    def encode_flat(self, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> Delta:
+        """In chunks small enough that each chunk's mask stays in the CPU's cache: the comparison,
+        the count, the bit packing and the gathers each read a hot mask instead of one of the
+        whole tensor from memory. Indices are collected only while they can still win: once
+        they alone would take more bytes than the bitmap, they cannot."""
+        an, bn = a.numpy(), b.numpy()
+        numel, itemsize = bn.size, bn.itemsize
+        index_size = index_dtype_for(numel).itemsize
+        mask = np.empty(min(numel, HOST_CHUNK_ELEMENTS), dtype=np.bool_)
+        bitmap = np.empty((numel + 7) // 8, dtype=np.uint8)
+        values: list[np.ndarray] = []
+        indices: list[np.ndarray] | None = []
+        changed = 0
+        for start in range(0, numel, HOST_CHUNK_ELEMENTS):
+            stop = min(start + HOST_CHUNK_ELEMENTS, numel)
+            m = mask[: stop - start]
+            np.not_equal(an[start:stop], bn[start:stop], out=m)
+            k = int(np.count_nonzero(m))
+            bitmap[start // 8 : (stop + 7) // 8] = np.packbits(m, bitorder="little")
+            if k and indices is not None:
+                # while indices may win they are found anyway, and gathering by them is cheaper
+                # than a second pass over the mask
+                found = np.flatnonzero(m)
+                values.append(bn[start:stop][found])
+                indices.append(found + start)
+            elif k:
+                values.append(np.compress(m, bn[start:stop]))
+            changed += k
+            # indices alone now take more than the bitmap: INDICES cannot win whatever follows
+            if indices is not None and changed * index_size > (numel + 7) // 8:
+                indices = None
+            # both sparse encodings of the changes so far reach the dense size: DENSE has won
+            dense = numel * itemsize
+            if (numel + 7) // 8 + changed * itemsize >= dense and changed * (index_size + itemsize) >= dense:
+                return Delta(Encoding.DENSE, numel, dtype, numel, values=b)
+        encoding = choose_encoding(numel, changed, itemsize)
+        if encoding is Encoding.DENSE:
+            return Delta(encoding, numel, dtype, numel, values=b)
+        vals = torch.from_numpy(np.concatenate(values) if values else bn[:0].copy())
+        if encoding is Encoding.BITMAP:
+            return Delta(encoding, numel, dtype, changed, values=vals, bitmap=torch.from_numpy(bitmap))
+        if indices is None:
+            idx = np.flatnonzero(np.unpackbits(bitmap, count=numel, bitorder="little"))
+        else:
+            idx = np.concatenate(indices) if indices else np.zeros(0, dtype=np.int64)
+        idx_t = torch.from_numpy(idx.astype(np.int32 if index_size == 4 else np.int64, copy=False))
+        return Delta(encoding, numel, dtype, changed, values=vals, indices=idx_t)
+
+    def place_bitmap(self, flat: torch.Tensor, bitmap: torch.Tensor, values: torch.Tensor) -> None:
+        fn, bm, vn = flat.numpy(), bitmap.numpy(), values.numpy()
+        numel, at = fn.size, 0
+        step = HOST_CHUNK_ELEMENTS  # a multiple of 8: chunks start at a byte of the bitmap
+        for start in range(0, numel, step):
+            stop = min(start + step, numel)
+            m = np.unpackbits(bm[start // 8 : (stop + 7) // 8], count=stop - start, bitorder="little").view(
+                np.bool_
+            )
+            k = int(np.count_nonzero(m))
+            if k:
+                np.place(fn[start:stop], m, vn[at : at + k])
+                at += k
+
+
+# Elements per chunk of the host's encode and apply: a 256 KiB mask, which stays in L2.
+HOST_CHUNK_ELEMENTS = 1 << 18
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
+_BITWISE_COUNT = getattr(np, "bitwise_count", None)
 
 _TORCH_OPS = TorchOps()
 _NUMPY_OPS = NumpyOps()
@@ -183,8 +313,9 @@ def _flat_bits(t: torch.Tensor) -> torch.Tensor:
 def encode(old: torch.Tensor, new: torch.Tensor, *, ops: TorchOps | None = None) -> Delta:
     """The changes from ``old`` to ``new`` (same shape, dtype and device), in the smallest encoding.
 
-    Computed on the tensors' device. Temporary memory: a mask of one byte per element, plus the
-    indices (8 bytes per changed element, while they are found) and the values; a non-contiguous
+    Computed on the tensors' device. Temporary memory besides the result: on the host a bitmap
+    (an eighth of a byte per element) and a cache-sized mask; elsewhere a mask of one byte per
+    element and the indices (8 bytes per changed element, while they are found). A non-contiguous
     ``old`` or ``new`` is first copied in row-major order.
     """
     if old.shape != new.shape or old.dtype != new.dtype:
@@ -195,20 +326,7 @@ def encode(old: torch.Tensor, new: torch.Tensor, *, ops: TorchOps | None = None)
     if old.device != new.device:
         raise ValueError(f"encode needs tensors on one device, got {old.device} and {new.device}")
     ops = ops or ops_for(new.device)
-    a, b = _flat_bits(old), _flat_bits(new)
-    numel = b.numel()
-    mask = ops.ne(a, b)
-    changed = ops.count(mask)
-    encoding = choose_encoding(numel, changed, b.element_size())
-    if encoding is Encoding.DENSE:
-        return Delta(encoding, numel, new.dtype, numel, values=b)
-    if encoding is Encoding.BITMAP:
-        return Delta(encoding, numel, new.dtype, changed, values=b[mask], bitmap=ops.pack(mask))
-    indices = ops.flatnonzero(mask)
-    values = b[indices]
-    return Delta(
-        encoding, numel, new.dtype, changed, values=values, indices=indices.to(index_dtype_for(numel))
-    )
+    return ops.encode_flat(_flat_bits(old), _flat_bits(new), new.dtype)
 
 
 def changed_positions(delta: Delta, *, ops: TorchOps | None = None) -> torch.Tensor | None:
@@ -257,10 +375,11 @@ def check_delta(target: torch.Tensor, delta: Delta, *, ops: TorchOps | None = No
         if delta.changed_count != numel:
             raise invalid_delta(f"{label}: a dense delta changes all {numel} elements", **where)
         return
+    ops = ops or ops_for(_device_of(delta))
     if delta.encoding is Encoding.INDICES:
-        _check_indices(delta, numel, label, where)
+        _check_indices(delta, numel, label, where, ops)
     else:
-        _check_bitmap(delta, numel, label, where, ops or ops_for(_device_of(delta)))
+        _check_bitmap(delta, numel, label, where, ops)
 
 
 def _device_of(delta: Delta) -> torch.device:
@@ -268,7 +387,7 @@ def _device_of(delta: Delta) -> torch.device:
     return part.device if part is not None else delta.values.device
 
 
-def _check_indices(delta: Delta, numel: int, label: str, where: dict[str, str]) -> None:
+def _check_indices(delta: Delta, numel: int, label: str, where: dict[str, str], ops: TorchOps) -> None:
     idx = delta.indices
     if idx is None or delta.bitmap is not None:
         raise invalid_delta(f"{label}: an indices delta needs indices and no bitmap", **where)
@@ -285,7 +404,7 @@ def _check_indices(delta: Delta, numel: int, label: str, where: dict[str, str]) 
     lo, hi = int(idx[0]), int(idx[-1])
     if lo < 0 or hi >= numel:
         raise invalid_delta(f"{label}: index {lo if lo < 0 else hi} outside [0, {numel})", **where)
-    if idx.numel() > 1 and not bool(torch.all(idx[1:] > idx[:-1])):
+    if not ops.ascending(idx):
         raise invalid_delta(f"{label}: indices are not strictly ascending (duplicated or unsorted)", **where)
 
 
@@ -302,7 +421,7 @@ def _check_bitmap(delta: Delta, numel: int, label: str, where: dict[str, str], o
     tail = numel % 8
     if tail and int(bm[-1]) >> tail:
         raise invalid_delta(f"{label}: the bitmap has bits set past element {numel}", **where)
-    set_bits = ops.count(ops.unpack(bm))
+    set_bits = ops.popcount(bm)
     if set_bits != delta.changed_count:
         raise invalid_delta(
             f"{label}: the bitmap sets {set_bits} bits for {delta.changed_count} changes", **where
@@ -323,6 +442,7 @@ def apply_delta(
     if delta.changed_count == 0:
         return
     device = target.device
+    ops = ops or ops_for(device)
     bits = as_bits(target)
     values = _moved(delta.values, device).view(bits.dtype)
     if delta.encoding is Encoding.DENSE:
@@ -330,17 +450,17 @@ def apply_delta(
         return
     if delta.encoding is Encoding.BITMAP:
         assert delta.bitmap is not None
-        ops = ops or ops_for(device)
-        mask = ops.unpack(_moved(delta.bitmap, device))[: delta.numel]
+        bitmap = _moved(delta.bitmap, device)
         if bits.is_contiguous():
-            bits.view(-1)[mask] = values
+            ops.place_bitmap(bits.view(-1), bitmap, values)
         else:
+            mask = ops.unpack(bitmap)[: delta.numel]
             bits.masked_scatter_(mask.view(bits.shape), values)
         return
     assert delta.indices is not None
     idx = _moved(delta.indices, device).to(torch.int64)
     if bits.is_contiguous():
-        bits.view(-1).index_copy_(0, idx, values)
+        ops.put(bits.view(-1), idx, values)
     else:
         bits.index_put_(torch.unravel_index(idx, bits.shape), values)
 

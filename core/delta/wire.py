@@ -50,7 +50,9 @@ def packed_size_bytes(delta: Delta, offset_bytes: int) -> int:
 
 
 def _put(buffer: torch.Tensor, offset: int, part: torch.Tensor) -> None:
-    raw = part.reshape(-1).view(torch.uint8)
+    if part.numel() == 0:
+        return
+    raw = part.reshape(-1).contiguous().view(torch.uint8)
     buffer[offset : offset + raw.numel()].copy_(raw)
 
 

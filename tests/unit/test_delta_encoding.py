@@ -180,3 +180,41 @@ def test_round_trip_through_payload_bytes(
     target = old.clone()
     enc.apply_delta(target, back, tensor="t")
     assert bits_equal(target, new)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(0, 700),
+    fraction=st.floats(0, 1),
+    clustered=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_host_chunks(dtype: torch.dtype, n: int, fraction: float, clustered: bool, seed: int) -> None:
+    """The host's chunked encode and apply, with chunks of 16 elements: results equal the torch
+    kernels' (one mask of the whole tensor), also when the changes sit in a dense prefix (the
+    indices are given up after a few chunks)."""
+    gen = torch.Generator().manual_seed(seed)
+    old = random_bits((n,), dtype, gen)
+    if clustered:
+        new = old.clone()
+        head = round(n * fraction * 0.1)
+        enc.as_bits(new)[:head] = enc.as_bits(changed_copy(old[:head].clone(), 1.0, gen))
+    else:
+        new = changed_copy(old, fraction, gen)
+    saved = enc.HOST_CHUNK_ELEMENTS
+    enc.HOST_CHUNK_ELEMENTS = 16
+    try:
+        host = enc.encode(old, new, ops=OPS["numpy"])
+        target = old.clone()
+        enc.apply_delta(target, host, ops=OPS["numpy"])
+    finally:
+        enc.HOST_CHUNK_ELEMENTS = saved
+    ref = enc.encode(old, new, ops=OPS["torch"])
+    assert (host.encoding, host.changed_count) == (ref.encoding, ref.changed_count)
+    for part in ("values", "indices", "bitmap"):
+        a, b = getattr(host, part), getattr(ref, part)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), part
+    assert bits_equal(target, new)

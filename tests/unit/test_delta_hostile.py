@@ -294,3 +294,15 @@ def test_a_result_that_drifted_is_caught(algorithm: int) -> None:
     unspecified = [pb.DeltaChecksum(checksum=pb.Checksum(value=1))]
     with pytest.raises(WeightwireError, match="without an algorithm"):
         verify.verify_result(unspecified, [(None, trainer)])
+
+
+@pytest.mark.parametrize("lookup_table", [False, True], ids=["bitwise_count", "table"])
+def test_bitmap_count_with_and_without_numpy_bitwise_count(
+    lookup_table: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """numpy < 2 has no bitwise_count: the table gives the same count, and the same refusal."""
+    if lookup_table:
+        monkeypatch.setattr(enc, "_BITWISE_COUNT", None)
+    assert enc.NumpyOps().popcount(torch.tensor([0xFF, 0x01, 0x80, 0], dtype=torch.uint8)) == 10
+    _, target = base_and_target()
+    assert "sets 2 bits" in refused(target, bitmap_delta([3, 0, 0, 0, 0], 1)).message
