@@ -155,3 +155,35 @@ def test_the_walk_finds_a_folder_loop_when_there_is_one() -> None:
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _circles(edges) == [["a", "b", "c"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_worker_asks_importers_and_never_names_a_transport() -> None:
+    """How a bucket loads is the importer's to say (its declared abilities): no module of
+    ``server/worker/`` compares with a transport's name or handle field, reads a handle field by
+    name, or asks ``isinstance`` of an importer class."""
+    from weightwire.core.transports import table
+
+    names = {t.name for t in table.TRANSPORTS} | {t.handle_field for t in table.TRANSPORTS}
+    importer_classes = {t.importer.rpartition(":")[2] for t in table.TRANSPORTS} | {"PayloadImporter"}
+    found = []
+    for path in sorted((_REPO / "server" / "worker").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.name}:{node.lineno} names {node.value!r}")
+            if isinstance(node, ast.Attribute) and node.attr in {
+                "TRANSFER_GROUP",
+                "CUDA_IPC",
+                "HOST_SHM",
+                "INLINE",
+            }:
+                found.append(f"{path.name}:{node.lineno} reads the table row {node.attr}")
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", "") == "isinstance"
+                and len(node.args) == 2
+            ):
+                classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                for cls in classes:
+                    if getattr(cls, "id", getattr(cls, "attr", "")) in importer_classes:
+                        found.append(f"{path.name}:{node.lineno} asks isinstance of an importer class")
+    assert not found, found
