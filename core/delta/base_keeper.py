@@ -19,6 +19,7 @@ tensor's size plus a byte per element; a device copy costs neither. ``memory()``
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import torch
 from weightwire.core.delta.checksums import checksum, weighted_sum64, weighted_sum64_update
@@ -137,6 +138,24 @@ class BaseKeeper:
                 kept.weighted_sum = weighted_sum64(kept.copy)
             return kept.weighted_sum
         return checksum(kept.copy, algorithm)
+
+    def result_checksums(
+        self,
+        name: str,
+        algorithm: pb.ChecksumAlgorithm.ValueType,
+        parts: Iterable[tuple[int, int, int] | None] = (None,),
+    ) -> list[pb.DeltaChecksum]:
+        """``TensorDelta.result_checksums`` of ``name``: one per distinct part its recipients keep
+        (None: the whole tensor; else an ``OwnedTensor.pieces`` entry as (dim, offset, length))."""
+        out = []
+        for part in dict.fromkeys(parts):
+            msg = pb.DeltaChecksum(
+                checksum=pb.Checksum(algorithm=algorithm, value=self.result_checksum(name, algorithm, part))
+            )
+            if part is not None:
+                msg.piece.CopyFrom(pb.TensorPiece(dim=part[0], offset=part[1], length=part[2]))
+            out.append(msg)
+        return out
 
     def commit(self, version: int) -> None:
         """Every worker committed ``version``: it is the base of the next delta."""

@@ -178,3 +178,17 @@ def test_a_device_budget_needs_a_cuda_tensor() -> None:
     assert keeper.memory().host_bytes == 16 and keeper.memory().device_bytes == 0
     with pytest.raises(ValueError):
         BaseKeeper(device_budget_bytes=-1)
+
+
+def test_result_checksums_cover_every_recipients_part_once() -> None:
+    """What a TensorDelta carries: the whole tensor and each tensor-parallel piece, each once, and a
+    worker keeping any one of them verifies it."""
+    keeper, trainer = BaseKeeper(), model(0)
+    keeper.begin(1)
+    keeper.record("embed", trainer["embed"])
+    parts = [None, (0, 0, 32), (0, 32, 32), (0, 0, 32)]
+    sums = keeper.result_checksums("embed", pb.CHECKSUM_ALGORITHM_CRC32, parts)
+    assert len(sums) == 3 and not sums[0].HasField("piece") and sums[2].piece.offset == 32
+    for part in (None, (0, 0, 32), (0, 32, 32)):
+        view = trainer["embed"] if part is None else trainer["embed"].narrow(*part)
+        assert verify_result(sums, [(part, view.clone())], tensor="embed") == 1
