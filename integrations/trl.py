@@ -130,17 +130,16 @@ class WeightwireTransfer:
         ``PlanError`` / ``PushError`` (the engine keeps its previous weights version)."""
         pusher = self._require_pusher()
         version = self._version_of(iterator)
-        if version == 0 and self._versions() == {0}:
-            # The cold sync of a fresh run: TRL syncs once before the first step, and the engine
-            # still serves the checkpoint it was started from (weights version 0, nothing pushed),
-            # which is the model TRL's trainer loads. Version 0 cannot be pushed (a version must be
-            # newer than the worker's), so the stream is drained instead: under FSDP2 every rank's
-            # full_tensor() of each parameter is a collective this process must take part in.
+        if self._versions() == {version}:
+            # TRL syncs once before the first step. An engine whose every worker already holds this
+            # step's weights needs nothing: version 0 is the checkpoint the engine started from (the
+            # model a fresh run loads), a later one what this run pushed at that step before it was
+            # resumed. The version could not be pushed again anyway (it must be newer than the
+            # worker's). The stream is still drained: under FSDP2 every rank's full_tensor() of each
+            # parameter is a collective this process takes part in.
             for _ in iterator:
                 pass
-            logger.info(
-                "weightwire: the engine serves its start-up checkpoint (version 0) at step 0; nothing pushed"
-            )
+            logger.info("weightwire: every worker already holds weights version %d; nothing pushed", version)
             return
         if self.engine == "vllm":
             self._call("/start_weight_update")

@@ -1,14 +1,16 @@
-"""weightwire.integrations.trl driven the way TRL's AsyncGRPOTrainer drives a weight-transfer backend,
-into a real vLLM server (``vllm.entrypoints.openai.api_server`` on CPU, TP=1, the ``weightwire``
-weight-transfer backend, ``VLLM_SERVER_DEV_MODE=1``), one server for the module.
+"""weightwire.integrations.trl with TRL 1.16's AsyncGRPOTrainer and a real vLLM server
+(``vllm.entrypoints.openai.api_server`` on CPU, TP=1, float32, the ``weightwire`` weight-transfer
+backend, ``VLLM_SERVER_DEV_MODE=1``), one server for the module; ``ENGINE`` carries what it holds
+from test to test.
 
-The trainer is a transformers model of the checkpoint the server started from, trained for real
-(AdamW steps on a language-model loss). Each sync is what ``AsyncGRPOTrainer._sync_weight_merged``
-runs on the main process: ``pause()``, ``send_weights(self._streaming_iter())`` (the generator of
-``(name, param.detach())`` over ``named_parameters()``, on an object whose ``state.global_step`` is
-the step, as TRL's trainer is), ``resume()``. After each sync the server's greedy tokens equal
-transformers' on the trainer's weights and ``/weight_info`` reports the step; a trainer of another
-model and a stale step fail ``send_weights`` with weightwire's reason and leave the engine as it was.
+1. A real ``AsyncGRPOTrainer`` built with ``weight_transfer=WeightwireTransfer(...)`` runs its own
+   sync code (``_sync_weight``: pause, ``send_weights(self._streaming_iter())``, resume) at the cold
+   start and after two steps: the version is the trainer's ``state.global_step``, read by the backend.
+2. The same calls on a transformers model trained for real (AdamW): tokens equal transformers' on
+   the trainer's weights after each sync, the version is the step; a stale step (``STALE_VERSION``)
+   and a trainer of another model (``SHAPE_MISMATCH``) fail ``send_weights`` with weightwire's
+   reason and leave the engine serving its previous weights at its previous version.
+3. docs/integrations.md's example, as written.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import re
 import socket
 import subprocess
@@ -43,6 +46,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 SPEC = ModelSpec()
 START = 1
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
+# What the module's one server holds now (weights and version), carried from test to test.
+ENGINE = Expected(SPEC, checkpoint(SPEC, START))
 
 
 class Server:
@@ -165,47 +170,142 @@ class Trainer:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
+class NoRollouts:
+    """TRL's ``RolloutWorkerProtocol`` with nothing to produce: the test drives the trainer's syncs
+    itself (its training forward needs CUDA, below), so no rollout is ever asked for."""
+
+    def __init__(self) -> None:
+        self.rollout_buffer: queue.Queue = queue.Queue()
+        self.metrics_queue: queue.Queue = queue.Queue()
+        self.versions: list[int] = []
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def update_model_version(self, model_version: int) -> None:
+        self.versions.append(model_version)
+
+    def check_health(self, stale_after_s: float) -> None:
+        pass
+
+
+def byte_tokenizer(vocab_size: int) -> Any:
+    """A small byte-level BPE tokenizer padded to the model's vocabulary (the trainer needs one for
+    its pad and eos ids; the rollouts here are token ids in and out)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(
+        ["The weights are new."], vocab_size=300, min_frequency=1, special_tokens=["<eos>"]
+    )
+    bpe.add_tokens([f"<x{i}>" for i in range(bpe.get_vocab_size(), vocab_size)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>")
+
+
+def test_async_grpo_trainer_syncs_through_weightwire(
+    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real AsyncGRPOTrainer built with the backend; its own train-begin setup and _sync_weight.
+
+    TRL 1.16's training forward cannot run on a CPU: the trainer loads the policy with its tree
+    attention, which calls flash-attn varlen kernels (the ``kernels`` package, CUDA only). So the
+    test runs what ``train()`` runs around the optimisation steps, in its order: the train-begin
+    callback's ``init_weight_transfer()`` and cold ``_sync_weight()``, then after each step (here the
+    parameters moved by hand and ``state.global_step`` advanced, as the Trainer does)
+    ``_sync_weight()``, TRL's own pause / ``send_weights(self._streaming_iter())`` / resume.
+    """
+    from datasets import Dataset
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async_grpo_trainer
+
+    # TRL reads the training GPU's name for its MFU metric (torch.cuda.get_device_name raises on a
+    # CPU torch); None is what it uses for a device it does not know.
+    monkeypatch.setattr(async_grpo_trainer, "get_peak_flops_per_device", lambda *a, **k: None)
+    assert ENGINE.version == 0, "runs first: a fresh run's cold sync meets the start-up checkpoint"
+    config = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        weight_sync_steps=1,
+        dtype="float32",
+        vllm_server_base_url=server.base,
+        report_to="none",
+        use_cpu=True,
+    )
+    transfer = WeightwireTransfer(
+        server.base, socket_dir=str(server.socket_dir), worker_count=1, transport="host_shm"
+    )
+    rollouts = NoRollouts()
+    trainer = AsyncGRPOTrainer(
+        model=server.model,
+        args=config,
+        processing_class=byte_tokenizer(SPEC.vocab),
+        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "x"}]] * 8}),
+        rollout_worker=rollouts,
+        weight_transfer=transfer,
+    )
+    assert trainer.weight_transfer is transfer
+    transfer.init_weight_transfer()
+    try:
+        trainer._sync_weight()  # the cold sync, at global_step 0
+        assert transfer.last_version is None and server.weight_version() == "default"
+        assert server.generate() == ENGINE.tokens()
+        for step in (1, 2):
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+            trainer.state.global_step = step
+            trainer._sync_weight()
+            ENGINE.weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+            ENGINE.version = step
+            assert server.weight_version() == str(step)
+            assert server.generate() == ENGINE.tokens()
+        assert rollouts.versions == [1, 2, 3]  # TRL's own count of syncs, told to its rollout worker
+    finally:
+        transfer.destroy()
+
+
 def test_trainer_steps_reach_the_engine_as_its_weights_and_version(server: Server) -> None:
-    start = checkpoint(SPEC, START)
-    expected = Expected(SPEC, start)
-    assert server.generate() == expected.tokens()
-    trainer = Trainer(SPEC, start)
+    base = ENGINE.version
+    trainer = Trainer(SPEC, ENGINE.weights)
+    trainer.state.global_step = base
     transfer = WeightwireTransfer(
         server.base, socket_dir=str(server.socket_dir), worker_count=1, transport="host_shm"
     )
     transfer.init_weight_transfer()
     try:
-        # TRL's cold sync before the first step: the engine already serves that checkpoint.
+        # TRL's sync before the first step (of a fresh or a resumed run): the engine holds that step.
         trainer.sync(transfer)
-        assert server.generate() == expected.tokens()
-        assert server.weight_version() == "default"
+        assert transfer.last_version is None
+        assert server.generate() == ENGINE.tokens()
 
-        before = expected.tokens()
-        for step in (1, 2):
+        before = ENGINE.tokens()
+        for step in (base + 1, base + 2):
             trainer.train_step()
             trainer.sync(transfer)
-            expected.weights = trainer.weights()
+            ENGINE.weights, ENGINE.version = trainer.weights(), step
             assert server.weight_version() == str(step)
             assert transfer.last_version == step
-            assert server.generate() == expected.tokens()
-        assert expected.tokens() != before, "training changed no greedy token: the test proves nothing"
+            assert server.generate() == ENGINE.tokens()
+        assert ENGINE.tokens() != before, "training changed no greedy token: the test proves nothing"
 
         # A stale step (a trainer restarted from an older checkpoint): the workers refuse it.
-        trainer.state.global_step = 1
+        trainer.state.global_step = base + 1
         with pytest.raises(PushError) as stale:
             trainer.sync(transfer)
         assert {e.reason for e in stale.value.failures.values()} == {"STALE_VERSION"}
-        assert server.weight_version() == "2"
+        assert server.weight_version() == str(ENGINE.version)
         # TRL's trainer stops at the error with the engine paused; resuming it serves the old weights.
         assert server.call("/is_paused", method="GET")["is_paused"] is True
         transfer.resume()
-        assert server.generate() == expected.tokens()
+        assert server.generate() == ENGINE.tokens()
     finally:
         transfer.destroy()
 
     # A trainer of another model (wider layers) pointed at this engine: refused before any byte.
     other = Trainer(ModelSpec(intermediate=384), checkpoint(ModelSpec(intermediate=384), 3))
-    other.state.global_step = 3
+    other.state.global_step = ENGINE.version + 1
     wrong = WeightwireTransfer(
         server.base, socket_dir=str(server.socket_dir), worker_count=1, transport="host_shm"
     )
@@ -218,8 +318,8 @@ def test_trainer_steps_reach_the_engine_as_its_weights_and_version(server: Serve
         wrong.resume()
     finally:
         wrong.destroy()
-    assert server.weight_version() == "2"
-    assert server.generate() == expected.tokens()
+    assert server.weight_version() == str(ENGINE.version)
+    assert server.generate() == ENGINE.tokens()
 
 
 def docs_example() -> str:
@@ -232,15 +332,19 @@ def docs_example() -> str:
 
 
 def test_the_docs_example_runs_as_written(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
-    # After the test above the engine is at version 2; the example pushes other weights as 3 and 4.
     model = Trainer(SPEC, checkpoint(SPEC, 7)).model
-    exec(
-        compile(docs_example(), "trl_sync.py", "exec"),
-        {"server_url": server.base, "socket_dir": str(server.socket_dir), "model": model, "steps": (3, 4)},
-    )
+    steps = (ENGINE.version + 1, ENGINE.version + 2)
+    namespace = {
+        "server_url": server.base,
+        "socket_dir": str(server.socket_dir),
+        "model": model,
+        "steps": steps,
+    }
+    exec(compile(docs_example(), "trl_sync.py", "exec"), namespace)
     printed = capsys.readouterr().out
-    assert [line.split(":")[0] for line in printed.splitlines()] == ["step 3", "step 4"], printed
+    assert [line.split(":")[0] for line in printed.splitlines()] == [f"step {s}" for s in steps], printed
     with capsys.disabled():
         print("\n" + printed.strip())
-    assert server.weight_version() == "4"
-    assert server.generate() == Expected(SPEC, checkpoint(SPEC, 7)).tokens()
+    ENGINE.weights, ENGINE.version = checkpoint(SPEC, 7), steps[-1]
+    assert server.weight_version() == str(steps[-1])
+    assert server.generate() == ENGINE.tokens()
