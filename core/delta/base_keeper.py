@@ -93,6 +93,7 @@ class BaseKeeper:
         ``new`` whole (allocating the copy the first time).
         """
         self._require_pending()
+        new = new.detach()  # a parameter's copy must not join its autograd graph
         kept = self._kept.get(name)
         if kept is not None and (kept.copy.shape != new.shape or kept.copy.dtype != new.dtype):
             del self._kept[name]

@@ -192,3 +192,19 @@ def test_result_checksums_cover_every_recipients_part_once() -> None:
     for part in (None, (0, 0, 32), (0, 32, 32)):
         view = trainer["embed"] if part is None else trainer["embed"].narrow(*part)
         assert verify_result(sums, [(part, view.clone())], tensor="embed") == 1
+
+
+def test_kept_copies_of_parameters_stay_out_of_autograd() -> None:
+    keeper = BaseKeeper()
+    param = torch.nn.Parameter(torch.randn(8, 4).to(torch.bfloat16))
+    keeper.begin(1)
+    keeper.record("w", param)
+    keeper.commit(1)
+    with torch.no_grad():
+        param[0, 0] += 1
+    keeper.begin(2)
+    delta = keeper.diff("w", param)
+    assert delta is not None and delta.changed_count == 1
+    keeper.record("w", param, delta)
+    assert keeper.result_checksum("w", pb.CHECKSUM_ALGORITHM_CRC32) == ck.crc32(param)
+    assert not keeper._kept["w"].copy.requires_grad

@@ -218,3 +218,19 @@ def test_host_chunks(dtype: torch.dtype, n: int, fraction: float, clustered: boo
         if a is not None:
             assert a.dtype == b.dtype and torch.equal(a, b), part
     assert bits_equal(target, new)
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.2, 1.0])
+def test_parameters_that_require_grad(fraction: float) -> None:
+    """A trainer's parameters (and a model's, on the worker) require grad: raw-bit views do not, so
+    encode, apply and the checksums work on them as they are, outside torch.no_grad()."""
+    from weightwire.core.delta import checksums
+
+    gen = torch.Generator().manual_seed(0)
+    old = torch.nn.Parameter(torch.randn(40, 8, generator=gen).to(torch.bfloat16))
+    new = torch.nn.Parameter(changed_copy(old.detach(), fraction, gen))
+    delta = enc.encode(old, new)
+    enc.apply_delta(old, delta)
+    assert bits_equal(old.detach(), new.detach()) and old.requires_grad
+    assert checksums.crc32(old) == checksums.crc32(new.detach())
+    assert checksums.weighted_sum64(old) == checksums.weighted_sum64(new.detach())
