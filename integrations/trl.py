@@ -170,7 +170,7 @@ class WeightwireTransfer:
                 )
             self._call("/resume")
         else:
-            self._call("/continue_generation")
+            self._call("/continue_generation", {})
 
     def destroy(self) -> None:
         if self.pusher is not None:
