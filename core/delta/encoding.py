@@ -19,8 +19,10 @@ turns the contract's ``TensorDelta`` and a payload's bytes into a ``Delta`` and 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
+import threading
 from typing import Any
 
 import numpy as np
@@ -227,48 +229,42 @@ class NumpyOps(TorchOps):
     def encode_flat(self, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> Delta:
         """In chunks small enough that each chunk's mask stays in the CPU's cache: the comparison,
         the count, the bit packing and the gathers each read a hot mask instead of one of the
-        whole tensor from memory. Indices are collected only while they can still win: once
-        they alone would take more bytes than the bitmap, they cannot."""
+        whole tensor from memory. A large tensor is cut into one range per torch thread, encoded
+        in parallel (numpy releases the GIL in each of these steps) and joined in order."""
         an, bn = a.numpy(), b.numpy()
         numel, itemsize = bn.size, bn.itemsize
         index_size = index_dtype_for(numel).itemsize
-        mask = np.empty(min(numel, HOST_CHUNK_ELEMENTS), dtype=np.bool_)
         bitmap = np.empty((numel + 7) // 8, dtype=np.uint8)
-        values: list[np.ndarray] = []
-        indices: list[np.ndarray] | None = []
-        changed = 0
-        for start in range(0, numel, HOST_CHUNK_ELEMENTS):
-            stop = min(start + HOST_CHUNK_ELEMENTS, numel)
-            m = mask[: stop - start]
-            np.not_equal(an[start:stop], bn[start:stop], out=m)
-            k = int(np.count_nonzero(m))
-            bitmap[start // 8 : (stop + 7) // 8] = np.packbits(m, bitorder="little")
-            if k and indices is not None:
-                # while indices may win they are found anyway, and gathering by them is cheaper
-                # than a second pass over the mask
-                found = np.flatnonzero(m)
-                values.append(bn[start:stop][found])
-                indices.append(found + start)
-            elif k:
-                values.append(np.compress(m, bn[start:stop]))
-            changed += k
-            # indices alone now take more than the bitmap: INDICES cannot win whatever follows
-            if indices is not None and changed * index_size > (numel + 7) // 8:
-                indices = None
-            # both sparse encodings of the changes so far reach the dense size: DENSE has won
-            dense = numel * itemsize
-            if (numel + 7) // 8 + changed * itemsize >= dense and changed * (index_size + itemsize) >= dense:
-                return Delta(Encoding.DENSE, numel, dtype, numel, values=b)
+        threads = min(host_threads(), numel // (2 * HOST_CHUNK_ELEMENTS))
+        watch = _DenseWatch(numel, itemsize, index_size)
+        parts: list[_RangeChanges | None]
+        if threads <= 1:
+            parts = [_encode_range(an, bn, bitmap, 0, numel, watch, index_size)]
+        else:
+            # range bounds on chunk boundaries (multiples of 8): each range owns whole bitmap bytes
+            per = -(-numel // threads // HOST_CHUNK_ELEMENTS) * HOST_CHUNK_ELEMENTS
+            bounds = [(lo, min(lo + per, numel)) for lo in range(0, numel, per)]
+            with concurrent.futures.ThreadPoolExecutor(len(bounds)) as pool:
+                futures = [
+                    pool.submit(_encode_range, an, bn, bitmap, lo, hi, watch, index_size) for lo, hi in bounds
+                ]
+                parts = [f.result() for f in futures]
+        if watch.won:
+            return Delta(Encoding.DENSE, numel, dtype, numel, values=b)
+        changed = sum(p.changed for p in parts if p is not None)
         encoding = choose_encoding(numel, changed, itemsize)
         if encoding is Encoding.DENSE:
             return Delta(encoding, numel, dtype, numel, values=b)
-        vals = torch.from_numpy(np.concatenate(values) if values else bn[:0].copy())
+        chunks = [v for p in parts if p is not None for v in p.values]
+        vals = torch.from_numpy(np.concatenate(chunks) if chunks else bn[:0].copy())
         if encoding is Encoding.BITMAP:
             return Delta(encoding, numel, dtype, changed, values=vals, bitmap=torch.from_numpy(bitmap))
-        if indices is None:
+        found = [p.indices for p in parts if p is not None]
+        if all(i is not None for i in found):
+            pieces = [x for i in found if i is not None for x in i]
+            idx = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+        else:  # a range gave its indices up, yet they win over the whole tensor
             idx = np.flatnonzero(np.unpackbits(bitmap, count=numel, bitorder="little"))
-        else:
-            idx = np.concatenate(indices) if indices else np.zeros(0, dtype=np.int64)
         idx_t = torch.from_numpy(idx.astype(np.int32 if index_size == 4 else np.int64, copy=False))
         return Delta(encoding, numel, dtype, changed, values=vals, indices=idx_t)
 
@@ -285,6 +281,82 @@ class NumpyOps(TorchOps):
             if k:
                 np.place(fn[start:stop], m, vn[at : at + k])
                 at += k
+
+
+@dataclasses.dataclass
+class _RangeChanges:
+    changed: int
+    values: list[np.ndarray]
+    indices: list[np.ndarray] | None
+
+
+class _DenseWatch:
+    """The changes counted so far over all ranges of one encode, and whether DENSE has won: the
+    sparse encodings only grow with more changes, so once both reach the dense size every range
+    can stop."""
+
+    def __init__(self, numel: int, itemsize: int, index_size: int) -> None:
+        self.dense_bytes = numel * itemsize
+        self.bitmap_bytes = (numel + 7) // 8
+        self.itemsize, self.index_size = itemsize, index_size
+        self.changed = 0
+        self.won = False
+        self.lock = threading.Lock()
+
+    def add(self, k: int) -> bool:
+        with self.lock:
+            self.changed += k
+            c = self.changed
+            if (
+                self.bitmap_bytes + c * self.itemsize >= self.dense_bytes
+                and c * (self.index_size + self.itemsize) >= self.dense_bytes
+            ):
+                self.won = True
+            return self.won
+
+
+def _encode_range(
+    an: np.ndarray,
+    bn: np.ndarray,
+    bitmap: np.ndarray,
+    lo: int,
+    hi: int,
+    watch: _DenseWatch,
+    index_size: int,
+) -> _RangeChanges | None:
+    """Elements [lo, hi) of a host encode: their bitmap bytes, changed values and (while they can
+    win) indices; None once DENSE has won (``watch``). Indices are given up by the range's own
+    sizes: for the whole tensor that is exact, for a part the caller finds them again from the
+    bitmap if they win overall."""
+    mask = np.empty(min(hi - lo, HOST_CHUNK_ELEMENTS), dtype=np.bool_)
+    out = _RangeChanges(0, [], [])
+    span_bitmap = (hi - lo + 7) // 8
+    for start in range(lo, hi, HOST_CHUNK_ELEMENTS):
+        stop = min(start + HOST_CHUNK_ELEMENTS, hi)
+        m = mask[: stop - start]
+        np.not_equal(an[start:stop], bn[start:stop], out=m)
+        k = int(np.count_nonzero(m))
+        bitmap[start // 8 : (stop + 7) // 8] = np.packbits(m, bitorder="little")
+        if k and out.indices is not None:
+            # while indices may win they are found anyway, and gathering by them is cheaper
+            # than a second pass over the mask
+            found = np.flatnonzero(m)
+            out.values.append(bn[start:stop][found])
+            out.indices.append(found + start)
+        elif k:
+            out.values.append(np.compress(m, bn[start:stop]))
+        out.changed += k
+        # indices alone now take more than the bitmap: INDICES cannot win whatever follows
+        if out.indices is not None and out.changed * index_size > span_bitmap:
+            out.indices = None
+        if watch.add(k):
+            return None
+    return out
+
+
+def host_threads() -> int:
+    """Threads of the host's encode: torch's intra-op thread count (``torch.set_num_threads``)."""
+    return max(1, torch.get_num_threads())
 
 
 # Elements per chunk of the host's encode and apply: a 256 KiB mask, which stays in L2.

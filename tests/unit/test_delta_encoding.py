@@ -182,18 +182,21 @@ def test_round_trip_through_payload_bytes(
     assert bits_equal(target, new)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     dtype=st.sampled_from(DTYPES),
     n=st.integers(0, 700),
     fraction=st.floats(0, 1),
     clustered=st.booleans(),
+    threads=st.sampled_from([1, 3]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_host_chunks(dtype: torch.dtype, n: int, fraction: float, clustered: bool, seed: int) -> None:
-    """The host's chunked encode and apply, with chunks of 16 elements: results equal the torch
-    kernels' (one mask of the whole tensor), also when the changes sit in a dense prefix (the
-    indices are given up after a few chunks)."""
+def test_host_chunks(
+    dtype: torch.dtype, n: int, fraction: float, clustered: bool, threads: int, seed: int
+) -> None:
+    """The host's chunked encode and apply, with chunks of 16 elements, on one thread or on three
+    ranges in parallel: results equal the torch kernels' (one mask of the whole tensor), also when
+    the changes sit in a dense prefix (a range gives its indices up, and they still win overall)."""
     gen = torch.Generator().manual_seed(seed)
     old = random_bits((n,), dtype, gen)
     if clustered:
@@ -202,14 +205,14 @@ def test_host_chunks(dtype: torch.dtype, n: int, fraction: float, clustered: boo
         enc.as_bits(new)[:head] = enc.as_bits(changed_copy(old[:head].clone(), 1.0, gen))
     else:
         new = changed_copy(old, fraction, gen)
-    saved = enc.HOST_CHUNK_ELEMENTS
-    enc.HOST_CHUNK_ELEMENTS = 16
+    saved = enc.HOST_CHUNK_ELEMENTS, enc.host_threads
+    enc.HOST_CHUNK_ELEMENTS, enc.host_threads = 16, lambda: threads
     try:
         host = enc.encode(old, new, ops=OPS["numpy"])
         target = old.clone()
         enc.apply_delta(target, host, ops=OPS["numpy"])
     finally:
-        enc.HOST_CHUNK_ELEMENTS = saved
+        enc.HOST_CHUNK_ELEMENTS, enc.host_threads = saved
     ref = enc.encode(old, new, ops=OPS["torch"])
     assert (host.encoding, host.changed_count) == (ref.encoding, ref.changed_count)
     for part in ("values", "indices", "bitmap"):
@@ -234,3 +237,20 @@ def test_parameters_that_require_grad(fraction: float) -> None:
     assert bits_equal(old.detach(), new.detach()) and old.requires_grad
     assert checksums.crc32(old) == checksums.crc32(new.detach())
     assert checksums.weighted_sum64(old) == checksums.weighted_sum64(new.detach())
+
+
+def test_indices_found_again_when_a_range_gave_them_up() -> None:
+    """12 changes in the first of three ranges: that range drops its indices (12 x 4 bytes > its
+    30 bitmap bytes), but over the whole tensor INDICES is smallest, so they come from the bitmap."""
+    old = torch.zeros(700, dtype=torch.bfloat16)
+    new = old.clone()
+    new[:12] = 1
+    saved = enc.HOST_CHUNK_ELEMENTS, enc.host_threads
+    enc.HOST_CHUNK_ELEMENTS, enc.host_threads = 16, lambda: 3
+    try:
+        delta = enc.encode(old, new, ops=OPS["numpy"])
+    finally:
+        enc.HOST_CHUNK_ELEMENTS, enc.host_threads = saved
+    assert delta.encoding is enc.Encoding.INDICES
+    assert delta.indices is not None and delta.indices.tolist() == list(range(12))
+    assert delta.indices.dtype == torch.int32
