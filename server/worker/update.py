@@ -231,6 +231,8 @@ class Update:
         if filler is not None:
             return self._filled_bucket(msg, filler)
         payloads = list(msg.payloads)
+        if payloads and not msg.tensors:
+            self._refuse_unfilled(payloads)
         layout, checksum = self._accepted.layout(msg, payloads)
         ack = pb.BucketAck(index=msg.index, tensors_skipped=len(layout.specs) - len(layout.owned))
         # Every payload's label and handle are checked, also those this worker does not select and
@@ -279,6 +281,17 @@ class Update:
         )
         self._filled_names |= names
         return ack
+
+    def _refuse_unfilled(self, payloads: Sequence[pb.Payload]) -> None:
+        """Only an importer that fills the model takes a bucket without tensor specs; none here did.
+        Owning nothing of it would ack it empty, and a PARTIAL update would commit bytes that never came."""
+        _, importer = self._select(payloads)  # no importer for the transport: TRANSPORT_UNAVAILABLE
+        raise WeightwireError(
+            Reason.TRANSPORT_UNAVAILABLE,
+            f"this worker cannot load this {transport_name(importer.field_name)} bucket: it carries no tensor "
+            "specs, and no importer of this worker fills the model from it (its manifest says receives_slices false)",
+            transport=importer.field_name,
+        )
 
     def _select(self, payloads: Sequence[pb.Payload]) -> tuple[Selection, PayloadImporter]:
         """The payload of this worker's own device, and the importer for its handle."""
