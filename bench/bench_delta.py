@@ -73,7 +73,11 @@ def main() -> None:
         default="cpu",
         help="cuda: the same cases on a GPU (torch kernels), each delta also checked equal to the host's",
     )
+    ap.add_argument(
+        "--threads", type=int, default=1, help="threads of the host's encode (HOST_ENCODE_THREADS)"
+    )
     args = ap.parse_args()
+    encoding.HOST_ENCODE_THREADS = args.threads
     device = torch.device(args.device)
     if device.type == "cuda":
         SYNC[0] = torch.cuda.synchronize
@@ -153,6 +157,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "encode_threads": args.threads,
         "size_mib": args.size_mib,
         "repeats": args.repeats,
     }

@@ -229,8 +229,9 @@ class NumpyOps(TorchOps):
     def encode_flat(self, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> Delta:
         """In chunks small enough that each chunk's mask stays in the CPU's cache: the comparison,
         the count, the bit packing and the gathers each read a hot mask instead of one of the
-        whole tensor from memory. A large tensor is cut into one range per torch thread, encoded
-        in parallel (numpy releases the GIL in each of these steps) and joined in order."""
+        whole tensor from memory. With ``host_threads()`` above one, a large tensor is cut into one
+        range per thread, encoded in parallel (numpy releases the GIL in each of these steps) and
+        joined in order."""
         an, bn = a.numpy(), b.numpy()
         numel, itemsize = bn.size, bn.itemsize
         index_size = index_dtype_for(numel).itemsize
@@ -354,9 +355,14 @@ def _encode_range(
     return out
 
 
+# Threads of the host's encode. One until a parallel encode is measured faster on a quiet host:
+# on a busy 2-core machine the ranges only contend (BENCHMARKS.md, "Deltas").
+HOST_ENCODE_THREADS = 1
+
+
 def host_threads() -> int:
-    """Threads of the host's encode: torch's intra-op thread count (``torch.set_num_threads``)."""
-    return max(1, torch.get_num_threads())
+    """Threads of the host's encode (``HOST_ENCODE_THREADS``)."""
+    return max(1, HOST_ENCODE_THREADS)
 
 
 # Elements per chunk of the host's encode and apply: a 256 KiB mask, which stays in L2.
