@@ -17,7 +17,11 @@ engine on a GPU: docs/integrations.md has that recipe.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +37,7 @@ from weightwire.core.manifest import ParallelRank
 pytestmark = pytest.mark.timeout(300)
 
 CONFIG = DemoConfig()
+HERE = os.path.dirname(os.path.abspath(__file__))
 RANKS = [ParallelRank(tp_rank=t, tp_size=2, pp_rank=0, pp_size=1) for t in range(2)]
 BUCKET_BYTES = 1 << 20
 
@@ -134,7 +139,10 @@ def test_verl_updates_reach_every_worker_as_global_steps(fleet: Fleet, layout: s
         # A stale step is refused by every worker, with its reason, and nothing changes.
         with pytest.raises(PushError) as stale:
             update([actor], rollouts[:0], full_checkpoint(CONFIG, seed=99), first + 1)
-        assert {e.reason for e in stale.value.failures.values()} == {"STALE_VERSION"}
+        # The worker at fault first; over a transfer group the other may be cancelled before it
+        # refused for itself.
+        reasons = [e.reason for e in stale.value.failures.values()]
+        assert reasons[0] == "STALE_VERSION" and set(reasons) <= {"STALE_VERSION", "CANCELLED"}, reasons
         # An actor of another model: refused before anything is sent.
         other = dict(full_checkpoint(CONFIG, seed=5))
         other["model.norm.weight"] = torch.ones(CONFIG.hidden_size + 8, dtype=CONFIG.dtype)
@@ -154,3 +162,66 @@ def test_colocated_actor_without_a_worker_on_its_device_is_refused(fleet: Fleet)
     with pytest.raises(ValueError, match="no weightwire worker on actor rank 0's device"):
         actor.init_process_group(**{k: v[0] for k, v in actor_kwargs.items()})
     assert os.path.isdir(fleet.socket_dir)
+
+
+def test_disaggregated_every_actor_rank_a_source(fleet: Fleet) -> None:
+    """Two actor ranks (processes of one gloo world): every rank sends its part over one transfer
+    group, each worker receives its slices; the weights and version land as from one sender."""
+    world, store_port, master_port = 2, free_port(), free_port()
+    kwargs = {"layout": "disaggregated", "group_host": "127.0.0.1", "group_port": store_port}
+    actors = [new_engine(**kwargs) for _ in range(world)]
+    rollouts = [new_engine(socket_dir=str(fleet.socket_dir), **kwargs) for _ in RANKS]
+    metadata = [e.prepare() for e in actors + rollouts]
+    actor_kwargs, rollout_kwargs = CheckpointEngineRegistry.get("weightwire").build_topology(
+        world, 2, metadata
+    )
+    for i, r in enumerate(rollouts):
+        r.init_process_group(**{k: v[i] for k, v in rollout_kwargs.items()})
+    steps = [21, 22]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(HERE, "verl_actor_rank.py"),
+                json.dumps(
+                    {
+                        "engine": kwargs,
+                        "topology": {k: v[rank] for k, v in actor_kwargs.items()},
+                        "steps": steps,
+                    }
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(master_port),
+                "TORCH_CPP_LOG_LEVEL": "ERROR",
+            },
+        )
+        for rank in range(world)
+    ]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    lines = [[json.loads(x) for x in out.splitlines() if x.startswith("{")] for out, _ in outs]
+    for rank_lines in lines:
+        assert [x["step"] for x in rank_lines] == steps
+        assert all(x["weightwire/workers"] == 2 and x["weightwire/group_bytes"] > 0 for x in rank_lines)
+    for r in rollouts:
+        assert asyncio.run(_drain(r, steps[-1])) == []
+    fleet.assert_holds(steps[-1], full_checkpoint(CONFIG, seed=steps[-1]))
+
+
+async def _drain(engine: CheckpointEngine, step: int) -> list:
+    return [item async for item in engine.receive_weights(global_steps=step)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
