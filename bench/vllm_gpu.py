@@ -28,7 +28,9 @@ after a greedy generate:
 - then ``--reps`` timed rounds of each method (weightwire push, vLLM ``ipc``, ``reload_weights``
   from disk), each followed by the token check. The ratio recorded is the ``ipc`` engine's median
   update time over weightwire's (start_weight_update .. finish_weight_update + prefix-cache reset
-  for both).
+  for both), each update's phases (start, push, finish, reset), and for weightwire the worker's own
+  phases of it and its direct-copy decisions (``weightwire.adapters.vllm.direct``: which layers the
+  first push proved, how many were copied directly in the timed pushes).
 
 vLLM's ``ipc`` engine runs in the same engine through a worker extension (``IpcBaseline`` below,
 ``worker_extension_cls``) that builds vLLM's own ``IPCWeightTransferEngine`` on the worker's model
@@ -266,6 +268,12 @@ class IpcBaseline:
         direct = worker.weight_transfer_engine.adapter.direct
         return {"proven": sorted(direct.proven), "refused": dict(direct.refused), "copied": direct.copied}
 
+    def bench_worker_phases(self) -> dict[str, Any] | None:
+        """The last update's phases in weightwire's adapter of this worker (milliseconds)."""
+        worker: Any = self
+        phases = worker.weight_transfer_engine.adapter.last_phases
+        return phases.as_ms() if phases is not None else None
+
     def bench_reload(self, path: str) -> None:
         import torch
 
@@ -323,17 +331,19 @@ class Driver:
         from weightwire.adapters.vllm import update_window
 
         t0 = time.perf_counter()
-        with update_window(self.llm, version):
+        with update_window(self.llm, version, reset_prefix_cache=False):
             t1 = time.perf_counter()
             answer = trainer.call(op="push", what=what, version=version, scope=scope)
             t2 = time.perf_counter()
             if "refused" in answer:
                 raise RuntimeError(f"weightwire push of {what} v{version} refused: {answer}")
         t3 = time.perf_counter()
-        answer["update_s"] = t3 - t0
+        self.llm.reset_prefix_cache()  # what update_window does last by default, timed on its own
+        t4 = time.perf_counter()
+        answer["update_s"] = t4 - t0
         # Where the whole update went: vLLM's start_weight_update RPC, the push (trainer round trip
-        # included), finish_weight_update + reset_prefix_cache.
-        answer["phases_s"] = {"start": t1 - t0, "push": t2 - t1, "finish_and_reset": t3 - t2}
+        # included), finish_weight_update, reset_prefix_cache.
+        answer["phases_s"] = {"start": t1 - t0, "push": t2 - t1, "finish": t3 - t2, "reset": t4 - t3}
         if (answer["version"], answer["state"]) != (version, "CONSISTENT"):
             raise RuntimeError(f"push of {what}: {answer}")
         return answer
@@ -355,11 +365,16 @@ class Driver:
         )
         t2 = time.perf_counter()
         self.llm.collective_rpc("bench_ipc_finish")
-        self.llm.reset_prefix_cache()
         t3 = time.perf_counter()
+        self.llm.reset_prefix_cache()
+        t4 = time.perf_counter()
         if phases is not None:
-            phases.append({"start": t1 - t0, "push": t2 - t1, "finish_and_reset": t3 - t2})
-        return t3 - t0
+            phases.append({"start": t1 - t0, "push": t2 - t1, "finish": t3 - t2, "reset": t4 - t3})
+        return t4 - t0
+
+    def worker_phases(self) -> dict[str, Any] | None:
+        (phases,) = self.llm.collective_rpc("bench_worker_phases")
+        return phases  # type: ignore[no-any-return]
 
     def direct_state(self) -> dict[str, Any]:
         (state,) = self.llm.collective_rpc("bench_direct_state")
@@ -535,7 +550,7 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
             "ipc_update": [],
             "reload_weights": [],
         }
-        phases: dict[str, list[dict[str, float]]] = {"weightwire": [], "ipc": []}
+        phases: dict[str, list[dict[str, Any]]] = {"weightwire": [], "ipc": [], "weightwire_worker_ms": []}
         copied_before = driver.direct_state()["copied"]
         for _ in range(args.reps):
             for what, want in (("Y", tokens_y), ("X", tokens_x)):
@@ -545,6 +560,7 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 samples["weightwire_push"].append(answer["push_s"])
                 samples["weightwire_server"].append(answer["server_s"])
                 phases["weightwire"].append(answer["phases_s"])
+                phases["weightwire_worker_ms"].append(driver.worker_phases() or {})
                 check(driver.tokens(), want, f"weightwire push of {what}", out)
             if not CPU:
                 for what, want in (("Y", tokens_y), ("X", tokens_x)):

@@ -50,8 +50,10 @@ is LOAD_FAILED by name.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -134,6 +136,10 @@ class VLLMAdapter:
         # Whether this update (the last one, once it ended) changed the model: a layer of it was
         # processed by vLLM. Kept after end_update for the service's touched_model() question.
         self._wrote = False
+        # Where the current update's time goes on this worker; the last one's once it ended.
+        self._phases = UpdatePhases(0)
+        self.last_phases: UpdatePhases | None = None
+        self._t_begin = 0
 
     # --- the update window (vLLM's start/finish_weight_update, on the worker's main thread) ----
 
@@ -178,6 +184,8 @@ class VLLMAdapter:
             self._update_version = version
         self._open_layers = {}
         self._wrote = False
+        self._phases = UpdatePhases(version)
+        self._t_begin = time.perf_counter_ns()
 
     def touched_model(self) -> bool:
         """Whether the current or last update changed the model (read by the worker service when an
@@ -185,6 +193,14 @@ class VLLMAdapter:
         return self._wrote
 
     def load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        t0 = time.perf_counter_ns()
+        try:
+            self._load(named_tensors)
+        finally:
+            self._phases.loads += 1
+            self._phases.load_ns += time.perf_counter_ns() - t0
+
+    def _load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named_tensors:
             self._check_tensor(name, tensor)
         if not named_tensors:
@@ -209,9 +225,12 @@ class VLLMAdapter:
                 pairs.extend(found)
                 del arriving[layer]
         if pairs:
+            t0 = time.perf_counter_ns()
             with self._vllm_context():
                 copy_pairs(pairs)
             self._wrote = True
+            self._phases.direct_tensors += len(pairs)
+            self._phases.copy_ns += time.perf_counter_ns() - t0
         if not arriving:
             self._synchronize()  # the service acks when we return; the sender may then reuse its buffer
             return
@@ -227,8 +246,11 @@ class VLLMAdapter:
             (name, tensor.clone() if self.layout.targets[name].layer_name in stays_open else tensor)
             for name, tensor in named_tensors
         ]
+        t0 = time.perf_counter_ns()
         with self._vllm_context():
             self._load_batch(batch, arriving)
+        self._phases.reload_tensors += len(batch)
+        self._phases.reload_ns += time.perf_counter_ns() - t0
         self._synchronize()  # the service acks when we return; the sender may then reuse its buffer
 
     def end_update(self, success: bool) -> None:
@@ -259,6 +281,8 @@ class VLLMAdapter:
             if self._writing:
                 self._writing = False
                 self.gate.end_write()
+            self._phases.total_ns = time.perf_counter_ns() - self._t_begin
+            self.last_phases = self._phases
             with self._cond:
                 self._update_version = None
                 self._cond.notify_all()
@@ -385,7 +409,33 @@ class VLLMAdapter:
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
+            t0 = time.perf_counter_ns()
             torch.cuda.synchronize(self.device)
+            self._phases.sync_ns += time.perf_counter_ns() - t0
+
+
+@dataclasses.dataclass
+class UpdatePhases:
+    """Where one update's time went on this worker (nanoseconds): ``load_ns`` in ``load`` calls
+    (of it ``copy_ns`` direct copies, ``reload_ns`` vLLM's reload, ``sync_ns`` device
+    synchronizes, which end the copies), ``total_ns`` from ``begin_update`` to the end of
+    ``end_update`` (the worker service's receiving and opening of buckets in between included)."""
+
+    version: int
+    loads: int = 0
+    direct_tensors: int = 0
+    reload_tensors: int = 0
+    load_ns: int = 0
+    copy_ns: int = 0
+    reload_ns: int = 0
+    sync_ns: int = 0
+    total_ns: int = 0
+
+    def as_ms(self) -> dict[str, float | int]:
+        return {
+            k.removesuffix("_ns") + "_ms" if k.endswith("_ns") else k: (v / 1e6 if k.endswith("_ns") else v)
+            for k, v in dataclasses.asdict(self).items()
+        }
 
 
 def _repack_cpu_experts(layer: torch.nn.Module) -> None:
