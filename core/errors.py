@@ -78,6 +78,11 @@ class Reason(enum.Enum):
     TRAINER_RANKS_DISAGREE = "FAILED_PRECONDITION"
     TRAINER_RANK_FAILED = "ABORTED"
     TRAINER_RANK_LOST = "UNAVAILABLE"
+    # Delta updates: an encoding that does not fit, a base the worker does not hold, a result that
+    # differs from the trainer's (weightwire.core.delta raises them).
+    INVALID_DELTA = "INVALID_ARGUMENT"
+    DELTA_BASE_MISMATCH = "FAILED_PRECONDITION"
+    DELTA_RESULT_MISMATCH = "DATA_LOSS"
 
     # Several members share a value; keep them distinct members (Enum would alias them).
     def __new__(cls, code: str) -> Reason:

@@ -110,6 +110,9 @@ def test_error_reasons_match_proto() -> None:
         (Reason.CANCELLED, "CANCELLED"),
         (Reason.UNAVAILABLE, "UNAVAILABLE"),
         (Reason.RPC_FAILED, "UNKNOWN"),
+        (Reason.INVALID_DELTA, "INVALID_ARGUMENT"),
+        (Reason.DELTA_BASE_MISMATCH, "FAILED_PRECONDITION"),
+        (Reason.DELTA_RESULT_MISMATCH, "DATA_LOSS"),
     ],
 )
 def test_reason_codes(reason: Reason, code: str) -> None:

@@ -82,17 +82,23 @@ class WeightTransferServiceStub:
         DEVICE_KIND_UNSPECIFIED, INVALID_SHAPE, INVALID_OFFSET, INVALID_SIZE,
         TENSOR_OUT_OF_BOUNDS, PAYLOAD_COUNT_MISMATCH, PAYLOAD_LABEL_MISSING,
         DUPLICATE_PAYLOAD_LABEL, HANDLE_MISSING, INVALID_SHM_NAME, DUPLICATE_TENSOR,
-        DUPLICATE_BUCKET, INVALID_CHECKSUM.
+        DUPLICATE_BUCKET, INVALID_CHECKSUM, INVALID_DELTA (a TensorDelta that does not fit its
+        payload or its target, lacks a result checksum for a part the worker keeps, or appears in
+        an update without delta_base; nothing of it is written).
       FAILED_PRECONDITION: NO_PAYLOAD_FOR_DEVICE (metadata: own_device, labels), PEER_DEVICE_UNAVAILABLE,
         SHAPE_MISMATCH, DTYPE_MISMATCH, STALE_VERSION, MANIFEST_CHANGED, INCOMPLETE_UPDATE (metadata:
         missing), BUCKET_COUNT_MISMATCH, TRANSPORT_UNAVAILABLE, HANDLE_OPEN_FAILED,
         ENGINE_NOT_PAUSED (the engine is serving requests; pause it before pushing),
-        GROUP_NOT_JOINED (a bucket names a transfer group this worker is not in; form it again).
+        GROUP_NOT_JOINED (a bucket names a transfer group this worker is not in; form it again),
+        DELTA_BASE_MISMATCH (metadata: base_version, worker_version: the header's delta base is not
+        this worker's version, or the worker is INCONSISTENT; refused at the header, nothing written).
       UNAVAILABLE: TRANSFER_FAILED (bytes over a transfer group did not arrive: the sender closed,
         died or did not send within the group's timeout; the worker has left the group).
       ABORTED: UPDATE_IN_PROGRESS (another push is running on this worker).
       DATA_LOSS: CHECKSUM_MISMATCH, MESSAGE_TRUNCATED (a transfer-group message arrived short; the
-        worker has left the group and counts none of its bytes as received).
+        worker has left the group and counts none of its bytes as received), DELTA_RESULT_MISMATCH
+        (metadata: tensor, expected, actual: a target after its delta differs from the trainer's
+        result checksum, so this worker did not hold the base; it is INCONSISTENT until a FULL update).
       INTERNAL: LOAD_FAILED (the engine adapter raised while loading), INTERNAL (an unexpected
         error in the worker; GetStatus.last_error records the same).
       UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
@@ -195,17 +201,23 @@ class WeightTransferServiceAsyncStub(WeightTransferServiceStub):
         DEVICE_KIND_UNSPECIFIED, INVALID_SHAPE, INVALID_OFFSET, INVALID_SIZE,
         TENSOR_OUT_OF_BOUNDS, PAYLOAD_COUNT_MISMATCH, PAYLOAD_LABEL_MISSING,
         DUPLICATE_PAYLOAD_LABEL, HANDLE_MISSING, INVALID_SHM_NAME, DUPLICATE_TENSOR,
-        DUPLICATE_BUCKET, INVALID_CHECKSUM.
+        DUPLICATE_BUCKET, INVALID_CHECKSUM, INVALID_DELTA (a TensorDelta that does not fit its
+        payload or its target, lacks a result checksum for a part the worker keeps, or appears in
+        an update without delta_base; nothing of it is written).
       FAILED_PRECONDITION: NO_PAYLOAD_FOR_DEVICE (metadata: own_device, labels), PEER_DEVICE_UNAVAILABLE,
         SHAPE_MISMATCH, DTYPE_MISMATCH, STALE_VERSION, MANIFEST_CHANGED, INCOMPLETE_UPDATE (metadata:
         missing), BUCKET_COUNT_MISMATCH, TRANSPORT_UNAVAILABLE, HANDLE_OPEN_FAILED,
         ENGINE_NOT_PAUSED (the engine is serving requests; pause it before pushing),
-        GROUP_NOT_JOINED (a bucket names a transfer group this worker is not in; form it again).
+        GROUP_NOT_JOINED (a bucket names a transfer group this worker is not in; form it again),
+        DELTA_BASE_MISMATCH (metadata: base_version, worker_version: the header's delta base is not
+        this worker's version, or the worker is INCONSISTENT; refused at the header, nothing written).
       UNAVAILABLE: TRANSFER_FAILED (bytes over a transfer group did not arrive: the sender closed,
         died or did not send within the group's timeout; the worker has left the group).
       ABORTED: UPDATE_IN_PROGRESS (another push is running on this worker).
       DATA_LOSS: CHECKSUM_MISMATCH, MESSAGE_TRUNCATED (a transfer-group message arrived short; the
-        worker has left the group and counts none of its bytes as received).
+        worker has left the group and counts none of its bytes as received), DELTA_RESULT_MISMATCH
+        (metadata: tensor, expected, actual: a target after its delta differs from the trainer's
+        result checksum, so this worker did not hold the base; it is INCONSISTENT until a FULL update).
       INTERNAL: LOAD_FAILED (the engine adapter raised while loading), INTERNAL (an unexpected
         error in the worker; GetStatus.last_error records the same).
       UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
@@ -317,17 +329,23 @@ class WeightTransferServiceServicer(metaclass=_abc_1.ABCMeta):
             DEVICE_KIND_UNSPECIFIED, INVALID_SHAPE, INVALID_OFFSET, INVALID_SIZE,
             TENSOR_OUT_OF_BOUNDS, PAYLOAD_COUNT_MISMATCH, PAYLOAD_LABEL_MISSING,
             DUPLICATE_PAYLOAD_LABEL, HANDLE_MISSING, INVALID_SHM_NAME, DUPLICATE_TENSOR,
-            DUPLICATE_BUCKET, INVALID_CHECKSUM.
+            DUPLICATE_BUCKET, INVALID_CHECKSUM, INVALID_DELTA (a TensorDelta that does not fit its
+            payload or its target, lacks a result checksum for a part the worker keeps, or appears in
+            an update without delta_base; nothing of it is written).
           FAILED_PRECONDITION: NO_PAYLOAD_FOR_DEVICE (metadata: own_device, labels), PEER_DEVICE_UNAVAILABLE,
             SHAPE_MISMATCH, DTYPE_MISMATCH, STALE_VERSION, MANIFEST_CHANGED, INCOMPLETE_UPDATE (metadata:
             missing), BUCKET_COUNT_MISMATCH, TRANSPORT_UNAVAILABLE, HANDLE_OPEN_FAILED,
             ENGINE_NOT_PAUSED (the engine is serving requests; pause it before pushing),
-            GROUP_NOT_JOINED (a bucket names a transfer group this worker is not in; form it again).
+            GROUP_NOT_JOINED (a bucket names a transfer group this worker is not in; form it again),
+            DELTA_BASE_MISMATCH (metadata: base_version, worker_version: the header's delta base is not
+            this worker's version, or the worker is INCONSISTENT; refused at the header, nothing written).
           UNAVAILABLE: TRANSFER_FAILED (bytes over a transfer group did not arrive: the sender closed,
             died or did not send within the group's timeout; the worker has left the group).
           ABORTED: UPDATE_IN_PROGRESS (another push is running on this worker).
           DATA_LOSS: CHECKSUM_MISMATCH, MESSAGE_TRUNCATED (a transfer-group message arrived short; the
-            worker has left the group and counts none of its bytes as received).
+            worker has left the group and counts none of its bytes as received), DELTA_RESULT_MISMATCH
+            (metadata: tensor, expected, actual: a target after its delta differs from the trainer's
+            result checksum, so this worker did not hold the base; it is INCONSISTENT until a FULL update).
           INTERNAL: LOAD_FAILED (the engine adapter raised while loading), INTERNAL (an unexpected
             error in the worker; GetStatus.last_error records the same).
           UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
