@@ -25,7 +25,8 @@ import pytest
 import torch
 from checkpoints import LLAMA, ModelSpec, full_checkpoint, reference_tokens, write_model_dir
 from real_engine import SGLANG_ENVS, cpu_env, stop_process_group
-from weightwire.client import PushError
+from weightwire.adapters.discovery import discover
+from weightwire.client import PushError, WeightPusher
 from weightwire.integrations.trl import WeightwireTransfer
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
@@ -142,3 +143,37 @@ def test_syncs_reach_an_sglang_server_as_the_step(server: Server) -> None:
         assert versions == {"2"}
     finally:
         transfer.destroy()
+
+
+def test_a_push_after_resume_memory_occupation_gives_the_new_tokens(server: Server) -> None:
+    """The colocated loop: release the engine's memory while the trainer trains, resume it, push.
+    On CPU SGLang's memory saver is its no-op adapter (torch_memory_saver needs CUDA), so this checks
+    the routes and the adapter's path around them, not memory really unmapped and mapped again."""
+    weights = full_checkpoint(SPEC, seed=30)
+    with WeightPusher(discover(server.socket_dir, count=1, timeout_s=60), transport="host_shm") as pusher:
+        server.call("/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
+        server.call("/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})
+        server.call("/pause_generation", {"mode": "abort"})
+        pusher.push(weights, version=3)
+        server.call("/continue_generation", {})
+    tokens, versions = server.generate()
+    assert tokens == reference_tokens(SPEC, weights, PROMPTS, NEW_TOKENS)
+    assert versions == {"3"}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="adapters/sglang does not know that SGLang released its weights (release_memory_occupation "
+    "with the weights tag): a push then is accepted, and on a GPU it would write into unmapped memory; "
+    "it should be refused with a reason until resume_memory_occupation",
+)
+def test_a_push_while_the_weights_are_released_is_refused(server: Server) -> None:
+    with WeightPusher(discover(server.socket_dir, count=1, timeout_s=60), transport="host_shm") as pusher:
+        server.call("/release_memory_occupation", {"tags": ["weights"]})
+        try:
+            server.call("/pause_generation", {"mode": "abort"})
+            with pytest.raises(PushError):
+                pusher.push(full_checkpoint(SPEC, seed=40), version=4)
+        finally:
+            server.call("/continue_generation", {})
+            server.call("/resume_memory_occupation", {"tags": ["weights"]})
