@@ -82,7 +82,6 @@ class WeightwireCheckpointEngine(CheckpointEngine):
         token: str | None = None,
         cast_to: str | None = None,
         wait_s: float = 300.0,
-        **_ignored: Any,
     ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
