@@ -11,12 +11,15 @@ Every rank of the trainer's ``group`` runs the same push line; then, in order:
    plan (``core.transports.transfer_plan``); the ranks compare the plans' fingerprints, and any
    error or difference fails every rank before anything is sent;
 2. the group of every trainer rank and the workers is formed, or reused (``transfer_group_sources``);
-3. rank 0 opens every worker's PushWeights stream and sends its header and one slices bucket (its
-   part of the plan); every member compares the plan's fingerprint over the group, then every rank
-   sends what the plan gives it (``send_slices``) while every worker receives into its kept tensors;
-4. the ranks exchange whether their sends ended well; rank 0 commits on every worker only when every
-   rank's did and every worker acked its bucket, and cancels every stream otherwise (tearing its side
-   of the group down first, so that no member waits for bytes that will not come);
+3. rank 0 runs the update's ``UpdateSession`` (``weightwire.client.update.session``) over every
+   worker, one bucket each: its part of the plan, a slices payload (``PerWorkerRoute``); once the
+   last is queued, the route starts this rank's sends, and every other rank starts its own; every
+   member compares the plan's fingerprint over the group, then every rank sends what the plan gives
+   it (``send_slices``) while every worker receives into its kept tensors;
+4. the ranks exchange whether their sends ended well: on rank 0 that exchange is the session's
+   commit gate, so the session commits on every worker only when every rank's sends did and every
+   worker acked its bucket, and cancels every stream otherwise (what failed tears this side of the
+   group down first, so that no member waits for bytes that will not come);
 5. rank 0's results (or failures, with blame) go to every rank: every rank returns the same results
    or raises the same ``PushError``. A failed update tears the group down on every member; the next
    push forms a new one.
@@ -26,21 +29,21 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from weightwire.client.inputs import plan as planning
 from weightwire.client.inputs.dtensor_gather import CastTo, is_dtensor, spec_of, target_dtype
 from weightwire.client.inputs.plan import PlanError
-from weightwire.client.inputs.types import PushProgress, PushResult
+from weightwire.client.inputs.types import PushResult
 from weightwire.client.ranks import rank_records
 from weightwire.client.ranks.rank_agreement import RankGroup, peer_failed
 from weightwire.client.ranks.rank_records import RankFailure, RankResults
 from weightwire.client.ranks.transfer_group_sources import FormedSources, SourcesLink
-from weightwire.client.rpc.stream import Connections, WorkerStream, settle_cancelled
-from weightwire.client.update.blame import collect_results
+from weightwire.client.rpc.stream import Connections
+from weightwire.client.transports.route import Job, PerWorkerRoute, Route
+from weightwire.client.update.session import GateProblem, SessionProblem, SpecTemplates, UpdateSession
 from weightwire.core import dtypes
 from weightwire.core.errors import PushError, Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
@@ -157,46 +160,12 @@ def _layout_key(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[object, ...]
     )
 
 
-class _Streams:
-    """Rank 0's streams of one update: acks (each worker's one bucket, reported to ``progress``)
-    and ends, and a callback at the first failure."""
-
-    def __init__(
-        self, on_failure: Callable[[], None], options: PushOptions, bytes_total: int, workers: int
-    ) -> None:
-        self.cond = threading.Condition()
-        self.failed: str | None = None
-        self._on_failure = on_failure
-        self._progress = options.progress
-        self._done = (0, 0)
-        self._total = (workers, bytes_total)
-
-    def on_ack(self, stream: WorkerStream, ack: pb.BucketAck) -> None:
-        with self.cond:
-            self._done = (self._done[0] + 1, self._done[1] + ack.bytes_loaded)
-            report = PushProgress(self._done[0], self._total[0], self._done[1], self._total[1])
-            self.cond.notify_all()
-        if self._progress is not None:
-            self._progress(report)
-
-    def on_stream_end(self, stream: WorkerStream) -> None:
-        first = False
-        with self.cond:
-            if stream.result is None and self.failed is None:
-                self.failed = stream.address
-                first = True
-            self.cond.notify_all()
-        if first:
-            self._on_failure()  # no member may wait for bytes that will not come
-
-
-def _slices_bucket(
+def _slices_payload(
     address: str, formed: FormedSources, plan: TransferPlan, manifest: ShardManifest
-) -> pb.PushWeightsRequest:
-    """The bucket of ``address``'s part of ``plan``: the same message every update with the same
+) -> pb.Payload:
+    """The payload of ``address``'s part of ``plan``: the same message every update with the same
     plan and group (so the worker finds it checked already)."""
-    request = pb.PushWeightsRequest()
-    payload = request.bucket.payloads.add()
+    payload = pb.Payload()
     payload.device.CopyFrom(manifest.device.to_proto())
     h = payload.transfer_group
     h.group_id = formed.group_id
@@ -210,7 +179,40 @@ def _slices_bucket(
         s.stop.extend(b for _, b in t.box)
         size += t.nbytes
     payload.size_bytes = size
-    return request
+    return payload
+
+
+class _RankSends:
+    """This rank's part of the plan, sent on a thread of its own: started on rank 0 once every
+    worker's bucket is queued (the last route's ``queued``), on the others right away."""
+
+    def __init__(
+        self,
+        update: _SliceUpdate,
+        formed: FormedSources,
+        plan: TransferPlan,
+        local: dict[str, torch.Tensor],
+        boxes: dict[str, Box],
+    ) -> None:
+        self._send = lambda: update.send(formed, plan, local, boxes)
+        self._thread: threading.Thread | None = None
+        self.error: WeightwireError | None = None
+
+    def start(self) -> None:
+        def run() -> None:
+            self.error = self._send()
+
+        self._thread = threading.Thread(target=run, name="weightwire-slices-send", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> WeightwireError | None:
+        """The sends' error, once they ended (or why they never started)."""
+        if self._thread is None:
+            return WeightwireError(
+                Reason.TRANSFER_FAILED, "the update stopped before this rank's sends started"
+            )
+        self._thread.join()
+        return self.error
 
 
 class _SliceUpdate:
@@ -231,6 +233,8 @@ class _SliceUpdate:
         self.ranks = ranks
         # The group id every rank still holds for these workers ("" : none), said with the plan.
         self.groups_held: list[str] = []
+        # Whether every rank said its sends ended well (the outcome exchange).
+        self.everyone_ok = False
 
     def plan(
         self, items: Sequence[tuple[str, torch.Tensor]]
@@ -320,22 +324,86 @@ class _SliceUpdate:
     def run(self, items: Sequence[tuple[str, torch.Tensor]]) -> dict[str, PushResult]:
         plan, local, boxes = self.plan(items)
         formed = self.link.ensure(self.ranks, self.manifests, self.groups_held)
-        owner = _Streams(
-            lambda: self.link.teardown("a worker failed the update"),
+        sends = _RankSends(self, formed, plan, local, boxes)
+        if self.ranks.rank == 0:
+            outcome = self._streamed(formed, plan, sends)
+        else:
+            sends.start()
+            self._outcome(None, sends)
+            outcome = RankResults({}, {})
+        shared = rank_records.exchange(self.ranks, outcome, "the update's results")[0]
+        if shared.failures or not self.everyone_ok:
+            self.link.teardown("the update failed")
+            raise PushError(shared.failures, shared.results)
+        return shared.results
+
+    def _streamed(self, formed: FormedSources, plan: TransferPlan, sends: _RankSends) -> RankResults:
+        """Rank 0: one ``UpdateSession`` over every worker, one bucket each (its part of the plan),
+        committed only when the ranks' outcome exchange (its commit gate) says every rank sent well."""
+        workers = list(self.manifests)
+        jobs = [
+            Job(
+                [],
+                (a,),
+                plan.bytes_to().get(a, 0),
+                self._route(a, formed, plan, sends if i == len(workers) - 1 else None),
+            )
+            for i, a in enumerate(workers)
+        ]
+        session = UpdateSession(
+            jobs,
+            self.manifests,
             self.options,
-            sum(plan.bytes_to().values()),
-            len(self.manifests),
+            self.connections,
+            self.fingerprints,
+            SpecTemplates(),
+            (),
+            commit_gate=lambda problem: self._outcome(problem, sends),
+            whole_update=False,
         )
-        streams = self._open(owner, formed, plan) if self.ranks.rank == 0 else {}
-        deadline = time.monotonic() + self.link.timeout_s
-        sent_error = self._send(formed, plan, local, boxes)
-        ok = sent_error is None and (self.ranks.rank != 0 or _all_acked(owner, streams, deadline))
-        if not ok:
+        try:
+            return RankResults(session.run(), {})
+        except PushError as e:
+            return RankResults(
+                {a: r for a, r in e.results.items() if isinstance(r, PushResult)}, dict(e.failures)
+            )
+
+    def _route(
+        self, address: str, formed: FormedSources, plan: TransferPlan, sends: _RankSends | None
+    ) -> Callable[[Callable[[], bool], float], Route]:
+        """``address``'s bucket: its slices payload; the last one queued starts this rank's sends."""
+
+        def prepare(stopped: Callable[[], bool], deadline: float) -> Route:
+            key = (formed.group_id, plan.fingerprint, address)
+            payload = self.link.buckets.get(key)
+            if payload is None:
+                payload = _slices_payload(address, formed, plan, self.manifests[address])
+                self.link.remember_bucket(key, payload)
+            return PerWorkerRoute({address: payload}, on_queued=sends.start if sends is not None else None)
+
+        return prepare
+
+    def _outcome(self, problem: SessionProblem | None, sends: _RankSends) -> str | None:
+        """The ranks' outcome exchange, on every rank once its sends ended: rank 0's commit gate
+        (``problem``: what keeps its session from committing). Whatever failed here tears this side
+        of the group down first, so that no member waits for bytes that will not come. Returns why
+        the update is called off, or None when every rank sent well."""
+        if problem is not None:
+            self.link.teardown(
+                "a worker failed the update"
+                if problem.kind is GateProblem.WORKER_FAILED
+                else "the update failed"
+            )
+        sent_error = sends.wait()
+        ok = problem is None and sent_error is None
+        if not ok and problem is None:
             self.link.teardown("the update failed")
         verdicts = self.ranks.step(
             ok, (sent_error.message[:2000] if sent_error else "").encode(), "the sends' outcome"
         )
-        everyone_ok = all(flag for flag, _ in verdicts)
+        self.everyone_ok = all(flag for flag, _ in verdicts)
+        if self.everyone_ok:
+            return None
         why = next(
             (
                 f"trainer rank {r} failed: {msg.decode(errors='replace')}"
@@ -344,35 +412,9 @@ class _SliceUpdate:
             ),
             None,
         )
-        outcome = RankResults({}, {})
-        if self.ranks.rank == 0:
-            outcome = self._finish(
-                streams, owner, everyone_ok, deadline, why or (sent_error.message if sent_error else None)
-            )
-        shared = rank_records.exchange(self.ranks, outcome, "the update's results")[0]
-        if shared.failures or not everyone_ok:
-            self.link.teardown("the update failed")
-            raise PushError(shared.failures, shared.results)
-        return shared.results
+        return why or (sent_error.message if sent_error else None) or (problem.message if problem else None)
 
-    def _open(self, owner: _Streams, formed: FormedSources, plan: TransferPlan) -> dict[str, WorkerStream]:
-        """Rank 0: every worker's stream, its header and its slices bucket on the way."""
-        streams: dict[str, WorkerStream] = {}
-        for a, m in self.manifests.items():
-            s = WorkerStream(owner, self.connections, a, self.options.header(self.fingerprints[a]))
-            streams[a] = s
-            s.start()
-            s.send_header()
-            key = (formed.group_id, plan.fingerprint, a)
-            request = self.link.buckets.get(key)
-            if request is None:
-                request = _slices_bucket(a, formed, plan, m)
-                self.link.remember_bucket(key, request)
-            s.send_bucket(0, request)
-            s.ensure_reader()
-        return streams
-
-    def _send(
+    def send(
         self, formed: FormedSources, plan: TransferPlan, local: dict[str, torch.Tensor], boxes: dict[str, Box]
     ) -> WeightwireError | None:
         """This rank's part: the plan compared over the group, then its sends; the error, if any."""
@@ -397,60 +439,6 @@ class _SliceUpdate:
         except Exception as e:
             return WeightwireError(Reason.TRANSFER_FAILED, f"trainer rank {me}: sending failed: {e!r}")
         return None
-
-    def _finish(
-        self,
-        streams: dict[str, WorkerStream],
-        owner: _Streams,
-        commit: bool,
-        deadline: float,
-        why: str | None,
-    ) -> RankResults:
-        """Rank 0: commit every stream (or cancel them all), then what every worker answered."""
-        for s in streams.values():
-            if commit:
-                s.commit()
-            else:
-                s.cancel()
-        for s in streams.values():
-            s.done.wait(max(0.0, deadline - time.monotonic()) + _GROUP_GRACE_S)
-        if not commit:
-            # A worker's own refusal (MANIFEST_CHANGED after a restart, GROUP_NOT_JOINED after it
-            # joined another group) can be overtaken by the cancel: ask each what it recorded.
-            settle_cancelled(streams.values(), self.connections.metadata, deadline + _GROUP_GRACE_S)
-        if self.options.metrics is not None:
-            self.options.metrics.record_session(
-                streams, self.manifests, version=self.options.version, started_at=self.options.started_at
-            )
-        try:
-            results = collect_results(
-                streams,
-                self.manifests,
-                timeout_s=self.link.timeout_s,
-                committed=commit,
-                deadline_hit=time.monotonic() >= deadline,
-                first_failure=owner.failed,
-                cancelled_because=why,
-            )
-        except PushError as e:
-            return RankResults(
-                {a: r for a, r in e.results.items() if isinstance(r, PushResult)}, dict(e.failures)
-            )
-        if not commit:
-            return RankResults(
-                results, {"trainer rank 0": WeightwireError(Reason.TRAINER_RANK_FAILED, why or "")}
-            )
-        return RankResults(results, {})
-
-
-def _all_acked(owner: _Streams, streams: Mapping[str, WorkerStream], deadline: float) -> bool:
-    """Rank 0: whether every worker acked its bucket before the deadline and before any failed."""
-    with owner.cond:
-        while owner.failed is None and time.monotonic() < deadline:
-            if all(len(s.acks) >= len(s.sent_jobs) for s in streams.values()):
-                return True
-            owner.cond.wait(min(0.5, max(0.0, deadline - time.monotonic())))
-    return False
 
 
 def push_slices(

@@ -82,7 +82,7 @@ class SourcesLink:
         self._formed: FormedSources | None = None
         self.formations = 0
         # Each worker's slices bucket of recent plans (``remember_bucket``).
-        self.buckets: dict[tuple[str, str, str], pb.PushWeightsRequest] = {}
+        self.buckets: dict[tuple[str, str, str], pb.Payload] = {}
         # Message buffers of this rank's sends, reused while the plan stays the same.
         self.staging: dict[Any, torch.Tensor] = {}
         # The plans of recent updates by what they depend on (``slice_push``); planning a model of
@@ -101,12 +101,12 @@ class SourcesLink:
     def group_id(self) -> str | None:
         return self._formed.group_id if self._formed is not None else None
 
-    def remember_bucket(self, key: tuple[str, str, str], request: pb.PushWeightsRequest) -> None:
+    def remember_bucket(self, key: tuple[str, str, str], payload: pb.Payload) -> None:
         """Keep a worker's slices bucket (by group, plan and worker) for the next update: the same
         message every step, built once (tens of thousands of regions on a large model)."""
         if len(self.buckets) >= _MAX_BUCKETS:
             self.buckets.pop(next(iter(self.buckets)))
-        self.buckets[key] = request
+        self.buckets[key] = payload
 
     def remember_plan(self, key: object, planned: Any) -> None:
         """Keep an update's plan for the next push of the same layout to the same workers."""
