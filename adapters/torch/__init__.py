@@ -14,7 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
+from weightwire.adapters.torch.delta_pieces import apply_to_piece
 from weightwire.core import dtypes
+from weightwire.core.delta import Delta, apply_delta
 from weightwire.core.devices import DeviceRef, device_ref_of
 from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest, TensorPiece, transports_for
 from weightwire.core.topology import pp_layer_span, stage_owns, tp_slice_bounds
@@ -273,6 +275,27 @@ class TorchAdapter:
 
     def end_update(self, success: bool) -> None:
         pass
+
+    def apply_deltas(self, deltas: Sequence[tuple[str, Delta]]) -> None:
+        """``AppliesDeltas``: each delta of a full checkpoint tensor (checked by the service) written
+        into its parameter in place, only the changes inside this rank's slice for a split one."""
+        with torch.no_grad():
+            for name, delta in deltas:
+                plan = self._plans[name]
+                kept = plan.param.detach()
+                if plan.dim is None:
+                    apply_delta(kept, delta, checked=True)
+                else:
+                    full = self._manifest.tensors[name].shape
+                    apply_to_piece(kept, delta, tuple(full), plan.dim, plan.start, plan.length)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def delta_parts(self, name: str) -> Sequence[tuple[tuple[int, int, int] | None, torch.Tensor]]:
+        """``AppliesDeltas``: the parameter, as the piece its manifest lists (or the whole tensor)."""
+        plan = self._plans[name]
+        piece = None if plan.dim is None else (plan.dim, plan.start, plan.length)
+        return [(piece, plan.param.detach())]
 
     def kept_tensors(self) -> Mapping[str, torch.Tensor]:
         """``KeepsTensors``: each parameter is what this worker keeps of its checkpoint tensor (its TP

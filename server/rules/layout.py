@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence, Set
 
+import torch
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.server.rules.validation import (
@@ -19,6 +20,7 @@ from weightwire.server.rules.validation import (
     check_against_manifest,
     check_in_bounds,
     check_payload_size,
+    check_result_checksums,
     check_spec,
 )
 from weightwire.server.rules.views import ReadPlan, ViewItem, copy_plan, in_place_plan
@@ -55,6 +57,8 @@ class BucketLayout:
     owned_names: tuple[str, ...]
     views: tuple[ViewItem, ...]
     owned_bytes: int
+    # Whether an owned spec is a delta (its view is the bytes of its encoding, not the tensor).
+    owned_deltas: bool = False
     _plans: dict[int | None, ReadPlan] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -64,8 +68,9 @@ class BucketLayout:
             names=frozenset(s.name for s in specs),
             owned=tuple(owned),
             owned_names=tuple(s.name for s in owned),
-            views=tuple(ViewItem.of(s.offset_bytes, s.torch_dtype, s.shape) for s in owned),
-            owned_bytes=sum(s.nbytes for s in owned),
+            views=tuple(_view_item(s) for s in owned),
+            owned_bytes=sum(s.end_bytes - s.read_start if s.delta is not None else s.nbytes for s in owned),
+            owned_deltas=any(s.delta is not None for s in owned),
         )
 
     def read_plan(self, copy_chunk_bytes: int | None) -> ReadPlan:
@@ -87,16 +92,26 @@ class BucketLayout:
         return next(s.name for s in self.specs if s.name in seen)
 
 
+def _view_item(spec: CheckedSpec) -> ViewItem:
+    """What the worker reads of an owned spec: the tensor, or the bytes of its delta's encoding."""
+    if spec.delta is None:
+        return ViewItem.of(spec.offset_bytes, spec.torch_dtype, spec.shape)
+    return ViewItem.of(spec.read_start, torch.uint8, (spec.end_bytes - spec.read_start,))
+
+
 def duplicate_tensor(name: str) -> WeightwireError:
     return WeightwireError(
         Reason.DUPLICATE_TENSOR, f"tensor {name!r} arrived twice in this update", tensor=name
     )
 
 
-def check_structure(msg: pb.Bucket, payloads: Sequence[pb.Payload], seen: Set[str]) -> list[CheckedSpec]:
+def check_structure(
+    msg: pb.Bucket, payloads: Sequence[pb.Payload], seen: Set[str], *, deltas: bool = False
+) -> list[CheckedSpec]:
     """Specs, names (also against ``seen``, the names of earlier buckets), payload count, sizes,
-    handles and bounds, in the order the rules apply; raises on the first failure."""
-    specs = [check_spec(s) for s in msg.tensors]
+    handles and bounds, in the order the rules apply; raises on the first failure. ``deltas``: the
+    update has a delta base, so a spec may carry a TensorDelta."""
+    specs = [check_spec(s, deltas=deltas) for s in msg.tensors]
     names_here: set[str] = set()
     for spec in specs:
         if spec.name in names_here or spec.name in seen:
@@ -127,6 +142,8 @@ def check_ownership(specs: Sequence[CheckedSpec], manifest: ShardManifest) -> li
         expected = manifest.tensors.get(spec.name)
         if expected is not None:
             check_against_manifest(spec, expected)
+            if spec.delta is not None:
+                check_result_checksums(spec, expected)
             owned.append(spec)
     return owned
 

@@ -10,6 +10,8 @@ import dataclasses
 
 import torch
 from weightwire.core import dtypes
+from weightwire.core.delta import read_delta
+from weightwire.core.delta.errors import invalid_delta
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import OwnedTensor
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -21,6 +23,11 @@ MAX_BYTES = 2**62
 # Most dimensions a tensor spec may have (checkpoints use up to 5); checked before the shape is
 # read, so a spec of millions of dimensions costs nothing.
 MAX_DIMS = 32
+# The read of a delta's bytes starts at a multiple of this below its first part, so that the
+# parts keep their payload alignment in the bytes the worker reads (``views.ALIGN_BYTES``).
+DELTA_READ_ALIGN = 64
+# Checksum algorithms a delta's result may be verified with.
+_RESULT_ALGORITHMS = (pb.CHECKSUM_ALGORITHM_CRC32, pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,19 +40,33 @@ class CheckedSpec:
     shape: tuple[int, ...]
     offset_bytes: int
     nbytes: int
+    # A delta spec (TensorSpec.delta, in an update with a delta base): the TensorDelta, and the
+    # payload bytes [read_start, end) its encoding lies in (checked by ``check_delta_spec``).
+    delta: pb.TensorDelta | None = None
+    delta_end: int = 0
+    read_start: int = 0
 
     @property
     def end_bytes(self) -> int:
-        return self.offset_bytes + self.nbytes
+        """Where the spec's bytes end in the payload: the tensor's, or its encoding's for a delta."""
+        return self.delta_end if self.delta is not None else self.offset_bytes + self.nbytes
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
 
 
 def _shape_text(shape: tuple[int, ...] | list[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def check_spec(spec: pb.TensorSpec) -> CheckedSpec:
+def check_spec(spec: pb.TensorSpec, *, deltas: bool = False) -> CheckedSpec:
     """Name present, dtype known, at most ``MAX_DIMS`` dimensions each in 0..``MAX_BYTES``, size and
-    offset in 0..``MAX_BYTES``."""
+    offset in 0..``MAX_BYTES``; a ``delta`` only when the update has a base (``deltas``), its
+    encoding checked by ``check_delta_spec``."""
     if not spec.name:
         raise WeightwireError(Reason.MALFORMED_STREAM, "a tensor spec has an empty name")
     torch_dtype = dtypes.to_torch(spec.dtype) if spec.dtype != pb.DTYPE_UNSPECIFIED else None
@@ -87,7 +108,56 @@ def check_spec(spec: pb.TensorSpec) -> CheckedSpec:
             f"tensor {spec.name!r} has offset_bytes {spec.offset_bytes} (must be 0..{MAX_BYTES})",
             tensor=spec.name,
         )
-    return CheckedSpec(spec.name, spec.dtype, torch_dtype, shape, spec.offset_bytes, nbytes)
+    checked = CheckedSpec(spec.name, spec.dtype, torch_dtype, shape, spec.offset_bytes, nbytes)
+    if not spec.HasField("delta"):
+        return checked
+    if not deltas:
+        raise invalid_delta(
+            f"tensor {spec.name!r} carries a TensorDelta but the update names no delta base "
+            "(UpdateHeader.delta_base); send the tensor whole or set the base",
+            tensor=spec.name,
+        )
+    return check_delta_spec(checked, spec.delta)
+
+
+def check_delta_spec(spec: CheckedSpec, delta: pb.TensorDelta) -> CheckedSpec:
+    """The delta's encoding, index dtype, count and parts, by ``read_delta`` itself over a payload
+    of the largest size a payload may claim (a meta tensor: the checks need sizes, not bytes); the
+    bytes its parts span. Each payload's own size is checked by ``check_in_bounds``."""
+    sizes = torch.empty(MAX_BYTES, dtype=torch.uint8, device="meta")
+    parts = read_delta(delta, spec.torch_dtype, spec.numel, sizes, spec.offset_bytes, tensor=spec.name)
+    first = parts.indices if parts.indices is not None else parts.bitmap
+    first_bytes = 0 if first is None else first.numel() * first.element_size()
+    values_at = spec.offset_bytes if delta.encoding == pb.DELTA_ENCODING_DENSE else delta.values_offset_bytes
+    values_bytes = parts.values.numel() * parts.values.element_size()
+    start = min(spec.offset_bytes, values_at)
+    end = max(spec.offset_bytes + first_bytes, values_at + values_bytes)
+    return dataclasses.replace(spec, delta=delta, delta_end=end, read_start=start - start % DELTA_READ_ALIGN)
+
+
+def check_result_checksums(spec: CheckedSpec, owned: OwnedTensor) -> None:
+    """A delta carries a result checksum of a known algorithm for every part this worker keeps (its
+    manifest's pieces, or the whole tensor), so that nothing is written that cannot be verified."""
+    assert spec.delta is not None
+    given: dict[tuple[int, int, int] | None, int] = {}
+    for c in spec.delta.result_checksums:
+        piece = (c.piece.dim, c.piece.offset, c.piece.length) if c.HasField("piece") else None
+        given[piece] = c.checksum.algorithm
+    wanted: list[tuple[int, int, int] | None] = [(p.dim, p.offset, p.length) for p in owned.pieces]
+    for part in wanted or [None]:
+        algorithm = given.get(part)
+        if algorithm is None:
+            what = "whole" if part is None else f"dim {part[0]} [{part[1]}, +{part[2]})"
+            raise invalid_delta(
+                f"tensor {spec.name!r}: its delta carries no result checksum for the part {what} this worker keeps",
+                tensor=spec.name,
+            )
+        if algorithm not in _RESULT_ALGORITHMS:
+            raise invalid_delta(
+                f"tensor {spec.name!r}: result checksum algorithm {algorithm} is unspecified or unknown; "
+                "use CHECKSUM_ALGORITHM_CRC32 or CHECKSUM_ALGORITHM_WEIGHTED_SUM64",
+                tensor=spec.name,
+            )
 
 
 def check_payload_size(payload: pb.Payload, index: int) -> None:
@@ -100,7 +170,13 @@ def check_payload_size(payload: pb.Payload, index: int) -> None:
 
 
 def check_in_bounds(spec: CheckedSpec, size_bytes: int) -> None:
-    """The tensor ends at or before the payload's size_bytes."""
+    """The tensor (a delta: every part of its encoding) ends at or before the payload's size_bytes."""
+    if spec.delta is not None and spec.end_bytes > size_bytes:
+        raise invalid_delta(
+            f"tensor {spec.name!r}: its delta's encoding covers bytes up to {spec.end_bytes} but the payload has "
+            f"only {size_bytes} bytes",
+            tensor=spec.name,
+        )
     if spec.end_bytes > size_bytes:
         raise WeightwireError(
             Reason.TENSOR_OUT_OF_BOUNDS,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from weightwire.core.delta import DELTA_BASE_MISMATCH, check_base
+from weightwire.core.delta.errors import delta_error
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.text import clip_utf8
@@ -42,9 +44,18 @@ MAX_BUCKETS_PER_UPDATE = 1 << 20
 MAX_TENSORS_PER_UPDATE = 1 << 20
 
 
-def check_header(header: pb.UpdateHeader, *, weights_version: int, fingerprint: str) -> None:
+def check_header(
+    header: pb.UpdateHeader,
+    *,
+    weights_version: int,
+    fingerprint: str,
+    consistent: bool = True,
+    applies_deltas: bool = False,
+) -> None:
     """The rules a header passes before its update begins: a scope, a positive version newer than
-    the worker's ``weights_version``, a bounded label, the manifest it was planned for."""
+    the worker's ``weights_version``, a bounded label, the manifest it was planned for; for a delta
+    update (``delta_base``), an engine adapter that applies deltas and exactly the base, CONSISTENT
+    (``consistent``), else DELTA_BASE_MISMATCH, so the trainer sends the update whole."""
     if header.scope not in (pb.UPDATE_SCOPE_FULL, pb.UPDATE_SCOPE_PARTIAL):
         raise WeightwireError(
             Reason.SCOPE_UNSPECIFIED,
@@ -76,6 +87,18 @@ def check_header(header: pb.UpdateHeader, *, weights_version: int, fingerprint: 
             expected=clip_utf8(header.manifest_fingerprint, 256),
             actual=fingerprint,
         )
+    if header.HasField("delta_base"):
+        base = header.delta_base.base_version
+        if not applies_deltas:
+            raise delta_error(
+                DELTA_BASE_MISMATCH,
+                f"a delta against version {base} reached a worker whose engine adapter does not apply deltas; "
+                "send the update whole",
+                base_version=str(base),
+                worker_version=str(weights_version),
+                applies_deltas="false",
+            )
+        check_base(base, weights_version, consistent=consistent)
 
 
 class Accepted:
@@ -88,8 +111,13 @@ class Accepted:
         importers: Mapping[str, PayloadImporter],
         *,
         verify_checksums: bool,
+        deltas: bool = False,
     ) -> None:
         self._manifest = manifest
+        # A delta update: its specs may carry TensorDeltas, whose counts and checksums change every
+        # update, so its layouts are checked every time and never cached (they would only push
+        # out the layouts a trainer's whole updates reuse).
+        self._deltas = deltas
         self._layouts = layouts
         self._importers = importers
         self._verify_checksums = verify_checksums
@@ -147,10 +175,15 @@ class Accepted:
         # A trainer sends byte-identical bucket messages every update (same specs, same reused
         # handles): their serialization finds the layout faster than ``layout_key`` builds its key.
         # Not with a checksum (new every update) or bytes in the message (too large to serialize again).
+        layout: BucketLayout | None = None
         message = b""
-        if not msg.HasField("checksum") and not self._carries_bytes(payloads):
+        if self._deltas:
+            specs = check_structure(msg, payloads, self.names, deltas=True)
+            self.checksum(msg)  # its fields before ownership, as for a layout checked the first time
+            layout = BucketLayout.of(specs, check_ownership(specs, self._manifest))
+        elif not msg.HasField("checksum") and not self._carries_bytes(payloads):
             message = msg.SerializeToString()
-        layout = self._layouts.get_message(message, fingerprint) if message else None
+            layout = self._layouts.get_message(message, fingerprint)
         if layout is None:
             key = (layout_key(msg, payloads), fingerprint)
             layout = self._layouts.get(key)

@@ -12,13 +12,18 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
+from weightwire.core.delta import Delta
 from weightwire.core.manifest import ShardManifest
 
 # Declared beside the views it prepares loads of (the rules sit below the worker); named here too,
 # with the adapter's other optional abilities.
 from weightwire.server.rules.views import PreparesLoads
 
-__all__ = ["EngineAdapter", "KeepsTensors", "PreparesLoads", "TracksWrites"]
+__all__ = ["AppliesDeltas", "EngineAdapter", "KeepsTensors", "KeptPart", "PreparesLoads", "TracksWrites"]
+
+# One part of a checkpoint tensor a worker keeps: (dim, offset, length) of its manifest's
+# ``OwnedTensor.pieces`` (None: the whole tensor), and the live tensor that holds it.
+KeptPart = tuple[tuple[int, int, int] | None, torch.Tensor]
 
 
 @runtime_checkable
@@ -77,4 +82,27 @@ class KeepsTensors(Protocol):
 
     def kept_tensors(self) -> Mapping[str, torch.Tensor]:
         """The kept tensor of every owned tensor, by checkpoint name (live, stable while the engine runs)."""
+        ...
+
+
+@runtime_checkable
+class AppliesDeltas(Protocol):
+    """An adapter that applies a delta update's changes in place (``UpdateHeader.delta_base``).
+    Without it the worker refuses a delta update at its header (DELTA_BASE_MISMATCH, metadata
+    ``applies_deltas`` false), before anything is written, and the trainer sends it whole."""
+
+    def apply_deltas(self, deltas: Sequence[tuple[str, Delta]]) -> None:
+        """Write each delta into what this worker keeps of its checkpoint tensor, in place.
+
+        A ``Delta`` addresses the full checkpoint tensor's row-major elements (the manifest's dtype
+        and shape); an adapter that keeps pieces writes the changes that fall in each. The service
+        has checked every delta of the call against that full tensor (``check_delta``) before the
+        call; its views are valid only during the call, and the writes must have finished on the
+        device when it returns (the result is verified right after)."""
+        ...
+
+    def delta_parts(self, name: str) -> Sequence[KeptPart]:
+        """What this worker keeps of ``name`` after applying: one entry per manifest piece (or one
+        for the whole tensor), each piece's elements in row-major order as the trainer's checksum
+        reads them."""
         ...

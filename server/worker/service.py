@@ -30,7 +30,7 @@ from weightwire.server.transports.importer import JoinsGroups, PayloadImporter, 
 from weightwire.server.transports.read_ahead import read_ahead
 from weightwire.server.transports.transfer_group_membership import GroupMembership
 from weightwire.server.worker.accepted import check_header
-from weightwire.server.worker.adapter import EngineAdapter, KeepsTensors
+from weightwire.server.worker.adapter import AppliesDeltas, EngineAdapter, KeepsTensors
 from weightwire.server.worker.streams import DEFAULT_IDLE_TIMEOUT_S, ListedRequests, StreamReader
 from weightwire.server.worker.update import Update, UpdateContext, cancelled_error, now_timestamp
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -258,7 +258,13 @@ class WorkerService:
                 if rpc_ended is not None and rpc_ended.is_set():
                     # It waited for an abandoned update and its own call ended meanwhile.
                     raise cancelled_error()
-                check_header(header, weights_version=self._version, fingerprint=self._manifest.fingerprint)
+                check_header(
+                    header,
+                    weights_version=self._version,
+                    fingerprint=self._manifest.fingerprint,
+                    consistent=self._state == pb.WORKER_STATE_CONSISTENT,
+                    applies_deltas=has_capability(self.adapter, AppliesDeltas),
+                )
             except WeightwireError as err:
                 self._record_failure(err, header.version)
                 refused = err

@@ -27,6 +27,8 @@ from typing import Protocol, cast
 import torch
 from google.protobuf import timestamp_pb2
 from weightwire.core.capabilities import has_capability
+from weightwire.core.delta import Delta, check_delta, read_delta, verify_result
+from weightwire.core.delta.errors import invalid_delta
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
@@ -35,7 +37,8 @@ from weightwire.core.transports import table as transports
 from weightwire.server.observe.update_events import UpdateTally
 from weightwire.server.rules.layout import BucketLayout, LayoutCache
 from weightwire.server.rules.selection import Selection, payload_labels, select_own_payload
-from weightwire.server.rules.views import batch_load, batch_views
+from weightwire.server.rules.validation import CheckedSpec
+from weightwire.server.rules.views import ReadBatch, batch_load, batch_views
 from weightwire.server.transports.importer import (
     FillsModel,
     ImportContext,
@@ -45,7 +48,8 @@ from weightwire.server.transports.importer import (
     transport_name,
 )
 from weightwire.server.worker.accepted import MAX_BUCKETS_PER_UPDATE, MAX_TENSORS_PER_UPDATE, Accepted
-from weightwire.server.worker.adapter import EngineAdapter, TracksWrites
+from weightwire.server.worker.adapter import AppliesDeltas, EngineAdapter, TracksWrites
+from weightwire.server.worker.delta_regions import refuse_region_deltas
 from weightwire.server.worker.filled_bucket import fill_bucket
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -132,9 +136,18 @@ class Update:
         self.finished = False
         self._rpc_ended = rpc_ended
         self._t0 = time.perf_counter_ns()
+        self.is_delta = header.HasField("delta_base")
         self._accepted = Accepted(
-            ctx.manifest, ctx.layouts, ctx.importers, verify_checksums=header.verify_checksums
+            ctx.manifest,
+            ctx.layouts,
+            ctx.importers,
+            verify_checksums=header.verify_checksums,
+            deltas=self.is_delta,
         )
+        # What the deltas applied: tensors, their changed elements, result checksums verified.
+        self._delta_tensors = 0
+        self._changed_elements = 0
+        self._checksums_verified = 0
         # The layouts whose owned tensors were loaded, and how many those are (no name twice: the
         # duplicate rule holds across buckets), so a commit checks a count, not 399 names.
         self._loaded_layouts: list[BucketLayout] = []
@@ -234,6 +247,8 @@ class Update:
         if payloads and not msg.tensors:
             self._refuse_unfilled(payloads)
         layout, checksum = self._accepted.layout(msg, payloads)
+        if self.is_delta and any(s.delta is not None for s in layout.specs):
+            self._check_delta_payloads(msg.index, payloads)
         ack = pb.BucketAck(index=msg.index, tensors_skipped=len(layout.specs) - len(layout.owned))
         # Every payload's label and handle are checked, also those this worker does not select and
         # in a bucket it owns nothing of: a malformed bucket is malformed for everyone.
@@ -254,6 +269,24 @@ class Update:
         ack.bytes_received = loaded.received
         return ack
 
+    def _check_delta_payloads(self, index: int, payloads: Sequence[pb.Payload]) -> None:
+        """A bucket with deltas is read from host memory: bytes in the message, or a payload on the
+        host. Other transports (a transfer group, CUDA IPC) carry whole tensors in this version;
+        refused before any payload is opened or received."""
+        for payload in payloads:
+            field = payload.WhichOneof("handle") or ""
+            row = transports.by_field(field)
+            importer = self._ctx.importers.get(field)
+            on_host = row is not None and row.label_kind == pb.DEVICE_KIND_HOST
+            if on_host or (importer is not None and importer.bytes_in_message):
+                continue
+            raise invalid_delta(
+                f"bucket {index}: its tensor specs carry deltas but a payload is {transport_name(field)}; this "
+                "worker reads deltas only from inline bytes or host shared memory: send these tensors whole",
+                bucket=str(index),
+                transport=field,
+            )
+
     def _filler(self, msg: pb.Bucket) -> FillsModel | None:
         """The importer that loads this bucket itself, if one of its payloads' importers says so."""
         for payload in msg.payloads:
@@ -264,6 +297,8 @@ class Update:
 
     def _filled_bucket(self, msg: pb.Bucket, filler: FillsModel) -> pb.BucketAck:
         self._accepted.take_index(msg)
+        for payload in msg.payloads:
+            refuse_region_deltas(msg.index, payload)
         ctx = self._ctx
 
         def will_write() -> None:
@@ -376,6 +411,9 @@ class Update:
         )
 
     def _load(self, index: int, layout: BucketLayout, mapping: ImportedPayload) -> None:
+        if layout.owned_deltas:
+            self._load_deltas(index, layout, mapping)
+            return
         for batch in layout.read_plan(mapping.copy_chunk_bytes):
             views = batch_views(mapping, batch)
             self._loaded_any = True
@@ -389,6 +427,66 @@ class Update:
                 ) from e
             finally:
                 del views
+
+    def _load_deltas(self, index: int, layout: BucketLayout, mapping: ImportedPayload) -> None:
+        """A bucket of this worker's deltas (and perhaps whole tensors), batch by batch: every delta
+        of a batch read and checked against its target (``read_delta``, ``check_delta``) before
+        anything of the batch is written; then the whole tensors loaded, the deltas applied by the
+        adapter, and each kept part's result verified against the trainer's checksum."""
+        specs = {s.name: s for s in layout.owned}
+        adapter = cast(AppliesDeltas, self._ctx.adapter)
+        for batch in layout.read_plan(mapping.copy_chunk_bytes):
+            views = batch_views(mapping, batch)
+            try:
+                whole, deltas = self._read_batch(batch, views, specs)
+                self._loaded_any = True
+                try:
+                    if whole:
+                        self._ctx.adapter.load(whole)
+                    adapter.apply_deltas(deltas)
+                except WeightwireError:
+                    raise
+                except Exception as e:
+                    raise WeightwireError(
+                        Reason.LOAD_FAILED,
+                        f"the engine failed to load bucket {index}: {e!r}",
+                        bucket=str(index),
+                    ) from e
+                for name, delta in deltas:
+                    msg = specs[name].delta
+                    assert msg is not None
+                    self._checksums_verified += verify_result(
+                        msg.result_checksums, adapter.delta_parts(name), tensor=name
+                    )
+                    self._delta_tensors += 1
+                    self._changed_elements += delta.changed_count
+            finally:
+                del views
+
+    def _read_batch(
+        self, batch: ReadBatch, views: list[torch.Tensor], specs: Mapping[str, CheckedSpec]
+    ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, Delta]]]:
+        whole: list[tuple[str, torch.Tensor]] = []
+        deltas: list[tuple[str, Delta]] = []
+        for name, view in zip(batch.names, views, strict=True):
+            spec = specs[name]
+            if spec.delta is None:
+                whole.append((name, view))
+                continue
+            # ``view`` holds the payload's bytes from ``read_start``: the delta's offsets, moved there.
+            msg = pb.TensorDelta(
+                encoding=spec.delta.encoding,
+                changed_count=spec.delta.changed_count,
+                index_dtype=spec.delta.index_dtype,
+                values_offset_bytes=spec.delta.values_offset_bytes - spec.read_start,
+            )
+            delta = read_delta(
+                msg, spec.torch_dtype, spec.numel, view, spec.offset_bytes - spec.read_start, tensor=name
+            )
+            # The target's elements and dtype are all the check needs of it (no bytes are read).
+            check_delta(torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta"), delta, tensor=name)
+            deltas.append((name, delta))
+        return whole, deltas
 
     def _open(
         self, importer: PayloadImporter, sel: Selection, layout: BucketLayout
@@ -495,5 +593,14 @@ class Update:
             update_id=self.header.update_id,
             finish_time=now_timestamp(),
         )
+        if self.is_delta:
+            result.encoding = pb.UPDATE_ENCODING_DELTA
+            result.base_version = self.header.delta_base.base_version
+            result.delta_tensors = self._delta_tensors
+            result.changed_elements = self._changed_elements
+            result.result_checksums_verified = self._checksums_verified
+        else:
+            result.encoding = pb.UPDATE_ENCODING_FULL
+            result.delta_fallback = self.header.delta_fallback
         self._owner.update_committed(self, result)
         return result
