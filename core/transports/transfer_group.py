@@ -6,7 +6,8 @@ its side with ``TransferGroup.form`` while every worker does the same on its sid
 (``weightwire.server``), all from one plan (``weightwire.core.transports.transfer_group_plan``).
 
 Forming never touches the process's default process group: every group is a ``ProcessGroupGloo``
-(or ``ProcessGroupNCCL``) object built on a ``TCPStore`` + ``PrefixStore``. Before any weight byte
+(or ``ProcessGroupNCCL``) object built on a ``PrefixStore`` over the store of
+``transfer_group_store`` (whose every read from the network is bounded). Before any weight byte
 moves, every member checks the group through the store (``transfer_group_rendezvous``: each rank
 claimed once, by the member the plan names, with the same world size and the same plan), then over
 the group itself (an all-gather of member identities), and refuses with a reason otherwise. Every send, receive and wait has a
@@ -353,7 +354,9 @@ class TransferGroup:
                 closer = self._closer
             else:
                 self.closed = True
-                doomed = [self._pg, *(p for p, _ in self._subgroups.values())]
+                # The store last: the process groups hold it from C++, but its Python half must
+                # outlive them.
+                doomed = [self._pg, *(p for p, _ in self._subgroups.values()), self._store]
                 self._pg = None
                 self._subgroups = {}
                 self._store = None

@@ -1,6 +1,6 @@
 """The rendezvous store of a transfer group: the trainer's ``StoreServer``, every member's
-``connect_store`` with a deadline for each step, and how a stuck connection is ended (its sockets
-found and shut down) so that a store that accepts TCP and never answers cannot hold a join. No gRPC.
+``connect_store`` (both speak ``transfer_group_wire``: bounded reads, a deadline for each step), and
+how a stuck connection is ended from outside (its sockets found and shut down). No gRPC.
 """
 
 from __future__ import annotations
@@ -10,15 +10,17 @@ import ipaddress
 import os
 import socket
 import threading
-from typing import Any
 
 import torch
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.transports.transfer_group_plan import clip, split_address
-
-# How long past its timeout a store connection may take to report before it counts as stuck.
-_CONNECT_GRACE_S = 1.0
-
+from weightwire.core.transports.transfer_group_wire import (
+    LocalStore,
+    StoreProtocolError,
+    StoreTable,
+    WireStore,
+    WireStoreServer,
+)
 
 # ---------------------------------------------------------------------------------------------
 # The rendezvous store
@@ -30,8 +32,10 @@ def as_timedelta(seconds: float) -> datetime.timedelta:
 
 
 class StoreServer:
-    """The rendezvous store of the groups a trainer forms: a torch ``TCPStore`` served on a socket
-    bound to exactly ``host:port`` (port 0 picks one), so it listens only where the operator says.
+    """The rendezvous store of the groups a trainer forms, served on a socket bound to exactly
+    ``host:port`` (port 0 picks one), so it listens only where the operator says. It speaks
+    weightwire's own store protocol (``transfer_group_wire``: every length bounded before anything
+    is allocated, every step with a deadline); ``store`` is the same table for this process.
 
     The store has no authentication of its own: anyone who reaches the port can read and write
     keys. Bind it to the interface the workers use, and let only them reach it; group ids are
@@ -53,29 +57,20 @@ class StoreServer:
             ) from None
         self.host = host
         self.port: int = sock.getsockname()[1]
-        try:
-            self.store = torch.distributed.TCPStore(
-                host,
-                self.port,
-                None,
-                True,
-                as_timedelta(timeout_s),
-                wait_for_workers=False,
-                master_listen_fd=sock.fileno(),
-            )
-        except BaseException:
-            sock.close()
-            raise
-        # The store owns the listening socket now and closes it when it is destroyed.
-        sock.detach()
+        table = StoreTable()
+        self._server: WireStoreServer | None = WireStoreServer(sock, table, timeout_s)
+        self.store: torch.distributed.Store = LocalStore(table, timeout_s)
 
     @property
     def address(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def close(self) -> None:
-        """Drop this reference to the store; it stops listening once the groups formed on it are
-        closed too (they hold it). Formed groups keep working: they no longer use it."""
+        """Stop listening and drop this reference to the store. Formed groups keep working: they
+        no longer use it."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
         self.store = None  # type: ignore[assignment]
 
 
@@ -112,40 +107,14 @@ def _is_ipv6(host: str) -> bool:
 
 
 def connect_store(address: str, timeout_s: float) -> torch.distributed.Store:
-    """A client of the store at ``address``; GROUP_STORE_UNREACHABLE if it does not answer in time.
-
-    torch's client waits without a deadline for the store's answer once TCP connected (a socket
-    that accepts and stays silent held a join for good), so the connection is made on a thread of
-    its own and given ``timeout_s``; past it, the sockets that thread opened to ``address`` are shut
-    down, which ends its wait, and the store counts as unreachable.
-    """
+    """A client of the store at ``address``; GROUP_STORE_UNREACHABLE if it does not answer in time
+    or does not speak weightwire's store protocol. Every later read through it is bounded
+    (``transfer_group_wire.MAX_VALUE_BYTES``) and has a deadline."""
     host, port = split_address(address)
-    before = store_sockets(address)
-    outcome: list[Any] = []
-    done = threading.Event()
-
-    def connect() -> None:
-        try:
-            outcome.append(torch.distributed.TCPStore(host, port, None, False, as_timedelta(timeout_s)))
-        except BaseException as e:  # handed to the caller
-            outcome.append(e)
-        finally:
-            done.set()
-
-    threading.Thread(target=connect, name="ww-store-connect", daemon=True).start()
-    if not done.wait(timeout_s + _CONNECT_GRACE_S):
-        shut_down_sockets(store_sockets(address) - before)
-        done.wait(_CONNECT_GRACE_S)
-        if outcome and not isinstance(outcome[0], BaseException):
-            outcome.clear()  # connected just now: too late, and its socket may be shut down
-        raise _unreachable(address, timeout_s, "connected, but the store never answered")
-    result = outcome[0]
-    if isinstance(result, (RuntimeError, OSError)):
-        first = str(result).splitlines()[0] if str(result) else type(result).__name__
-        raise _unreachable(address, timeout_s, first) from None
-    if isinstance(result, BaseException):
-        raise result
-    return result
+    try:
+        return WireStore(host, port, timeout_s)
+    except StoreProtocolError as e:
+        raise _unreachable(address, timeout_s, str(e)) from None
 
 
 def _unreachable(address: str, timeout_s: float, why: str) -> WeightwireError:

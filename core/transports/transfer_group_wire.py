@@ -1,0 +1,507 @@
+"""The wire protocol of a transfer group's rendezvous store, both ends of it: ``WireStoreServer``
+(what the trainer's ``StoreServer`` listens with) and ``WireStore``, a ``torch.distributed.Store``
+that every member connects with, so that the rendezvous and gloo's and NCCL's own exchanges while
+the process groups form all go through it. No gRPC in here.
+
+The caller of JoinTransferGroup names the store's address, so a worker must not let that store
+decide how much it allocates (torch's ``TCPStore`` client allocates whatever length the store
+claims). Here every length is read as a fixed-size number and checked against a bound before
+anything is allocated for it: a frame is at most ``MAX_FRAME_BYTES``, a key at most
+``MAX_KEY_BYTES``, a value at most ``MAX_VALUE_BYTES``; every step has a deadline; values are bytes,
+never unpickled.
+
+A frame is a 4-byte big-endian length and that many bytes: an op (requests) or a status
+(responses), then fields, each a 4-byte big-endian length and its bytes, or an 8-byte signed
+number. A connection starts with ``MAGIC`` in both directions.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "MAX_KEY_BYTES",
+    "MAX_VALUE_BYTES",
+    "LocalStore",
+    "StoreProtocolError",
+    "StoreTable",
+    "WireStore",
+    "WireStoreServer",
+]
+
+MAGIC = b"WWSTORE1"
+# What one value may weigh: gloo's address record of a 4096-member group is about 0.6 MiB; every
+# record of weightwire's own is a few KiB at most.
+MAX_VALUE_BYTES = 1 << 20
+MAX_KEY_BYTES = 1024
+# A CHECK or WAIT lists at most this many keys.
+MAX_KEYS_PER_CALL = 4096
+MAX_FRAME_BYTES = MAX_VALUE_BYTES * 2 + 64 * 1024
+# What the server holds in all (a member that writes past it is refused, the store stays up).
+MAX_STORE_BYTES = 256 << 20
+MAX_CONNECTIONS = 8192
+# The longest wait the server serves (a group's longest timeout).
+MAX_WAIT_S = 3600.0
+# Past its waiting time, how long a reply may take to arrive before the store counts as stuck.
+REPLY_GRACE_S = 2.0
+
+_SET, _GET, _ADD, _CAS, _CHECK, _WAIT, _NUM_KEYS, _DELETE = range(1, 9)
+_OK, _TIMEOUT, _ERROR = range(3)
+_LEN = struct.Struct(">I")
+_INT = struct.Struct(">q")
+
+
+def _value_of(fields: _Fields) -> bytes:
+    return fields.blob(MAX_VALUE_BYTES)
+
+
+def _number_of(fields: _Fields) -> int:
+    return fields.number()
+
+
+# What ``WireStore._call`` returns for a wait that timed out.
+_TIMED_OUT = object()
+
+
+class StoreProtocolError(RuntimeError):
+    """The peer does not speak this protocol, broke a bound, or did not answer in time."""
+
+
+class StoreTimeout(StoreProtocolError):
+    """A wait on the store timed out (the message says "timed out", which callers classify)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_bytes(value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+class _Fields:
+    """Reads the fields of one received frame, every length checked against what is left."""
+
+    def __init__(self, body: bytes, at: int = 1) -> None:
+        self.body, self.at = body, at
+
+    def blob(self, limit: int) -> bytes:
+        if self.at + 4 > len(self.body):
+            raise StoreProtocolError("a field is cut short")
+        (n,) = _LEN.unpack_from(self.body, self.at)
+        if n > limit or self.at + 4 + n > len(self.body):
+            raise StoreProtocolError(f"a field claims {n} bytes (at most {limit})")
+        self.at += 4 + n
+        return self.body[self.at - n : self.at]
+
+    def key(self) -> str:
+        return self.blob(MAX_KEY_BYTES).decode("utf-8", "replace")
+
+    def number(self) -> int:
+        if self.at + 8 > len(self.body):
+            raise StoreProtocolError("a number is cut short")
+        (v,) = _INT.unpack_from(self.body, self.at)
+        self.at += 8
+        return int(v)
+
+
+def _blob(data: bytes) -> bytes:
+    return _LEN.pack(len(data)) + data
+
+
+def _frame(head: int, *parts: bytes) -> bytes:
+    body = bytes([head]) + b"".join(parts)
+    return _LEN.pack(len(body)) + body
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+    """``n`` bytes (``n`` already checked against a bound), by ``deadline`` (monotonic) if given."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            sock.settimeout(left)
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("the store closed the connection")
+        got += k
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket, deadline: float) -> bytes:
+    head = _recv_exact(sock, 4, deadline)
+    (n,) = _LEN.unpack(head)
+    if not 1 <= n <= MAX_FRAME_BYTES:
+        raise StoreProtocolError(f"a frame claims {n} bytes (at most {MAX_FRAME_BYTES})")
+    return _recv_exact(sock, n, deadline)
+
+
+# ---------------------------------------------------------------------------------------------
+# The server's table (shared by the network server and the trainer's in-process store)
+# ---------------------------------------------------------------------------------------------
+
+
+class StoreTable:
+    """The keys and values a store holds, bounded in size, with waits on them."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.weight = 0
+        self.cv = threading.Condition()
+
+    def _put(self, key: str, value: bytes) -> None:
+        if len(key.encode()) > MAX_KEY_BYTES or len(value) > MAX_VALUE_BYTES:
+            raise StoreProtocolError(
+                f"a key or value past its bound (keys at most {MAX_KEY_BYTES} bytes, values at most {MAX_VALUE_BYTES})"
+            )
+        old = self.data.get(key)
+        weight = self.weight + len(key) + len(value) - (0 if old is None else len(key) + len(old))
+        if weight > MAX_STORE_BYTES:
+            raise StoreProtocolError(f"the store holds its {MAX_STORE_BYTES} bytes already")
+        self.data[key] = value
+        self.weight = weight
+        self.cv.notify_all()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self.cv:
+            self._put(key, value)
+
+    def wait(self, keys: Sequence[str], timeout_s: float) -> bool:
+        with self.cv:
+            return self.cv.wait_for(lambda: all(k in self.data for k in keys), max(timeout_s, 0.0))
+
+    def get(self, key: str, timeout_s: float) -> bytes | None:
+        with self.cv:
+            if not self.cv.wait_for(lambda: key in self.data, max(timeout_s, 0.0)):
+                return None
+            return self.data[key]
+
+    def add(self, key: str, amount: int) -> int:
+        with self.cv:
+            try:
+                value = int(self.data.get(key, b"0")) + amount
+            except ValueError:
+                raise StoreProtocolError(f"key {key[:80]!r} does not hold a number") from None
+            self._put(key, str(value).encode())
+            return value
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        # torch's semantics: an absent key with an empty ``expected`` is set; the reply is the
+        # value held afterwards (or ``expected`` when the key is absent and was not set).
+        with self.cv:
+            current = self.data.get(key)
+            if (current is None and expected == b"") or current == expected:
+                self._put(key, desired)
+                return desired
+            return expected if current is None else current
+
+    def check(self, keys: Sequence[str]) -> bool:
+        with self.cv:
+            return all(k in self.data for k in keys)
+
+    def num_keys(self) -> int:
+        with self.cv:
+            return len(self.data)
+
+    def delete(self, key: str) -> bool:
+        with self.cv:
+            old = self.data.pop(key, None)
+            if old is None:
+                return False
+            self.weight -= len(key) + len(old)
+            return True
+
+
+class LocalStore(torch.distributed.Store):
+    """The server's table as a ``torch.distributed.Store`` in the serving process (the trainer
+    forms its side of a group on it without a connection)."""
+
+    def __init__(self, table: StoreTable, timeout_s: float) -> None:
+        super().__init__()
+        self._table = table
+        self._timeout_s = timeout_s
+
+    def set(self, key: str, value: Any) -> None:
+        self._table.set(key, _as_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        value = self._table.get(key, self._timeout_s)
+        if value is None:
+            raise StoreTimeout(f"timed out after {self._timeout_s:g} s waiting for key {key[:80]!r}")
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        return self._table.add(key, int(amount))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._table.compare_set(key, _as_bytes(expected), _as_bytes(desired))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._table.check(keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        wait_s = self._timeout_s if timeout is None else timeout.total_seconds()
+        if not self._table.wait(keys, wait_s):
+            raise StoreTimeout(f"timed out after {wait_s:g} s waiting for {len(keys)} key(s)")
+
+    def num_keys(self) -> int:
+        return self._table.num_keys()
+
+    def delete_key(self, key: str) -> bool:
+        return self._table.delete(key)
+
+    def clone(self) -> LocalStore:
+        return LocalStore(self._table, self._timeout_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Server
+# ---------------------------------------------------------------------------------------------
+
+
+class WireStoreServer:
+    """Serves ``table`` on ``sock`` (bound and listening), one thread per connection.
+
+    A connection must send ``MAGIC`` within ``timeout_s``, and every frame it starts must arrive
+    whole within ``timeout_s``; a connection that breaks a bound is closed. A wait lasts what the
+    client asks (its group's timeout), at most ``MAX_WAIT_S``."""
+
+    def __init__(self, sock: socket.socket, table: StoreTable, timeout_s: float) -> None:
+        self._sock = sock
+        self.table = table
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="ww-store-accept", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed or len(self._conns) >= MAX_CONNECTIONS:
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="ww-store-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if _recv_exact(conn, len(MAGIC), time.monotonic() + self.timeout_s) != MAGIC:
+                return
+            conn.settimeout(None)
+            conn.sendall(MAGIC)
+            while True:
+                # Between requests a connection may stay idle (a member between steps); once a
+                # frame has begun it must arrive whole in time.
+                conn.settimeout(None)
+                head = _recv_exact(conn, 4, None)
+                (n,) = _LEN.unpack(head)
+                if not 1 <= n <= MAX_FRAME_BYTES:
+                    return
+                body = _recv_exact(conn, n, time.monotonic() + self.timeout_s)
+                reply = self._answer(body)
+                conn.settimeout(self.timeout_s)
+                conn.sendall(reply)
+        except (OSError, StoreProtocolError):
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _answer(self, body: bytes) -> bytes:
+        op, f, t = body[0], _Fields(body), self.table
+        try:
+            if op == _SET:
+                key = f.key()
+                t.set(key, f.blob(MAX_VALUE_BYTES))
+                return _frame(_OK)
+            if op == _GET:
+                key = f.key()
+                value = t.get(key, min(f.number() / 1000, MAX_WAIT_S))
+                return _frame(_TIMEOUT) if value is None else _frame(_OK, _blob(value))
+            if op == _ADD:
+                key = f.key()
+                return _frame(_OK, _INT.pack(t.add(key, f.number())))
+            if op == _CAS:
+                key = f.key()
+                expected = f.blob(MAX_VALUE_BYTES)
+                return _frame(_OK, _blob(t.compare_set(key, expected, f.blob(MAX_VALUE_BYTES))))
+            if op in (_CHECK, _WAIT):
+                wait_ms = f.number() if op == _WAIT else 0
+                count = f.number()
+                if not 0 <= count <= MAX_KEYS_PER_CALL:
+                    raise StoreProtocolError(f"{count} keys in one call (at most {MAX_KEYS_PER_CALL})")
+                keys = [f.key() for _ in range(count)]
+                if op == _CHECK:
+                    return _frame(_OK, _INT.pack(int(t.check(keys))))
+                return _frame(_OK if t.wait(keys, min(wait_ms / 1000, MAX_WAIT_S)) else _TIMEOUT)
+            if op == _NUM_KEYS:
+                return _frame(_OK, _INT.pack(t.num_keys()))
+            if op == _DELETE:
+                return _frame(_OK, _INT.pack(int(t.delete(f.key()))))
+            raise StoreProtocolError(f"unknown op {op}")
+        except StoreProtocolError as e:
+            return _frame(_ERROR, _blob(str(e).encode()[:512]))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns, self._conns = list(self._conns), set()
+        for s in [self._sock, *conns]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Client
+# ---------------------------------------------------------------------------------------------
+
+
+class WireStore(torch.distributed.Store):
+    """A member's connection to the store at ``host:port``, as a ``torch.distributed.Store``.
+
+    Every reply is read with a deadline (the wait the request asked for plus ``REPLY_GRACE_S``)
+    and every length in it is checked against its bound before anything is allocated for it. A
+    broken bound, a reply past its deadline or a closed connection raise ``StoreProtocolError``,
+    and the connection is closed (every later call fails at once)."""
+
+    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+        super().__init__()
+        self._where = (host, port)
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        deadline = time.monotonic() + timeout_s
+        try:
+            sock = socket.create_connection((host, port), timeout=max(timeout_s, 0.001))
+        except OSError as e:
+            raise StoreProtocolError(f"cannot connect: {e.strerror or e}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock.sendall(MAGIC)
+            if _recv_exact(sock, len(MAGIC), deadline) != MAGIC:
+                raise StoreProtocolError("the peer is not a weightwire store (wrong greeting)")
+        except TimeoutError:
+            sock.close()
+            raise StoreProtocolError("connected, but the store never answered") from None
+        except (OSError, StoreProtocolError) as e:
+            sock.close()
+            raise StoreProtocolError(f"connected, but the store's greeting failed: {e}") from None
+        self._sock: socket.socket | None = sock
+
+    def _call(self, request: bytes, wait_s: float = 0.0, read: Callable[[_Fields], Any] | None = None) -> Any:
+        """Send ``request`` and read its reply: ``read(fields)`` of an OK reply (``None`` without
+        ``read``), ``_TIMED_OUT`` for a wait that timed out. A reply that breaks the protocol
+        (a length past its bound included, in the frame or in a field) closes the connection."""
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise StoreProtocolError("the connection to the store was closed after an earlier failure")
+            try:
+                sock.settimeout(self._timeout_s + REPLY_GRACE_S)
+                sock.sendall(request)
+                body = _recv_frame(sock, time.monotonic() + wait_s + REPLY_GRACE_S)
+                status, fields = body[0], _Fields(body)
+                if status == _ERROR:
+                    refusal = fields.blob(512).decode("utf-8", "replace")
+                elif status == _TIMEOUT:
+                    return _TIMED_OUT
+                elif status == _OK:
+                    return None if read is None else read(fields)
+                else:
+                    raise StoreProtocolError(f"the store answered status {status}")
+            except TimeoutError:
+                self._drop()
+                raise StoreProtocolError("timed out: the store did not answer in time") from None
+            except (OSError, StoreProtocolError) as e:
+                self._drop()
+                raise StoreProtocolError(f"the store broke the protocol: {e}") from None
+        raise StoreProtocolError(f"the store refused: {refusal}")
+
+    def _drop(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    @staticmethod
+    def _key(key: str) -> bytes:
+        raw = key.encode()
+        if len(raw) > MAX_KEY_BYTES:
+            raise StoreProtocolError(f"a key of {len(raw)} bytes (at most {MAX_KEY_BYTES})")
+        return _blob(raw)
+
+    @staticmethod
+    def _value(value: Any) -> bytes:
+        raw = _as_bytes(value)
+        if len(raw) > MAX_VALUE_BYTES:
+            raise StoreProtocolError(f"a value of {len(raw)} bytes (at most {MAX_VALUE_BYTES})")
+        return _blob(raw)
+
+    def set(self, key: str, value: Any) -> None:
+        self._call(_frame(_SET, self._key(key), self._value(value)))
+
+    def get(self, key: str) -> bytes:
+        wait_s = self._timeout_s
+        value = self._call(_frame(_GET, self._key(key), _INT.pack(int(wait_s * 1000))), wait_s, _value_of)
+        if value is _TIMED_OUT:
+            raise StoreTimeout(f"timed out after {wait_s:g} s waiting for key {key[:80]!r}")
+        return value  # type: ignore[no-any-return]
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call(_frame(_ADD, self._key(key), _INT.pack(int(amount))), read=_number_of)  # type: ignore[no-any-return]
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        request = _frame(_CAS, self._key(key), self._value(expected), self._value(desired))
+        return self._call(request, read=_value_of)  # type: ignore[no-any-return]
+
+    def _keys(self, keys: Sequence[str]) -> bytes:
+        if len(keys) > MAX_KEYS_PER_CALL:
+            raise StoreProtocolError(f"{len(keys)} keys in one call (at most {MAX_KEYS_PER_CALL})")
+        return _INT.pack(len(keys)) + b"".join(self._key(k) for k in keys)
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call(_frame(_CHECK, self._keys(keys)), read=_number_of))
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        wait_s = self._timeout_s if timeout is None else timeout.total_seconds()
+        if self._call(_frame(_WAIT, _INT.pack(int(wait_s * 1000)), self._keys(keys)), wait_s) is _TIMED_OUT:
+            raise StoreTimeout(f"timed out after {wait_s:g} s waiting for {len(keys)} key(s)")
+
+    def num_keys(self) -> int:
+        return self._call(_frame(_NUM_KEYS), read=_number_of)  # type: ignore[no-any-return]
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._call(_frame(_DELETE, self._key(key)), read=_number_of))
+
+    def clone(self) -> WireStore:
+        return WireStore(*self._where, self._timeout_s)
