@@ -103,6 +103,9 @@ class SGLangAdapter:
         # Sets of names whose regions were checked against load_weights: True (copied directly
         # from then on) or False (load_weights only); bounded by _MAX_DIRECT_KEYS.
         self._direct_state: dict[tuple[str, ...], bool] = {}
+        # Names whose regions the last check against load_weights proved (a slices update writes
+        # only those: ``weightwire.adapters.sglang.slices``); a failed check takes them out again.
+        self.proven: set[str] = set()
         self._phase_log = phase_log
         self.phases: UpdatePhases | None = None
         self._t_begin = 0
@@ -222,6 +225,10 @@ class SGLangAdapter:
         if len(self._direct_state) >= _MAX_DIRECT_KEYS:
             self._direct_state.clear()
         self._direct_state[key] = direct
+        if direct:
+            self.proven.update(key)
+        else:
+            self.proven.difference_update(key)
         return direct
 
     def _count_load(self, tensors: int, *, direct: bool) -> None:

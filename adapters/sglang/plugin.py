@@ -52,6 +52,7 @@ from weightwire.adapters.sglang.settings import (
     worker_id,
     worker_index,
 )
+from weightwire.adapters.sglang.slices import build_adapter
 from weightwire.adapters.sglang.wake import WakeReceiver, WakeSender, attach_to_idle_sleeper
 from weightwire.core.devices import device_ref_of
 from weightwire.core.manifest import ParallelRank
@@ -238,7 +239,7 @@ def start_worker(scheduler: Any, settings: Settings | None = None) -> SchedulerW
     queue = EngineTaskQueue(
         timeout_s=settings.engine_timeout_s, on_submit=wake_sender.wake if wake_sender is not None else None
     )
-    adapter = SGLangAdapter(
+    adapter = build_adapter(
         runner.model,
         runner.model_config.hf_config,
         rank=rank,

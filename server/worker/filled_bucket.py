@@ -5,16 +5,23 @@ trainer rank is a source (``TRANSFER_MODE_SLICES``).
 Such a bucket carries no tensor specs; its one payload (labelled with this worker's device) says
 what it fills, which the importer checks against the manifest (``plan_fill``). The tensors it fills
 count as loaded for the update's rules (no name twice in an update, a FULL update delivers every
-owned tensor), and the bytes land in the model as they arrive, so a failure after the receive began
-leaves the worker INCONSISTENT.
+owned tensor).
+
+Where the bytes land depends on the adapter. One that only ``KeepsTensors`` (the demo's
+``TorchAdapter``) has them received straight into its tensors, so a failure after the receive began
+leaves the worker INCONSISTENT. One that also ``StagesSlices`` (SGLang, whose writes go through its
+pause gate on the engine thread) first says whether it may take these tensors at all
+(``refuse_slices``, before anything waits); the bucket is then received into staging of the kept
+shapes (this bucket's bytes, on the kept tensors' device, freed when the bucket ends) and handed to
+``write_kept`` only once it arrived whole: a failure during the receive leaves the model as it was.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Callable, Mapping
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from weightwire.core.capabilities import has_capability
@@ -26,7 +33,21 @@ from weightwire.server.transports.importer import FillsModel, FillTarget
 from weightwire.server.worker.adapter import EngineAdapter, KeepsTensors
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-__all__ = ["fill_bucket"]
+__all__ = ["StagesSlices", "fill_bucket"]
+
+
+@runtime_checkable
+class StagesSlices(Protocol):
+    """A ``KeepsTensors`` adapter that writes a slices bucket into its model itself, once the
+    bucket arrived whole (module docstring)."""
+
+    def refuse_slices(self, names: frozenset[str]) -> None:
+        """Raise WeightwireError if these tensors cannot be written from slices now; nothing waits yet."""
+        ...
+
+    def write_kept(self, staged: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``staged`` (kept shapes, by name) into the model; returns once the copy finished."""
+        ...
 
 
 def fill_bucket(
@@ -62,13 +83,25 @@ def fill_bucket(
     # No name twice in the update, a bounded count (``Accepted.take_names``), before anything waits.
     accept_names(plan.names)
     kept = cast(KeepsTensors, adapter).kept_tensors()
+    stager = cast(StagesSlices, adapter) if has_capability(adapter, StagesSlices) else None
+    into: Mapping[str, torch.Tensor] = kept
+    if stager is not None:
+        stager.refuse_slices(plan.names)
+        into = {n: torch.empty_like(kept[n], memory_format=torch.contiguous_format) for n in plan.names}
     t0 = time.perf_counter_ns()
     try:
         # A plan refused by the group (GROUP_PLAN_MISMATCH) wrote nothing: the worker keeps its state.
-        received = importer.fill(sel.payload, plan, FillTarget(kept, manifest, will_write, call_ended))
-        if any(kept[n].is_cuda for n in plan.names):
+        received = importer.fill(
+            sel.payload,
+            plan,
+            FillTarget(into, manifest, will_write if stager is None else _nothing, call_ended),
+        )
+        if any(into[n].is_cuda for n in plan.names):
             # NCCL receives complete on the stream; the ack promises the bytes are in the model.
             torch.cuda.synchronize()
+        if stager is not None:
+            will_write()
+            stager.write_kept(into)
     except WeightwireError:
         raise
     except Exception as e:
@@ -87,3 +120,7 @@ def fill_bucket(
     )
     ack.source_device.CopyFrom(sel.device.to_proto())
     return ack, plan.names
+
+
+def _nothing() -> None:
+    """Staged bytes are not in the model yet: the write is announced just before ``write_kept``."""

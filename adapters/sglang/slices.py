@@ -1,0 +1,126 @@
+"""Slices from every trainer rank into an SGLang rank: the kept regions its parameters hold, and
+the staged write into them.
+
+An update whose every trainer rank is a source (``TRANSFER_MODE_SLICES``) fills the tensors a worker
+keeps (``KeepsTensors``). For SGLang these are the regions ``direct_copy.destinations`` states: this
+rank's piece of each checkpoint tensor at its shard's rows of the fused parameter (q/k/v, gate/up),
+an embedding's rows without its vocabulary padding, and for a tied model with its own lm_head
+parameter both regions (each gets the same bytes). The worker receives a bucket into staging of
+those shapes and hands it to ``write_kept`` only once it arrived whole and checked; the copy then
+runs on the engine thread through the adapter's pause gate, like every other write.
+
+What may be written is decided twice. At start (``build_adapter``): every owned tensor must have a
+stated region of its kept shape; a rank where one has none (a quantized layer, whose post-load
+processing repacks or rebinds its parameters; a layout these rules do not know) is built without
+``kept_tensors``, so its manifest says ``receives_slices`` false, and the reason is logged. Per
+update (``refuse_slices``): every tensor of a slices bucket must have been loaded once through
+``load_weights`` and found where the regions say (``SGLangAdapter.proven``); until then the bucket is
+refused before a byte moves (TRANSPORT_UNAVAILABLE), and a single-source push does that first load.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from weightwire.adapters.sglang.adapter import SGLangAdapter
+from weightwire.adapters.sglang.direct_copy import DirectCopy
+from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.manifest import OwnedTensor
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SlicesSGLangAdapter", "build_adapter", "kept_regions"]
+
+
+def _kept_shape(owned: OwnedTensor) -> tuple[int, ...]:
+    shape = list(owned.shape)
+    if owned.pieces:
+        shape[owned.pieces[0].dim] = sum(p.length for p in owned.pieces)
+    return tuple(shape)
+
+
+def kept_regions(adapter: SGLangAdapter) -> tuple[dict[str, tuple[torch.Tensor, ...]], str | None]:
+    """Every owned tensor's regions in the parameters (one per target it fills), or why a rank
+    cannot take slices: the first tensor whose region cannot be stated or has another shape."""
+    if not adapter._direct_copy:
+        return {}, "direct copies are off (WEIGHTWIRE_SGLANG_DIRECT_COPY=0), so no region is ever checked"
+    manifest = adapter.manifest()
+    out: dict[str, tuple[torch.Tensor, ...]] = {}
+    for name, targets in adapter.layout.targets.items():
+        want = _kept_shape(manifest.tensors[name])
+        regions = []
+        for t in targets:
+            region = adapter._dst.get((t.param_name, t.shard_id, name))
+            if region is None:
+                return (
+                    {},
+                    f"{name} -> {t.param_name}: its place in the parameter cannot be stated (quantized or repacked)",
+                )
+            if tuple(region.shape) != want or region.dtype != targets[0].dtype:
+                return (
+                    {},
+                    f"{name} -> {t.param_name}: its region is {tuple(region.shape)}, not the kept {want}",
+                )
+            regions.append(region)
+        out[name] = tuple(regions)
+    return out, None
+
+
+class SlicesSGLangAdapter(SGLangAdapter):
+    """An ``SGLangAdapter`` whose every owned tensor has a stated region: ``KeepsTensors``, and the
+    staged write of a slices bucket (``refuse_slices`` / ``write_kept``). Made by ``build_adapter``."""
+
+    _regions: dict[str, tuple[torch.Tensor, ...]]
+
+    def kept_tensors(self) -> Mapping[str, torch.Tensor]:
+        """The first region of each owned tensor (shape and dtype of what a worker keeps of it);
+        writes go through ``write_kept``, which fills every region."""
+        return {name: regions[0] for name, regions in self._regions.items()}
+
+    def refuse_slices(self, names: frozenset[str]) -> None:
+        """TRANSPORT_UNAVAILABLE unless every one of ``names`` was proven by a load through
+        ``load_weights`` (module docstring); called before a byte of the bucket moves."""
+        unproven = sorted(names - self.proven)
+        if unproven:
+            raise WeightwireError(
+                Reason.TRANSPORT_UNAVAILABLE,
+                f"{self.worker_id}: {len(unproven)} tensor(s), first {unproven[0]!r}, were not loaded through SGLang's "
+                "load_weights and checked yet; push once from one trainer rank (scope FULL) before pushing slices "
+                "from every rank",
+                tensor=unproven[0],
+            )
+
+    def write_kept(self, staged: Mapping[str, torch.Tensor]) -> None:
+        """Copy a whole, checked bucket's staged tensors into every region they fill, on the engine
+        thread in a pass whose gate allows writing (ENGINE_NOT_PAUSED otherwise, nothing written)."""
+        self.refuse_slices(frozenset(staged))
+        direct = DirectCopy([(region, src) for name, src in staged.items() for region in self._regions[name]])
+
+        def copy_step() -> None:
+            self._synchronize()  # a forward launched before the pause may still read the weights
+            self._wrote = True
+            with torch.no_grad():
+                direct.copy()
+            self._synchronize()  # the ack promises the bytes are in the model
+
+        self._count_load(len(staged), direct=True)
+        self._gated(copy_step, what=f"write {len(staged)} received tensor(s)", phase="load")
+
+
+def build_adapter(model: torch.nn.Module, hf_config: Any, **kwargs: Any) -> SGLangAdapter:
+    """The adapter of one rank (``SGLangAdapter``'s arguments): a ``SlicesSGLangAdapter`` when every
+    owned tensor has a stated region, else a plain one (its manifest says receives_slices false; the
+    reason is logged)."""
+    plain = SGLangAdapter(model, hf_config, **kwargs)
+    regions, refusal = kept_regions(plain)
+    if refusal is not None:
+        log.warning("%s does not receive slices from every trainer rank: %s", plain.worker_id, refusal)
+        return plain
+    # The same state under the class that publishes KeepsTensors: the model's layout is worked out once.
+    adapter = SlicesSGLangAdapter.__new__(SlicesSGLangAdapter)
+    adapter.__dict__.update(plain.__dict__)
+    adapter._regions = regions
+    return adapter
