@@ -1,0 +1,305 @@
+"""Every trainer rank a source, into a real SGLang engine (0.5.23, CPU, TP2, Qwen2 with tied
+embeddings and q/k/v bias): 2 trainer ranks, each its own process of one gloo world, push their
+DTensor shards of the checkpoint over a transfer group on loopback, and each engine worker receives
+only its slices (fused q/k/v and gate/up, its vocabulary rows of the tied embedding).
+
+One engine serves the module, in order: a slices push before any push through ``load_weights`` is
+refused before a byte moves (the regions are not proven yet); a FULL push from one rank, then two
+slices pushes, each followed by greedy tokens equal to transformers' on the pushed weights and
+``bytes_received`` equal to the worker's manifest's kept bytes (less than the whole model); a
+trainer rank killed mid-push leaves every worker CONSISTENT at its old version, serving its old tokens.
+
+This file is also the trainer rank (``python test_sglang_slices.py ADDR...`` with RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set): it reads one JSON command a line, answers one JSON line:
+{"op": "push", "version": V, "seed": S, "single": bool, "pause": bool} (``single``: rank 0 pushes
+plain tensors alone; ``pause``: print {"paused": true} right before this rank's sends and wait for
+"go" or "die", which exits at once, code 3), {"op": "quit"}.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from checkpoints import QWEN2, ModelSpec, full_checkpoint, reference_tokens, write_model_dir
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SPEC = ModelSpec(QWEN2, tie=True)
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
+NEW_TOKENS = 8
+DIED_EXIT_CODE = 3
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed"),
+]
+
+
+# --- the trainer rank (run as a script) ----------------------------------------------------------
+
+
+def _trainer_main(addresses: list[str]) -> int:
+    import dataclasses
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from weightwire.client import PushError, WeightPusher, WeightwireError
+    from weightwire.client.ranks import slice_push
+    from weightwire.client.transports.transfer_group import TransferGroupOptions
+
+    real_send = slice_push.send_slices
+    pause = [False]
+
+    def paused_send(*args: Any, **kwargs: Any) -> int:
+        if pause[0]:
+            print(json.dumps({"paused": True}), flush=True)
+            if sys.stdin.readline().strip() == "die":
+                os._exit(DIED_EXIT_CODE)  # lost mid-push: no cleanup, like a crash
+        return real_send(*args, **kwargs)
+
+    slice_push.send_slices = paused_send  # type: ignore[assignment]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    pusher = WeightPusher(
+        addresses, transfer_group=TransferGroupOptions(host="127.0.0.1", timeout_s=20), timeout_s=60
+    )
+    print(json.dumps({"ready": True}), flush=True)
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "quit":
+                break
+            full = full_checkpoint(SPEC, int(cmd["seed"]))
+            if cmd.get("single"):
+                if dist.get_rank() != 0:
+                    print(json.dumps({"ok": True}), flush=True)
+                    continue
+                tensors = full
+            else:
+                tensors = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()}
+            pause[0] = bool(cmd.get("pause"))
+            try:
+                results = pusher.push(tensors, version=int(cmd["version"]))
+                answer = {"ok": True, "results": {a: dataclasses.asdict(r) for a, r in results.items()}}
+            except (PushError, WeightwireError) as e:
+                failures = getattr(e, "failures", {})
+                answer = {
+                    "ok": False,
+                    "reason": getattr(e, "reason", "PUSH_FAILED"),
+                    "message": str(e)[:3000],
+                    "failures": {
+                        a: {"reason": f.reason, "message": f.message[:1000]} for a, f in failures.items()
+                    },
+                }
+            finally:
+                pause[0] = False
+            print(json.dumps(answer), flush=True)
+    finally:
+        pusher.close()
+        dist.destroy_process_group()
+    return 0
+
+
+# --- the test side ---------------------------------------------------------------------------------
+
+
+class Ranks:
+    """Two trainer ranks (this file as a script), driven by JSON lines."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env.pop("WEIGHTWIRE_SGLANG_SOCKET_DIR", None)
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), *addresses],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=HERE,
+                env={**env, "RANK": str(r)},
+            )
+            for r in range(2)
+        ]
+        for r in range(2):
+            assert self.read(r).get("ready"), r
+
+    def read(self, rank: int) -> dict[str, Any]:
+        out = self.procs[rank].stdout
+        assert out is not None
+        while True:
+            line = out.readline()
+            if not line:
+                err = self.procs[rank].stderr
+                raise RuntimeError(f"trainer rank {rank} ended: {err.read()[-3000:] if err else ''}")
+            if line.startswith("{"):
+                return json.loads(line)  # type: ignore[no-any-return]
+
+    def send(self, rank: int, text: str) -> None:
+        stdin = self.procs[rank].stdin
+        assert stdin is not None
+        stdin.write(text + "\n")
+        stdin.flush()
+
+    def push(self, **cmd: Any) -> list[dict[str, Any]]:
+        for r in range(2):
+            self.send(r, json.dumps({"op": "push", **cmd}))
+        return [self.read(r) for r in range(2)]
+
+    def close(self) -> None:
+        for r, p in enumerate(self.procs):
+            if p.poll() is None:
+                try:
+                    self.send(r, json.dumps({"op": "quit"}))
+                except OSError:
+                    pass
+        for p in self.procs:
+            try:
+                p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+
+
+class Fleet:
+    """The engine, its workers' addresses and manifests, the trainer ranks, what should be held."""
+
+    def __init__(self, host: Any, addresses: list[str]) -> None:
+        from weightwire.client import WeightPusher
+
+        self.host = host
+        self.addresses = addresses
+        # A reader only (manifests and status); the trainer ranks push.
+        self.reader = WeightPusher(addresses, timeout_s=60)
+        self.ranks = Ranks(addresses)
+        self.version = 0
+        self.weights = full_checkpoint(SPEC, seed=1)
+
+    def push(self, version: int, seed: int, **cmd: Any) -> list[dict[str, Any]]:
+        self.host.pause("abort")
+        try:
+            return self.ranks.push(version=version, seed=seed, **cmd)
+        finally:
+            self.host.resume()
+
+    def landed(self, answers: list[dict[str, Any]], version: int, seed: int, *, slices: bool) -> None:
+        assert all(a["ok"] for a in answers), answers
+        results = answers[0]["results"]
+        manifests = self.reader.refresh_manifests()
+        assert set(results) == set(self.addresses)
+        for address, r in results.items():
+            assert (r["version"], r["state"], r["transport"]) == (version, "CONSISTENT", "transfer_group")
+            m = manifests[address]
+            if slices:
+                assert m.receives_slices, address
+                assert r["bytes_received"] == m.kept_bytes < m.total_bytes, (address, r)
+        self.version, self.weights = version, full_checkpoint(SPEC, seed)
+
+    def states(self) -> set[tuple[int, int]]:
+        return {(st.weights_version, st.state) for st in self.reader.status().values()}
+
+    def tokens_match(self) -> list[list[int]]:
+        got = self.host.tokens(PROMPTS, NEW_TOKENS)
+        assert got == reference_tokens(SPEC, self.weights, PROMPTS, NEW_TOKENS)
+        return got
+
+    def close(self) -> None:
+        self.ranks.close()
+        self.reader.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    from real_engine import SGLANG_ENVS, EngineHost, engine_kwargs
+    from weightwire.adapters.sglang import discover
+
+    env = SGLANG_ENVS["0.5.23"]
+    root = tmp_path_factory.mktemp("sglang-slices")
+    model = write_model_dir(SPEC, str(root / "model"), full_checkpoint(SPEC, seed=1))
+    socket_dir = f"/tmp/ww-sgs-{uuid.uuid4().hex[:10]}"  # Unix socket paths are limited to 107 bytes
+    host = EngineHost(
+        env,
+        engine_kwargs(model, tp=2, dtype=SPEC.dtype_name),
+        socket_dir=socket_dir,
+        log_path=str(root / "engine.log"),
+    )
+    f: Fleet | None = None
+    try:
+        f = Fleet(host, discover(socket_dir, count=2, timeout_s=60))
+        yield f
+    finally:
+        if f is not None:
+            f.close()
+        host.stop()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def test_slices_before_any_load_through_load_weights_are_refused_before_a_byte(fleet: Fleet) -> None:
+    from weightwire.v1 import weight_transfer_pb2 as pb
+
+    assert all(m.receives_slices for m in fleet.reader.manifests().values())
+    answers = fleet.push(version=1, seed=2)
+    assert [a["ok"] for a in answers] == [False, False], answers
+    failures = answers[0]["failures"]
+    assert "TRANSPORT_UNAVAILABLE" in {f["reason"] for f in failures.values()}, failures
+    assert any("load_weights" in f["message"] for f in failures.values()), failures
+    assert fleet.states() == {(0, pb.WORKER_STATE_CONSISTENT)}
+    fleet.tokens_match()
+
+
+def test_full_push_then_slices_from_both_ranks_generate_transformers_tokens(fleet: Fleet) -> None:
+    answers = fleet.push(version=1, seed=2, single=True)
+    fleet.landed(answers[:1], 1, 2, slices=False)
+    before = fleet.tokens_match()
+    for version, seed in ((2, 3), (3, 4)):
+        fleet.landed(fleet.push(version=version, seed=seed), version, seed, slices=True)
+        after = fleet.tokens_match()
+        assert after != before, "consecutive checkpoints must give different tokens, or this shows nothing"
+        before = after
+
+
+def test_a_trainer_rank_killed_mid_push_leaves_every_worker_at_its_old_weights(fleet: Fleet) -> None:
+    from helpers import wait_until
+    from weightwire.v1 import weight_transfer_pb2 as pb
+
+    old_version, old_tokens = fleet.version, fleet.host.tokens(PROMPTS, NEW_TOKENS)
+    ranks = fleet.ranks
+    fleet.host.pause("abort")
+    try:
+        ranks.send(0, json.dumps({"op": "push", "version": old_version + 1, "seed": 9}))
+        ranks.send(1, json.dumps({"op": "push", "version": old_version + 1, "seed": 9, "pause": True}))
+        assert ranks.read(1) == {"paused": True}
+        ranks.send(1, "die")
+        assert ranks.procs[1].wait(timeout=60) == DIED_EXIT_CODE
+        answer = ranks.read(0)
+        assert not answer["ok"], answer
+        deadline = time.monotonic() + 60
+        assert wait_until(
+            lambda: {s for _, s in fleet.states()} == {pb.WORKER_STATE_CONSISTENT},
+            timeout=deadline - time.monotonic(),
+        ), fleet.reader.status()
+    finally:
+        fleet.host.resume()
+    assert fleet.states() == {(old_version, pb.WORKER_STATE_CONSISTENT)}
+    assert fleet.host.tokens(PROMPTS, NEW_TOKENS) == old_tokens
+    fleet.tokens_match()
+
+
+if __name__ == "__main__":
+    sys.exit(_trainer_main(sys.argv[1:]))
