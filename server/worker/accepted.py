@@ -98,6 +98,16 @@ def check_header(
                 worker_version=str(weights_version),
                 applies_deltas="false",
             )
+        if base <= 0:
+            # Version 0 is what a worker started with, which no update sent: no trainer holds it as
+            # a base. Refusing it also makes a restarted worker (back at version 0, a new instance)
+            # refuse every delta, whatever base the trainer kept.
+            raise delta_error(
+                DELTA_BASE_MISMATCH,
+                f"a delta against version {base} names no committed update as its base; send the update whole",
+                base_version=str(base),
+                worker_version=str(weights_version),
+            )
         check_base(base, weights_version, consistent=consistent)
 
 

@@ -210,6 +210,15 @@ def test_wrong_base_is_refused_at_the_header(one: InProcessWorker) -> None:
     refused_untouched(one, out, "DELTA_BASE_MISMATCH", old, base)
     assert (out.metadata["base_version"], out.metadata["worker_version"]) == (str(base - 1), str(base))
     assert out.code == grpc.StatusCode.FAILED_PRECONDITION
+    # Version 0 is the weights a worker started with: never a base (a restarted worker is there).
+    fresh = start_demo_worker(seed=0)
+    try:
+        start = full_checkpoint(fresh.config, 0)
+        specs, buffer = delta_bucket(start, stepped(start, 3), [fresh])
+        out, _ = delta_push(fresh, 0, specs, inline_payload(buffer.numpy().tobytes()))
+        refused_untouched(fresh, out, "DELTA_BASE_MISMATCH", start, 0)
+    finally:
+        fresh.server.stop(grace=0)  # type: ignore[attr-defined]
 
 
 def _indices_spec(specs: list[pb.TensorSpec]) -> pb.TensorSpec:
