@@ -66,8 +66,9 @@ class StoreServer:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def close(self) -> None:
-        """Stop listening and drop this reference to the store. Formed groups keep working: they
-        no longer use it."""
+        """Stop listening for new connections and drop this reference to the store. Formed groups
+        keep working: they no longer need it (open connections are served until their members
+        hang up)."""
         server, self._server = self._server, None
         if server is not None:
             server.close()

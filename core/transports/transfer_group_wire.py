@@ -367,15 +367,15 @@ class WireStoreServer:
             return _frame(_ERROR, _blob(str(e).encode()[:512]))
 
     def close(self) -> None:
+        """Stop accepting. Connections already open are served until their members hang up (a
+        formed group's backend may still look at the store, as NCCL's monitor does)."""
         with self._lock:
             self._closed = True
-            conns, self._conns = list(self._conns), set()
-        for s in [self._sock, *conns]:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        except OSError:
+            pass
+        self._sock.close()
 
 
 # ---------------------------------------------------------------------------------------------

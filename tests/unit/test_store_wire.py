@@ -163,3 +163,15 @@ def test_a_peer_that_does_not_greet_is_unreachable_within_the_timeout(answer: by
         listener.close()
         for conn in held:
             conn.close()
+
+
+def test_a_closed_server_takes_no_new_connection_and_serves_the_open_ones() -> None:
+    server = StoreServer(HOST, 0, timeout_s=5.0)
+    client = connect_store(server.address, 2.0)
+    client.set("k", "v")
+    address = server.address
+    server.close()
+    assert client.get("k") == b"v"
+    with pytest.raises(WeightwireError) as refused:
+        connect_store(address, 0.5)
+    assert refused.value.reason == "GROUP_STORE_UNREACHABLE"
