@@ -247,6 +247,11 @@ def _unsorted(specs, buffer):
     buffer[s.offset_bytes + 4 : s.offset_bytes + 8] = first[0:4]
 
 
+def _duplicate(specs, buffer):
+    s = _indices_spec(specs)
+    buffer[s.offset_bytes + 4 : s.offset_bytes + 8] = buffer[s.offset_bytes : s.offset_bytes + 4].clone()
+
+
 def _count_past_n(specs, buffer):
     s = _indices_spec(specs)
     s.delta.changed_count = 10**9
@@ -276,6 +281,7 @@ def _dense_short(specs, buffer):
 HOSTILE = {
     "index past the tensor": _past_the_tensor,
     "indices not ascending": _unsorted,
+    "an index twice": _duplicate,
     "count past the elements": _count_past_n,
     "bitmap count differs": _bitmap_count,
     "index dtype float": _index_dtype,
