@@ -51,8 +51,9 @@ MAX_STORE_BYTES = 256 << 20
 MAX_CONNECTIONS = 8192
 # The longest wait the server serves (a group's longest timeout).
 MAX_WAIT_S = 3600.0
-# Past its waiting time, how long a reply may take to arrive before the store counts as stuck.
-REPLY_GRACE_S = 2.0
+# Past its waiting time, how long a reply may take to arrive before the store counts as stuck
+# (generous: the trainer serving it may be busy on a loaded machine).
+REPLY_GRACE_S = 5.0
 
 _SET, _GET, _ADD, _CAS, _CHECK, _WAIT, _NUM_KEYS, _DELETE = range(1, 9)
 _OK, _TIMEOUT, _ERROR = range(3)
