@@ -13,6 +13,11 @@ other bucket is accepted (``accepted.Accepted``: index, layout from the cache or
 payload is selected (``selection.select_own_payload``) with its importer, opened, verified and
 loaded by views, and acked. The commit is the update's gate: every bucket counted, a FULL update
 complete, the engine's own finish, then the version.
+
+In a delta update (``UpdateHeader.delta_base``, checked at the header) a spec may carry a
+TensorDelta: only its encoded bytes are read, checked whole before its batch writes anything,
+applied by the adapter (``AppliesDeltas``) and verified against the trainer's result checksums
+(docs/deltas.md, "The worker").
 """
 
 from __future__ import annotations
