@@ -2,7 +2,9 @@
 
 Each exchange of ``weightwire.client.ranks.collective_push`` carries one of these, as JSON (never
 pickle) through ``RankGroup.exchange``: ``PlanRecord`` before anything moves, ``RankOutcome`` before
-any commit, ``RankResults`` at the end. A record is decoded field by field with its type checked; a
+any commit, ``RankResults`` at the end; an every-rank-a-source update (``slice_push``) says its plan
+with ``SlicesPlanRecord``, and forming its group (``transfer_group_sources``) who each rank is with
+``MemberRecord``. A record is decoded field by field with its type checked; a
 missing or extra field, or a value of another type (a rank running another weightwire release, or
 a bug), is refused with ``TRAINER_RANKS_DISAGREE`` naming the rank and the field instead of being
 read with a default.
@@ -120,6 +122,67 @@ class PlanRecord:
         return cls(digest, label, error)
 
 
+@dataclasses.dataclass(frozen=True)
+class SlicesPlanRecord:
+    """One rank's plan of an every-rank-a-source update (``slice_push``): the transfer plan's
+    fingerprint ("" when it could not plan), the group it still holds with these workers ("" for
+    none), what it pushes (version, scope, update id, cast_to) and its error."""
+
+    fingerprint: str
+    group: str
+    version: int
+    scope: int
+    update_id: str
+    cast_to: str
+    error: RankFailure | None
+
+    @property
+    def update(self) -> list[object]:
+        """What every rank must push alike, as the disagreement names it."""
+        return [self.version, self.scope, self.update_id, self.cast_to]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = dataclasses.asdict(self)
+        out["error"] = self.error.to_json() if self.error is not None else None
+        return out
+
+    @classmethod
+    def from_json(cls, d: object) -> SlicesPlanRecord:
+        f = _take(
+            d,
+            {
+                "fingerprint": str,
+                "group": str,
+                "version": int,
+                "scope": int,
+                "update_id": str,
+                "cast_to": str,
+                "error": (dict, _NONE),
+            },
+        )
+        error = RankFailure.from_json(f["error"]) if f["error"] is not None else None
+        return cls(
+            f["fingerprint"], f["group"], f["version"], f["scope"], f["update_id"], f["cast_to"], error
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberRecord:
+    """Who a rank is in the transfer group it is about to form with the others (its instance id),
+    or why it cannot take part (rank 0 could not serve the rendezvous store)."""
+
+    instance: str
+    error: RankFailure | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"instance": self.instance, "error": self.error.to_json() if self.error is not None else None}
+
+    @classmethod
+    def from_json(cls, d: object) -> MemberRecord:
+        f = _take(d, {"instance": str, "error": (dict, _NONE)})
+        return cls(f["instance"], RankFailure.from_json(f["error"]) if f["error"] is not None else None)
+
+
 class StopCause(enum.Enum):
     """Why a rank is not fine at the commit gate."""
 
@@ -185,7 +248,7 @@ _FAILURE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "metadata": dict,
 }
 
-Record = TypeVar("Record", PlanRecord, RankOutcome, RankResults)
+Record = TypeVar("Record", PlanRecord, RankOutcome, RankResults, SlicesPlanRecord, MemberRecord)
 
 
 def exchange(ranks: RankGroup, record: Record, what: str) -> list[Record]:
@@ -206,11 +269,13 @@ def digests(records: Sequence[PlanRecord]) -> list[dict[str, Any]]:
 
 
 __all__ = [
+    "MemberRecord",
     "PlanRecord",
     "RankFailure",
     "RankOutcome",
     "RankResults",
     "RecordError",
+    "SlicesPlanRecord",
     "StopCause",
     "digests",
     "exchange",

@@ -39,7 +39,7 @@ from weightwire.client.inputs.plan import PlanError
 from weightwire.client.inputs.types import PushResult
 from weightwire.client.ranks import rank_records
 from weightwire.client.ranks.rank_agreement import RankGroup, peer_failed
-from weightwire.client.ranks.rank_records import RankFailure, RankResults
+from weightwire.client.ranks.rank_records import RankFailure, RankResults, SlicesPlanRecord
 from weightwire.client.ranks.transfer_group_sources import FormedSources, SourcesLink
 from weightwire.client.rpc.stream import Connections
 from weightwire.client.transports.route import Job, PerWorkerRoute, Route
@@ -287,38 +287,39 @@ class _SliceUpdate:
             group_held = self.link.held_group(self.manifests)
         except Exception as e:
             local_error = e
-        said = self.ranks.exchange(
-            json.dumps(
-                {
-                    "fp": plan.fingerprint if plan is not None else "",
-                    "group": group_held,
-                    "update": [opts.version, int(opts.scope), opts.update_id, str(opts.cast_to)],
-                    "error": RankFailure.of(local_error).to_json() if local_error else None,
-                }
-            ).encode(),
+        records = rank_records.exchange(
+            self.ranks,
+            SlicesPlanRecord(
+                plan.fingerprint if plan is not None else "",
+                group_held,
+                int(opts.version),
+                int(opts.scope),
+                str(opts.update_id),
+                str(opts.cast_to),
+                RankFailure.of(local_error) if local_error else None,
+            ),
             "the update's transfer plan",
         )
-        records = [json.loads(raw) for raw in said]
         for r, rec in enumerate(records):
-            if rec["error"] is not None:
+            if rec.error is not None:
                 if local_error is not None:
                     raise local_error
-                raise peer_failed(r, rec["error"], before_sending=True)
-        if len({json.dumps(rec["update"]) for rec in records}) > 1:
+                raise peer_failed(r, rec.error.to_json(), before_sending=True)
+        if len({json.dumps(rec.update) for rec in records}) > 1:
             raise PlanError(
                 Reason.TRAINER_RANKS_DISAGREE,
                 "the trainer ranks push different updates (version, scope, update id, cast_to): "
-                + "; ".join(f"rank {r}: {rec['update']}" for r, rec in enumerate(records)),
+                + "; ".join(f"rank {r}: {rec.update}" for r, rec in enumerate(records)),
             )
-        if len({rec["fp"] for rec in records}) > 1:
+        if len({rec.fingerprint for rec in records}) > 1:
             raise PlanError(
                 Reason.TRAINER_RANKS_DISAGREE,
                 "the trainer ranks planned different transfers (fingerprints "
-                + ", ".join(f"rank {r}: {rec['fp'][:12]}" for r, rec in enumerate(records))
+                + ", ".join(f"rank {r}: {rec.fingerprint[:12]}" for r, rec in enumerate(records))
                 + "); every rank must push the same tensors, shapes and dtypes",
             )
         assert plan is not None
-        self.groups_held = [str(rec["group"]) for rec in records]
+        self.groups_held = [rec.group for rec in records]
         return plan, local, boxes
 
     def run(self, items: Sequence[tuple[str, torch.Tensor]]) -> dict[str, PushResult]:

@@ -13,19 +13,24 @@ rank ends with the same verdict: the group, or the same ``PushError``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
-import grpc
 import torch
 from weightwire.client.ranks import rank_records
 from weightwire.client.ranks.rank_agreement import RankGroup
-from weightwire.client.ranks.rank_records import RankFailure, RankResults
-from weightwire.client.rpc.calls import Worker, error_from_rpc
-from weightwire.client.transports.transfer_group_link import JOIN_GRACE_S, TRAINER_KEY, leave_all
+from weightwire.client.ranks.rank_records import MemberRecord, RankFailure, RankResults
+from weightwire.client.rpc.calls import Worker
+from weightwire.client.transports.group_forming import (
+    TRAINER_KEY,
+    Joining,
+    identities_of,
+    join_here,
+    largest_tensor_bytes,
+    leave_all,
+)
 from weightwire.client.transports.transfer_group_options import TransferGroupOptions
 from weightwire.core.errors import PushError, WeightwireError
 from weightwire.core.manifest import ShardManifest
@@ -119,7 +124,7 @@ class SourcesLink:
         formed = self._formed
         if formed is None or formed.group.closed:
             return ""
-        if formed.identities != {a: (m.worker_id, m.instance_id) for a, m in manifests.items()}:
+        if formed.identities != identities_of(manifests):
             return ""
         return formed.group_id
 
@@ -144,25 +149,25 @@ class SourcesLink:
             store_address = self._store.address if self._store is not None else ""
         except WeightwireError as err:
             mine = err
-        said = ranks.exchange(
-            json.dumps(
-                {"instance": self.instance_id, "error": RankFailure.of(mine).to_json() if mine else None}
-            ).encode(),
+        records = rank_records.exchange(
+            ranks,
+            MemberRecord(self.instance_id, RankFailure.of(mine) if mine else None),
             "the trainer ranks' identities",
         )
-        records = [json.loads(raw) for raw in said]
         refused = {
-            f"{TRAINER_KEY} rank {r}": WeightwireError(f.reason, f.message, code=f.code)
+            f"{TRAINER_KEY} rank {r}": WeightwireError(
+                rec.error.reason, rec.error.message, code=rec.error.code
+            )
             for r, rec in enumerate(records)
-            if rec.get("error") is not None and (f := RankFailure.from_json(rec["error"]))
+            if rec.error is not None
         }
         if refused:  # the same on every rank: each rank's own reason
             raise PushError(refused)
-        trainers = [MemberIdentity.of_trainer(r, str(rec["instance"])) for r, rec in enumerate(records)]
+        trainers = [MemberIdentity.of_trainer(r, rec.instance) for r, rec in enumerate(records)]
         identity = trainers[me]
         spec_bytes = b""
         if me == 0:
-            largest = max((t.nbytes for m in manifests.values() for t in m.tensors.values()), default=1)
+            largest = largest_tensor_bytes(manifests, default=1)
             plan = plan_group(
                 manifests,
                 trainers=trainers,
@@ -178,32 +183,12 @@ class SourcesLink:
             ranks.exchange(spec_bytes, "the transfer group's plan", max_bytes=_MAX_SPEC_BYTES)[0]
         )
         check_spec(spec)
-        futures = {}
-        if me == 0:
-            request = pb.JoinTransferGroupRequest(spec=spec)
-            futures = {
-                a: self._workers[a].stub.JoinTransferGroup.future(
-                    request, timeout=self.timeout_s + JOIN_GRACE_S, metadata=self._metadata
-                )
-                for a in manifests
-            }
-        group: TransferGroup | None = None
-        failures: dict[str, WeightwireError] = {}
-        try:
-            group = TransferGroup.form(
-                spec,
-                identity,
-                listen_host=self.options.host,
-                device=self.device,
-                store=self._store.store if self._store is not None else None,
-            )
-        except WeightwireError as err:
-            failures[f"{TRAINER_KEY} rank {me}"] = err
-        for a, fut in futures.items():
-            try:
-                fut.result()
-            except grpc.RpcError as e:
-                failures[a] = error_from_rpc(e, worker=a, context="JoinTransferGroup")
+        joining = Joining(self._workers, manifests if me == 0 else (), spec, self.timeout_s, self._metadata)
+        group, mine = join_here(
+            spec, identity, self.options, self._store.store if self._store is not None else None
+        )
+        failures = {f"{TRAINER_KEY} rank {me}": mine} if mine is not None else {}
+        failures.update(joining.failures())
         verdicts = rank_records.exchange(ranks, RankResults({}, failures), "the transfer group's forming")
         everyone = {a: err for v in verdicts for a, err in v.failures.items()}
         if everyone:
@@ -220,7 +205,7 @@ class SourcesLink:
             spec,
             group,
             GroupRanks(len(trainers), tuple(by_id[w] for w in workers)),
-            {a: (m.worker_id, m.instance_id) for a, m in manifests.items()},
+            identities_of(manifests),
         )
         self.staging = {}
         self.buckets = {}  # built for the old group's id

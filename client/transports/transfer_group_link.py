@@ -22,10 +22,17 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import grpc
 import torch
 from weightwire.client.inputs.plan import TensorSpec
-from weightwire.client.rpc.calls import Worker, error_from_rpc
+from weightwire.client.rpc.calls import Worker
+from weightwire.client.transports.group_forming import (
+    TRAINER_KEY,
+    Joining,
+    identities_of,
+    join_here,
+    largest_tensor_bytes,
+    leave_all,
+)
 from weightwire.client.transports.route import ExportedRoute, Job, PerWorkerRoute, Route
 from weightwire.client.transports.transfer_group_options import TransferGroupOptions
 from weightwire.client.transports.transfer_group_sends import (
@@ -48,33 +55,13 @@ from weightwire.core.transports.transfer_group_plan import (
 from weightwire.core.transports.transfer_group_store import SharedStore
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-__all__ = ["JOIN_GRACE_S", "TRAINER_KEY", "GroupLink", "leave_all"]
+__all__ = ["GroupLink"]
 
 log = logging.getLogger(__name__)
 
-# How much longer than the group's timeout a JoinTransferGroup call may take (the worker answers
-# with its reason at the group's timeout; the RPC deadline only guards a hung worker).
-JOIN_GRACE_S = 5.0
-_LEAVE_TIMEOUT_S = 5.0
 # How long closing the pusher waits for its process groups to be destroyed (they end at once unless
 # an operation is still running; a process exiting meanwhile would cut a destructor off halfway).
 _CLOSE_WAIT_S = 10.0
-# Key of the trainer's own part in a PushError about forming (workers are keyed by address).
-TRAINER_KEY = "trainer"
-
-
-def leave_all(workers: Mapping[str, Worker], group_id: str, metadata: tuple[tuple[str, str], ...]) -> None:
-    """Tell every worker to leave ``group_id`` (best effort, concurrently, each within a few seconds)."""
-    request = pb.LeaveTransferGroupRequest(group_id=group_id)
-    futures = [
-        w.stub.LeaveTransferGroup.future(request, timeout=_LEAVE_TIMEOUT_S, metadata=metadata)
-        for w in workers.values()
-    ]
-    for fut in futures:
-        try:
-            fut.result()
-        except grpc.RpcError:
-            pass  # a worker that is gone has left already
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,7 +188,6 @@ class GroupLink:
         backend = self.options.backend_value
         check_backend(backend, self.device)
         server = self.store.server()
-        largest = max((t.nbytes for m in manifests.values() for t in m.tensors.values()), default=0)
         plan = plan_group(
             manifests,
             trainer=self.identity,
@@ -209,34 +195,12 @@ class GroupLink:
             backend=backend,
             store_address=server.address,
             timeout_ms=int(self.timeout_s * 1000),
-            max_bucket_bytes=max(max_bucket_bytes, largest),
+            max_bucket_bytes=max(max_bucket_bytes, largest_tensor_bytes(manifests)),
             broadcast=self.options.broadcast,
         )
-        request = pb.JoinTransferGroupRequest(spec=plan.spec)
-        futures = {
-            a: self._workers[a].stub.JoinTransferGroup.future(
-                request, timeout=self.timeout_s + JOIN_GRACE_S, metadata=self._metadata
-            )
-            for a in manifests
-        }
-        mine: WeightwireError | None = None
-        group: TransferGroup | None = None
-        try:
-            group = TransferGroup.form(
-                plan.spec,
-                self.identity,
-                listen_host=self.options.host,
-                device=self.device,
-                store=server.store,
-            )
-        except WeightwireError as err:
-            mine = err
-        failures: dict[str, WeightwireError] = {}
-        for a, fut in futures.items():
-            try:
-                fut.result()
-            except grpc.RpcError as e:
-                failures[a] = error_from_rpc(e, worker=a, context="JoinTransferGroup")
+        joining = Joining(self._workers, manifests, plan.spec, self.timeout_s, self._metadata)
+        group, mine = join_here(plan.spec, self.identity, self.options, server.store)
+        failures = joining.failures()
         if failures or mine is not None or group is None:
             if group is not None:
                 group.close()
@@ -244,7 +208,7 @@ class GroupLink:
             if mine is not None and not failures:
                 failures[TRAINER_KEY] = mine
             raise PushError(failures)
-        self._formed = _Formed(plan, group, {a: (m.worker_id, m.instance_id) for a, m in manifests.items()})
+        self._formed = _Formed(plan, group, identities_of(manifests))
         self._failure = None
         self._sequence = 0
         self.formations += 1
