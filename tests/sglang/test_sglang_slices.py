@@ -7,13 +7,15 @@ One engine serves the module, in order: a slices push before any push through ``
 refused before a byte moves (the regions are not proven yet); a FULL push from one rank, then two
 slices pushes, each followed by greedy tokens equal to transformers' on the pushed weights and
 ``bytes_received`` equal to the worker's manifest's kept bytes (less than the whole model); a
-trainer rank killed mid-push leaves every worker CONSISTENT at its old version, serving its old tokens.
+trainer rank killed mid-push (after every worker began receiving and got the other rank's bytes)
+leaves every worker CONSISTENT at its old version, serving its old tokens.
 
 This file is also the trainer rank (``python test_sglang_slices.py ADDR...`` with RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT set): it reads one JSON command a line, answers one JSON line:
 {"op": "push", "version": V, "seed": S, "single": bool, "pause": bool} (``single``: rank 0 pushes
 plain tensors alone; ``pause``: print {"paused": true} right before this rank's sends and wait for
-"go" or "die", which exits at once, code 3), {"op": "quit"}.
+"go", or "die": send the announcements, then exit with code 3 at the first data message, once the
+other rank's bytes reached the workers), {"op": "quit"}.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from checkpoints import QWEN2, ModelSpec, full_checkpoint, reference_tokens, write_model_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,12 +66,31 @@ def _trainer_main(addresses: list[str]) -> int:
     real_send = slice_push.send_slices
     pause = [False]
 
-    def paused_send(*args: Any, **kwargs: Any) -> int:
+    class DiesAtItsFirstData:
+        """The group's process group, until this rank's first data message: its announcements go
+        out (so every worker starts receiving, and lands the other rank's bytes), then it dies."""
+
+        def __init__(self, pg: Any) -> None:
+            self._pg, self._announced = pg, set()
+
+        def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+            if dst in self._announced:
+                time.sleep(2)  # the other rank's messages arrive meanwhile
+                os._exit(DIED_EXIT_CODE)  # lost mid-push: no cleanup, like a crash
+            self._announced.add(dst)
+            work = self._pg.send(tensors, dst, tag)
+            work.wait()
+            return work
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._pg, name)
+
+    def paused_send(pg: Any, *args: Any, **kwargs: Any) -> int:
         if pause[0]:
             print(json.dumps({"paused": True}), flush=True)
             if sys.stdin.readline().strip() == "die":
-                os._exit(DIED_EXIT_CODE)  # lost mid-push: no cleanup, like a crash
-        return real_send(*args, **kwargs)
+                pg = DiesAtItsFirstData(pg)
+        return real_send(pg, *args, **kwargs)
 
     slice_push.send_slices = paused_send  # type: ignore[assignment]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
