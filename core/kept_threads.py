@@ -2,7 +2,7 @@
 
 Starting a thread costs a hand-off to the new thread (``Thread.start`` waits until it runs), which
 on a busy host is a large share of a small update's cost. The trainer reads its workers' responses
-on them (``weightwire.client.push.session``, a bounded set per pusher); a worker reads each PushWeights
+on them (``weightwire.client.update.session``, a bounded set per pusher); a worker reads each PushWeights
 stream's requests on them (``weightwire.server.worker.streams``, as many as streams are open, each let go
 after a minute idle).
 """
