@@ -8,7 +8,8 @@ refused before a byte moves (the regions are not proven yet); a FULL push from o
 slices pushes, each followed by greedy tokens equal to transformers' on the pushed weights and
 ``bytes_received`` equal to the worker's manifest's kept bytes (less than the whole model); a
 trainer rank killed mid-push (after every worker began receiving and got the other rank's bytes)
-leaves every worker CONSISTENT at its old version, serving its old tokens.
+leaves every worker CONSISTENT at its old version, serving its old tokens, and the restarted
+trainer's next push forms a new group and lands.
 
 This file is also the trainer rank (``python test_sglang_slices.py ADDR...`` with RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT set): it reads one JSON command a line, answers one JSON line:
@@ -319,8 +320,17 @@ def test_a_trainer_rank_killed_mid_push_leaves_every_worker_at_its_old_weights(f
     finally:
         fleet.host.resume()
     assert fleet.states() == {(old_version, pb.WORKER_STATE_CONSISTENT)}
+    # Each worker's own record names the victim: its receive from the lost rank failed.
+    for st in fleet.reader.status().values():
+        assert (st.last_error.version, st.last_error.reason) == (old_version + 1, "TRANSFER_FAILED"), st
+        assert "trainer rank 1" in st.last_error.message, st.last_error
     assert fleet.host.tokens(PROMPTS, NEW_TOKENS) == old_tokens
     fleet.tokens_match()
+    # The trainer restarted (both ranks, as after a crash): its first push forms a new group and lands.
+    ranks.close()
+    fleet.ranks = Ranks(fleet.addresses)
+    fleet.landed(fleet.push(version=old_version + 1, seed=10), old_version + 1, 10, slices=True)
+    assert fleet.tokens_match() != old_tokens
 
 
 if __name__ == "__main__":
