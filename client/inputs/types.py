@@ -40,6 +40,13 @@ class PushResult:
     source_devices: tuple[str, ...] = ()
     # Bytes that reached this worker over the network (transfer groups; 0 for other transports).
     bytes_received: int = 0
+    # A push with ``delta=True``: "DELTA" or "FULL", why it went whole ("NO_BASE", "BASE_MISMATCH",
+    # "TRANSPORT"; "NONE" for a delta), how many workers refused a delta that was then sent again
+    # whole, and the bytes of the buckets this worker was sent. A push without delta: "FULL", "", 0, 0.
+    encoding: str = "FULL"
+    delta_fallback: str = ""
+    delta_refused: int = 0
+    encoded_bytes: int = 0
 
     @property
     def gbps(self) -> float:

@@ -64,6 +64,7 @@ from weightwire.client.update.routing import CheckedLayouts, flat_bytes, manifes
 from weightwire.client.update.session import CommitGate, SpecTemplates, UpdateSession, open_streams
 from weightwire.client.update.setup import PushSetup, recheck_needed, updating_workers
 from weightwire.client.update.staging import Staging, StagingPool
+from weightwire.core.delta import BaseKeeper
 from weightwire.core.errors import PushError, Reason
 from weightwire.core.kept_threads import KeptThreads
 from weightwire.core.manifest import ShardManifest
@@ -149,6 +150,9 @@ class WeightPusher:
         self._checked = CheckedLayouts()
         self._push_lock = threading.Lock()
         self._closed = False
+        # What ``push(delta=True)`` last sent (weightwire.client.update.delta): empty until then;
+        # set ``delta_keeper.device_budget_bytes`` to keep copies of CUDA tensors on their device.
+        self.delta_keeper = BaseKeeper()
         # The threads that read the update streams are kept across updates: a thread start per
         # worker per update is a large share of a small update's cost on a busy host. Room for a
         # reader still ending after a cancelled update next to the next update's readers.
@@ -332,7 +336,7 @@ class WeightPusher:
 
     # ---------------------------------------------------------------- entry points
 
-    def push(
+    def push(  # noqa: PLR0913 (one keyword per documented option)
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
         *,
@@ -347,6 +351,7 @@ class WeightPusher:
         group: object | None = None,
         routing: str = "own_device",
         sender_rank: int = 0,
+        delta: bool = False,
     ) -> dict[str, PushResult]:
         """Push checkpoint-named tensors as weights ``version``; one result per worker.
 
@@ -364,6 +369,10 @@ class WeightPusher:
         ``"gathered"``: rank ``sender_rank`` streams every bucket with every device's payload) and
         commits on every worker only when every rank's workers acked everything. Every rank returns
         the same results or raises the same error (``weightwire.client.ranks.collective_push``).
+
+        ``delta``: send only what changed since the last push every worker committed, falling back
+        to a whole update by itself (each result's ``encoding`` and ``delta_fallback`` say which and
+        why; ``weightwire.client.update.delta``, docs/deltas.md).
         """
         check_cast_to(cast_to)
         options = PushOptions(
@@ -383,6 +392,13 @@ class WeightPusher:
             single = self._one_rank.items(items, group)
             if single is not None:
                 items, group, ranked = single, None, False
+        if delta and not ranked:
+            from weightwire.client.update.delta import push_delta
+
+            return push_delta(self, items, options, ranked=ranked, source=source_device(items))
+        if delta:
+            self.delta_keeper.drop()
+            options = dataclasses.replace(options, delta_fallback=pb.DELTA_FALLBACK_TRANSPORT)
         if ranked:
             from weightwire.client.inputs.dtensor_gather import default_group
 
@@ -399,6 +415,12 @@ class WeightPusher:
                 routing=routing,
                 sender_rank=sender_rank,
             )
+        return self._push_items(items, options)
+
+    def _push_items(
+        self, items: list[tuple[str, torch.Tensor]], options: PushOptions
+    ) -> dict[str, PushResult]:
+        """One trainer rank's ``push`` of ``items`` once its options are made."""
         source = source_device(items)
         setup, exporter = self._setup_exporting(source, options)
         # CUDA tensors exported where they live go as one bucket (per group of recipients).

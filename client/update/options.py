@@ -47,6 +47,10 @@ class PushOptions:
     # Where the push's durations are recorded (``WeightPusher(metrics=...)``), and when it was asked for.
     metrics: TrainerMetrics | None = None
     started_at: float = dataclasses.field(default_factory=time.monotonic, compare=False)
+    # A delta update's base version (``weightwire.client.update.delta``), or why a push asked for
+    # as a delta goes whole (0: no delta was asked for).
+    delta_base: int | None = None
+    delta_fallback: pb.DeltaFallback.ValueType = pb.DELTA_FALLBACK_UNSPECIFIED
 
     def header(self, manifest_fingerprint: str) -> pb.UpdateHeader:
         """The UpdateHeader of this push for a worker whose manifest had ``manifest_fingerprint``."""
@@ -57,4 +61,6 @@ class PushOptions:
             verify_checksums=self.verify_checksums,
             allow_peer_device_import=self.allow_peer_device_import,
             update_id=self.update_id or f"v{self.version}",
+            delta_base=None if self.delta_base is None else pb.DeltaBase(base_version=self.delta_base),
+            delta_fallback=self.delta_fallback,
         )

@@ -1,0 +1,273 @@
+"""``WeightPusher.push(..., delta=True)``: send only what changed since the version every worker
+committed, and fall back to a whole (FULL) update by itself whenever a delta cannot be trusted.
+
+The pusher's ``BaseKeeper`` (``weightwire.core.delta.base_keeper``) holds one host copy of every
+tensor the last push sent (a CUDA tensor's copy stays on its device while the copies there fit the
+pusher's ``delta_device_budget_bytes``). A push goes as a delta only when
+
+- the transport carries host bytes (inline, host shared memory), one trainer rank sends (no
+  ``group``, no DTensors) and no transfer group is configured: otherwise FULL, ``delta_fallback``
+  TRANSPORT (colocated CUDA IPC copies at the device's limit anyway; transfer groups carry whole
+  tensors in this version);
+- the keeper has a base (``NO_BASE`` otherwise: the first push, or the one after a failure);
+- every recipient reports that base as its version and is CONSISTENT (``BASE_MISMATCH``
+  otherwise: a restarted worker, another trainer's update).
+
+A delta update's tensors are packed by ``pack_delta`` at 64-byte aligned offsets into flat buckets
+(sizes from ``packed_size_bytes``), each with the result checksums of every part its recipients
+keep (their manifests' pieces); a tensor without a base (new, or a new shape) goes whole in the same
+update. The keeper commits only after every worker committed and drops its base on any failure. A
+worker refusing with ``DELTA_BASE_MISMATCH`` makes the push retry once as FULL (``BASE_MISMATCH``);
+``DELTA_RESULT_MISMATCH`` is raised (the next push is FULL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from weightwire.client.inputs.dtensor_gather import target_dtype
+from weightwire.client.inputs.plan import TensorSpec
+from weightwire.client.inputs.types import FlatBucket, PushResult
+from weightwire.client.transports import exporter as exp
+from weightwire.client.update import jobs as job_builders
+from weightwire.client.update.options import PushOptions
+from weightwire.client.update.routing import CheckedLayouts
+from weightwire.core.delta import BaseKeeper, pack_delta, packed_size_bytes
+from weightwire.core.delta.encoding import Delta
+from weightwire.core.errors import PushError, Reason
+from weightwire.core.manifest import ShardManifest
+from weightwire.core.transports import table as transports
+from weightwire.v1 import weight_transfer_pb2 as pb
+
+# The pusher (``weightwire.client.push.pusher.WeightPusher``) is typed loosely here: the update
+# layer is imported by the push layer, never the other way round.
+WeightPusher = Any
+
+_ALIGN = 64
+# Transports whose bytes a worker reads on the host, the only ones a delta update may use.
+DELTA_TRANSPORTS = (transports.INLINE.name, transports.HOST_SHM.name)
+
+Items = list[tuple[str, torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaSpec(TensorSpec):
+    """A tensor sent as its changes: ``delta`` describes the encoding at ``offset_bytes``, whose
+    bytes (``encoded_bytes``) are all the bucket holds of it."""
+
+    delta: pb.TensorDelta = dataclasses.field(default_factory=pb.TensorDelta)
+    encoded_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.encoded_bytes
+
+    def to_proto(self, base_offset_bytes: int = 0) -> pb.TensorSpec:
+        msg = super().to_proto(base_offset_bytes)
+        delta = pb.TensorDelta()
+        delta.CopyFrom(self.delta)
+        delta.values_offset_bytes += base_offset_bytes
+        msg.delta.CopyFrom(delta)
+        return msg
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def fallback_name(value: pb.DeltaFallback.ValueType) -> str:
+    return pb.DeltaFallback.Name(value).removeprefix("DELTA_FALLBACK_")
+
+
+def transport_name(pusher: WeightPusher, manifests: Mapping[str, ShardManifest], source: torch.device) -> str:
+    if pusher.transport != "auto":
+        return pusher.transport
+    return exp.choose_transport([m.device for m in manifests.values()], source)
+
+
+def _cast(items: Items, options: PushOptions) -> Items:
+    if options.cast_to is None:
+        return items
+    return [(n, t.detach().to(target_dtype(t.dtype, options.cast_to))) for n, t in items]
+
+
+def _mark(
+    results: dict[str, PushResult],
+    encoding: str,
+    fallback: pb.DeltaFallback.ValueType,
+    sent: Mapping[str, int],
+    refused: int = 0,
+) -> dict[str, PushResult]:
+    return {
+        a: dataclasses.replace(
+            r,
+            encoding=encoding,
+            delta_fallback=fallback_name(fallback),
+            delta_refused=refused,
+            encoded_bytes=sent.get(a, 0),
+        )
+        for a, r in results.items()
+    }
+
+
+def _sent_whole(items: Items, manifests: Mapping[str, ShardManifest]) -> dict[str, int]:
+    return {a: sum(t.nbytes for n, t in items if n in m.tensors) for a, m in manifests.items()}
+
+
+def push_delta(
+    pusher: WeightPusher, items: Items, options: PushOptions, *, ranked: bool, source: torch.device
+) -> dict[str, PushResult]:
+    """One push asked for as a delta (see the module docstring); one result per worker."""
+    keeper = pusher.delta_keeper
+    manifests = pusher.manifests()
+    name = transport_name(pusher, manifests, source)
+    if ranked or pusher.transfer_group_id is not None or name not in DELTA_TRANSPORTS:
+        keeper.drop()
+        return _full(pusher, items, options, pb.DELTA_FALLBACK_TRANSPORT, keep=False)
+    items = _cast(items, options)
+    options = dataclasses.replace(options, cast_to=None)
+    base = keeper.base_version
+    if base is None:
+        return _full(pusher, items, options, pb.DELTA_FALLBACK_NO_BASE)
+    statuses = pusher.status()
+    if any(s.weights_version != base or s.state != pb.WORKER_STATE_CONSISTENT for s in statuses.values()):
+        keeper.drop()
+        return _full(pusher, items, options, pb.DELTA_FALLBACK_BASE_MISMATCH)
+    try:
+        return _send_delta(pusher, keeper, items, options, manifests, base, name)
+    except PushError as e:
+        keeper.drop()
+        refused = sum(err.kind is Reason.DELTA_BASE_MISMATCH for err in e.failures.values())
+        if refused:
+            return _full(pusher, items, options, pb.DELTA_FALLBACK_BASE_MISMATCH, refused=refused)
+        raise
+    except BaseException:
+        keeper.drop()
+        raise
+
+
+def _full(
+    pusher: WeightPusher,
+    items: Items,
+    options: PushOptions,
+    fallback: pb.DeltaFallback.ValueType,
+    *,
+    keep: bool = True,
+    refused: int = 0,
+) -> dict[str, PushResult]:
+    """The update whole, its header saying why; with ``keep`` it becomes the keeper's new base."""
+    keeper = pusher.delta_keeper
+    options = dataclasses.replace(options, delta_fallback=fallback)
+    if keep:
+        keeper.begin(options.version)
+        try:
+            for n, t in items:
+                keeper.record(n, t)
+        except BaseException:
+            keeper.drop()
+            raise
+    try:
+        results = pusher._push_items(items, options)
+    except BaseException:
+        if keep:
+            keeper.drop()
+        raise
+    if keep:
+        keeper.commit(options.version)
+    return _mark(results, "FULL", fallback, _sent_whole(items, pusher.manifests()), refused)
+
+
+@dataclasses.dataclass
+class _Entry:
+    name: str
+    tensor: torch.Tensor
+    delta: Delta | None
+    checksums: list[pb.DeltaChecksum]
+
+
+def _parts(name: str, manifests: Mapping[str, ShardManifest]) -> list[tuple[int, int, int] | None]:
+    parts: list[tuple[int, int, int] | None] = []
+    for m in manifests.values():
+        owned = m.tensors.get(name)
+        if owned is None:
+            continue
+        if not owned.pieces:
+            parts.append(None)
+        parts.extend((p.dim, p.offset, p.length) for p in owned.pieces)
+    return parts
+
+
+def pack_buckets(entries: Sequence[_Entry], limit: int) -> list[FlatBucket]:
+    """The entries packed in order into flat buckets of at most ``limit`` bytes (one larger entry
+    goes alone)."""
+    layout: list[list[tuple[_Entry, int, int]]] = [[]]
+    end = 0
+    for e in entries:
+        size = e.tensor.nbytes if e.delta is None else packed_size_bytes(e.delta, 0)
+        at = _align(end)
+        if layout[-1] and at + size > limit:
+            layout.append([])
+            at = 0
+        layout[-1].append((e, at, size))
+        end = at + size
+    buckets = []
+    for group in layout:
+        if not group:
+            continue
+        total = max(at + size for _, at, size in group)
+        buffer = torch.empty(total, dtype=torch.uint8)
+        specs: list[TensorSpec] = []
+        for e, at, size in group:
+            shape = tuple(int(d) for d in e.tensor.shape)
+            if e.delta is None:
+                raw = e.tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+                buffer[at : at + size].copy_(raw)
+                specs.append(TensorSpec(e.name, e.tensor.dtype, shape, at))
+            else:
+                msg = pack_delta(e.delta, buffer, at, e.checksums)
+                specs.append(DeltaSpec(e.name, e.tensor.dtype, shape, at, delta=msg, encoded_bytes=size))
+        buckets.append(FlatBucket(buffer, specs))
+    return buckets
+
+
+def _send_delta(
+    pusher: WeightPusher,
+    keeper: BaseKeeper,
+    items: Items,
+    options: PushOptions,
+    manifests: Mapping[str, ShardManifest],
+    base: int,
+    name: str,
+) -> dict[str, PushResult]:
+    keeper.begin(options.version)
+    entries = []
+    for n, t in items:
+        t = t.detach()
+        d = keeper.diff(n, t)
+        keeper.record(n, t, d)
+        checks = (
+            keeper.result_checksums(n, pb.CHECKSUM_ALGORITHM_CRC32, _parts(n, manifests))
+            if d is not None
+            else []
+        )
+        entries.append(_Entry(n, t, d, checks))
+    limit = pusher.bucket_size_bytes
+    if name == transports.INLINE.name:
+        limit = min(limit, exp.INLINE_MAX_BYTES)
+    buckets = pack_buckets(entries, limit)
+    options = dataclasses.replace(options, delta_base=base, delta_fallback=pb.DELTA_FALLBACK_NONE)
+    setup, exporter = pusher._setup_exporting(torch.device("cpu"), options)
+    with pusher._opened_early(setup, options, one_bucket=len(buckets) == 1) as opened:
+        jobs = job_builders.flat_jobs(
+            buckets, setup.manifests, exporter, pusher._staging, options, CheckedLayouts()
+        )
+        results = pusher._run(setup, jobs, options, opened=opened)
+    keeper.commit(options.version)
+    sent = {
+        a: sum(b.buffer.numel() for b in buckets if any(s.name in m.tensors for s in b.specs))
+        for a, m in manifests.items()
+    }
+    return _mark(results, "DELTA", pb.DELTA_FALLBACK_NONE, sent)
