@@ -26,24 +26,18 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Protocol, cast
 
-import torch
-from google.protobuf import timestamp_pb2
 from weightwire.core.capabilities import has_capability
-from weightwire.core.delta import Delta, check_delta, read_delta, verify_result
 from weightwire.core.delta.errors import invalid_delta
-from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
-from weightwire.core.manifest import ShardManifest
 from weightwire.core.text import MAX_MESSAGE_BYTES, bounded_join, clip_utf8, name_list
 from weightwire.core.transports import table as transports
 from weightwire.server.observe.update_events import UpdateTally
-from weightwire.server.rules.layout import BucketLayout, LayoutCache
+from weightwire.server.rules.layout import BucketLayout
 from weightwire.server.rules.selection import Selection, payload_labels, select_own_payload
-from weightwire.server.rules.validation import CheckedSpec
-from weightwire.server.rules.views import ReadBatch, batch_load, batch_views
+from weightwire.server.rules.views import batch_load, batch_views
 from weightwire.server.transports.importer import (
     FillsModel,
     ImportContext,
@@ -53,46 +47,24 @@ from weightwire.server.transports.importer import (
     transport_name,
 )
 from weightwire.server.worker.accepted import MAX_BUCKETS_PER_UPDATE, MAX_TENSORS_PER_UPDATE, Accepted
-from weightwire.server.worker.adapter import AppliesDeltas, EngineAdapter, TracksWrites
+from weightwire.server.worker.adapter import TracksWrites
+from weightwire.server.worker.delta_load import DeltaLoads
 from weightwire.server.worker.delta_regions import refuse_region_deltas
 from weightwire.server.worker.filled_bucket import fill_bucket
+from weightwire.server.worker.update_context import UpdateContext, cancelled_error, now_timestamp
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-__all__ = ["MAX_BUCKETS_PER_UPDATE", "MAX_TENSORS_PER_UPDATE", "Update", "UpdateContext", "UpdateOwner"]
+__all__ = [
+    "MAX_BUCKETS_PER_UPDATE",
+    "MAX_TENSORS_PER_UPDATE",
+    "Update",
+    "UpdateContext",
+    "UpdateOwner",
+    "cancelled_error",
+    "now_timestamp",
+]
 
 log = logging.getLogger(__name__)
-
-
-def cancelled_error() -> WeightwireError:
-    """What a worker records for an update whose call ended under it: the client cancelled it, its
-    deadline passed, or gRPC refused one of its messages (over 64 MiB ends the call the same way).
-    gRPC itself reports CANCELLED or DEADLINE_EXCEEDED to the (gone) client; GetStatus and the log
-    keep this."""
-    return WeightwireError(
-        Reason.CANCELLED,
-        "the call ended before commit (the client cancelled it or its deadline passed), or gRPC refused one of "
-        "its messages (one over 64 MiB: the client got RESOURCE_EXHAUSTED); nothing was committed",
-    )
-
-
-def now_timestamp() -> timestamp_pb2.Timestamp:
-    ts = timestamp_pb2.Timestamp()
-    ts.GetCurrentTime()
-    return ts
-
-
-@dataclasses.dataclass(frozen=True)
-class UpdateContext:
-    """What an update uses of the worker that runs it; fixed while the worker runs."""
-
-    adapter: EngineAdapter
-    manifest: ShardManifest
-    own_device: DeviceRef
-    host_device: DeviceRef
-    target_device: torch.device
-    importers: Mapping[str, PayloadImporter]
-    is_local_cuda: Callable[[DeviceRef], bool] | None
-    layouts: LayoutCache
 
 
 class UpdateOwner(Protocol):
@@ -150,9 +122,7 @@ class Update:
             deltas=self.is_delta,
         )
         # What the deltas applied: tensors, their changed elements, result checksums verified.
-        self._delta_tensors = 0
-        self._changed_elements = 0
-        self._checksums_verified = 0
+        self._deltas = DeltaLoads()
         # The layouts whose owned tensors were loaded, and how many those are (no name twice: the
         # duplicate rule holds across buckets), so a commit checks a count, not 399 names.
         self._loaded_layouts: list[BucketLayout] = []
@@ -415,9 +385,12 @@ class Update:
             else 0,
         )
 
+    def _will_write(self) -> None:
+        self._loaded_any = True
+
     def _load(self, index: int, layout: BucketLayout, mapping: ImportedPayload) -> None:
         if layout.owned_deltas:
-            self._load_deltas(index, layout, mapping)
+            self._deltas.load(index, layout, mapping, self._ctx.adapter, will_write=self._will_write)
             return
         for batch in layout.read_plan(mapping.copy_chunk_bytes):
             views = batch_views(mapping, batch)
@@ -432,66 +405,6 @@ class Update:
                 ) from e
             finally:
                 del views
-
-    def _load_deltas(self, index: int, layout: BucketLayout, mapping: ImportedPayload) -> None:
-        """A bucket of this worker's deltas (and perhaps whole tensors), batch by batch: every delta
-        of a batch read and checked against its target (``read_delta``, ``check_delta``) before
-        anything of the batch is written; then the whole tensors loaded, the deltas applied by the
-        adapter, and each kept part's result verified against the trainer's checksum."""
-        specs = {s.name: s for s in layout.owned}
-        adapter = cast(AppliesDeltas, self._ctx.adapter)
-        for batch in layout.read_plan(mapping.copy_chunk_bytes):
-            views = batch_views(mapping, batch)
-            try:
-                whole, deltas = self._read_batch(batch, views, specs)
-                self._loaded_any = True
-                try:
-                    if whole:
-                        self._ctx.adapter.load(whole)
-                    adapter.apply_deltas(deltas)
-                except WeightwireError:
-                    raise
-                except Exception as e:
-                    raise WeightwireError(
-                        Reason.LOAD_FAILED,
-                        f"the engine failed to load bucket {index}: {e!r}",
-                        bucket=str(index),
-                    ) from e
-                for name, delta in deltas:
-                    msg = specs[name].delta
-                    assert msg is not None
-                    self._checksums_verified += verify_result(
-                        msg.result_checksums, adapter.delta_parts(name), tensor=name
-                    )
-                    self._delta_tensors += 1
-                    self._changed_elements += delta.changed_count
-            finally:
-                del views
-
-    def _read_batch(
-        self, batch: ReadBatch, views: list[torch.Tensor], specs: Mapping[str, CheckedSpec]
-    ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, Delta]]]:
-        whole: list[tuple[str, torch.Tensor]] = []
-        deltas: list[tuple[str, Delta]] = []
-        for name, view in zip(batch.names, views, strict=True):
-            spec = specs[name]
-            if spec.delta is None:
-                whole.append((name, view))
-                continue
-            # ``view`` holds the payload's bytes from ``read_start``: the delta's offsets, moved there.
-            msg = pb.TensorDelta(
-                encoding=spec.delta.encoding,
-                changed_count=spec.delta.changed_count,
-                index_dtype=spec.delta.index_dtype,
-                values_offset_bytes=spec.delta.values_offset_bytes - spec.read_start,
-            )
-            delta = read_delta(
-                msg, spec.torch_dtype, spec.numel, view, spec.offset_bytes - spec.read_start, tensor=name
-            )
-            # The target's elements and dtype are all the check needs of it (no bytes are read).
-            check_delta(torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta"), delta, tensor=name)
-            deltas.append((name, delta))
-        return whole, deltas
 
     def _open(
         self, importer: PayloadImporter, sel: Selection, layout: BucketLayout
@@ -598,14 +511,6 @@ class Update:
             update_id=self.header.update_id,
             finish_time=now_timestamp(),
         )
-        if self.is_delta:
-            result.encoding = pb.UPDATE_ENCODING_DELTA
-            result.base_version = self.header.delta_base.base_version
-            result.delta_tensors = self._delta_tensors
-            result.changed_elements = self._changed_elements
-            result.result_checksums_verified = self._checksums_verified
-        else:
-            result.encoding = pb.UPDATE_ENCODING_FULL
-            result.delta_fallback = self.header.delta_fallback
+        self._deltas.fill_result(result, self.header)
         self._owner.update_committed(self, result)
         return result
