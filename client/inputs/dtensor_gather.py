@@ -125,6 +125,14 @@ def check_cast_to(cast_to: CastTo) -> None:
         raise ValueError(
             f"cast_to={cast_to} converts floating-point tensors, so it must be a floating-point dtype"
         )
+    fp8 = [d for d in targets if d.itemsize == 1 and d.is_floating_point]
+    if fp8:
+        # A plain cast to FP8 has no scales: the engine's kernels would read unscaled bytes.
+        raise ValueError(
+            f"cast_to={fp8[0]} would send FP8 bytes without their scales; quantise with "
+            "weightwire.core.fp8_quant.quantize_for(named_tensors, pusher.manifests().values()), "
+            "which makes each weight's scales too (docs/sglang.md, FP8)"
+        )
 
 
 def spec_of(name: str, t: torch.Tensor, cast_to: CastTo = None) -> TensorSpec:

@@ -69,3 +69,8 @@ def test_cast_to_must_name_floating_point_dtypes(bf16_worker: tuple[str, TorchAd
             pusher.push({}, version=1, cast_to=torch.int8)
         with pytest.raises(TypeError, match=r"torch\.dtype"):
             pusher.push({}, version=1, cast_to="bfloat16")  # type: ignore[arg-type]
+        # FP8 without scales would be read unscaled by the engine's kernels: refused, quantize_for named
+        with pytest.raises(ValueError, match="quantize_for"):
+            pusher.push({}, version=1, cast_to=torch.float8_e4m3fn)
+        with pytest.raises(ValueError, match="quantize_for"):
+            pusher.push({}, version=1, cast_to={torch.bfloat16: torch.float8_e4m3fn})
