@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -47,8 +47,8 @@ from weightwire.client.inputs.dtensor_gather import (
 from weightwire.client.inputs.plan import PlanError, TensorSpec
 from weightwire.client.inputs.types import PushResult
 from weightwire.client.ranks import rank_records
+from weightwire.client.ranks.peer_payloads import encode_payload, gathered_route
 from weightwire.client.ranks.rank_agreement import (
-    STEP_SLOT_BYTES,
     RankGroup,
     UpdateDigest,
     disagreement,
@@ -56,7 +56,8 @@ from weightwire.client.ranks.rank_agreement import (
     rank_for_device,
     unplaced_workers,
 )
-from weightwire.client.ranks.rank_records import PlanRecord, RankFailure, RankOutcome, RankResults, StopCause
+from weightwire.client.ranks.rank_outcome import abort_reason, merged_results, own_outcome
+from weightwire.client.ranks.rank_records import PlanRecord, RankFailure, RankResults
 from weightwire.client.transports import exporter as exp
 from weightwire.client.transports.route import ExportedRoute, Job, Route
 from weightwire.client.update.jobs import Jobs
@@ -65,13 +66,11 @@ from weightwire.client.update.session import GateProblem, SessionProblem
 from weightwire.client.update.staging import (
     StagingPool,
     Stopped,
-    crc32_checksum,
     export_staged,
 )
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import PushError, Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
-from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:
     from weightwire.client.ranks.pusher_seam import PusherSeam
@@ -352,7 +351,7 @@ class _RankedUpdate:
         if buf is not None and self.problem is None:
             try:
                 if self.routing == "gathered" and not sender:
-                    payload = self._exported_bytes(buf, b.size_bytes)
+                    payload = encode_payload(self.exporter, buf, b.size_bytes, self.options.verify_checksums)
                 else:
                     prepared = export_staged(
                         self.exporter,
@@ -391,7 +390,9 @@ class _RankedUpdate:
         if not_fine:
             return None
         if sender:
-            return self._with_peer_payloads(g, prepared, steps)
+            event = self.acked.setdefault(g, threading.Event())
+            peers = self.exporters[g] - {self.me}
+            return gathered_route(g, prepared, peers, steps, self.labels, lambda ok: event.set())
         return prepared
 
     def _fill(self, b: _Bucket, buf: exp.StagingBuffer | None) -> None:
@@ -409,47 +410,6 @@ class _RankedUpdate:
                 self.problem = self.problem or f"writing {spec.name} failed: {type(e).__name__}: {e}"
                 if is_dtensor(t) and dst is not None:
                     self.writer.write(spec.name, t, None)  # still take part in this tensor's gather
-
-    def _exported_bytes(self, buf: exp.StagingBuffer, size: int) -> bytes:
-        """This rank's payload for the sender: one byte saying whether a CRC-32 of the bucket follows,
-        the 4-byte CRC (zero when not asked for), then the serialised ``Payload``."""
-        buf.ready()
-        label = self.exporter.label
-        if label is None:
-            raise RuntimeError("an exporting rank needs a transport that labels its payloads")
-        crc = buf.crc32(size) if self.options.verify_checksums else None
-        head = bytes([1 if crc is not None else 0]) + (crc or 0).to_bytes(4, "big")
-        data = head + self.exporter.export(buf, size, label).SerializeToString()
-        if len(data) > STEP_SLOT_BYTES - 16:  # refused here, so the step exchange itself still happens
-            raise RuntimeError(
-                f"a payload of {len(data)} bytes does not fit the ranks' {STEP_SLOT_BYTES}-byte step"
-            )
-        return data
-
-    def _with_peer_payloads(
-        self, g: int, own: ExportedRoute | None, steps: Sequence[tuple[bool, bytes]]
-    ) -> ExportedRoute:
-        """The sender's bucket: its own payload (if it exports this bucket) and every exporting
-        rank's, each labelled with that rank's device."""
-        fixed = list(own.fixed) if own is not None else []
-        checksum = own.checksum if own is not None else None
-        for r in sorted(self.exporters[g] - {self.me}):
-            raw = steps[r][1]
-            if len(raw) < 6:
-                raise RuntimeError(f"trainer rank {r} sent no payload for bucket {g}")
-            payload = pb.Payload.FromString(raw[5:])
-            want = self.labels[r]
-            if want is not None and DeviceRef(payload.device.kind, payload.device.uuid) != want:
-                raise RuntimeError(
-                    f"trainer rank {r} sent a payload labelled for another device than it agreed on"
-                )
-            fixed.append(payload)
-            if checksum is None and raw[0] == 1:
-                checksum = crc32_checksum(int.from_bytes(raw[1:5], "big"))
-        if own is not None:
-            return dataclasses.replace(own, fixed=tuple(fixed), checksum=checksum)
-        event = self.acked.setdefault(g, threading.Event())
-        return ExportedRoute(tuple(fixed), checksum=checksum, releaser=lambda ok: event.set())
 
     def _releaser(self, g: int, buf: exp.StagingBuffer) -> Callable[[bool], None]:
         event = self.acked.setdefault(g, threading.Event())
@@ -495,41 +455,15 @@ class _RankedUpdate:
 
     def _exchange_outcome(self, ok: bool) -> str | None:
         self.outcome_sent = True
-        if self.problem is not None:
-            own = RankOutcome(ok, StopCause.OWN, self.problem)
-        elif self.stopped_all:
-            own = RankOutcome(ok, StopCause.FOLLOWED, f"it stopped because {self.stopped_by} was not fine")
-        else:
-            own = RankOutcome(ok, StopCause.NONE if ok else StopCause.OWN, "")
-        outcomes = rank_records.exchange(self.ranks, own, "every rank's outcome")
-        bad = [(r, o) for r, o in enumerate(outcomes) if not o.ok]
-        if not bad:
-            return None
-        # Name a rank with a cause of its own before the ones that only stopped because of it.
-        bad.sort(key=lambda ro: ro[1].cause is StopCause.FOLLOWED)
-        r, o = bad[0]
-        self.abort_reason = f"trainer rank {r} could not complete the update ({o.why or 'no reason given'})"
+        own = own_outcome(ok, self.problem, self.stopped_by if self.stopped_all else None)
+        self.abort_reason = abort_reason(rank_records.exchange(self.ranks, own, "every rank's outcome"))
         return self.abort_reason
 
     def _merge(
         self, results: dict[str, PushResult], failures: dict[str, WeightwireError]
     ) -> dict[str, PushResult]:
         records = rank_records.exchange(self.ranks, RankResults(results, failures), "every rank's results")
-        all_results: dict[str, PushResult] = {}
-        root: dict[str, WeightwireError] = {}
-        cancelled: dict[str, WeightwireError] = {}
-        for rec in records:
-            all_results.update(rec.results)
-            for a, err in rec.failures.items():
-                (cancelled if err.reason == Reason.CANCELLED.name else root)[a] = err
-        if root or cancelled or self.abort_reason is not None:
-            if not root and not cancelled:
-                root[f"trainer rank {self.me}"] = WeightwireError(
-                    Reason.TRAINER_RANK_FAILED, self.abort_reason or "aborted"
-                )
-            raise PushError({**root, **cancelled}, dict(all_results))  # type: ignore[arg-type]
-        order = {a: i for i, a in enumerate(self.driver.endpoints)}
-        return dict(sorted(all_results.items(), key=lambda kv: order.get(kv[0], len(order))))
+        return merged_results(records, self.abort_reason, self.me, self.driver.endpoints)
 
 
 def _as_error(e: Exception) -> WeightwireError:

@@ -23,7 +23,7 @@ the same tensors in the same storages is built once and sent again every update;
 dies (a parameter freed or replaced) is forgotten, and the next payload is built anew and says it is
 complete when it lists everything the workers should keep, so they close the rest. Tensors in new
 storages every push (gathers, conversions) are packed instead into the exporter's fresh-tensor
-pool (``cuda_ipc_pool``), buffers of the same payload that every worker opened once; which
+pool (``cuda_ipc_pool``; ``cuda_ipc_tensors`` decides), buffers of the same payload that every worker opened once; which
 storages go which way is decided per push, from what was shared and packed before.
 """
 
@@ -36,15 +36,7 @@ import weakref
 from collections.abc import Sequence
 
 import torch
-from weightwire.client.transports import cuda_ipc_pool
-from weightwire.client.transports.cuda_ipc_pool import (
-    PoolRegion,
-    cat_into,
-    cat_runs,
-    copy_into,
-    lay_out,
-    pack_fresh,
-)
+from weightwire.client.transports.cuda_ipc_tensors import ExportedTensors, PooledExports, StorageShare
 from weightwire.client.transports.exporter import Exporter, StagingBuffer, consumers_wait, crc32_of
 from weightwire.core.devices import DeviceRef, cuda_device_uuid
 from weightwire.core.errors import Reason, WeightwireError
@@ -93,6 +85,13 @@ def resolve_cuda_device(source: torch.device | str | int | None) -> torch.device
     return dev
 
 
+def _whole(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """``storage`` as one flat uint8 tensor from its first byte (offsets on the wire count from there)."""
+    whole = torch.empty((0,), dtype=torch.uint8, device=device)
+    whole.set_(storage, 0, (storage.nbytes(),), (1,))
+    return whole
+
+
 class CudaStagingBuffer(StagingBuffer):
     """A flat uint8 region of a CUDA storage, exported once and reused.
 
@@ -139,8 +138,7 @@ class CudaStagingBuffer(StagingBuffer):
     def crc32(self, size_bytes: int) -> int:
         # Offsets on the wire count from the storage's first byte, so checksum the storage.
         storage = self.shared.owner.untyped_storage()
-        whole = torch.empty((0,), dtype=torch.uint8, device=self.device)
-        whole.set_(storage, 0, (storage.nbytes(),), (1,))
+        whole = _whole(storage, self.device)
         return crc32_of(whole[:size_bytes])
 
     def close(self) -> None:
@@ -161,73 +159,7 @@ class _WrapShare:
     event: ProducerEvent | None
 
 
-@dataclasses.dataclass
-class ExportedTensors:
-    """Tensors exported where they live: each tensor's byte offset in the payload, the payload's
-    size, and its ``CudaIpcStorage`` messages. Holds no storage: the push holds its tensors while
-    workers read them, and a storage that dies makes the exporter build the next payload anew."""
-
-    offsets: tuple[int, ...]
-    size_bytes: int
-    # Each recipient's own shares of the storages (the same storages, places and sizes).
-    storages: dict[str, list[pb.CudaIpcStorage]]
-    _payloads: dict[tuple[str, bool, bool], pb.Payload] = dataclasses.field(default_factory=dict)
-    specs_memo: dict[int, tuple[object, list[object]]] = dataclasses.field(default_factory=dict)
-    # Tensors packed into the fresh-tensor pool (``cuda_ipc_pool``): their indices among the
-    # exported tensors and the pool views they are copied into before each send; the region
-    # holding those views (kept while this payload is).
-    packs: tuple[int, ...] = ()
-    pack_views: tuple[torch.Tensor, ...] = ()
-    region: PoolRegion | None = None
-    # The same places as runs of back-to-back tensors of one dtype (``cuda_ipc_pool.cat_runs``).
-    pack_runs: list[tuple[torch.Tensor, list[int]]] = dataclasses.field(default_factory=list)
-
-    def pack(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy this push's fresh tensors (``tensors``: the exported ones, in order) into the pool,
-        on the current stream, before the payload's event is recorded."""
-        if self.packs:
-            if self.region is None:
-                raise RuntimeError("this payload's pool buffers were discarded after a failed push")
-            srcs = [tensors[i] for i in self.packs]
-            if cuda_ipc_pool.PACK_WITH_CAT:
-                cat_into(self.pack_runs, srcs)
-            else:
-                copy_into(self.pack_views, srcs)
-
-    def discard(self) -> None:
-        """A push of this payload failed: a cancelled worker may still read its pool buffers, so they
-        are never packed into again (the exporter lays out new ones at the next packing push)."""
-        if self.packs:
-            self.region = None
-            self.pack_views = ()
-            self.pack_runs = []
-
-    def payload(
-        self, recipient: str, label: DeviceRef, event_handle: bytes | None, complete: bool
-    ) -> pb.Payload:
-        """``recipient``'s payload (built once per event mode and completeness, then the same object)."""
-        key = (recipient, event_handle is not None, complete)
-        msg = self._payloads.get(key)
-        if msg is None:
-            handle = pb.CudaIpcHandle(storages=self.storages[recipient], storages_complete=complete)
-            if event_handle is not None:
-                handle.event_handle = event_handle
-                handle.event_sync_required = True
-            msg = pb.Payload(device=label.to_proto(), size_bytes=self.size_bytes, cuda_ipc=handle)
-            self._payloads[key] = msg
-        return msg
-
-
-@dataclasses.dataclass(frozen=True)
-class _StorageShare:
-    """One storage shared for ``export_tensors``: the weak reference whose callback forgets it,
-    and one share per recipient as a ``CudaIpcStorage`` at payload offset 0."""
-
-    ref: weakref.ref[torch.UntypedStorage]
-    messages: dict[str, pb.CudaIpcStorage]
-
-
-class CudaIpcExporter(Exporter):
+class CudaIpcExporter(PooledExports, Exporter):
     """CUDA IPC from one GPU of the trainer; payloads are labelled with that GPU's UUID."""
 
     TRANSPORT = transports.CUDA_IPC
@@ -252,23 +184,15 @@ class CudaIpcExporter(Exporter):
         # export_tensors: shared storages by id (a storage's Python object lives exactly as long as
         # the storage), a generation bumped whenever one dies, the payloads built, and the event
         # every such payload carries.
-        self._shares: dict[int, _StorageShare] = {}
+        self._shares: dict[int, StorageShare] = {}
         self._generation = 0
         self._exported: collections.OrderedDict[tuple[object, ...], ExportedTensors] = (
             collections.OrderedDict()
         )
         self._tensor_event: ProducerEvent | None = None
         self.storages_shared = 0
-        # The fresh-tensor pool (``cuda_ipc_pool``): at most this many bytes (None: as many as the
-        # tensors it packs; 0: never pack, share every storage anew); per recipient group, its
-        # payload with the region it packs into; the recipient groups exported to before (a first
-        # push shares); the storages the last packing push packed, weakly (pushed again, they are
-        # kept ones, and go where they live from then on).
-        self.pool_limit_bytes: int | None = None
-        self._pooled: dict[tuple[str, ...], tuple[tuple[object, ...], ExportedTensors]] = {}
-        self._exported_to: set[tuple[str, ...]] = set()
-        self._packed_seen: dict[tuple[str, ...], dict[int, weakref.ref[torch.UntypedStorage]]] = {}
-        self.tensors_packed = 0
+        # The fresh-tensor pool (``cuda_ipc_tensors.PooledExports``).
+        self._init_pool()
 
     def _new_event(self) -> ProducerEvent | None:
         """The event for a newly exported buffer, or None beyond ``_MAX_EVENTS`` (caller holds no lock)."""
@@ -300,8 +224,7 @@ class CudaIpcExporter(Exporter):
             return None
         storage = raw.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
-        whole = torch.empty((0,), dtype=torch.uint8, device=self.device)
-        whole.set_(storage, 0, (storage.nbytes(),), (1,))
+        whole = _whole(storage, self.device)
         with self._lock:
             known = self._wrapped.get(key)
             if known is not None and known.storage() is storage:
@@ -374,132 +297,6 @@ class CudaIpcExporter(Exporter):
                 self._packed_seen.pop(group, None)
         return exported
 
-    def _fresh_storages(self, storages: Sequence[torch.UntypedStorage], group: tuple[str, ...]) -> set[int]:
-        """The storages (by id) this push packs into the pool, or none: storages neither shared nor
-        packed by the push before (new every step), when there are enough of them to pack
-        (``cuda_ipc_pool.pack_fresh``) and this group was exported to before (a first push shares
-        where they live: nothing says yet whether the trainer keeps them)."""
-        if self.pool_limit_bytes == 0 or group not in self._exported_to:
-            return set()
-        fresh: dict[int, int] = {}
-        seen: set[int] = set()
-        distinct = 0
-        shares, packed = self._shares, self._packed_seen.get(group, {})
-        for storage in storages:
-            sid = id(storage)
-            if sid in seen:
-                continue
-            seen.add(sid)
-            nbytes = storage.nbytes()
-            if nbytes == 0:
-                continue
-            distinct += 1
-            share = shares.get(sid)
-            if share is not None and share.ref() is storage:
-                continue
-            ref = packed.get(sid)
-            if ref is not None and ref() is storage:
-                continue
-            fresh[sid] = nbytes
-        if not pack_fresh(len(fresh), distinct, sum(fresh.values())):
-            return set()
-        return set(fresh)
-
-    def _export_pooled(
-        self,
-        tensors: Sequence[torch.Tensor],
-        storages: Sequence[torch.UntypedStorage],
-        group: tuple[str, ...],
-        fresh: set[int],
-    ) -> ExportedTensors | None:
-        """``tensors`` with those in ``fresh`` storages packed into this group's pool region and the
-        others where they live, or None (the pool would exceed ``pool_limit_bytes``, the device has
-        no room for it, or a storage cannot be shared: every storage is then shared anew). The same
-        layout (kept storages and places, packed dtypes and shapes) gives the same payload object."""
-        signature = (
-            self._generation,
-            tuple(
-                [
-                    (None, t.dtype, t.shape) if id(s) in fresh else (id(s), t.storage_offset())
-                    for s, t in zip(storages, tensors, strict=True)
-                ]
-            ),
-        )
-        with self._lock:
-            known = self._pooled.get(group)
-        if known is not None and known[0] == signature and known[1].region is not None:
-            self._remember_packed(group, storages, known[1].packs)
-            return known[1]
-        packs = tuple(
-            i for i, (s, t) in enumerate(zip(storages, tensors, strict=True)) if id(s) in fresh and t.numel()
-        )
-        layout = lay_out([tensors[i].nbytes for i in packs])
-        if self.pool_limit_bytes is not None:
-            with self._lock:
-                others = sum(
-                    e.region.layout.total_bytes
-                    for g, (_, e) in self._pooled.items()
-                    if g != group and e.region is not None
-                )
-            if others + layout.total_bytes > self.pool_limit_bytes:
-                return None
-        region = known[1].region if known is not None else None
-        if region is None or region.layout != layout:
-            with self._lock:
-                self._pooled.pop(group, None)
-            del known, region  # the old buffers go before the new ones are allocated
-            try:
-                region = PoolRegion(layout, self.device)
-            except torch.OutOfMemoryError:
-                return None
-        places: dict[int, int] = {}
-        messages: dict[str, list[pb.CudaIpcStorage]] = {r: [] for r in group}
-        end = 0
-        for storage in storages:
-            sid = id(storage)
-            if sid in fresh or sid in places:
-                continue
-            if storage.nbytes() == 0:
-                places[sid] = 0
-                continue
-            at = -(-end // 256) * 256
-            if not self._add_shares(messages, storage, at):
-                return None
-            places[sid] = at
-            end = at + int(storage.nbytes())
-        chunk_at: list[int] = []
-        for chunk in region.chunks:
-            at = -(-end // 256) * 256
-            if not self._add_shares(messages, chunk.untyped_storage(), at):
-                return None
-            chunk_at.append(at)
-            end = at + int(chunk.nbytes)
-        packed_at = {i: chunk_at[c] + off for i, (c, off) in zip(packs, layout.places, strict=True)}
-        offsets = tuple(
-            packed_at[i]
-            if i in packed_at
-            else (
-                places[id(s)] + int(t.storage_offset()) * t.element_size()
-                if t.numel() and id(s) in places
-                else 0
-            )
-            for i, (s, t) in enumerate(zip(storages, tensors, strict=True))
-        )
-        shapes = [(tensors[i].dtype, tensors[i].shape) for i in packs]
-        exported = ExportedTensors(
-            offsets,
-            end,
-            messages,
-            packs=packs,
-            pack_views=tuple(region.views(shapes)),
-            region=region,
-            pack_runs=cat_runs(layout, region.chunks, shapes),
-        )
-        with self._lock:
-            self._pooled[group] = (signature, exported)
-        self._remember_packed(group, storages, packs)
-        return exported
-
     def _add_shares(
         self, messages: dict[str, list[pb.CudaIpcStorage]], storage: torch.UntypedStorage, at: int
     ) -> bool:
@@ -514,13 +311,6 @@ class CudaIpcExporter(Exporter):
             out.append(msg)
         return True
 
-    def _remember_packed(
-        self, group: tuple[str, ...], storages: Sequence[torch.UntypedStorage], packs: tuple[int, ...]
-    ) -> None:
-        """The storages this push packs for ``group``, weakly: pushed again, they are kept ones."""
-        self._packed_seen[group] = {id(storages[i]): weakref.ref(storages[i]) for i in packs}
-        self.tensors_packed += len(packs)
-
     def _export_shared(
         self,
         tensors: Sequence[torch.Tensor],
@@ -529,21 +319,11 @@ class CudaIpcExporter(Exporter):
         key: tuple[object, ...],
     ) -> ExportedTensors | None:
         """Every storage shared where it lives (each once per recipient, then kept)."""
-        places: dict[int, int] = {}
         messages: dict[str, list[pb.CudaIpcStorage]] = {r: [] for r in recipients}
-        end = 0
-        for storage in storages:
-            sid = id(storage)
-            if sid in places:
-                continue
-            if storage.nbytes() == 0:
-                places[sid] = 0  # an empty tensor: nothing to share, the worker views nothing
-                continue
-            at = -(-end // 256) * 256
-            if not self._add_shares(messages, storage, at):
-                return None
-            places[sid] = at
-            end = at + int(storage.nbytes())
+        placed = self._place_storages(messages, storages)
+        if placed is None:
+            return None
+        places, end = placed
         if not recipients or not messages[recipients[0]]:
             return None  # only empty tensors: nothing to export
         offsets = tuple(
@@ -571,8 +351,7 @@ class CudaIpcExporter(Exporter):
             if known is None and len(self._shares) >= _MAX_STORAGE_SHARES:
                 return None
         try:
-            whole = torch.empty((0,), dtype=torch.uint8, device=self.device)
-            whole.set_(storage, 0, (storage.nbytes(),), (1,))
+            whole = _whole(storage, self.device)
             fields = share_cuda_tensor(whole).fields
         except (RuntimeError, ValueError):
             # torch refuses to share this allocation (say, an allocator without IPC support).
@@ -597,7 +376,7 @@ class CudaIpcExporter(Exporter):
                             owner._generation += 1
                             owner._exported.clear()
 
-                known = _StorageShare(weakref.ref(storage, forget), {})
+                known = StorageShare(weakref.ref(storage, forget), {})
                 self._shares[sid] = known
             known.messages[recipient] = message
             self.storages_shared += 1
@@ -643,8 +422,7 @@ class CudaIpcExporter(Exporter):
             self._exported.clear()
             self._shares.clear()
             self._tensor_event = None
-            pooled, self._pooled = self._pooled, {}
-            self._packed_seen = {}
+            pooled = self._drop_pool()
         del pooled
         for buf in buffers:
             buf.close()
