@@ -1,11 +1,11 @@
-"""Every trainer rank a source, into a real SGLang engine (0.5.23, CPU, TP2, Qwen2 with tied
-embeddings and q/k/v bias): 2 trainer ranks, each its own process of one gloo world, push their
+"""Every trainer rank a source, into a real SGLang engine (0.5.23 and 0.5.17, CPU, TP2, Qwen2 with
+tied embeddings and q/k/v bias): 2 trainer ranks, each its own process of one gloo world, push their
 DTensor shards of the checkpoint over a transfer group on loopback, and each engine worker receives
 only its slices (fused q/k/v and gate/up, its vocabulary rows of the tied embedding).
 
-One engine serves the module, in order: a slices push before any push through ``load_weights`` is
-refused before a byte moves (the regions are not proven yet); a FULL push from one rank, then two
-slices pushes, each followed by greedy tokens equal to transformers' on the pushed weights and
+One engine per release serves the module's tests, in order: a slices push before any push through
+``load_weights`` is refused before a byte moves (the regions are not proven yet); a FULL push from
+one rank, then two slices pushes, each followed by greedy tokens equal to transformers' on the pushed weights and
 ``bytes_received`` equal to the worker's manifest's kept bytes (less than the whole model); a
 trainer rank killed mid-push (after every worker began receiving and got the other rank's bytes)
 leaves every worker CONSISTENT at its old version, serving its old tokens, and the restarted
@@ -248,12 +248,14 @@ class Fleet:
         self.reader.close()
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+@pytest.fixture(scope="module", params=["0.5.23", "0.5.17"])
+def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     from real_engine import SGLANG_ENVS, EngineHost, engine_kwargs
     from weightwire.adapters.sglang import discover
 
-    env = SGLANG_ENVS["0.5.23"]
+    env = SGLANG_ENVS[request.param]
+    if not env.available():
+        pytest.skip(f"no SGLang {request.param} environment: `make install-sglang-0517` makes it")
     root = tmp_path_factory.mktemp("sglang-slices")
     model = write_model_dir(SPEC, str(root / "model"), full_checkpoint(SPEC, seed=1))
     socket_dir = f"/tmp/ww-sgs-{uuid.uuid4().hex[:10]}"  # Unix socket paths are limited to 107 bytes
