@@ -149,10 +149,29 @@ def token_file(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def add_token_options(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, token_help: str, file_help: str
+) -> None:
+    """``--token TOKEN`` or ``--token-file FILE`` (one of them at most), the way every command takes
+    its bearer token; ``token_of`` reads the one given."""
+    token = parser.add_mutually_exclusive_group()
+    token.add_argument("--token", default=None, help=token_help)
+    token.add_argument(
+        "--token-file", dest="token_from_file", type=token_file, default=None, metavar="FILE", help=file_help
+    )
+
+
+def token_of(args: argparse.Namespace) -> str | None:
+    """The bearer token of options added by ``add_token_options`` (None: neither was given)."""
+    token: str | None = args.token_from_file or args.token
+    return token
+
+
 __all__ = [
     "MAX_PEM_BYTES",
     "MAX_SECONDS",
     "MAX_VERSION",
+    "add_token_options",
     "listen_address",
     "pem_file",
     "port",
@@ -162,5 +181,6 @@ __all__ = [
     "seed",
     "size",
     "token_file",
+    "token_of",
     "version",
 ]

@@ -57,17 +57,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="cpu, or cuda (the current visible GPU)"
     )
-    token = p.add_mutually_exclusive_group()
-    token.add_argument(
-        "--token", default=None, help="require 'authorization: Bearer TOKEN' (needed on non-loopback TCP)"
-    )
-    token.add_argument(
-        "--token-file",
-        dest="token_from_file",
-        type=cli_types.token_file,
-        default=None,
-        metavar="FILE",
-        help="read the token from this file instead of the command line",
+    cli_types.add_token_options(
+        p,
+        "require 'authorization: Bearer TOKEN' (needed on non-loopback TCP)",
+        "read the token from this file instead of the command line",
     )
     p.add_argument(
         "--tls-cert", type=cli_types.pem_file, default=None, help="PEM certificate chain for TLS on TCP"
@@ -196,7 +189,7 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - known; split when next
         problem = _bind_problem(args.listen)
         if problem is not None:
             return _refuse(f"cannot listen on {args.listen}: {problem}")
-    token = args.token_from_file or args.token
+    token = cli_types.token_of(args)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             return _refuse("--device cuda but no CUDA device is visible")

@@ -213,16 +213,7 @@ class _Addresses(argparse.Action):
 
 def _connection_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("connection")
-    token = g.add_mutually_exclusive_group()
-    token.add_argument("--token", default=None, help="bearer token the workers require")
-    token.add_argument(
-        "--token-file",
-        dest="token_from_file",
-        type=cli_types.token_file,
-        default=None,
-        metavar="FILE",
-        help="read the token from this file",
-    )
+    cli_types.add_token_options(g, "bearer token the workers require", "read the token from this file")
     g.add_argument(
         "--tls-ca",
         type=cli_types.pem_file,
@@ -239,14 +230,12 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _token(args: argparse.Namespace) -> str | None:
-    return args.token_from_file or args.token
-
-
 def _pusher(args: argparse.Namespace, addresses: Sequence[str], **kw: Any) -> Any:
     from weightwire.client.push.pusher import WeightPusher
 
-    return WeightPusher(addresses, token=_token(args), tls_ca=args.tls_ca, timeout_s=args.timeout, **kw)
+    return WeightPusher(
+        addresses, token=cli_types.token_of(args), tls_ca=args.tls_ca, timeout_s=args.timeout, **kw
+    )
 
 
 def _fail(err: BaseException) -> int:
@@ -286,7 +275,7 @@ def cmd_manifest(args: argparse.Namespace) -> int:
     worker = Worker(address, tls_ca=_read(args.tls_ca))
     try:
         resp = worker.stub.GetManifest(
-            pb.GetManifestRequest(), timeout=args.timeout, metadata=call_metadata(_token(args))
+            pb.GetManifestRequest(), timeout=args.timeout, metadata=call_metadata(cli_types.token_of(args))
         )
     except grpc.RpcError as e:
         return _fail(error_from_rpc(e, worker=address, context="GetManifest"))
@@ -347,7 +336,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from weightwire.client.rpc.calls import Worker, call_metadata, close_workers, error_from_rpc
     from weightwire.v1 import weight_transfer_pb2 as pb
 
-    metadata = call_metadata(_token(args))
+    metadata = call_metadata(cli_types.token_of(args))
     workers = [Worker(a, tls_ca=_read(args.tls_ca)) for a in args.addresses]
     if args.watch:
         from weightwire.client.cli import fleet_view

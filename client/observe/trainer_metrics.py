@@ -30,9 +30,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from google.rpc import code_pb2
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from weightwire.core.errors import Reason
+from weightwire.core.errors import reason_label
 
 if TYPE_CHECKING:
     from weightwire.client.rpc.stream import WorkerStream
@@ -59,14 +58,6 @@ PUSH_SECONDS_BUCKETS = (
     300.0,
 )
 PHASES = ("plan", "transfer", "commit", "total")
-_GRPC_CODES = frozenset(code_pb2.Code.keys())
-
-
-def reason_label(reason: str) -> str:
-    """A bounded label value: weightwire's reasons (the client's own among them) and gRPC codes, else ``OTHER``."""
-    if reason in Reason.__members__ or reason in _GRPC_CODES:
-        return reason
-    return "OTHER"
 
 
 @dataclasses.dataclass(frozen=True)
