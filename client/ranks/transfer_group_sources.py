@@ -29,8 +29,8 @@ from weightwire.client.transports.group_forming import (
     identities_of,
     join_here,
     largest_tensor_bytes,
-    leave_all,
 )
+from weightwire.client.transports.transfer_group_link import LinkBase
 from weightwire.client.transports.transfer_group_options import TransferGroupOptions
 from weightwire.core.errors import PushError, WeightwireError
 from weightwire.core.manifest import ShardManifest
@@ -64,7 +64,7 @@ class FormedSources:
         return self.spec.group_id
 
 
-class SourcesLink:
+class SourcesLink(LinkBase):
     """One trainer rank's side of a group of every trainer rank and the workers."""
 
     def __init__(
@@ -75,14 +75,9 @@ class SourcesLink:
         timeout_s: float,
         store: SharedStore | None = None,
     ) -> None:
-        self.options = options
-        self.timeout_s = float(options.timeout_s if options.timeout_s is not None else timeout_s)
-        self._workers = workers
-        self._metadata = metadata
-        self.instance_id = uuid.uuid4().hex
         # Rank 0 serves the store: the pusher's (shared with its single-source link) or its own.
-        self._owns_store = store is None
-        self._shared = store if store is not None else SharedStore(options.host, options.port, self.timeout_s)
+        super().__init__(options, workers, metadata, timeout_s, store)
+        self.instance_id = uuid.uuid4().hex
         self._store: StoreServer | None = None
         self._formed: FormedSources | None = None
         self.formations = 0
@@ -145,7 +140,7 @@ class SourcesLink:
         store_address = ""
         try:
             if me == 0 and self._store is None:
-                self._store = self._shared.server()
+                self._store = self.store.server()
             store_address = self._store.address if self._store is not None else ""
         except WeightwireError as err:
             mine = err
@@ -225,9 +220,6 @@ class SourcesLink:
             log.info("tearing down transfer group %s: %s", formed.group_id, why)
             formed.group.close()
 
-    def _leave_all(self, group_id: str) -> None:
-        leave_all(self._workers, group_id, self._metadata)
-
     def close(self, wait_s: float = 10.0) -> None:
         formed, self._formed = self._formed, None
         if formed is not None:
@@ -235,5 +227,4 @@ class SourcesLink:
             if self._store is not None:  # rank 0 formed it: the workers leave too
                 self._leave_all(formed.group_id)
         self._store = None
-        if self._owns_store:
-            self._shared.close()
+        self._close_store()

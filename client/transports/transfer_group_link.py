@@ -103,8 +103,10 @@ class _Formed:
     identities: dict[str, tuple[str, str]]  # address -> (worker id, instance id) it was planned with
 
 
-class GroupLink:
-    """A pusher's transfer group: forms it, routes buckets over it, tears it down."""
+class LinkBase:
+    """What both transfer-group links of a pusher hold (this single-source one and
+    ``weightwire.client.ranks.transfer_group_sources.SourcesLink``): the options and the deadline,
+    the workers and the metadata of every call to them, and the rendezvous store."""
 
     def __init__(
         self,
@@ -118,11 +120,31 @@ class GroupLink:
         self.timeout_s = float(options.timeout_s if options.timeout_s is not None else timeout_s)
         self._workers = workers
         self._metadata = metadata
-        self.identity = MemberIdentity.of_trainer(options.trainer_rank, uuid.uuid4().hex)
-        # The pusher's store, shared with its every-rank-a-source link (closed by the pusher), or
-        # one of this link's own.
+        # The pusher's store, shared by both its links (closed by the pusher), or one of this link's own.
         self._owns_store = store is None
         self.store = store if store is not None else SharedStore(options.host, options.port, self.timeout_s)
+
+    def _leave_all(self, group_id: str) -> None:
+        leave_all(self._workers, group_id, self._metadata)
+
+    def _close_store(self) -> None:
+        if self._owns_store:
+            self.store.close()
+
+
+class GroupLink(LinkBase):
+    """A pusher's transfer group: forms it, routes buckets over it, tears it down."""
+
+    def __init__(
+        self,
+        options: TransferGroupOptions,
+        workers: Mapping[str, Worker],
+        metadata: tuple[tuple[str, str], ...],
+        timeout_s: float,
+        store: SharedStore | None = None,
+    ) -> None:
+        super().__init__(options, workers, metadata, timeout_s, store)
+        self.identity = MemberIdentity.of_trainer(options.trainer_rank, uuid.uuid4().hex)
         self._formed: _Formed | None = None
         self._closing: list[TransferGroup] = []
         self._lock = threading.Lock()
@@ -242,9 +264,6 @@ class GroupLink:
         if leave:
             self._leave_all(formed.plan.group_id)
 
-    def _leave_all(self, group_id: str) -> None:
-        leave_all(self._workers, group_id, self._metadata)
-
     def close(self) -> None:
         self.teardown("the pusher closed")
         # Every group torn down so far gets its destructors finished (a process that exits during
@@ -255,8 +274,7 @@ class GroupLink:
         for group in closing:
             group.close(max(0.0, deadline - time.monotonic()))
         self._sends.stop(max(0.0, deadline - time.monotonic()))
-        if self._owns_store:
-            self.store.close()
+        self._close_store()
 
     # ---------------------------------------------------------------- routing
 
