@@ -17,11 +17,18 @@ changed at random positions (each changed element's bits differ). Per fraction, 
 
 Results go to ``--out`` (JSON) and a Markdown table on stdout. Rerun:
 ``.venv/bin/python bench/bench_delta.py --out bench/results/delta-cpu-2core/delta.json``.
+
+``--push``: the whole ``WeightPusher.push(delta=True)`` against ``push()`` of the same bf16 model
+(the demo architecture scaled to ``--size-mib``) into two TP=2 workers, each a ``serve()`` in its
+own process on the host, over host shared memory and inline bytes: ``--steps`` steps, each
+changing ``--push-fraction`` of every tensor's elements; every worker's tensors are compared with
+the trainer's after the last step of each transport.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -62,6 +69,126 @@ def changed(old: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
     return new
 
 
+def _serve_worker(rank: int, config: object, addresses: object, stop: object) -> None:
+    from weightwire.adapters.torch import TorchAdapter
+    from weightwire.adapters.torch.demo import DEMO_TP_RULES, build_demo_model
+    from weightwire.core.manifest import ParallelRank
+    from weightwire.server import serve
+
+    torch.set_num_threads(1)
+    tp = ParallelRank(tp_rank=rank, tp_size=2)
+    model = build_demo_model(config, tp, "cpu", 0)  # type: ignore[arg-type]
+    adapter = TorchAdapter(
+        model,
+        rank=tp,
+        device=torch.device("cpu"),
+        own_device=None,
+        tp_rules=DEMO_TP_RULES,
+        num_layers=config.num_layers,  # type: ignore[attr-defined]
+    )
+    server = serve(adapter)
+    addresses.put((rank, server.address))  # type: ignore[attr-defined]
+    stop.wait()  # type: ignore[attr-defined]
+    # Digests of what this worker holds, for the trainer to compare with its own tensors.
+    state = {k: v.view(torch.int16).clone() for k, v in adapter.state().items()}
+    addresses.put((rank, {k: hashlib.blake2b(v.numpy().tobytes()).hexdigest() for k, v in state.items()}))  # type: ignore[attr-defined]
+    server.stop(grace=0)
+
+
+def push_case(args: argparse.Namespace) -> None:
+    import multiprocessing as mp
+
+    from weightwire.adapters.torch.demo import DemoConfig, expected_shard, full_checkpoint
+    from weightwire.client import WeightPusher
+    from weightwire.core.manifest import ParallelRank
+
+    # The demo architecture with a hidden size that brings the model to about --size-mib.
+    config = DemoConfig(
+        num_layers=8,
+        hidden_size=1024,
+        intermediate_size=4096,
+        vocab_size=8192,
+        num_heads=16,
+        num_kv_heads=4,
+        dtype=torch.bfloat16,
+    )
+    model = full_checkpoint(config, seed=1)
+    scale = args.size_mib * 2**20 / sum(t.nbytes for t in model.values())
+    if scale > 1.3:
+        config = dataclasses.replace(config, num_layers=max(1, round(config.num_layers * scale)))
+        model = full_checkpoint(config, seed=1)
+    total = sum(t.nbytes for t in model.values())
+    ctx = mp.get_context("spawn")
+    rows = []
+    for transport in ("host_shm", "inline"):
+        addresses, stop = ctx.Queue(), ctx.Event()
+        procs = [
+            ctx.Process(target=_serve_worker, args=(r, config, addresses, stop), daemon=True)
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        endpoints = dict(addresses.get(timeout=300) for _ in procs)
+        weights = dict(model)
+        with WeightPusher([endpoints[0], endpoints[1]], transport=transport, timeout_s=600) as pusher:
+            version = 0
+            for mode in ("full", "delta"):
+                times, sent = [], []
+                for step in range(args.steps + 1):
+                    if step:
+                        weights = {
+                            n: changed(t.reshape(-1), args.push_fraction, seed=version * 1000 + i).view(
+                                t.shape
+                            )
+                            for i, (n, t) in enumerate(weights.items())
+                        }
+                    version += 1
+                    t0 = time.perf_counter()
+                    results = pusher.push(weights.items(), version=version, delta=mode == "delta")
+                    elapsed = time.perf_counter() - t0
+                    if step:  # the first push of each mode is FULL either way
+                        times.append(elapsed)
+                        sent.append(sum(r.encoded_bytes or r.bytes_loaded for r in results.values()))
+                        if mode == "delta":
+                            assert {r.encoding for r in results.values()} == {"DELTA"}, results
+                row = {
+                    "transport": transport,
+                    "mode": mode,
+                    "model_bytes": total,
+                    "fraction": args.push_fraction,
+                    "push_s": statistics.median(times),
+                    "sent_bytes": statistics.median(sent),
+                    "keeper_host_bytes": pusher.delta_keeper.memory().host_bytes,
+                }
+                rows.append(row)
+                print(row, flush=True)
+        stop.set()
+        digests = dict(addresses.get(timeout=300) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+        for r in range(2):
+            want = expected_shard(weights, ParallelRank(tp_rank=r, tp_size=2), config)
+            for n, t in want.items():
+                digest = hashlib.blake2b(t.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
+                assert digests[r][n] == digest, (transport, r, n)
+    print(
+        f"\nbf16 model of {total / 2**20:.0f} MiB, 2 TP workers (separate processes), {args.push_fraction:.0%} of every tensor changed per step, median of {args.steps}\n"
+    )
+    print("| transport | push | median s | bytes sent to the workers | x FULL bytes | speed-up |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        full = next(f for f in rows if f["transport"] == r["transport"] and f["mode"] == "full")
+        print(
+            f"| {r['transport']} | {r['mode']} | {r['push_s']:.3f} | {r['sent_bytes'] / 2**20:.1f} MiB "
+            f"| {r['sent_bytes'] / full['sent_bytes']:.3f} | {full['push_s'] / r['push_s']:.1f} |"
+        )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(
+            json.dumps({"torch": torch.__version__, "cpus": os.cpu_count(), "rows": rows}, indent=1) + "\n"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-mib", type=int, default=256)
@@ -76,7 +203,13 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=1, help="threads of the host's encode (HOST_ENCODE_THREADS)"
     )
+    ap.add_argument("--push", action="store_true", help="time push(delta=True) against push() (see above)")
+    ap.add_argument("--push-fraction", type=float, default=0.02)
+    ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
+    if args.push:
+        push_case(args)
+        return
     encoding.HOST_ENCODE_THREADS = args.threads
     device = torch.device(args.device)
     if device.type == "cuda":

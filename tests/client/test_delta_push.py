@@ -20,6 +20,7 @@ from weightwire.adapters.torch.demo import (
     full_checkpoint,
 )
 from weightwire.client import WeightPusher
+from weightwire.core.errors import PushError, Reason
 from weightwire.core.manifest import ParallelRank
 
 CONFIG = DemoConfig(dtype=torch.bfloat16)
@@ -120,4 +121,22 @@ def test_a_worker_moved_elsewhere_makes_the_next_push_full(tp2: list[InProcessWo
         trainer.step()
         results = pusher.push(trainer.params.items(), version=205, cast_to=torch.bfloat16, delta=True)
         assert {r.encoding for r in results.values()} == {"DELTA"}
+        _assert_hold(tp2, trainer.bf16())
+
+
+def test_a_drifted_worker_fails_the_delta_and_the_next_push_is_full(tp2: list[InProcessWorker]) -> None:
+    trainer = Trainer()
+    with WeightPusher([w.address for w in tp2]) as pusher:
+        pusher.push(trainer.params.items(), version=301, cast_to=torch.bfloat16, delta=True)
+        # Weights changed behind the trainer's back: the version and state still say the base.
+        name = "model.layers.0.mlp.down_proj.weight"
+        with torch.no_grad():
+            tp2[1].adapter.state()[name].view(-1)[:3] += 1.0
+        trainer.step()
+        with pytest.raises(PushError) as raised:
+            pusher.push(trainer.params.items(), version=302, cast_to=torch.bfloat16, delta=True)
+        assert any(e.kind is Reason.DELTA_RESULT_MISMATCH for e in raised.value.failures.values())
+        assert pusher.delta_keeper.base_version is None
+        results = pusher.push(trainer.params.items(), version=303, cast_to=torch.bfloat16, delta=True)
+        assert {(r.encoding, r.delta_fallback) for r in results.values()} == {("FULL", "NO_BASE")}
         _assert_hold(tp2, trainer.bf16())
