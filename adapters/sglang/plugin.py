@@ -322,7 +322,15 @@ def pause_honoured(scheduler: Any, rank: ParallelRank) -> bool:
 
 def scheduler_gate(scheduler: Any, *, pause_honoured: bool) -> str | None:
     """None when writing weights cannot overlap a batch: the engine has no request, or is paused
-    and its event loop honours the pause."""
+    and its event loop honours the pause, and the weights are where the model's parameters point."""
+    released = weights_released(scheduler)
+    if released:
+        # The parameters' memory is unmapped (a GPU write there faults) or about to be replaced by
+        # the stash SGLang restores on resume: a push now would be lost or crash the engine.
+        return (
+            "SGLang released its weights (release_memory_occupation with the weights tag); call POST "
+            '/resume_memory_occupation {"tags": ["weights"]} before pushing'
+        )
     if scheduler.is_fully_idle():
         return None
     load = f"{len(scheduler.waiting_queue)} waiting, {len(scheduler.running_batch.reqs)} running"
@@ -335,6 +343,13 @@ def scheduler_gate(scheduler: Any, *, pause_honoured: bool) -> str | None:
             '{"mode": "abort"}'
         )
     return f"the engine is serving requests ({load}); call POST /pause_generation first"
+
+
+def weights_released(scheduler: Any) -> bool:
+    """Whether SGLang's memory saver holds the weights released (both supported releases keep the
+    released tags in ``scheduler.weight_updater.offload_tags``)."""
+    tags = getattr(getattr(scheduler, "weight_updater", None), "offload_tags", None) or ()
+    return "weights" in tags
 
 
 def after_commit(scheduler: Any, settings: Settings, version: int) -> None:

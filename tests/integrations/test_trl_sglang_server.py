@@ -161,19 +161,22 @@ def test_a_push_after_resume_memory_occupation_gives_the_new_tokens(server: Serv
     assert versions == {"3"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adapters/sglang does not know that SGLang released its weights (release_memory_occupation "
-    "with the weights tag): a push then is accepted, and on a GPU it would write into unmapped memory; "
-    "it should be refused with a reason until resume_memory_occupation",
-)
 def test_a_push_while_the_weights_are_released_is_refused(server: Server) -> None:
     with WeightPusher(discover(server.socket_dir, count=1, timeout_s=60), transport="host_shm") as pusher:
         server.call("/release_memory_occupation", {"tags": ["weights"]})
         try:
             server.call("/pause_generation", {"mode": "abort"})
-            with pytest.raises(PushError):
-                pusher.push(full_checkpoint(SPEC, seed=40), version=4)
+            (before,) = {st.weights_version for st in pusher.status().values()}
+            with pytest.raises(PushError) as refused:
+                pusher.push(full_checkpoint(SPEC, seed=40), version=before + 1)
+            (failure,) = refused.value.failures.values()
+            assert failure.reason == "ENGINE_NOT_PAUSED" and "released its weights" in failure.message, (
+                failure
+            )
+            assert {st.weights_version for st in pusher.status().values()} == {before}
         finally:
             server.call("/continue_generation", {})
             server.call("/resume_memory_occupation", {"tags": ["weights"]})
+        # once the weights are back, the same push lands
+        pusher.push(full_checkpoint(SPEC, seed=40), version=before + 1)
+        assert {st.weights_version for st in pusher.status().values()} == {before + 1}
