@@ -20,7 +20,7 @@ from typing import Any
 
 from weightwire.client.cli.tables import format_table, human_bytes, results_table, short_device
 from weightwire.core import cli_types
-from weightwire.core.errors import PushError, Reason, WeightwireError
+from weightwire.core.errors import PushError, WeightwireError
 from weightwire.core.transports.table import names as transport_names
 
 _MB = 1024 * 1024
@@ -329,18 +329,14 @@ def _when(ts: Any) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from concurrent import futures
-
-    import grpc
     from google.protobuf import json_format
-    from weightwire.client.rpc.calls import Worker, call_metadata, close_workers, error_from_rpc
+    from weightwire.client.cli import fleet_view
+    from weightwire.client.rpc.calls import Worker, call_metadata, close_workers
     from weightwire.v1 import weight_transfer_pb2 as pb
 
     metadata = call_metadata(cli_types.token_of(args))
     workers = [Worker(a, tls_ca=_read(args.tls_ca)) for a in args.addresses]
     if args.watch:
-        from weightwire.client.cli import fleet_view
-
         try:
             return fleet_view.watch(
                 workers,
@@ -354,18 +350,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             # Ctrl-C may have landed inside a call, whose lock a plain close would then wait on forever.
             close_workers(workers)
     try:
-        pending = {
-            w.address: w.stub.GetStatus.future(pb.GetStatusRequest(), timeout=args.timeout, metadata=metadata)
-            for w in workers
-        }
-        statuses: dict[str, Any] = {}
-        for addr, fut in pending.items():
-            try:
-                statuses[addr] = fut.result()
-            except grpc.RpcError as e:
-                statuses[addr] = error_from_rpc(e, worker=addr, context="GetStatus")
-            except futures.CancelledError:
-                statuses[addr] = WeightwireError(Reason.CANCELLED, "cancelled", worker=addr)
+        statuses = fleet_view.poll_statuses(workers, timeout_s=args.timeout, metadata=metadata)
     finally:
         close_workers(workers)
     if args.json:
