@@ -124,7 +124,9 @@ def push_delta(
     keeper = pusher.delta_keeper
     manifests = pusher.manifests()
     name = transport_name(pusher, manifests, source)
-    if ranked or pusher.transfer_group_id is not None or name not in DELTA_TRANSPORTS:
+    # A transfer group carries whole tensors in this version, formed or not yet.
+    grouped = getattr(pusher, "_group", None) is not None
+    if ranked or grouped or name not in DELTA_TRANSPORTS:
         keeper.drop()
         return _full(pusher, items, options, pb.DELTA_FALLBACK_TRANSPORT, keep=False)
     items = _cast(items, options)
