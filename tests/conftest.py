@@ -9,10 +9,8 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,11 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-from helpers import ShmSegments, WorkerProcess, spawn_worker
-from weightwire.adapters.torch import TorchAdapter
-from weightwire.adapters.torch.demo import DEMO_TP_RULES, DemoConfig, build_demo_model
+from helpers import InProcessWorker, ShmSegments, WorkerProcess, spawn_worker, start_demo_worker
 from weightwire.core.manifest import ParallelRank
-from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 
 
 @pytest.fixture
@@ -38,52 +33,6 @@ def segments() -> Iterator[ShmSegments]:
         yield segs
     finally:
         segs.close()
-
-
-@dataclass
-class InProcessWorker:
-    """A real gRPC worker server running in the test process, with the demo model."""
-
-    server: object  # weightwire.server.RunningServer
-    adapter: TorchAdapter
-    rank: ParallelRank
-    config: DemoConfig
-
-    @property
-    def address(self) -> str:
-        return self.server.address  # type: ignore[attr-defined]
-
-    @property
-    def service(self) -> object:
-        return self.server.service  # type: ignore[attr-defined]
-
-    def stub(self) -> pb_grpc.WeightTransferServiceStub:
-        import grpc
-
-        return pb_grpc.WeightTransferServiceStub(grpc.insecure_channel(self.address))
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.adapter.state().items()}
-
-
-def start_demo_worker(
-    rank: ParallelRank | None = None, *, seed: int = 0, **serve_kw: object
-) -> InProcessWorker:
-    from weightwire.server import serve
-
-    rank = rank or ParallelRank()
-    config = DemoConfig()
-    model = build_demo_model(config, rank, "cpu", seed)
-    adapter = TorchAdapter(
-        model,
-        rank=rank,
-        device=torch.device("cpu"),
-        own_device=None,
-        tp_rules=DEMO_TP_RULES,
-        num_layers=config.num_layers,
-    )
-    server = serve(adapter, **serve_kw)  # type: ignore[arg-type]
-    return InProcessWorker(server, adapter, rank, config)
 
 
 @pytest.fixture

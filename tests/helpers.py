@@ -23,8 +23,11 @@ import grpc
 import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from weightwire.adapters.torch import TorchAdapter
+from weightwire.adapters.torch.demo import DEMO_TP_RULES, DemoConfig, build_demo_model
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef
+from weightwire.core.manifest import ParallelRank
 from weightwire.core.transports.shm import new_shm_name
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
@@ -421,3 +424,49 @@ class RequestFeed:
             if item is self._END:
                 return
             yield item  # type: ignore[misc]
+
+
+@dataclasses.dataclass
+class InProcessWorker:
+    """A real gRPC worker server running in the test process, with the demo model."""
+
+    server: object  # weightwire.server.RunningServer
+    adapter: TorchAdapter
+    rank: ParallelRank
+    config: DemoConfig
+
+    @property
+    def address(self) -> str:
+        return self.server.address  # type: ignore[attr-defined]
+
+    @property
+    def service(self) -> object:
+        return self.server.service  # type: ignore[attr-defined]
+
+    def stub(self) -> pb_grpc.WeightTransferServiceStub:
+        import grpc
+
+        return pb_grpc.WeightTransferServiceStub(grpc.insecure_channel(self.address))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.adapter.state().items()}
+
+
+def start_demo_worker(
+    rank: ParallelRank | None = None, *, seed: int = 0, **serve_kw: object
+) -> InProcessWorker:
+    from weightwire.server import serve
+
+    rank = rank or ParallelRank()
+    config = DemoConfig()
+    model = build_demo_model(config, rank, "cpu", seed)
+    adapter = TorchAdapter(
+        model,
+        rank=rank,
+        device=torch.device("cpu"),
+        own_device=None,
+        tp_rules=DEMO_TP_RULES,
+        num_layers=config.num_layers,
+    )
+    server = serve(adapter, **serve_kw)  # type: ignore[arg-type]
+    return InProcessWorker(server, adapter, rank, config)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import InProcessWorker
+from helpers import InProcessWorker
 from weightwire.adapters.torch import TorchAdapter
 from weightwire.adapters.torch.demo import (
     DEMO_TP_RULES,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import InProcessWorker
+from helpers import InProcessWorker
 from weightwire.adapters.torch.demo import expected_shard, full_checkpoint
 from weightwire.client import PlanError, WeightPusher
 from weightwire.client.inputs import plan as planning

@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 import grpc
 import pytest
 import torch
-from conftest import InProcessWorker, start_demo_worker
 from helpers import (
+    InProcessWorker,
     ShmSegments,
     bucket,
     commit,
@@ -22,6 +22,7 @@ from helpers import (
     inline_payload,
     push,
     shm_payload,
+    start_demo_worker,
 )
 from weightwire.adapters.torch.demo import expected_shard, full_checkpoint
 from weightwire.core import dtypes
