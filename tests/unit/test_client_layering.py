@@ -8,45 +8,18 @@ it lands. ``from package import module`` counts as an import of that module.
 
 from __future__ import annotations
 
-import ast
 import collections
 import pathlib
+
+from import_graph import circles as _circles
+from import_graph import graph
 
 _CLIENT = pathlib.Path(__file__).resolve().parents[2] / "client"
 _ROOT = "weightwire.client"
 
 
-def _modules() -> dict[str, pathlib.Path]:
-    mods = {}
-    for path in sorted(_CLIENT.rglob("*.py")):
-        parts = list(path.relative_to(_CLIENT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        mods[".".join([_ROOT, *parts])] = path
-    return mods
-
-
-def _imports(name: str, path: pathlib.Path, mods: dict[str, pathlib.Path]) -> set[str]:
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
-            for alias in node.names:
-                sub = f"{source}.{alias.name}"
-                found.add(sub if sub in mods else source)
-    return {m for m in found if m in mods and m != name}
-
-
 def _graph() -> dict[str, set[str]]:
-    mods = _modules()
-    return {name: _imports(name, path, mods) for name, path in mods.items()}
+    return graph({_ROOT: _CLIENT})
 
 
 def _folder(module: str) -> str:
@@ -54,41 +27,6 @@ def _folder(module: str) -> str:
     package's own ``__init__`` and any module directly in ``client/`` are the folder ``.``."""
     rest = module[len(_ROOT) + 1 :].split(".") if module != _ROOT else []
     return rest[0] if len(rest) > 1 or (rest and (_CLIENT / rest[0]).is_dir()) else "."
-
-
-def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Every strongly connected set of more than one node (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(edges.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            group = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                group.append(w)
-                if w == v:
-                    break
-            if len(group) > 1:
-                found.append(sorted(group))
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return found
 
 
 def _folder_edges(edges: dict[str, set[str]]) -> dict[str, dict[str, list[str]]]:

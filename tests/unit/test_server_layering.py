@@ -15,6 +15,9 @@ import ast
 import collections
 import pathlib
 
+from import_graph import circles as _circles
+from import_graph import graph, modules
+
 _REPO = pathlib.Path(__file__).resolve().parents[2]
 _PACKAGES = {"weightwire.server": _REPO / "server", "weightwire.core": _REPO / "core"}
 # The one folder loop left, core's own modules <-> core/transports: ``core/manifest.py`` reads the
@@ -24,78 +27,17 @@ _KNOWN_FOLDER_EDGES = {("weightwire.core.manifest", "weightwire.core.transports.
 
 
 def _modules() -> dict[str, pathlib.Path]:
-    mods = {}
-    for root, folder in _PACKAGES.items():
-        for path in sorted(folder.rglob("*.py")):
-            parts = list(path.relative_to(folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            mods[".".join([root, *parts])] = path
-    return mods
-
-
-def _imports(name: str, path: pathlib.Path, mods: dict[str, pathlib.Path]) -> set[str]:
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
-            for alias in node.names:
-                sub = f"{source}.{alias.name}"
-                found.add(sub if sub in mods else source)
-    return {m for m in found if m in mods and m != name}
+    return modules(_PACKAGES)
 
 
 def _graph() -> dict[str, set[str]]:
-    mods = _modules()
-    return {name: _imports(name, path, mods) for name, path in mods.items()}
+    return graph(_PACKAGES)
 
 
 def _folder(module: str, mods: dict[str, pathlib.Path]) -> str:
     """The folder a module lives in, as a path (``server/rules``; ``server`` for ``server/cli.py``)."""
     # A package's ``__init__`` lives in the folder it names, as every other module in its own.
     return mods[module].parent.relative_to(_REPO).as_posix()
-
-
-def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Every strongly connected set of more than one node (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(edges.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            group = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                group.append(w)
-                if w == v:
-                    break
-            if len(group) > 1:
-                found.append(sorted(group))
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return found
 
 
 def _folder_edges(edges: dict[str, set[str]]) -> dict[str, dict[str, list[tuple[str, str]]]]:
