@@ -1,10 +1,11 @@
 """Delta updates: send only the elements that changed since a version the workers hold.
 
 What both sides share (nothing here imports grpc): the encodings of a tensor's changes by density
-and their in-place, bounds-checked application (``encoding``), their layout in a payload and the
-contract's ``TensorDelta`` (``wire``), the checksums a worker verifies the result with
-(``checksums``), the worker's checks of the base and the result (``verify``), and the trainer's
-record of what it last sent (``base_keeper``). docs/deltas.md describes the design.
+and their in-place, bounds-checked application (``encoding``, over the ``Delta`` record of
+``record`` and the torch kernels of ``torch_ops``), their layout in a payload and the contract's
+``TensorDelta`` (``wire``), the checksums a worker verifies the result with (``checksums``), the
+worker's checks of the base and the result (``verify``), and the trainer's record of what it last
+sent (``base_keeper``). docs/deltas.md describes the design.
 """
 
 from weightwire.core.delta.base_keeper import BaseKeeper, KeeperMemory

@@ -5,185 +5,65 @@ the smallest of the contract's three encodings (``DeltaEncoding``: indices + val
 values, dense); the worker calls ``apply_delta(target, delta)`` to write them into the model.
 Elements are compared and carried as raw bits (each tensor viewed as the integer dtype of its
 width), so -0.0 / +0.0 and NaN payloads are kept exactly and a float comparison's rules never
-decide what changed. Everything runs on the tensors' own device: torch kernels on CUDA, numpy
-(zero-copy views) on the host, where its mask, nonzero and bit packing are several times faster
-than torch's CPU kernels. Any strided view works: a non-contiguous ``old``/``new`` is read in
+decide what changed. Everything runs on the tensors' own device: torch kernels on CUDA
+(``torch_ops``), numpy (zero-copy views, here) on the host, where its mask, nonzero and bit
+packing are several times faster than torch's CPU kernels. Any strided view works: a non-contiguous ``old``/``new`` is read in
 row-major order, and a non-contiguous target is written through its own strides.
 
 ``apply_delta`` checks the whole encoding against the target before it writes one element, and
 raises ``INVALID_DELTA`` instead: an index past the target, indices not strictly ascending, a
 bitmap of the wrong length or with bits past the end, a count of values or set bits that does not
 match, values of another width or dtype. Nothing here reads the wire; ``weightwire.core.delta.wire``
-turns the contract's ``TensorDelta`` and a payload's bytes into a ``Delta`` and back.
+turns the contract's ``TensorDelta`` and a payload's bytes into a ``Delta`` and back. The
+``Delta`` record, the encodings and the raw-bit views live in ``record`` and are importable from here.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import enum
 import threading
 from typing import Any
 
 import numpy as np
 import torch
 from weightwire.core.delta.errors import invalid_delta
+from weightwire.core.delta.record import (
+    INT32_INDEX_LIMIT,
+    Delta,
+    Encoding,
+    as_bits,
+    bits_dtype,
+    choose_encoding,
+    encoded_size_bytes,
+    index_dtype_for,
+)
+from weightwire.core.delta.torch_ops import TorchOps
 
-# Indices are int32 while they fit (4 bytes each instead of 8); a target of 2^31 or more elements
-# needs int64 ones.
-INT32_INDEX_LIMIT = 2**31
-
-_BITS_DTYPES: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_BIT_WEIGHTS_CACHE: dict[torch.device, torch.Tensor] = {}
-
-
-class Encoding(enum.Enum):
-    """The contract's ``DeltaEncoding`` values (same names without the prefix)."""
-
-    INDICES = 1
-    BITMAP = 2
-    DENSE = 3
-
-
-def bits_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The integer dtype of the same width as ``dtype``: what elements are compared and carried as."""
-    size = torch.empty((), dtype=dtype).element_size()
-    try:
-        return _BITS_DTYPES[size]
-    except KeyError:
-        raise ValueError(f"no integer dtype of {size} bytes for {dtype}") from None
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed as the integer dtype of its width (same storage, same strides)."""
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
-    return t.view(bits_dtype(t.dtype))
-
-
-def index_dtype_for(numel: int) -> torch.dtype:
-    return torch.int32 if numel < INT32_INDEX_LIMIT else torch.int64
-
-
-def encoded_size_bytes(encoding: Encoding, numel: int, changed: int, itemsize: int) -> int:
-    """Bytes an encoding of ``changed`` of ``numel`` elements of ``itemsize`` bytes takes on the wire."""
-    if encoding is Encoding.INDICES:
-        return changed * (index_dtype_for(numel).itemsize + itemsize)
-    if encoding is Encoding.BITMAP:
-        return (numel + 7) // 8 + changed * itemsize
-    return numel * itemsize
-
-
-def choose_encoding(numel: int, changed: int, itemsize: int) -> Encoding:
-    """The smallest encoding for this density; a tie goes to the simpler one (dense, then indices)."""
-    sizes = {e: encoded_size_bytes(e, numel, changed, itemsize) for e in Encoding}
-    return min((Encoding.DENSE, Encoding.INDICES, Encoding.BITMAP), key=lambda e: sizes[e])
-
-
-@dataclasses.dataclass(frozen=True)
-class Delta:
-    """The changes of one target of ``numel`` elements of ``dtype`` (row-major order).
-
-    ``values`` are raw bits (``as_bits`` of the target's dtype): ``changed_count`` of them, or every
-    element for DENSE (which may then be a view of the tensor it was encoded from). ``indices``
-    (INDICES: int32/int64, strictly ascending) and ``bitmap`` (BITMAP: uint8, ``ceil(numel / 8)``
-    bytes, least significant bit first) say where they go.
-    """
-
-    encoding: Encoding
-    numel: int
-    dtype: torch.dtype
-    changed_count: int
-    values: torch.Tensor
-    indices: torch.Tensor | None = None
-    bitmap: torch.Tensor | None = None
-
-    @property
-    def size_bytes(self) -> int:
-        """Bytes of this delta on the wire (indices or bitmap, then values)."""
-        extra = 0
-        if self.indices is not None:
-            extra = self.indices.numel() * self.indices.element_size()
-        elif self.bitmap is not None:
-            extra = self.bitmap.numel()
-        return extra + self.values.numel() * self.values.element_size()
-
+__all__ = [
+    "HOST_CHUNK_ELEMENTS",
+    "HOST_ENCODE_THREADS",
+    "INT32_INDEX_LIMIT",
+    "Delta",
+    "Encoding",
+    "NumpyOps",
+    "TorchOps",
+    "apply_delta",
+    "as_bits",
+    "bits_dtype",
+    "changed_positions",
+    "check_delta",
+    "choose_encoding",
+    "encode",
+    "encoded_size_bytes",
+    "host_threads",
+    "index_dtype_for",
+    "ops_for",
+]
 
 # ---------------------------------------------------------------------------------------------
-# Kernels: numpy on the host, torch elsewhere; both give the same results (the tests run both)
+# Host kernels: numpy on zero-copy views, the same results as TorchOps (the tests run both)
 # ---------------------------------------------------------------------------------------------
-
-
-class TorchOps:
-    """The element operations of encode and apply, with torch kernels (any device)."""
-
-    def ne(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.ne(a, b)
-
-    def count(self, mask: torch.Tensor) -> int:
-        return int(torch.count_nonzero(mask))
-
-    def flatnonzero(self, mask: torch.Tensor) -> torch.Tensor:
-        return torch.nonzero(mask).view(-1)
-
-    def pack(self, mask: torch.Tensor) -> torch.Tensor:
-        n = mask.numel()
-        padded = torch.zeros(((n + 7) // 8) * 8, dtype=torch.uint8, device=mask.device)
-        padded[:n] = mask.view(torch.uint8)
-        lanes = padded.view(-1, 8)
-        out = lanes[:, 0].clone()
-        for bit in range(1, 8):
-            out |= lanes[:, bit] << bit
-        return out
-
-    def unpack(self, bitmap: torch.Tensor) -> torch.Tensor:
-        shifts = _BIT_WEIGHTS_CACHE.get(bitmap.device)
-        if shifts is None:
-            shifts = _BIT_WEIGHTS_CACHE.setdefault(
-                bitmap.device, torch.arange(8, dtype=torch.uint8, device=bitmap.device)
-            )
-        return ((bitmap.unsqueeze(1) >> shifts) & 1).view(-1).view(torch.bool)
-
-    def take(self, flat: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        return flat[indices]
-
-    def compress(self, mask: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-        return flat[mask]
-
-    def put(self, flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
-        flat.index_copy_(0, indices.to(torch.int64), values)
-
-    def place(self, flat: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> None:
-        flat[mask] = values
-
-    def ascending(self, indices: torch.Tensor) -> bool:
-        """Strictly ascending (no index twice)."""
-        return indices.numel() < 2 or bool(torch.all(indices[1:] > indices[:-1]))
-
-    def popcount(self, bitmap: torch.Tensor) -> int:
-        return self.count(self.unpack(bitmap))
-
-    def encode_flat(self, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> Delta:
-        """``encode`` of two flat, contiguous raw-bit tensors: one mask of the whole tensor."""
-        numel = b.numel()
-        mask = self.ne(a, b)
-        changed = self.count(mask)
-        encoding = choose_encoding(numel, changed, b.element_size())
-        if encoding is Encoding.DENSE:
-            return Delta(encoding, numel, dtype, numel, values=b)
-        if encoding is Encoding.BITMAP:
-            return Delta(
-                encoding, numel, dtype, changed, values=self.compress(mask, b), bitmap=self.pack(mask)
-            )
-        indices = self.flatnonzero(mask)
-        values = self.take(b, indices)
-        return Delta(
-            encoding, numel, dtype, changed, values=values, indices=indices.to(index_dtype_for(numel))
-        )
-
-    def place_bitmap(self, flat: torch.Tensor, bitmap: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``values`` at the set bits of ``bitmap`` into ``flat`` (checked before)."""
-        self.place(flat, self.unpack(bitmap)[: flat.numel()], values)
 
 
 class NumpyOps(TorchOps):
