@@ -8,7 +8,7 @@ decide how much it allocates (torch's ``TCPStore`` client allocates whatever len
 claims). Here every length is read as a fixed-size number and checked against a bound before
 anything is allocated for it: a frame is at most ``MAX_FRAME_BYTES``, a key at most
 ``MAX_KEY_BYTES``, a value at most ``MAX_VALUE_BYTES``; every step has a deadline; values are bytes,
-never unpickled.
+never unpickled. The table the server holds, with its bounds, is ``transfer_group_store_table``.
 
 A frame is a 4-byte big-endian length and that many bytes: an op (requests) or a status
 (responses), then fields, each a 4-byte big-endian length and its bytes, or an 8-byte signed
@@ -17,15 +17,25 @@ number. A connection starts with ``MAGIC`` in both directions.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from weightwire.core.transports.transfer_group_store_table import (
+    MAX_KEY_BYTES,
+    MAX_VALUE_BYTES,
+    LocalStore,
+    StoreProtocolError,
+    StoreTable,
+    StoreTimeout,
+    as_bytes,
+)
 
 __all__ = [
     "MAX_FRAME_BYTES",
@@ -39,15 +49,9 @@ __all__ = [
 ]
 
 MAGIC = b"WWSTORE1"
-# What one value may weigh: gloo's address record of a 4096-member group is about 0.6 MiB; every
-# record of weightwire's own is a few KiB at most.
-MAX_VALUE_BYTES = 1 << 20
-MAX_KEY_BYTES = 1024
 # A CHECK or WAIT lists at most this many keys.
 MAX_KEYS_PER_CALL = 4096
 MAX_FRAME_BYTES = MAX_VALUE_BYTES * 2 + 64 * 1024
-# What the server holds in all (a member that writes past it is refused, the store stays up).
-MAX_STORE_BYTES = 256 << 20
 MAX_CONNECTIONS = 8192
 # The longest wait the server serves (a group's longest timeout).
 MAX_WAIT_S = 3600.0
@@ -73,23 +77,9 @@ def _number_of(fields: _Fields) -> int:
 _TIMED_OUT = object()
 
 
-class StoreProtocolError(RuntimeError):
-    """The peer does not speak this protocol, broke a bound, or did not answer in time."""
-
-
-class StoreTimeout(StoreProtocolError):
-    """A wait on the store timed out (the message says "timed out", which callers classify)."""
-
-
 # ---------------------------------------------------------------------------------------------
 # Encoding
 # ---------------------------------------------------------------------------------------------
-
-
-def _as_bytes(value: Any) -> bytes:
-    if isinstance(value, str):
-        return value.encode()
-    return bytes(value)
 
 
 class _Fields:
@@ -151,124 +141,6 @@ def _recv_frame(sock: socket.socket, deadline: float) -> bytes:
     if not 1 <= n <= MAX_FRAME_BYTES:
         raise StoreProtocolError(f"a frame claims {n} bytes (at most {MAX_FRAME_BYTES})")
     return _recv_exact(sock, n, deadline)
-
-
-# ---------------------------------------------------------------------------------------------
-# The server's table (shared by the network server and the trainer's in-process store)
-# ---------------------------------------------------------------------------------------------
-
-
-class StoreTable:
-    """The keys and values a store holds, bounded in size, with waits on them."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-        self.weight = 0
-        self.cv = threading.Condition()
-
-    def _put(self, key: str, value: bytes) -> None:
-        if len(key.encode()) > MAX_KEY_BYTES or len(value) > MAX_VALUE_BYTES:
-            raise StoreProtocolError(
-                f"a key or value past its bound (keys at most {MAX_KEY_BYTES} bytes, values at most {MAX_VALUE_BYTES})"
-            )
-        old = self.data.get(key)
-        weight = self.weight + len(key) + len(value) - (0 if old is None else len(key) + len(old))
-        if weight > MAX_STORE_BYTES:
-            raise StoreProtocolError(f"the store holds its {MAX_STORE_BYTES} bytes already")
-        self.data[key] = value
-        self.weight = weight
-        self.cv.notify_all()
-
-    def set(self, key: str, value: bytes) -> None:
-        with self.cv:
-            self._put(key, value)
-
-    def wait(self, keys: Sequence[str], timeout_s: float) -> bool:
-        with self.cv:
-            return self.cv.wait_for(lambda: all(k in self.data for k in keys), max(timeout_s, 0.0))
-
-    def get(self, key: str, timeout_s: float) -> bytes | None:
-        with self.cv:
-            if not self.cv.wait_for(lambda: key in self.data, max(timeout_s, 0.0)):
-                return None
-            return self.data[key]
-
-    def add(self, key: str, amount: int) -> int:
-        with self.cv:
-            try:
-                value = int(self.data.get(key, b"0")) + amount
-            except ValueError:
-                raise StoreProtocolError(f"key {key[:80]!r} does not hold a number") from None
-            self._put(key, str(value).encode())
-            return value
-
-    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        # torch's semantics: an absent key with an empty ``expected`` is set; the reply is the
-        # value held afterwards (or ``expected`` when the key is absent and was not set).
-        with self.cv:
-            current = self.data.get(key)
-            if (current is None and expected == b"") or current == expected:
-                self._put(key, desired)
-                return desired
-            return expected if current is None else current
-
-    def check(self, keys: Sequence[str]) -> bool:
-        with self.cv:
-            return all(k in self.data for k in keys)
-
-    def num_keys(self) -> int:
-        with self.cv:
-            return len(self.data)
-
-    def delete(self, key: str) -> bool:
-        with self.cv:
-            old = self.data.pop(key, None)
-            if old is None:
-                return False
-            self.weight -= len(key) + len(old)
-            return True
-
-
-class LocalStore(torch.distributed.Store):
-    """The server's table as a ``torch.distributed.Store`` in the serving process (the trainer
-    forms its side of a group on it without a connection)."""
-
-    def __init__(self, table: StoreTable, timeout_s: float) -> None:
-        super().__init__()
-        self._table = table
-        self._timeout_s = timeout_s
-
-    def set(self, key: str, value: Any) -> None:
-        self._table.set(key, _as_bytes(value))
-
-    def get(self, key: str) -> bytes:
-        value = self._table.get(key, self._timeout_s)
-        if value is None:
-            raise StoreTimeout(f"timed out after {self._timeout_s:g} s waiting for key {key[:80]!r}")
-        return value
-
-    def add(self, key: str, amount: int) -> int:
-        return self._table.add(key, int(amount))
-
-    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        return self._table.compare_set(key, _as_bytes(expected), _as_bytes(desired))
-
-    def check(self, keys: list[str]) -> bool:
-        return self._table.check(keys)
-
-    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        wait_s = self._timeout_s if timeout is None else timeout.total_seconds()
-        if not self._table.wait(keys, wait_s):
-            raise StoreTimeout(f"timed out after {wait_s:g} s waiting for {len(keys)} key(s)")
-
-    def num_keys(self) -> int:
-        return self._table.num_keys()
-
-    def delete_key(self, key: str) -> bool:
-        return self._table.delete(key)
-
-    def clone(self) -> LocalStore:
-        return LocalStore(self._table, self._timeout_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,6 +256,20 @@ class WireStoreServer:
 # ---------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _failures_end(end: Callable[[], None], timed_out: str, broken: str) -> Iterator[None]:
+    """A client step: on a timeout, a socket error or a broken bound, ``end()`` the connection and
+    raise one ``StoreProtocolError`` (``timed_out``, or ``broken`` with what broke)."""
+    try:
+        yield
+    except TimeoutError:
+        end()
+        raise StoreProtocolError(timed_out) from None
+    except (OSError, StoreProtocolError) as e:
+        end()
+        raise StoreProtocolError(f"{broken}: {e}") from None
+
+
 class WireStore(torch.distributed.Store):
     """A member's connection to the store at ``host:port``, as a ``torch.distributed.Store``.
 
@@ -402,18 +288,16 @@ class WireStore(torch.distributed.Store):
             sock = socket.create_connection((host, port), timeout=max(timeout_s, 0.001))
         except OSError as e:
             raise StoreProtocolError(f"cannot connect: {e.strerror or e}") from None
-        try:
+        with _failures_end(
+            sock.close,
+            "connected, but the store never answered",
+            "connected, but the store's greeting failed",
+        ):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock.sendall(MAGIC)
             if _recv_exact(sock, len(MAGIC), deadline) != MAGIC:
                 raise StoreProtocolError("the peer is not a weightwire store (wrong greeting)")
-        except TimeoutError:
-            sock.close()
-            raise StoreProtocolError("connected, but the store never answered") from None
-        except (OSError, StoreProtocolError) as e:
-            sock.close()
-            raise StoreProtocolError(f"connected, but the store's greeting failed: {e}") from None
         self._sock: socket.socket | None = sock
 
     def _call(self, request: bytes, wait_s: float = 0.0, read: Callable[[_Fields], Any] | None = None) -> Any:
@@ -424,7 +308,9 @@ class WireStore(torch.distributed.Store):
             sock = self._sock
             if sock is None:
                 raise StoreProtocolError("the connection to the store was closed after an earlier failure")
-            try:
+            with _failures_end(
+                self._drop, "timed out: the store did not answer in time", "the store broke the protocol"
+            ):
                 sock.settimeout(self._timeout_s + REPLY_GRACE_S)
                 sock.sendall(request)
                 body = _recv_frame(sock, time.monotonic() + wait_s + REPLY_GRACE_S)
@@ -437,12 +323,6 @@ class WireStore(torch.distributed.Store):
                     return None if read is None else read(fields)
                 else:
                     raise StoreProtocolError(f"the store answered status {status}")
-            except TimeoutError:
-                self._drop()
-                raise StoreProtocolError("timed out: the store did not answer in time") from None
-            except (OSError, StoreProtocolError) as e:
-                self._drop()
-                raise StoreProtocolError(f"the store broke the protocol: {e}") from None
         raise StoreProtocolError(f"the store refused: {refusal}")
 
     def _drop(self) -> None:
@@ -463,7 +343,7 @@ class WireStore(torch.distributed.Store):
 
     @staticmethod
     def _value(value: Any) -> bytes:
-        raw = _as_bytes(value)
+        raw = as_bytes(value)
         if len(raw) > MAX_VALUE_BYTES:
             raise StoreProtocolError(f"a value of {len(raw)} bytes (at most {MAX_VALUE_BYTES})")
         return _blob(raw)
