@@ -197,6 +197,9 @@ def check_update(
     return unknown
 
 
+_LM_HEAD, _EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
 def _unknown_message(unknown: Sequence[str], owners: Mapping[str, object]) -> str:
     hints = []
     for name in unknown:
@@ -215,6 +218,12 @@ def _unknown_message(unknown: Sequence[str], owners: Mapping[str, object]) -> st
         )
     elif any(strip_wrapper_prefixes(n) != n for n in unknown):
         msg += " Some carry wrapper segments ('_fsdp_wrapped_module.', 'module.', '_orig_mod.'); workers expect checkpoint names."
+    tied = [n for n in unknown if n.endswith(_LM_HEAD) and n[: -len(_LM_HEAD)] + _EMBEDDING in owners]
+    if tied:
+        msg += (
+            f" {tied[0]}: the workers' model ties its output layer to {tied[0][: -len(_LM_HEAD)] + _EMBEDDING}"
+            " (tie_word_embeddings) and fills it from the embedding; leave it out of the push."
+        )
     msg += (
         "" if msg.endswith("\n") else " "
     ) + "Pass allow_unowned=True to skip names no worker owns on purpose."

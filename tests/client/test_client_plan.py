@@ -113,6 +113,18 @@ def test_wrapper_prefix_gets_a_hint_with_the_stripped_name(prefix: str) -> None:
     assert prefix.rstrip(".") in e.value.message
 
 
+def test_lm_head_of_a_tied_engine_model_is_refused_with_the_tie_named() -> None:
+    """A tied Hugging Face model's state_dict carries lm_head.weight; a tied engine fills it from the
+    embedding and owns no such name."""
+    tied = {a: m for a, m in MANIFESTS.items() if a.endswith("0")}
+    specs = [s for s in ALL if s.name != "model.layers.1.w"]
+    with pytest.raises(PlanError) as e:
+        check_update(specs, tied, scope=FULL)
+    assert e.value.reason == "UNKNOWN_TENSOR"
+    assert "ties its output layer to model.embed_tokens.weight" in e.value.message, e.value.message
+    assert "leave it out of the push" in e.value.message
+
+
 def test_allow_unowned_returns_the_names_to_skip() -> None:
     extra = TensorSpec("optimizer.step", torch.int64, ())
     assert check_update([*ALL, extra], MANIFESTS, scope=FULL, allow_unowned=True) == ["optimizer.step"]
