@@ -9,9 +9,9 @@ written by the service alone.
 Per bucket (``Update.bucket``) the importer of its payloads says how it loads. One that fills the
 model itself (``FillsModel``: a transfer group's slices) gets it whole (``filled_bucket``). Every
 other bucket is accepted (``accepted.Accepted``: index, layout from the cache or the checks of
-``server/rules/layout.py``, names across buckets, checksum fields, ownership), then the worker's own
-payload is selected (``selection.select_own_payload``) with its importer, opened, verified and
-loaded by views, and acked. The commit is the update's gate: every bucket counted, a FULL update
+``server/rules/layout.py``, names across buckets, checksum fields, ownership), its payloads are
+checked and the worker's own one is selected with its importer (``payload_checks``), opened,
+verified and loaded by views, and acked. The commit is the update's gate: every bucket counted, a FULL update
 complete, the engine's own finish, then the version.
 
 In a delta update (``UpdateHeader.delta_base``, checked at the header) a spec may carry a
@@ -26,17 +26,15 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from typing import Protocol, cast
 
 from weightwire.core.capabilities import has_capability
-from weightwire.core.delta.errors import invalid_delta
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.text import MAX_MESSAGE_BYTES, bounded_join, clip_utf8, name_list
-from weightwire.core.transports import table as transports
 from weightwire.server.observe.update_events import UpdateTally
 from weightwire.server.rules.layout import BucketLayout
-from weightwire.server.rules.selection import Selection, payload_labels, select_own_payload
+from weightwire.server.rules.selection import Selection
 from weightwire.server.rules.views import batch_load, batch_views
 from weightwire.server.transports.importer import (
     FillsModel,
@@ -51,6 +49,12 @@ from weightwire.server.worker.adapter import TracksWrites
 from weightwire.server.worker.delta_load import DeltaLoads
 from weightwire.server.worker.delta_regions import refuse_region_deltas
 from weightwire.server.worker.filled_bucket import fill_bucket
+from weightwire.server.worker.payload_checks import (
+    check_delta_payloads,
+    check_payloads,
+    refuse_unfilled,
+    select_payload,
+)
 from weightwire.server.worker.update_context import UpdateContext, cancelled_error, now_timestamp
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -220,17 +224,17 @@ class Update:
             return self._filled_bucket(msg, filler)
         payloads = list(msg.payloads)
         if payloads and not msg.tensors:
-            self._refuse_unfilled(payloads)
+            refuse_unfilled(self._ctx, payloads, allow_peer=self.header.allow_peer_device_import)
         layout, checksum = self._accepted.layout(msg, payloads)
         if self.is_delta and any(s.delta is not None for s in layout.specs):
-            self._check_delta_payloads(msg.index, payloads)
+            check_delta_payloads(self._ctx, msg.index, payloads)
         ack = pb.BucketAck(index=msg.index, tensors_skipped=len(layout.specs) - len(layout.owned))
         # Every payload's label and handle are checked, also those this worker does not select and
         # in a bucket it owns nothing of: a malformed bucket is malformed for everyone.
-        self._check_payloads(payloads)
+        check_payloads(self._ctx, payloads)
         if not layout.owned:
             return ack
-        sel, importer = self._select(payloads)
+        sel, importer = select_payload(self._ctx, payloads, allow_peer=self.header.allow_peer_device_import)
         loaded = self._import(msg.index, layout, sel, importer, checksum)
         self._loaded_layouts.append(layout)
         ack.tensors_loaded = len(layout.owned)
@@ -243,24 +247,6 @@ class Update:
         ack.load_duration_ns = loaded.load_ns
         ack.bytes_received = loaded.received
         return ack
-
-    def _check_delta_payloads(self, index: int, payloads: Sequence[pb.Payload]) -> None:
-        """A bucket with deltas is read from host memory: bytes in the message, or a payload on the
-        host. Other transports (a transfer group, CUDA IPC) carry whole tensors in this version;
-        refused before any payload is opened or received."""
-        for payload in payloads:
-            field = payload.WhichOneof("handle") or ""
-            row = transports.by_field(field)
-            importer = self._ctx.importers.get(field)
-            on_host = row is not None and row.label_kind == pb.DEVICE_KIND_HOST
-            if on_host or (importer is not None and importer.bytes_in_message):
-                continue
-            raise invalid_delta(
-                f"bucket {index}: its tensor specs carry deltas but a payload is {transport_name(field)}; this "
-                "worker reads deltas only from inline bytes or host shared memory: send these tensors whole",
-                bucket=str(index),
-                transport=field,
-            )
 
     def _filler(self, msg: pb.Bucket) -> FillsModel | None:
         """The importer that loads this bucket itself, if one of its payloads' importers says so."""
@@ -291,57 +277,6 @@ class Update:
         )
         self._filled_names |= names
         return ack
-
-    def _refuse_unfilled(self, payloads: Sequence[pb.Payload]) -> None:
-        """Only an importer that fills the model takes a bucket without tensor specs; none here did.
-        Owning nothing of it would ack it empty, and a PARTIAL update would commit bytes that never came."""
-        _, importer = self._select(payloads)  # no importer for the transport: TRANSPORT_UNAVAILABLE
-        raise WeightwireError(
-            Reason.TRANSPORT_UNAVAILABLE,
-            f"this worker cannot load this {transport_name(importer.field_name)} bucket: it carries no tensor "
-            "specs, and no importer of this worker fills the model from it (its manifest says receives_slices false)",
-            transport=importer.field_name,
-        )
-
-    def _select(self, payloads: Sequence[pb.Payload]) -> tuple[Selection, PayloadImporter]:
-        """The payload of this worker's own device, and the importer for its handle."""
-        ctx = self._ctx
-        sel = select_own_payload(
-            payloads,
-            ctx.own_device,
-            allow_peer=self.header.allow_peer_device_import,
-            host_device=ctx.host_device,
-            **({"is_local_cuda": ctx.is_local_cuda} if ctx.is_local_cuda else {}),
-        )
-        field = sel.payload.WhichOneof("handle") or ""
-        row = transports.by_field(field)
-        importer = ctx.importers.get(field)
-        if importer is None:
-            unfit = row is not None and ctx.own_device.kind not in row.worker_kinds
-            raise WeightwireError(
-                Reason.TRANSPORT_UNAVAILABLE,
-                f"this worker cannot import {transport_name(field)} payloads (no importer for {field!r}"
-                f"{f'; a worker on {ctx.own_device} cannot' if unfit else ''})",
-                transport=field,
-            )
-        return sel, importer
-
-    def _check_payloads(self, payloads: Sequence[pb.Payload]) -> None:
-        """Each payload's label, whether its handle can live on the labelled device, and its handle
-        fields (by the importer of its transport; a transport this worker has no importer for is
-        refused only when it is the one selected)."""
-        for payload, label in zip(payloads, payload_labels(payloads), strict=True):
-            field = payload.WhichOneof("handle") or ""
-            row = transports.by_field(field)
-            if row is not None and row.label_kind is not None and label.kind != row.label_kind:
-                raise WeightwireError(
-                    Reason.TRANSPORT_UNAVAILABLE,
-                    f"a {transport_name(field)} handle cannot live on device {label}; label it with the device that holds it",
-                    transport=field,
-                )
-            importer = self._ctx.importers.get(field)
-            if importer is not None:
-                importer.check(payload)
 
     def _import(
         self,
