@@ -21,19 +21,19 @@ several labelled payloads, e.g. one per trainer GPU after a gather; each worker 
 Each entry point is the same three steps: shared setup (manifests, the re-check on its way, the
 exporter) -> jobs (``weightwire.client.update.jobs``: planning checks, one job per bucket) -> one
 ``weightwire.client.update.session.UpdateSession`` that streams them and blames failures
-(``weightwire.client.update.blame``).
+(``weightwire.client.update.blame``). The first and the last are the pusher's base,
+``weightwire.client.push.update_runner.UpdateRunner`` (the workers, their manifests and status, and
+the run of one update); this module holds the entry points, what they choose between (one rank,
+several ranks gathered or each a source, a delta) and the buffers a caller fills. A push of several
+ranks that gathers drives the pusher through ``weightwire.client.push.ranked_driver``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import torch
 from weightwire.client.inputs import plan as planning
 from weightwire.client.inputs.dtensor_gather import (
@@ -52,21 +52,16 @@ from weightwire.client.inputs.types import (
     PushResult,
     Scope,
 )
-from weightwire.client.rpc.calls import Worker, call_metadata, close_workers, collect_unary, start_unary
-from weightwire.client.rpc.stream import Connections, WorkerStream
-from weightwire.client.transports import exporter as exp
+from weightwire.client.push.ranked_driver import RankedPushDriver
+from weightwire.client.push.update_runner import UpdateRunner
+from weightwire.client.rpc.stream import Connections
 from weightwire.client.transports.transfer_group import GroupExporter, TransferGroupOptions
 from weightwire.client.transports.transfer_group_link import GroupLink
 from weightwire.client.update import jobs as job_builders
 from weightwire.client.update.one_rank import OneRankItems
-from weightwire.client.update.options import PushOptions, scope_value
-from weightwire.client.update.routing import CheckedLayouts, flat_bytes, manifest_changes, route_own_device
-from weightwire.client.update.session import CommitGate, SpecTemplates, UpdateSession, open_streams
-from weightwire.client.update.setup import PushSetup, recheck_needed, updating_workers
-from weightwire.client.update.staging import Staging, StagingPool
+from weightwire.client.update.options import PushOptions
+from weightwire.client.update.routing import CheckedLayouts, flat_bytes
 from weightwire.core.delta import BaseKeeper
-from weightwire.core.errors import PushError, Reason
-from weightwire.core.kept_threads import KeptThreads
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -75,14 +70,7 @@ if TYPE_CHECKING:
     from weightwire.client.ranks.transfer_group_sources import SourcesLink
 
 
-def _close_all(staging: Staging, workers: list[Worker], readers: KeptThreads) -> None:
-    # Not waiting for the readers: closing the channels below ends any call a thread is still blocked in.
-    readers.shutdown()
-    staging.close()
-    close_workers(workers)
-
-
-class WeightPusher:
+class WeightPusher(UpdateRunner):
     """Pushes weight updates to a set of engine workers (one endpoint per worker process).
 
     ``timeout_s`` is the deadline of every RPC, including one whole update stream.
@@ -129,34 +117,24 @@ class WeightPusher:
         if isinstance(tls_ca, str):
             with open(tls_ca, "rb") as f:
                 tls_ca = f.read()
-        self.endpoints = list(endpoints)
-        self.timeout_s = float(timeout_s)
-        self.transport = transport
-        self.align_bytes = int(align_bytes)
-        self.recheck_manifests = recheck_manifests
-        self.metrics = metrics
-        self._metadata = call_metadata(token)
-        self._workers = {a: Worker(a, tls_ca=tls_ca) for a in self.endpoints}
-        self._manifests: dict[str, ShardManifest] | None = None
-        self._fingerprints: dict[str, str] = {}
-        self._staging = Staging(
-            int(bucket_size_bytes) if bucket_size_bytes is not None else planning.DEFAULT_BUCKET_BYTES,
-            max(1, int(pipeline_depth)),
-            bucket_size_given=bucket_size_bytes is not None,
-            fresh_pool_bytes=None if fresh_pool_bytes is None else max(0, int(fresh_pool_bytes)),
+        super().__init__(
+            endpoints,
+            token=token,
+            tls_ca=tls_ca,
+            timeout_s=timeout_s,
+            bucket_size_bytes=bucket_size_bytes,
+            transport=transport,
+            align_bytes=align_bytes,
+            pipeline_depth=pipeline_depth,
+            recheck_manifests=recheck_manifests,
+            metrics=metrics,
+            fresh_pool_bytes=fresh_pool_bytes,
         )
-        self._templates = SpecTemplates()
         self._one_rank = OneRankItems()
         self._checked = CheckedLayouts()
-        self._push_lock = threading.Lock()
-        self._closed = False
         # What ``push(delta=True)`` last sent (weightwire.client.update.delta): empty until then;
         # set ``delta_keeper.device_budget_bytes`` to keep copies of CUDA tensors on their device.
         self.delta_keeper = BaseKeeper()
-        # The threads that read the update streams are kept across updates: a thread start per
-        # worker per update is a large share of a small update's cost on a busy host. Room for a
-        # reader still ending after a cancelled update next to the next update's readers.
-        self._readers = KeptThreads(2 * len(self.endpoints) + 2, "ww-push")
         # Bytes over a torch.distributed group between machines (weightwire.client.transports.transfer_group):
         # formed at the first push, reused while every worker still holds it.
         self._group = (
@@ -171,18 +149,6 @@ class WeightPusher:
             self._staging.add_exporter(GroupExporter(self._group))
             if transport == "auto":
                 self.transport = "transfer_group"
-        # Segments are unlinked even if the caller forgets close() (also at interpreter exit).
-        self._finalizer = weakref.finalize(
-            self, _close_all, self._staging, list(self._workers.values()), self._readers
-        )
-
-    @property
-    def bucket_size_bytes(self) -> int:
-        return self._staging.bucket_size_bytes
-
-    @property
-    def pipeline_depth(self) -> int:
-        return self._staging.pipeline_depth
 
     # ---------------------------------------------------------------- context, lifecycle
 
@@ -202,30 +168,7 @@ class WeightPusher:
         self._staging.close_user_buffers()
         self._finalizer()
 
-    # ---------------------------------------------------------------- manifests and status
-
-    def _start_all(self, method: str, request: object) -> dict[str, grpc.Future]:
-        return start_unary(self._workers, method, request, timeout_s=self.timeout_s, metadata=self._metadata)
-
-    def manifests(self, *, refresh: bool = False) -> dict[str, ShardManifest]:
-        """Every worker's shard manifest (fetched concurrently, then cached), keyed by endpoint."""
-        if self._manifests is None or refresh:
-            responses = collect_unary("GetManifest", self._start_all("GetManifest", pb.GetManifestRequest()))
-            manifests: dict[str, ShardManifest] = {}
-            fingerprints: dict[str, str] = {}
-            for a in self.endpoints:
-                msg = responses[a].manifest  # type: ignore[attr-defined]
-                manifests[a] = ShardManifest.from_proto(msg)
-                fingerprints[a] = msg.fingerprint
-            self._manifests, self._fingerprints = manifests, fingerprints
-        return dict(self._manifests)
-
-    def refresh_manifests(self) -> dict[str, ShardManifest]:
-        return self.manifests(refresh=True)
-
-    def status(self) -> dict[str, pb.GetStatusResponse]:
-        """Every worker's GetStatus (weights version, state, last result/error), keyed by endpoint."""
-        return collect_unary("GetStatus", self._start_all("GetStatus", pb.GetStatusRequest()))  # type: ignore[return-value]
+    # ---------------------------------------------------------------- transfer groups
 
     def _push_slices(
         self, items: list[tuple[str, torch.Tensor]], options: PushOptions, group: Any
@@ -267,19 +210,6 @@ class WeightPusher:
     def transfer_group_id(self) -> str | None:
         """The id of the transfer group now formed, or None."""
         return self._group.group_id if self._group is not None else None
-
-    def _recheck(
-        self, manifests: Mapping[str, ShardManifest], pending: Mapping[str, grpc.Future] | None
-    ) -> Mapping[str, pb.GetStatusResponse]:
-        """Refuse the update (nothing sent) when a worker restarted or changed since its manifest was read."""
-        statuses: Mapping[str, pb.GetStatusResponse] = (
-            collect_unary("GetStatus", pending) if pending is not None else self.status()  # type: ignore[assignment]
-        )
-        changed = manifest_changes(statuses, manifests, self._fingerprints)
-        if changed:
-            self._manifests = None
-            raise PushError(dict(changed))
-        return statuses
 
     # ---------------------------------------------------------------- buffers the caller fills
 
@@ -375,16 +305,7 @@ class WeightPusher:
         why; ``weightwire.client.update.delta``, docs/deltas.md).
         """
         check_cast_to(cast_to)
-        options = PushOptions(
-            version,
-            scope_value(scope),
-            allow_unowned=allow_unowned,
-            verify_checksums=verify_checksums,
-            only_own_device=only_own_device,
-            progress=progress,
-            update_id=update_id,
-            cast_to=cast_to,
-        )
+        options = PushOptions.from_arguments(locals())
         items = named_items(named_tensors)
         ranked = group is not None or has_dtensors(items)
         if ranked:
@@ -426,13 +347,17 @@ class WeightPusher:
         # CUDA tensors exported where they live go as one bucket (per group of recipients).
         in_place = job_builders.exports_in_place(items, setup.manifests, exporter, options)
         one_bucket = in_place or sum(t.nbytes for _, t in items) <= self.bucket_size_bytes
-        with self._opened_early(setup, options, one_bucket=one_bucket) as opened:
-            jobs = job_builders.tensor_jobs(
+        # Only a transport that routes each update sends from the caller's tensors by name.
+        sources = dict(items) if exporter.routes_each_update else None
+        return self._plan_and_run(
+            setup,
+            options,
+            lambda: job_builders.tensor_jobs(
                 items, setup.manifests, exporter, self._staging, options, self.align_bytes, in_place=in_place
-            )
-            # Only a transport that routes each update sends from the caller's tensors by name.
-            sources = dict(items) if exporter.routes_each_update else None
-            return self._run(setup, jobs, options, opened=opened, sources=sources)
+            ),
+            one_bucket=one_bucket,
+            sources=sources,
+        )
 
     def push_flat(
         self,
@@ -448,24 +373,19 @@ class WeightPusher:
     ) -> dict[str, PushResult]:
         """Push already-flat buffers with their tensor specs (no packing copy; exported in place
         when the transport can). Each bucket goes to the workers owning something in it."""
-        options = PushOptions(
-            version,
-            scope_value(scope),
-            allow_unowned=allow_unowned,
-            verify_checksums=verify_checksums,
-            only_own_device=only_own_device,
-            progress=progress,
-            update_id=update_id,
-        )
+        options = PushOptions.from_arguments(locals())
         source = next(
             (b.buffer.device for b in buckets if b.buffer.device.type != "cpu"), torch.device("cpu")
         )
         setup, exporter = self._setup_exporting(source, options)
-        with self._opened_early(setup, options, one_bucket=len(buckets) == 1) as opened:
-            jobs = job_builders.flat_jobs(
+        return self._plan_and_run(
+            setup,
+            options,
+            lambda: job_builders.flat_jobs(
                 buckets, setup.manifests, exporter, self._staging, options, self._checked
-            )
-            return self._run(setup, jobs, options, opened=opened)
+            ),
+            one_bucket=len(buckets) == 1,
+        )
 
     def push_gathered(
         self,
@@ -488,124 +408,14 @@ class WeightPusher:
         receive is a ``PlanError`` before anything is sent; without it the worker refuses the
         bucket (NO_PAYLOAD_FOR_DEVICE) and the push fails with its status.
         """
-        options = PushOptions(
-            version,
-            scope_value(scope),
-            allow_unowned=allow_unowned,
-            verify_checksums=verify_checksums,
-            allow_peer_device_import=allow_peer_device_import,
-            precheck_labels=precheck_labels,
-            progress=progress,
-            update_id=update_id,
-        )
+        options = PushOptions.from_arguments(locals())
         setup = self._setup()
-        with self._opened_early(setup, options, one_bucket=len(buckets) == 1) as opened:
-            jobs = job_builders.gathered_jobs(buckets, setup.manifests, self._staging, options)
-            return self._run(setup, jobs, options, opened=opened)
-
-    # ---------------------------------------------------------------- shared setup and the update
-
-    def _setup(
-        self, manifests: dict[str, ShardManifest] | None = None, exporter: exp.Exporter | None = None
-    ) -> PushSetup:
-        manifests = self.manifests() if manifests is None else manifests
-        # Started now so that it overlaps planning.
-        needed = self.recheck_manifests and recheck_needed(manifests, exporter)
-        recheck = self._start_all("GetStatus", pb.GetStatusRequest()) if needed else None
-        return PushSetup(manifests, recheck, exporter=exporter)
-
-    def _setup_exporting(self, source: torch.device, options: PushOptions) -> tuple[PushSetup, exp.Exporter]:
-        """``_setup`` plus the exporter for ``source`` (``transport``, or the one ``auto`` picks for
-        these workers), keeping only the workers on its device with ``only_own_device``."""
-        manifests = self.manifests()
-        name = self.transport
-        if name == "auto":
-            name = exp.choose_transport([m.device for m in manifests.values()], source)
-        exporter = self._staging.exporter(name, source)
-        setup = self._setup(manifests, exporter)
-        setup.manifests = route_own_device(setup.manifests, exporter, options.only_own_device)
-        return setup, exporter
-
-    @contextlib.contextmanager
-    def _opened_early(
-        self, setup: PushSetup, options: PushOptions, *, one_bucket: bool
-    ) -> Iterator[dict[str, WorkerStream] | None]:
-        """Each worker's stream opened before the update is planned (``session.open_streams``), and
-        cancelled (nothing sent; the workers record nothing) if the push ends before a session took
-        them over. Not for a transport that routes each update (a transfer group), whose route may
-        still change the workers, and not for
-        one bucket to one worker (``one_bucket``: likely one), which goes out as one PushUpdate call
-        once it is ready (``UpdateSession.run``): cheaper than any stream."""
-        routes = setup.exporter is not None and setup.exporter.routes_each_update
-        if self._closed or routes or self._push_lock.locked() or (one_bucket and len(setup.manifests) == 1):
-            yield None
-            return
-        connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)
-        opened = open_streams(setup.manifests, options, connections, self._fingerprints)
-        try:
-            yield opened
-        finally:
-            for stream in opened.values():
-                if not stream.adopted:
-                    stream.cancel()
-
-    def _run(
-        self,
-        setup: PushSetup,
-        jobs: job_builders.Jobs,
-        options: PushOptions,
-        commit_gate: CommitGate | None = None,
-        opened: Mapping[str, WorkerStream] | None = None,
-        sources: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, PushResult]:
-        if self._closed:
-            raise RuntimeError("this WeightPusher is closed")
-        if not self._push_lock.acquire(blocking=False):
-            raise RuntimeError("a push is already running on this WeightPusher; one update at a time")
-        if self.metrics is not None:
-            options = dataclasses.replace(options, metrics=self.metrics)
-        try:
-            statuses = None
-            if setup.recheck is not None and not setup.rechecked:
-                if recheck_needed(setup.manifests, setup.exporter):
-                    statuses = self._recheck(setup.manifests, setup.recheck)
-                else:  # routing left one worker (only_own_device): its header check is enough
-                    for call in setup.recheck.values():
-                        call.cancel()
-            exporter = setup.exporter
-            if exporter is not None:
-                routed = exporter.route_update(
-                    jobs.jobs, setup.manifests, statuses, sources, verify_checksums=options.verify_checksums
-                )
-                jobs = job_builders.Jobs(routed, jobs.pools)
-            connections = Connections(self._workers, self._metadata, self.timeout_s, self._readers)
-            session = UpdateSession(
-                jobs.jobs,
-                setup.manifests,
-                options,
-                connections,
-                self._fingerprints,
-                self._templates,
-                jobs.pools,
-                commit_gate,
-                updating_before=updating_workers(statuses),
-                opened=opened,
-                whole_update=setup.exporter is None or not setup.exporter.routes_each_update,
-            )
-            # Staging buffers hand workers an event to wait for instead of waiting for their own
-            # writes, when every recipient says it waits for it. Not in a push of several ranks
-            # (commit_gate): a rank's payloads also go to the sending rank's workers.
-            waits = commit_gate is None and all(m.waits_for_cuda_ipc_events for m in setup.manifests.values())
-            with exp.consumers_wait_for_events(waits):
-                return session.run()
-        except PushError as e:
-            if any(err.kind is Reason.MANIFEST_CHANGED for err in e.failures.values()):
-                self._manifests = None
-            if setup.exporter is not None and setup.exporter.update_failed(e.failures):
-                self._manifests = None
-            raise
-        finally:
-            self._push_lock.release()
+        return self._plan_and_run(
+            setup,
+            options,
+            lambda: job_builders.gathered_jobs(buckets, setup.manifests, self._staging, options),
+            one_bucket=len(buckets) == 1,
+        )
 
 
 __all__ = [
@@ -615,54 +425,3 @@ __all__ = [
     "PushResult",
     "WeightPusher",
 ]
-
-
-class RankedPushDriver:
-    """What a push made by several trainer ranks together (``weightwire.client.ranks.collective_push``)
-    uses of its ``WeightPusher``: the seam between one rank's lifecycle of an update and the ranks'
-    lockstep, so that the multi-rank driver reaches no private member of the pusher.
-
-    ``prepare`` reads the manifests, picks the exporter for ``source`` and re-checks the workers
-    before the ranks agree (a restarted worker fails every rank before a byte moves); ``run`` runs
-    this rank's share of the update on the workers it streams to, with the ranks' commit gate.
-    """
-
-    def __init__(self, pusher: WeightPusher) -> None:
-        self._pusher = pusher
-        self.endpoints: Sequence[str] = pusher.endpoints
-        self.timeout_s = pusher.timeout_s
-        self.pipeline_depth = pusher.pipeline_depth
-        self.bucket_size_bytes = pusher.bucket_size_bytes
-        self.align_bytes = pusher.align_bytes
-
-    def prepare(self, source: torch.device, options: PushOptions) -> tuple[PushSetup, exp.Exporter]:
-        pusher = self._pusher
-        setup, exporter = pusher._setup_exporting(source, dataclasses.replace(options, only_own_device=False))
-        if pusher.recheck_manifests:
-            pusher._recheck(setup.manifests, setup.recheck)
-        setup.recheck = None
-        setup.rechecked = True
-        return setup, exporter
-
-    @property
-    def fingerprints(self) -> Mapping[str, str]:
-        """The workers' manifest fingerprints the update was planned against."""
-        return dict(self._pusher._fingerprints)
-
-    def staging_pool(self, exporter: exp.Exporter, bucket_bytes: int) -> StagingPool:
-        return self._pusher._staging.pool(exporter, bucket_bytes)
-
-    def run(
-        self,
-        setup: PushSetup,
-        workers: Sequence[str],
-        jobs: job_builders.Jobs,
-        options: PushOptions,
-        commit_gate: CommitGate,
-    ) -> dict[str, PushResult]:
-        """This rank's streams to ``workers`` (a subset of ``setup``'s), committed only when
-        ``commit_gate`` (every rank's agreement) lets them."""
-        sub = dataclasses.replace(
-            setup, manifests={a: setup.manifests[a] for a in workers}, recheck=None, rechecked=True
-        )
-        return self._pusher._run(sub, jobs, options, commit_gate=commit_gate)

@@ -1,6 +1,6 @@
 """``PusherSeam``: what a push made by several trainer ranks together uses of its ``WeightPusher``.
 
-The pusher (``weightwire.client.push.pusher.RankedPushDriver``) implements it and hands it to
+The pusher's ``RankedPushDriver`` (``weightwire.client.push.ranked_driver``) implements it and hands it to
 ``collective_push``, so that the ranks' driver sits below the pusher and imports nothing of it.
 """
 

@@ -262,11 +262,14 @@ def _send_delta(
     buckets = pack_buckets(entries, limit)
     options = dataclasses.replace(options, delta_base=base, delta_fallback=pb.DELTA_FALLBACK_NONE)
     setup, exporter = pusher._setup_exporting(torch.device("cpu"), options)
-    with pusher._opened_early(setup, options, one_bucket=len(buckets) == 1) as opened:
-        jobs = job_builders.flat_jobs(
+    results = pusher._plan_and_run(
+        setup,
+        options,
+        lambda: job_builders.flat_jobs(
             buckets, setup.manifests, exporter, pusher._staging, options, CheckedLayouts()
-        )
-        results = pusher._run(setup, jobs, options, opened=opened)
+        ),
+        one_bucket=len(buckets) == 1,
+    )
     keeper.commit(options.version)
     sent = {
         a: sum(b.buffer.numel() for b in buckets if any(s.name in m.tensors for s in b.specs))

@@ -1,6 +1,6 @@
 """``PushOptions``: the keyword arguments of one push, in one object.
 
-Each entry point of ``WeightPusher`` builds one from its arguments; the job builders
+Each entry point of ``WeightPusher`` builds one from its arguments (``PushOptions.from_arguments``); the job builders
 (``weightwire.client.update.jobs``) read the planning flags, the update session
 (``weightwire.client.update.session``) the ones that go on the wire and the progress callback.
 """
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from weightwire.client.inputs.dtensor_gather import CastTo
 from weightwire.client.inputs.types import ProgressFn
@@ -51,6 +52,17 @@ class PushOptions:
     # as a delta goes whole (0: no delta was asked for).
     delta_base: int | None = None
     delta_fallback: pb.DeltaFallback.ValueType = pb.DELTA_FALLBACK_UNSPECIFIED
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> PushOptions:
+        """The options an entry point of ``WeightPusher`` was called with, from ``arguments`` (its
+        ``locals()`` before it does anything else): each argument named like a field, the scope's
+        name made its wire value. The entry points' keywords are these fields by name, so one place
+        turns any of them into options; their other arguments (the tensors, ``group``) are not
+        options and are left out."""
+        given = {f.name: arguments[f.name] for f in dataclasses.fields(cls) if f.name in arguments}
+        given["scope"] = scope_value(given["scope"])
+        return cls(**given)
 
     def header(self, manifest_fingerprint: str) -> pb.UpdateHeader:
         """The UpdateHeader of this push for a worker whose manifest had ``manifest_fingerprint``."""
