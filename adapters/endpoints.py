@@ -93,6 +93,26 @@ def parse_worker_id(text: str) -> tuple[int, int, int, int] | None:
     return dp, pp, tp, sp
 
 
+def engine_rank(
+    *,
+    tp: tuple[int, int],
+    pp: tuple[int, int],
+    dp: tuple[int | None, int | None],
+    sp: tuple[int, int] = (0, 1),
+) -> ParallelRank:
+    """The ``ParallelRank`` of an engine's rank process from its parallel state's ``(rank, size)``
+    of each dimension (SGLang's and vLLM's adapters both build it here).
+
+    A data-parallel rank that is unknown or not below the data-parallel size (SGLang without DP
+    attention, a vLLM replica launched on its own) means one replica: ``dp`` is then 0 of 1, so the
+    worker id and index do not name replicas that no one else of this engine counts.
+    """
+    dp_rank, dp_size = dp[0], dp[1] or 1
+    if dp_rank is None or dp_rank >= dp_size:
+        dp_rank, dp_size = 0, 1
+    return ParallelRank(tp[0], tp[1], pp[0], pp[1], dp_rank, dp_size, sp[0], sp[1])
+
+
 def worker_index(rank: ParallelRank) -> int:
     """Dense index of a rank process: ``(dp_rank * pp_size + pp_rank) * tp_size + tp_rank``."""
     return (rank.dp_rank * rank.pp_size + rank.pp_rank) * rank.tp_size + rank.tp_rank

@@ -31,11 +31,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
+from weightwire.adapters.rank_adapter import check_pushed_tensor, rank_manifest
 from weightwire.adapters.sglang.direct_copy import DirectCopy, destinations, direct_pairs
 from weightwire.adapters.sglang.engine_thread import EngineTaskQueue
 from weightwire.adapters.sglang.manifest import LoadTarget, ModelLayout, model_layout
@@ -48,7 +48,7 @@ from weightwire.adapters.sglang.settings import worker_id as default_worker_id
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef, device_ref_of
 from weightwire.core.errors import Reason, WeightwireError
-from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest, transports_for
+from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -118,7 +118,7 @@ class SGLangAdapter:
         self._wrote = False
         # Set and read on the engine thread: an update's begin ran there and its end has not.
         self.update_open = False
-        self._manifest = ShardManifest.build(
+        self._manifest = rank_manifest(
             self.own_device,
             rank,
             (
@@ -127,13 +127,9 @@ class SGLangAdapter:
                 )
                 for name, found in self.layout.targets.items()
             ),
-            layer_start=self.layout.layer_start,
-            layer_end=self.layout.layer_end,
-            num_layers=self.layout.num_layers,
+            self.layout,
             engine="sglang",
             worker_id=self.worker_id,
-            transports=transports_for(self.own_device),
-            instance_id=uuid.uuid4().hex,
         )
         self._dst = destinations(model, self._params, self.layout) if direct_copy else {}
 
@@ -323,25 +319,7 @@ class SGLangAdapter:
 
     def _check_tensor(self, name: str, tensor: torch.Tensor) -> None:
         found = self.layout.targets.get(name)
-        if found is None:
-            # The service filters by manifest already; anything else reaching here is a bug upstream.
-            raise WeightwireError(
-                Reason.LOAD_FAILED,
-                f"{self.worker_id}: {name!r} is not in this worker's manifest; refusing to load it",
-            )
-        target = found[0]
-        if tensor.dtype != target.dtype:
-            raise WeightwireError(
-                Reason.DTYPE_MISMATCH,
-                f"{name}: got {tensor.dtype}, this worker expects {target.dtype}",
-                tensor=name,
-            )
-        if tuple(tensor.shape) != target.shape:
-            raise WeightwireError(
-                Reason.SHAPE_MISMATCH,
-                f"{name}: got shape {tuple(tensor.shape)}, this worker expects the full checkpoint shape {target.shape}",
-                tensor=name,
-            )
+        check_pushed_tensor(self.worker_id, name, tensor, (found[0].dtype, found[0].shape) if found else None)
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         expected = self.layout.targets[name]

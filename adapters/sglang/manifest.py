@@ -35,6 +35,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from weightwire.adapters.layout_rules import (
+    CheckpointTarget,
+    ManifestError,
+    StageLayout,
+    check_expert_param,
+    check_local,
+    expert_shards,
+    linear_feeds,
+    read_stage,
+    refuse_layouts,
+)
 from weightwire.core import dtypes, fp8_geometry, layer_geometry
 from weightwire.core.layer_geometry import GeometryError, union_of_pieces
 from weightwire.core.manifest import TensorPiece
@@ -49,38 +60,19 @@ _QKV_SHARD_IDS = ("q", "k", "v")
 _KV_CACHE_SCALES = ("k_scale", "v_scale")
 
 
-class ManifestError(ValueError):
-    """The model holds a parameter whose checkpoint name or full shape cannot be derived safely."""
-
-
 @dataclasses.dataclass(frozen=True)
-class LoadTarget:
+class LoadTarget(CheckpointTarget):
     """One checkpoint tensor a rank consumes, and where SGLang's ``load_weights`` puts it."""
 
-    name: str
-    """Checkpoint (Hugging Face) name, e.g. ``model.layers.3.self_attn.k_proj.weight``."""
-    param_name: str
-    """The SGLang parameter it fills, e.g. ``model.layers.3.self_attn.qkv_proj.weight``."""
-    shard_id: str | int | None
-    """The shard id SGLang's weight loader is called with (``"k"``, ``1``, ``"w1"``), None if unfused."""
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    """Full checkpoint shape (not this rank's slice)."""
-    pieces: tuple[TensorPiece, ...] = ()
-    """What this parameter keeps of the checkpoint tensor (``layer_geometry``; empty: all of it)."""
     expert_id: int | None = None
     """A routed expert's global id (the ``expert_id`` its weight loader is called with), else None."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelLayout:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelLayout(StageLayout):
     """What a rank's model consumes: checkpoint name -> the parameter(s) it fills, and its layers."""
 
     targets: Mapping[str, tuple[LoadTarget, ...]]
-    layer_start: int
-    layer_end: int
-    num_layers: int
-    tie_word_embeddings: bool
 
     def checkpoint_shape(self, name: str) -> tuple[int, ...]:
         return self.targets[name][0].shape
@@ -125,14 +117,7 @@ EXPERT_CHECKPOINT_NAMES: Mapping[str, tuple[str, str, str, str]] = {
 
 def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa: C901 - known; split when next changed
     """Every checkpoint tensor this rank's ``model`` consumes (see module docstring)."""
-    from sglang.srt.layers.linear import (
-        ColumnParallelLinear,
-        LinearBase,
-        MergedColumnParallelLinear,
-        QKVParallelLinear,
-        ReplicatedLinear,
-        RowParallelLinear,
-    )
+    from sglang.srt.layers.linear import LinearBase
     from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
     from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
@@ -142,11 +127,8 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
         FusedMoE = ()  # type: ignore[assignment,misc]
 
     packed = packed_modules_mapping(model)
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    num_layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
-    inner = getattr(model, "model", model)
-    layer_start = int(getattr(inner, "start_layer", 0))
-    layer_end = int(getattr(inner, "end_layer", num_layers))
+    stage = read_stage(model, hf_config)
+    tied = stage.tie_word_embeddings
 
     targets: dict[str, list[LoadTarget]] = {}
 
@@ -170,15 +152,13 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
     def add_feeds(
         param_name: str, param: torch.Tensor, names: tuple[str, ...], feeds: layer_geometry.LayerFeeds
     ) -> None:
-        _check_local(param_name, local, feeds.local)
+        check_local(param_name, local, feeds.local)
         for feed in feeds.feeds:
             add(names[feed.component], param_name, feed.shard_id, param, feed.shape, feed.pieces)
 
     for param_name, param in model.named_parameters():
         module_name, _, leaf = param_name.rpartition(".")
         module = model.get_submodule(module_name) if module_name else model
-        attr = module_name.rpartition(".")[2]
-        parent = module_name.rpartition(".")[0]
         local = tuple(param.shape)
 
         if FusedMoE and isinstance(module, FusedMoE):
@@ -208,41 +188,15 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
         if getattr(module, "use_presharded_weights", False):
             raise ManifestError(f"{param_name}: pre-sharded checkpoints are not supported")
 
-        if isinstance(module, QKVParallelLinear):
-            names = _fused_names(packed, attr, param_name, expected=3)
-            tp_rank, kv_tp_rank = _tp_ranks(module)
+        linear = (
+            linear_feeds(module, module_name, leaf, packed, _tp_ranks)
+            if isinstance(module, LinearBase)
+            else None
+        )
+        if linear is not None:
             add_feeds(
-                param_name,
-                param,
-                tuple(_join(parent, n, leaf) for n in names),
-                _geometry(param_name, layer_geometry.qkv, module, leaf, tp_rank, kv_tp_rank, block=block),
+                param_name, param, linear.names, _geometry(param_name, linear.rule, *linear.args, block=block)
             )
-        elif isinstance(module, MergedColumnParallelLinear):
-            names = _fused_names(packed, attr, param_name, expected=len(module.output_sizes))
-            add_feeds(
-                param_name,
-                param,
-                tuple(_join(parent, n, leaf) for n in names),
-                _geometry(
-                    param_name, layer_geometry.merged_column, module, leaf, _tp_ranks(module)[0], block=block
-                ),
-            )
-        elif isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
-            if attr in packed:
-                raise ManifestError(
-                    f"{param_name}: {attr} is listed as fused but is a {type(module).__name__}"
-                )
-            if isinstance(module, ColumnParallelLinear):
-                feeds = _geometry(
-                    param_name, layer_geometry.column, module, leaf, _tp_ranks(module)[0], block=block
-                )
-            elif isinstance(module, RowParallelLinear):
-                feeds = _geometry(
-                    param_name, layer_geometry.row, module, leaf, _tp_ranks(module)[0], block=block
-                )
-            else:
-                feeds = _geometry(param_name, layer_geometry.replicated, module, leaf, block=block)
-            add_feeds(param_name, param, (param_name,), feeds)
         elif isinstance(module, LinearBase):
             raise ManifestError(f"{param_name}: unsupported parallel layer {type(module).__name__}")
         elif isinstance(module, VocabParallelEmbedding):
@@ -275,7 +229,7 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
         if len({(t.dtype, t.shape) for t in found}) != 1:
             raise ManifestError(f"{name} feeds parameters of different dtype/shape: {found}")
         frozen[name] = tuple(found)
-    return ModelLayout(frozen, layer_start, layer_end, num_layers, tied)
+    return ModelLayout(targets=frozen, **dataclasses.asdict(stage))
 
 
 def _expert_targets(
@@ -296,27 +250,21 @@ def _expert_targets(
             f"{where}: mixture-of-experts layer of {arch}, whose checkpoint expert names this adapter does not "
             f"know (known: {sorted(EXPERT_CHECKPOINT_NAMES)})"
         )
-    method = type(getattr(layer, "quant_method", None)).__name__
-    if method != "UnquantizedFusedMoEMethod":
-        raise ManifestError(
-            f"{where}: experts are quantized ({method}); only unquantized experts are supported"
-        )
-    if leaf not in ("w13_weight", "w2_weight"):
-        raise ManifestError(f"{where}: expert parameter {leaf!r} (bias or scale) is not supported")
-    refusals = {
-        "pre-sharded checkpoints": bool(getattr(layer, "use_presharded_weights", False)),
-        "fused shared experts": int(getattr(layer, "num_fused_shared_experts", 0) or 0) > 0,
-        "the triton-kernels MoE backend (transposed experts)": bool(
-            getattr(layer, "use_triton_kernels", False)
-        ),
-        "non-gated experts": not bool(layer.moe_runner_config.is_gated),
-        "up before gate in w13 (FlashInfer layouts)": bool(
-            getattr(getattr(layer, "quant_method", None), "load_up_proj_weight_first", False)
-        ),
-    }
-    for what, found in refusals.items():
-        if found:
-            raise ManifestError(f"{where}: {what} are not supported")
+    check_expert_param(where, leaf, type(getattr(layer, "quant_method", None)).__name__)
+    refuse_layouts(
+        where,
+        {
+            "pre-sharded checkpoints": bool(getattr(layer, "use_presharded_weights", False)),
+            "fused shared experts": int(getattr(layer, "num_fused_shared_experts", 0) or 0) > 0,
+            "the triton-kernels MoE backend (transposed experts)": bool(
+                getattr(layer, "use_triton_kernels", False)
+            ),
+            "non-gated experts": not bool(layer.moe_runner_config.is_gated),
+            "up before gate in w13 (FlashInfer layouts)": bool(
+                getattr(getattr(layer, "quant_method", None), "load_up_proj_weight_first", False)
+            ),
+        },
+    )
     tp_rank, tp_size = int(layer.moe_tp_rank), int(layer.moe_tp_size)
     per_rank = int(layer.intermediate_size_per_partition)
     hidden = int(layer.hidden_size)
@@ -342,15 +290,16 @@ def _expert_targets(
     kept = min(per_rank, full - start)
     if kept <= 0:
         return []
-    piece_rows = () if kept == full else (TensorPiece(0, start, kept),)
-    piece_cols = () if kept == full else (TensorPiece(1, start, kept),)
-    shards: tuple[tuple[str, str, tuple[int, int], tuple[TensorPiece, ...]], ...]
-    if leaf == "w13_weight":
-        _check_local(where, tuple(param.shape), (num_local, 2 * per_rank, hidden))
-        shards = (("w1", names[0], (full, hidden), piece_rows), ("w3", names[1], (full, hidden), piece_rows))
-    else:
-        _check_local(where, tuple(param.shape), (num_local, hidden, per_rank))
-        shards = (("w2", names[2], (hidden, full), piece_cols),)
+    shards = expert_shards(
+        where,
+        leaf,
+        tuple(param.shape),
+        experts=num_local,
+        hidden=hidden,
+        per_rank=per_rank,
+        rows=(start, kept, full),
+        names=names[:3],
+    )
     return [
         LoadTarget(f"{module_name}.{e}.{ckpt}.weight", where, sid, param.dtype, shape, pieces, e)
         for e in range(first, first + num_local)
@@ -376,26 +325,6 @@ def _check_trivial_placement(where: str, layer: Any) -> None:
             raise ManifestError(
                 f"{where}: expert {e} is placed at {meta.logical_to_all_physical(layer_id, e)}"
             )
-
-
-def _fused_names(
-    packed: Mapping[str, tuple[str, ...]], attr: str, param_name: str, *, expected: int
-) -> tuple[str, ...]:
-    names = packed.get(attr)
-    if names is None:
-        raise ManifestError(
-            f"{param_name}: fused layer {attr!r} has no entry in the model's packed_modules_mapping, so the "
-            "checkpoint names it consumes are unknown"
-        )
-    if len(names) != expected:
-        raise ManifestError(
-            f"{param_name}: {attr!r} packs {expected} outputs but the mapping lists {list(names)}"
-        )
-    return names
-
-
-def _join(parent: str, module: str, leaf: str) -> str:
-    return f"{parent}.{module}.{leaf}" if parent else f"{module}.{leaf}"
 
 
 def _geometry(
@@ -455,7 +384,7 @@ def _fp8_block(param_name: str, layer: Any) -> tuple[int, int] | None:
     return block[0], block[1]
 
 
-def _tp_ranks(layer: Any) -> tuple[int, int]:
+def _tp_ranks(layer: Any, where: str) -> tuple[int, int]:
     """(tensor-parallel rank, k/v rank) a linear layer's weight loader slices by: SGLang 0.5.23 keeps
     the layer's groups (``tp_group``, ``kv_tp_group``; None: unsharded), 0.5.17 its ``tp_rank``."""
     if hasattr(layer, "tp_group"):
@@ -467,12 +396,6 @@ def _tp_ranks(layer: Any) -> tuple[int, int]:
         return tp, rank(layer.kv_tp_group) if hasattr(layer, "kv_tp_group") else tp
     if hasattr(layer, "tp_rank"):
         return int(layer.tp_rank), int(layer.tp_rank)
-    raise ManifestError(f"{type(layer).__name__} records no tensor-parallel rank; cannot state its slice")
-
-
-def _check_local(param_name: str, local: tuple[int, ...], expected: tuple[int, ...]) -> None:
-    if local != expected:
-        raise ManifestError(
-            f"{param_name}: this rank holds shape {local} but the layer's sizes imply {expected}; "
-            "refusing to guess the checkpoint layout"
-        )
+    raise ManifestError(
+        f"{where}: {type(layer).__name__} records no tensor-parallel rank; cannot state its slice"
+    )

@@ -35,18 +35,18 @@ import logging
 import os
 import pkgutil
 import re
-import stat
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from weightwire.adapters.endpoints import engine_rank, prepare_socket
 from weightwire.adapters.sglang.adapter import SGLangAdapter
-from weightwire.adapters.sglang.discovery import unix_socket_alive
 from weightwire.adapters.sglang.engine_thread import EngineTaskQueue
 from weightwire.adapters.sglang.sessions import NoWeightSession, WeightUpdateSession
 from weightwire.adapters.sglang.settings import (
     ENV_ALLOW_UNTESTED,
     ENV_ENABLE,
+    ENV_SOCKET_DIR,
     Settings,
     SettingsError,
     worker_id,
@@ -260,13 +260,13 @@ def start_worker(scheduler: Any, settings: Settings | None = None) -> SchedulerW
     socket_path = None
     if address.startswith("unix:"):
         socket_path = address.removeprefix("unix:")
-        prepare_socket(socket_path)
+        prepare_socket(socket_path, env_hint=f"its own {ENV_SOCKET_DIR} or --port")
     server = serve(
         adapter,
         listen=address,
-        token=settings.token,
-        tls_cert=settings.tls_cert,
-        tls_key=settings.tls_key,
+        token=settings.endpoints.token,
+        tls_cert=settings.endpoints.tls_cert,
+        tls_key=settings.endpoints.tls_key,
         own_device=adapter.own_device,
     )
     worker = SchedulerWorker(adapter, queue, server, server.address, socket_path, wake_receiver, wake_sender)
@@ -373,49 +373,12 @@ def parallel_rank() -> ParallelRank:
     from sglang.srt.runtime_context import get_parallel
 
     p = get_parallel()
-    dp_rank = _read(p, "dp_rank", None)
-    dp_size = _read(p, "dp_size", 1) or 1
-    if dp_rank is None or dp_rank >= dp_size:
-        dp_rank, dp_size = 0, 1
-    return ParallelRank(
-        tp_rank=p.tp_rank,
-        tp_size=p.tp_size,
-        pp_rank=p.pp_rank,
-        pp_size=p.pp_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        sp_rank=_read(p, "attn_cp_rank", 0) or 0,
-        sp_size=_read(p, "attn_cp_size", 1) or 1,
+    return engine_rank(
+        tp=(p.tp_rank, p.tp_size),
+        pp=(p.pp_rank, p.pp_size),
+        dp=(_read(p, "dp_rank", None), _read(p, "dp_size", 1)),
+        sp=(_read(p, "attn_cp_rank", 0) or 0, _read(p, "attn_cp_size", 1) or 1),
     )
-
-
-def prepare_socket(path: str) -> None:
-    """Create the socket directory (0700) and remove a stale socket of a previous run at ``path``."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    st = os.stat(directory)
-    if st.st_uid != os.getuid():
-        raise PermissionError(
-            f"weightwire socket directory {directory} belongs to uid {st.st_uid}, not to us"
-        )
-    if st.st_mode & 0o077:
-        log.warning(
-            "weightwire: socket directory %s is accessible to other users (mode %o)",
-            directory,
-            st.st_mode & 0o777,
-        )
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
-    if unix_socket_alive(path):
-        raise FileExistsError(
-            f"another worker is listening at {path} (a second engine with the same socket directory?); "
-            "give each engine its own WEIGHTWIRE_SGLANG_SOCKET_DIR or --port"
-        )
-    os.unlink(path)
 
 
 def _read(parallel: Any, name: str, default: Any) -> Any:

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Protocol
 
 import torch
+from weightwire.adapters.rank_adapter import UpdatePhaseTimes
 
 
 class WeightUpdateSession(Protocol):
@@ -56,8 +57,8 @@ class LoaderWeightSession:
 
 
 @dataclasses.dataclass
-class UpdatePhases:
-    """Where one update's time went on this worker (nanoseconds, summed over its steps).
+class UpdatePhases(UpdatePhaseTimes):
+    """Where one update's time went on this SGLang rank (nanoseconds, summed over its steps).
 
     ``*_wait_ns``: from handing a step to the scheduler thread until that thread started it (the
     hand-off); ``load_ns``: the load steps' work (synchronizes, copies or ``load_weights``);
@@ -67,24 +68,13 @@ class UpdatePhases:
     ``begin_update`` until ``end_update`` returned, the time between steps (the gRPC threads
     receiving and opening buckets) included."""
 
-    version: int
     begin_wait_ns: int = 0
     begin_ns: int = 0
     load_wait_ns: int = 0
-    load_ns: int = 0
-    sync_ns: int = 0
     end_wait_ns: int = 0
     end_ns: int = 0
     commit_ns: int = 0
     between_ns: int = 0
-    total_ns: int = 0
-    loads: int = 0
     tensors: int = 0
     direct_loads: int = 0
     gate_refusals: int = 0
-
-    def as_ms(self) -> dict[str, float | int]:
-        return {
-            k.removesuffix("_ns") + "_ms" if k.endswith("_ns") else k: (v / 1e6 if k.endswith("_ns") else v)
-            for k, v in dataclasses.asdict(self).items()
-        }

@@ -91,30 +91,6 @@ class Settings:
             idle_wait_s=env_seconds(env, ENV_IDLE_WAIT, default=5.0, allow_zero=True),
         )
 
-    @property
-    def socket_dir(self) -> str | None:
-        return self.endpoints.socket_dir
-
-    @property
-    def base_port(self) -> int | None:
-        return self.endpoints.base_port
-
-    @property
-    def host(self) -> str:
-        return self.endpoints.host
-
-    @property
-    def token(self) -> str | None:
-        return self.endpoints.token
-
-    @property
-    def tls_cert(self) -> str | None:
-        return self.endpoints.tls_cert
-
-    @property
-    def tls_key(self) -> str | None:
-        return self.endpoints.tls_key
-
     def address(self, rank: ParallelRank) -> str:
         """The gRPC target this rank's worker listens on."""
         return self.endpoints.address(rank)
@@ -122,9 +98,8 @@ class Settings:
     def engine_key(self) -> str:
         """Names this engine on its host: its socket directory or TCP base address (two engines
         cannot share either), the same in every rank."""
-        if self.base_port is not None:
-            return f"tcp:{self.host}:{self.base_port}"
-        return f"unix:{self.socket_dir}"
+        e = self.endpoints
+        return f"tcp:{e.host}:{e.base_port}" if e.base_port is not None else f"unix:{e.socket_dir}"
 
 
 def default_socket_dir(engine_port: int | None) -> str:

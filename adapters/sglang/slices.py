@@ -28,18 +28,11 @@ import torch
 from weightwire.adapters.sglang.adapter import SGLangAdapter
 from weightwire.adapters.sglang.direct_copy import DirectCopy
 from weightwire.core.errors import Reason, WeightwireError
-from weightwire.core.manifest import OwnedTensor
+from weightwire.server.transports.transfer_group_slices import kept_shape
 
 log = logging.getLogger(__name__)
 
 __all__ = ["SlicesSGLangAdapter", "build_adapter", "kept_regions"]
-
-
-def _kept_shape(owned: OwnedTensor) -> tuple[int, ...]:
-    shape = list(owned.shape)
-    if owned.pieces:
-        shape[owned.pieces[0].dim] = sum(p.length for p in owned.pieces)
-    return tuple(shape)
 
 
 def kept_regions(adapter: SGLangAdapter) -> tuple[dict[str, tuple[torch.Tensor, ...]], str | None]:
@@ -50,7 +43,7 @@ def kept_regions(adapter: SGLangAdapter) -> tuple[dict[str, tuple[torch.Tensor, 
     manifest = adapter.manifest()
     out: dict[str, tuple[torch.Tensor, ...]] = {}
     for name, targets in adapter.layout.targets.items():
-        want = _kept_shape(manifest.tensors[name])
+        want = kept_shape(manifest.tensors[name])
         regions = []
         for t in targets:
             region = adapter._dst.get((t.param_name, t.shard_id, name))

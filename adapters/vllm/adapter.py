@@ -54,20 +54,20 @@ import dataclasses
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from weightwire.adapters.endpoints import worker_id as default_worker_id
+from weightwire.adapters.rank_adapter import UpdatePhaseTimes, check_pushed_tensor, rank_manifest
 from weightwire.adapters.vllm.direct import DirectLayers, LayerSnapshot, copy_pairs, snapshot
 from weightwire.adapters.vllm.forward_gate import ForwardGate
 from weightwire.adapters.vllm.manifest import ModelLayout, model_layout
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef, device_ref_of
 from weightwire.core.errors import Reason, WeightwireError
-from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest, transports_for
+from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
 
 # Under "vllm." so that vLLM's own log configuration prints it in every worker process.
 log = logging.getLogger("vllm.weightwire")
@@ -109,20 +109,16 @@ class VLLMAdapter:
         self.direct = DirectLayers(self.layout, self._layers, enabled=direct_copy)
         self.gate = ForwardGate()
         self._remove_hooks = self.gate.install(model)
-        self._manifest = ShardManifest.build(
+        self._manifest = rank_manifest(
             self.own_device,
             rank,
             (
                 OwnedTensor(t.name, dtypes.from_torch(t.dtype), t.shape, t.pieces)
                 for t in self.layout.targets.values()
             ),
-            layer_start=self.layout.layer_start,
-            layer_end=self.layout.layer_end,
-            num_layers=self.layout.num_layers,
+            self.layout,
             engine="vllm",
             worker_id=self.worker_id,
-            transports=transports_for(self.own_device),
-            instance_id=uuid.uuid4().hex,
         )
         # Window and update state, shared by the worker's main thread (window) and the gRPC thread.
         self._cond = threading.Condition()
@@ -300,24 +296,7 @@ class VLLMAdapter:
 
     def _check_tensor(self, name: str, tensor: torch.Tensor) -> None:
         target = self.layout.targets.get(name)
-        if target is None:
-            # The service filters by manifest already; anything else reaching here is a bug upstream.
-            raise WeightwireError(
-                Reason.LOAD_FAILED,
-                f"{self.worker_id}: {name!r} is not in this worker's manifest; refusing to load it",
-            )
-        if tensor.dtype != target.dtype:
-            raise WeightwireError(
-                Reason.DTYPE_MISMATCH,
-                f"{name}: got {tensor.dtype}, this worker expects {target.dtype}",
-                tensor=name,
-            )
-        if tuple(tensor.shape) != target.shape:
-            raise WeightwireError(
-                Reason.SHAPE_MISMATCH,
-                f"{name}: got shape {tuple(tensor.shape)}, this worker expects the full checkpoint shape {target.shape}",
-                tensor=name,
-            )
+        check_pushed_tensor(self.worker_id, name, tensor, (target.dtype, target.shape) if target else None)
 
     def _load_batch(self, batch: list[tuple[str, torch.Tensor]], arriving: dict[str, set[str]]) -> None:
         """One ``load_weights`` call for a bucket's tensors (per-call overhead is per bucket, not per
@@ -415,27 +394,15 @@ class VLLMAdapter:
 
 
 @dataclasses.dataclass
-class UpdatePhases:
-    """Where one update's time went on this worker (nanoseconds): ``load_ns`` in ``load`` calls
-    (of it ``copy_ns`` direct copies, ``reload_ns`` vLLM's reload, ``sync_ns`` device
-    synchronizes, which end the copies), ``total_ns`` from ``begin_update`` to the end of
-    ``end_update`` (the worker service's receiving and opening of buckets in between included)."""
+class UpdatePhases(UpdatePhaseTimes):
+    """Where one update's time went on this vLLM worker (nanoseconds): of ``load_ns``,
+    ``copy_ns`` direct copies and ``reload_ns`` vLLM's reload (``sync_ns`` device synchronizes end
+    the copies); ``total_ns`` includes the worker service's receiving and opening of buckets."""
 
-    version: int
-    loads: int = 0
     direct_tensors: int = 0
     reload_tensors: int = 0
-    load_ns: int = 0
     copy_ns: int = 0
     reload_ns: int = 0
-    sync_ns: int = 0
-    total_ns: int = 0
-
-    def as_ms(self) -> dict[str, float | int]:
-        return {
-            k.removesuffix("_ns") + "_ms" if k.endswith("_ns") else k: (v / 1e6 if k.endswith("_ns") else v)
-            for k, v in dataclasses.asdict(self).items()
-        }
 
 
 def _repack_cpu_experts(layer: torch.nn.Module) -> None:

@@ -39,7 +39,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weightwire.adapters.endpoints import prepare_socket, worker_id, worker_index
+from weightwire.adapters.endpoints import engine_rank, prepare_socket, worker_id, worker_index
 from weightwire.adapters.vllm.adapter import VLLMAdapter
 from weightwire.adapters.vllm.plugin import check_version
 from weightwire.adapters.vllm.settings import ENV_BASE_PORT, ENV_SOCKET_DIR, Settings, default_socket_dir
@@ -175,17 +175,11 @@ def parallel_rank(vllm_config: Any) -> ParallelRank:
             f"weightwire: prefill_context_parallel_size={pcp} is not supported (TP x PP x DP only)"
         )
     tp, pp = get_tp_group(), get_pp_group()
-    dp_size = int(parallel.data_parallel_size or 1)
     dp_rank = int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank) or 0)
-    if dp_rank >= dp_size:
-        dp_rank, dp_size = 0, 1
-    return ParallelRank(
-        tp_rank=tp.rank_in_group,
-        tp_size=tp.world_size,
-        pp_rank=pp.rank_in_group,
-        pp_size=pp.world_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
+    return engine_rank(
+        tp=(tp.rank_in_group, tp.world_size),
+        pp=(pp.rank_in_group, pp.world_size),
+        dp=(dp_rank, int(parallel.data_parallel_size or 1)),
     )
 
 

@@ -37,40 +37,39 @@ Called by ``weightwire.adapters.vllm.adapter`` inside each vLLM worker process.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from weightwire.adapters.layout_rules import (
+    CheckpointTarget,
+    ManifestError,
+    StageLayout,
+    check_expert_param,
+    check_local,
+    expert_shards,
+    linear_feeds,
+    read_stage,
+    refuse_layouts,
+)
 from weightwire.core import dtypes, layer_geometry
 from weightwire.core.layer_geometry import GeometryError
 from weightwire.core.manifest import TensorPiece
 
-
-class ManifestError(ValueError):
-    """The model holds a parameter whose checkpoint name or full shape cannot be derived safely."""
+# What ``check_local`` compares: the shape vLLM's weight loaders fill, recorded before repacking.
+_HELD = "model-format shape"
 
 
 @dataclasses.dataclass(frozen=True)
-class LoadTarget:
+class LoadTarget(CheckpointTarget):
     """One checkpoint tensor a worker consumes, and the vLLM layer and parameter it fills."""
 
-    name: str
-    """Checkpoint (Hugging Face) name, e.g. ``model.layers.3.self_attn.k_proj.weight``."""
-    layer_name: str
+    layer_name: str = dataclasses.field(kw_only=True)
     """The vLLM module whose parameter it fills, e.g. ``model.layers.3.self_attn.qkv_proj``."""
-    param_name: str
-    """That parameter's full name, e.g. ``model.layers.3.self_attn.qkv_proj.weight``."""
-    shard_id: str | int | None
-    """The shard of a fused parameter (``"k"``, ``1``), None if unfused."""
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    """Full checkpoint shape (not this rank's slice)."""
-    pieces: tuple[TensorPiece, ...] = ()
-    """What this worker keeps of the checkpoint tensor (``layer_geometry``; empty: all of it)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelLayout:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelLayout(StageLayout):
     """What a worker's model consumes, by checkpoint name, and its pipeline stage's layers."""
 
     targets: Mapping[str, LoadTarget]
@@ -79,23 +78,11 @@ class ModelLayout:
     tied_layers: Mapping[str, tuple[str, ...]]
     """vLLM layer name -> the other layers that share one of its parameters (a tied ``lm_head``).
     vLLM's reload re-processes only the layer it loads; these must be re-processed after it."""
-    layer_start: int
-    layer_end: int
-    num_layers: int
-    tie_word_embeddings: bool
 
 
 def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa: C901 - known; split when next changed
     """Every checkpoint tensor this worker's ``model`` consumes (see the module docstring)."""
-    from vllm.model_executor.layers.linear import (
-        ColumnParallelLinear,
-        LinearBase,
-        MergedColumnParallelLinear,
-        QKVParallelLinear,
-        ReplicatedLinear,
-        RowParallelLinear,
-        UnquantizedLinearMethod,
-    )
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
         UnquantizedEmbeddingMethod,
@@ -108,13 +95,11 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
     except ImportError:  # a release without it: its MoE layers are refused below, as before
         RoutedExperts = ()  # type: ignore[assignment,misc]
 
-    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    tied = bool(getattr(text_config, "tie_word_embeddings", False))
-    num_layers = int(getattr(text_config, "num_hidden_layers", 0) or 0)
+    stage = read_stage(
+        model, hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    )
+    tied = stage.tie_word_embeddings
     packed = _packed_modules(model)
-    inner = getattr(model, "model", model)
-    layer_start = int(getattr(inner, "start_layer", 0))
-    layer_end = int(getattr(inner, "end_layer", num_layers))
     model_format = _model_format_shapes()
 
     targets: dict[str, LoadTarget] = {}
@@ -138,7 +123,9 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
             raise ManifestError(
                 f"checkpoint name {name} would feed both {targets[name].param_name} and {layer_name}.{leaf}"
             )
-        targets[name] = LoadTarget(name, layer_name, _join(layer_name, leaf), shard_id, dtype, shape, pieces)
+        targets[name] = LoadTarget(
+            name, _join(layer_name, leaf), shard_id, dtype, shape, pieces, layer_name=layer_name
+        )
 
     def add_feeds(
         layer_name: str,
@@ -154,7 +141,7 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
             feeds = rule(*args)
         except GeometryError as e:
             raise ManifestError(f"{where}: {e}") from None
-        _check_local(where, local, feeds.local)
+        check_local(where, local, feeds.local, held=_HELD)
         for feed in feeds.feeds:
             add(names[feed.component], layer_name, leaf, feed.shard_id, dtype, feed.shape, feed.pieces)
 
@@ -170,8 +157,6 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
         own = [(leaf, p) for leaf, p in module._parameters.items() if p is not None]
         if not own:
             continue
-        attr = layer_name.rpartition(".")[2]
-        parent = layer_name.rpartition(".")[0]
         for leaf, param in own:
             owner = owner_of_param.get(id(param))
             if owner is not None:
@@ -200,42 +185,13 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
             local = model_format(module, leaf, param)
             dtype = param.dtype
 
-            if isinstance(module, QKVParallelLinear):
-                names = tuple(
-                    _join(_join(parent, n), leaf) for n in _fused_names(packed, attr, where, expected=3)
-                )
-                tp = _tp_rank(module, where)
-                add_feeds(
-                    layer_name, leaf, where, local, dtype, names, layer_geometry.qkv, module, leaf, tp, tp
-                )
-            elif isinstance(module, MergedColumnParallelLinear):
-                fused = _fused_names(packed, attr, where, expected=len(module.output_sizes))
-                names = tuple(_join(_join(parent, n), leaf) for n in fused)
-                add_feeds(
-                    layer_name,
-                    leaf,
-                    where,
-                    local,
-                    dtype,
-                    names,
-                    layer_geometry.merged_column,
-                    module,
-                    leaf,
-                    _tp_rank(module, where),
-                )
-            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
-                if attr in packed:
-                    raise ManifestError(
-                        f"{where}: {attr} is listed as fused but is a {type(module).__name__}"
-                    )
-                args: tuple[Any, ...]
-                if isinstance(module, ColumnParallelLinear):
-                    rule, args = layer_geometry.column, (module, leaf, _tp_rank(module, where))
-                elif isinstance(module, RowParallelLinear):
-                    rule, args = layer_geometry.row, (module, leaf, _tp_rank(module, where))
-                else:
-                    rule, args = layer_geometry.replicated, (module, leaf)
-                add_feeds(layer_name, leaf, where, local, dtype, (where,), rule, *args)
+            linear = (
+                linear_feeds(module, layer_name, leaf, packed, _tp_ranks)
+                if isinstance(module, LinearBase)
+                else None
+            )
+            if linear is not None:
+                add_feeds(layer_name, leaf, where, local, dtype, linear.names, linear.rule, *linear.args)
             elif isinstance(module, LinearBase):
                 raise ManifestError(f"{where}: unsupported parallel layer {type(module).__name__}")
             elif isinstance(module, VocabParallelEmbedding):
@@ -245,7 +201,9 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
                     )
                 if leaf != "weight":
                     raise ManifestError(f"{where}: embedding parameter {leaf!r} is not supported")
-                _check_local(where, local, (module.num_embeddings_per_partition, module.embedding_dim))
+                check_local(
+                    where, local, (module.num_embeddings_per_partition, module.embedding_dim), held=_HELD
+                )
                 if module.num_embeddings_padded - module.org_vocab_size_padded:
                     raise ManifestError(f"{where}: embeddings with added (LoRA) vocabulary are not supported")
                 if tied and isinstance(module, ParallelLMHead):
@@ -274,10 +232,7 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
         targets=targets,
         names_by_layer={k: frozenset(v) for k, v in by_layer.items()},
         tied_layers={k: tuple(v) for k, v in tied_layers.items()},
-        layer_start=layer_start,
-        layer_end=layer_end,
-        num_layers=num_layers,
-        tie_word_embeddings=tied,
+        **dataclasses.asdict(stage),
     )
 
 
@@ -289,31 +244,25 @@ def _expert_targets(
     worker's slice of the intermediate dimension, as ``RoutedExperts.load_weights`` /
     ``weight_loader`` / ``_load_w13`` / ``_load_w2`` (vLLM 0.32) slice them."""
     where = _join(layer_name, leaf)
-    method = type(layer.quant_method).__name__
-    if method != "UnquantizedFusedMoEMethod":
-        raise ManifestError(
-            f"{where}: experts are quantized ({method}); only unquantized experts are supported"
-        )
-    if leaf not in ("w13_weight", "w2_weight"):
-        raise ManifestError(f"{where}: expert parameter {leaf!r} (bias or scale) is not supported")
+    check_expert_param(where, leaf, type(layer.quant_method).__name__)
     config = layer.moe_config
     managers = layer.expert_map_manager
-    refusals = {
-        "non-gated experts": not config.is_act_and_mul,
-        "expert biases": bool(config.has_bias),
-        "padded intermediate or hidden sizes": bool(config.tp_shard_with_padding)
-        or (config.intermediate_size_per_partition_unpadded or config.intermediate_size_per_partition)
-        != config.intermediate_size_per_partition
-        or (config.hidden_dim_unpadded or config.hidden_dim) != config.hidden_dim,
-        "redundant experts (EPLB)": config.num_experts != config.num_logical_experts,
-        "fused shared experts": int(getattr(managers, "num_fused_shared_experts", 0) or 0) > 0,
-        "transposed fused checkpoints": bool(getattr(layer, "is_fused_checkpoint_transposed", False)),
-        "transposed expert weights": bool(getattr(param, "is_transposed", False)),
-        "a missing up projection name": layer.ckpt_up_proj_name is None,
-    }
-    for what, found in refusals.items():
-        if found:
-            raise ManifestError(f"{where}: {what} are not supported")
+    refuse_layouts(
+        where,
+        {
+            "non-gated experts": not config.is_act_and_mul,
+            "expert biases": bool(config.has_bias),
+            "padded intermediate or hidden sizes": bool(config.tp_shard_with_padding)
+            or (config.intermediate_size_per_partition_unpadded or config.intermediate_size_per_partition)
+            != config.intermediate_size_per_partition
+            or (config.hidden_dim_unpadded or config.hidden_dim) != config.hidden_dim,
+            "redundant experts (EPLB)": config.num_experts != config.num_logical_experts,
+            "fused shared experts": int(getattr(managers, "num_fused_shared_experts", 0) or 0) > 0,
+            "transposed fused checkpoints": bool(getattr(layer, "is_fused_checkpoint_transposed", False)),
+            "transposed expert weights": bool(getattr(param, "is_transposed", False)),
+            "a missing up projection name": layer.ckpt_up_proj_name is None,
+        },
+    )
     parallel = config.moe_parallel_config
     tp_rank, tp_size = int(parallel.tp_rank), int(parallel.tp_size)
     per_rank, hidden = int(config.intermediate_size_per_partition), int(config.hidden_dim)
@@ -321,22 +270,26 @@ def _expert_targets(
     experts = [int(e) for e in managers.get_local_expert_ids()]
     if [int(managers.map_global_to_local(e)) for e in experts] != list(range(len(experts))):
         raise ManifestError(f"{where}: local experts {experts} are not stored in their order")
-    piece_rows = () if tp_size == 1 else (TensorPiece(0, tp_rank * per_rank, per_rank),)
-    piece_cols = () if tp_size == 1 else (TensorPiece(1, tp_rank * per_rank, per_rank),)
-    shards: tuple[tuple[str, str, tuple[int, int], tuple[TensorPiece, ...]], ...]
-    if leaf == "w13_weight":
-        _check_local(where, local, (len(experts), 2 * per_rank, hidden))
-        shards = (
-            ("w1", layer.ckpt_gate_proj_name, (full, hidden), piece_rows),
-            ("w3", layer.ckpt_up_proj_name, (full, hidden), piece_rows),
-        )
-    else:
-        _check_local(where, local, (len(experts), hidden, per_rank))
-        shards = (("w2", layer.ckpt_down_proj_name, (hidden, full), piece_cols),)
+    shards = expert_shards(
+        where,
+        leaf,
+        local,
+        experts=len(experts),
+        hidden=hidden,
+        per_rank=per_rank,
+        rows=(tp_rank * per_rank, per_rank, full),
+        names=(layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name),
+    )
     # The loader qualifies a checkpoint name with the runner's prefix: layer.layer_name.
     return [
         LoadTarget(
-            f"{layer.layer_name}.{e}.{ckpt}.weight", layer_name, where, sid, param.dtype, shape, pieces
+            f"{layer.layer_name}.{e}.{ckpt}.weight",
+            where,
+            sid,
+            param.dtype,
+            shape,
+            pieces,
+            layer_name=layer_name,
         )
         for e in experts
         for sid, ckpt, shape, pieces in shards
@@ -367,38 +320,16 @@ def _packed_modules(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     return {str(k): tuple(v) for k, v in declared.items()}
 
 
-def _fused_names(
-    packed: Mapping[str, Sequence[str]], attr: str, where: str, *, expected: int
-) -> tuple[str, ...]:
-    names = packed.get(attr)
-    if names is None:
-        raise ManifestError(
-            f"{where}: fused layer {attr!r} has no entry in the model's packed_modules_mapping, so the "
-            "checkpoint names it consumes are unknown"
-        )
-    if len(names) != expected:
-        raise ManifestError(f"{where}: {attr!r} packs {expected} outputs but the mapping lists {list(names)}")
-    return tuple(names)
-
-
 def _join(parent: str, name: str) -> str:
     return f"{parent}.{name}" if parent else name
 
 
-def _tp_rank(layer: Any, where: str) -> int:
+def _tp_ranks(layer: Any, where: str) -> tuple[int, int]:
     """The tensor-parallel rank a vLLM linear layer's weight loader slices by (0 when the layer
-    was built with ``disable_tp``)."""
+    was built with ``disable_tp``), for its k/v heads too."""
     rank = getattr(layer, "tp_rank", None)
     if rank is None:
         raise ManifestError(
             f"{where}: {type(layer).__name__} records no tensor-parallel rank; cannot state its slice"
         )
-    return int(rank)
-
-
-def _check_local(where: str, local: tuple[int, ...], expected: tuple[int, ...]) -> None:
-    if local != expected:
-        raise ManifestError(
-            f"{where}: this rank holds model-format shape {local} but the layer's sizes imply {expected}; "
-            "refusing to guess the checkpoint layout"
-        )
+    return int(rank), int(rank)

@@ -53,7 +53,7 @@ def test_addresses_from_environment(tmp_path: Path) -> None:
     tcp = Settings.from_env({"WEIGHTWIRE_SGLANG_BASE_PORT": "40100"})
     assert tcp.address(rank) == "127.0.0.1:40103"
     default = Settings.from_env({}, engine_port=30000)
-    assert default.socket_dir == default_socket_dir(30000)
+    assert default.endpoints.socket_dir == default_socket_dir(30000)
     assert default.address(rank).endswith("weightwire-sglang-30000/tp1-pp1.sock")
     assert Settings.from_env({}).idle_wait_s == 5.0
     assert Settings.from_env({"WEIGHTWIRE_SGLANG_IDLE_WAIT_S": "0"}).idle_wait_s == 0.0
@@ -70,7 +70,7 @@ def test_addresses_from_environment(tmp_path: Path) -> None:
             "WEIGHTWIRE_TOKEN": "s3cret",
         }
     )
-    assert guarded.address(rank) == "10.0.0.5:40103" and guarded.token == "s3cret"
+    assert guarded.address(rank) == "10.0.0.5:40103" and guarded.endpoints.token == "s3cret"
     assert (
         Settings.from_env({"WEIGHTWIRE_SGLANG_ENABLE": "0", "WEIGHTWIRE_SGLANG_FLUSH_CACHE": "0"}).enabled
         is False
