@@ -16,9 +16,14 @@ from weightwire.core.devices import DeviceRef
 from weightwire.core.transports import table as transport_table
 from weightwire.v1 import weight_transfer_pb2 as pb
 
+# The parallel axes of an engine, in the order a worker's ranks are named (``tp0-pp1-dp0-sp1``).
+PARALLEL_AXES = ("tp", "pp", "dp", "sp")
+
 
 @dataclasses.dataclass(frozen=True)
 class ParallelRank:
+    """Where one worker sits in its engine's layout: its rank on each parallel axis and the axis's size."""
+
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
@@ -29,40 +34,32 @@ class ParallelRank:
     sp_size: int = 1
 
     def __post_init__(self) -> None:
-        for rank, size in (
-            ("tp_rank", "tp_size"),
-            ("pp_rank", "pp_size"),
-            ("dp_rank", "dp_size"),
-            ("sp_rank", "sp_size"),
-        ):
-            r, s = getattr(self, rank), getattr(self, size)
+        for axis in PARALLEL_AXES:
+            r, s = getattr(self, f"{axis}_rank"), getattr(self, f"{axis}_size")
             if s < 1 or not 0 <= r < s:
-                raise ValueError(f"{rank}={r} out of range for {size}={s}")
+                raise ValueError(f"{axis}_rank={r} out of range for {axis}_size={s}")
 
     def to_proto(self) -> pb.ParallelRank:
         return pb.ParallelRank(**dataclasses.asdict(self))
 
     @classmethod
     def from_proto(cls, msg: pb.ParallelRank) -> ParallelRank:
-        return cls(
-            tp_rank=msg.tp_rank,
-            tp_size=msg.tp_size or 1,
-            pp_rank=msg.pp_rank,
-            pp_size=msg.pp_size or 1,
-            dp_rank=msg.dp_rank,
-            dp_size=msg.dp_size or 1,
-            sp_rank=msg.sp_rank,
-            sp_size=msg.sp_size or 1,
-        )
+        """An unset size (0) is 1."""
+        ranks = {f"{a}_rank": getattr(msg, f"{a}_rank") for a in PARALLEL_AXES}
+        return cls(**ranks, **{f"{a}_size": getattr(msg, f"{a}_size") or 1 for a in PARALLEL_AXES})
+
+    def shown_axes(self) -> list[tuple[str, int, int]]:
+        """``(axis, rank, size)`` of the axes a name shows: tp and pp always, dp and sp when their
+        size is > 1 (``short`` and the torch adapter's worker ids)."""
+        return [
+            (a, getattr(self, f"{a}_rank"), size)
+            for a in PARALLEL_AXES
+            if (size := getattr(self, f"{a}_size")) > 1 or a in ("tp", "pp")
+        ]
 
     def short(self) -> str:
         """The ranks for people: ``tp1/2 pp0/2`` (plus dp/sp when those sizes are > 1)."""
-        parts = [f"tp{self.tp_rank}/{self.tp_size}", f"pp{self.pp_rank}/{self.pp_size}"]
-        if self.dp_size > 1:
-            parts.append(f"dp{self.dp_rank}/{self.dp_size}")
-        if self.sp_size > 1:
-            parts.append(f"sp{self.sp_rank}/{self.sp_size}")
-        return " ".join(parts)
+        return " ".join(f"{a}{r}/{s}" for a, r, s in self.shown_axes())
 
 
 # Pieces one owned tensor may list (a fused tensor has one per component: 3 for q/k/v); more is a
@@ -164,8 +161,22 @@ def transports_for(device: DeviceRef) -> tuple[pb.TransportKind.ValueType, ...]:
     return transport_table.for_worker(device)
 
 
+# The manifest's fields that cross the wire as they are, both ways (``to_proto``, ``from_proto``).
+_AS_IS = (
+    "engine",
+    "worker_id",
+    "instance_id",
+    "waits_for_cuda_ipc_events",
+    "imports_cuda_ipc_storages",
+    "receives_slices",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardManifest:
+    """What one worker consumes (its owned tensors) and where it sits (device, ranks, layers), with
+    what it can import; the worker publishes it, the trainer plans from it."""
+
     device: DeviceRef
     rank: ParallelRank
     tensors: Mapping[str, OwnedTensor]
@@ -233,13 +244,8 @@ class ShardManifest:
                 start_layer=self.layer_start, end_layer=self.layer_end, num_layers=self.num_layers
             ),
             fingerprint=self.fingerprint,
-            engine=self.engine,
-            worker_id=self.worker_id,
             transports=list(self.transports),
-            instance_id=self.instance_id,
-            waits_for_cuda_ipc_events=self.waits_for_cuda_ipc_events,
-            imports_cuda_ipc_storages=self.imports_cuda_ipc_storages,
-            receives_slices=self.receives_slices,
+            **{f: getattr(self, f) for f in _AS_IS},
         )
 
     @classmethod
@@ -251,11 +257,6 @@ class ShardManifest:
             layer_start=msg.layer_range.start_layer,
             layer_end=msg.layer_range.end_layer,
             num_layers=msg.layer_range.num_layers,
-            engine=msg.engine,
-            worker_id=msg.worker_id,
             transports=tuple(msg.transports),
-            instance_id=msg.instance_id,
-            waits_for_cuda_ipc_events=msg.waits_for_cuda_ipc_events,
-            imports_cuda_ipc_storages=msg.imports_cuda_ipc_storages,
-            receives_slices=msg.receives_slices,
+            **{f: getattr(msg, f) for f in _AS_IS},
         )

@@ -111,12 +111,7 @@ class _LoadPlan(NamedTuple):
 
 def default_worker_id(rank: ParallelRank) -> str:
     """Stable readable worker name: ``tp0-pp1`` plus ``-dp0``/``-sp1`` when those sizes exceed 1."""
-    parts = [f"tp{rank.tp_rank}", f"pp{rank.pp_rank}"]
-    if rank.dp_size > 1:
-        parts.append(f"dp{rank.dp_rank}")
-    if rank.sp_size > 1:
-        parts.append(f"sp{rank.sp_rank}")
-    return "-".join(parts)
+    return "-".join(f"{axis}{r}" for axis, r, _ in rank.shown_axes())
 
 
 class TorchAdapter:

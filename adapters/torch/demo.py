@@ -37,6 +37,8 @@ DEMO_TP_RULES: tuple[TPRule, ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
+    """The demo model's sizes (Llama/Qwen-shaped, with Hugging Face names) and its weights' dtype."""
+
     num_layers: int = 4
     hidden_size: int = 64
     intermediate_size: int = 128

@@ -38,6 +38,8 @@ class _Kept:
 
 @dataclasses.dataclass(frozen=True)
 class KeeperMemory:
+    """What a ``BaseKeeper`` holds: its tensors and their bytes in host and in device memory."""
+
     tensors: int
     host_bytes: int
     device_bytes: int

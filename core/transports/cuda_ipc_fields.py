@@ -40,27 +40,23 @@ class CudaIpcFields:
     event_sync_required: bool
 
     def to_proto(self) -> pb.CudaIpcHandle:
-        return pb.CudaIpcHandle(
-            memory_handle=self.memory_handle,
-            storage_offset_bytes=self.storage_offset_bytes,
-            storage_size_bytes=self.storage_size_bytes,
-            ref_counter_handle=self.ref_counter_handle,
-            ref_counter_offset=self.ref_counter_offset,
-            event_handle=self.event_handle,
-            event_sync_required=self.event_sync_required,
-        )
+        return pb.CudaIpcHandle(**dataclasses.asdict(self))
 
     @classmethod
-    def from_proto(cls, msg: pb.CudaIpcHandle) -> CudaIpcFields:
-        """Parse and check a handle from the wire; raises ``WeightwireError`` on anything unsafe."""
+    def from_proto(cls, msg: pb.CudaIpcHandle | pb.CudaIpcStorage) -> CudaIpcFields:
+        """Parse and check a handle from the wire, or one storage of a handle with several (which
+        has no event of its own: the handle's covers them all); raises ``WeightwireError`` on
+        anything unsafe."""
+        event = (b"", False)
+        if isinstance(msg, pb.CudaIpcHandle):
+            event = (bytes(msg.event_handle), bool(msg.event_sync_required))
         fields = cls(
-            memory_handle=bytes(msg.memory_handle),
-            storage_offset_bytes=int(msg.storage_offset_bytes),
-            storage_size_bytes=int(msg.storage_size_bytes),
-            ref_counter_handle=bytes(msg.ref_counter_handle),
-            ref_counter_offset=int(msg.ref_counter_offset),
-            event_handle=bytes(msg.event_handle),
-            event_sync_required=bool(msg.event_sync_required),
+            bytes(msg.memory_handle),
+            int(msg.storage_offset_bytes),
+            int(msg.storage_size_bytes),
+            bytes(msg.ref_counter_handle),
+            int(msg.ref_counter_offset),
+            *event,
         )
         fields.validate()
         return fields

@@ -112,16 +112,7 @@ class CudaIpcStorageSet:
         offsets: list[int] = []
         end = 0
         for i, s in enumerate(msg.storages):
-            fields = CudaIpcFields(
-                memory_handle=bytes(s.memory_handle),
-                storage_offset_bytes=int(s.storage_offset_bytes),
-                storage_size_bytes=int(s.storage_size_bytes),
-                ref_counter_handle=bytes(s.ref_counter_handle),
-                ref_counter_offset=int(s.ref_counter_offset),
-                event_handle=b"",
-                event_sync_required=False,
-            )
-            fields.validate()
+            fields = CudaIpcFields.from_proto(s)
             at = int(s.payload_offset_bytes)
             if at < end:
                 raise WeightwireError(
