@@ -33,31 +33,39 @@ def _number(text: str, kind: Callable[[str], float]) -> float:
     return value
 
 
+def _duration(text: str, *, zero_allowed: bool) -> float:
+    value = _number(text, float)
+    if value > MAX_SECONDS or value < 0 or (value == 0 and not zero_allowed):
+        floor = ">= 0" if zero_allowed else "> 0"
+        raise argparse.ArgumentTypeError(f"{text!r} must be {floor} and at most {MAX_SECONDS:g} seconds")
+    return value
+
+
+def _whole(text: str, low: int, high: int | None, out_of_range: str, what: str = "a whole number") -> int:
+    """``text`` as an int in ``[low, high]`` (no upper bound for None); refusals say ``what`` it is
+    not, or that it ``out_of_range``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"{text!r} {out_of_range}")
+    return value
+
+
 def seconds(text: str) -> float:
     """A duration in seconds: finite, > 0, at most ``MAX_SECONDS``."""
-    value = _number(text, float)
-    if not 0 < value <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0 and at most {MAX_SECONDS:g} seconds")
-    return value
+    return _duration(text, zero_allowed=False)
 
 
 def seconds_or_zero(text: str) -> float:
     """A duration in seconds that may be 0 (do not wait): finite, >= 0, at most ``MAX_SECONDS``."""
-    value = _number(text, float)
-    if not 0 <= value <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0 and at most {MAX_SECONDS:g} seconds")
-    return value
+    return _duration(text, zero_allowed=True)
 
 
 def positive_int(text: str) -> int:
     """A whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
+    return _whole(text, 1, None, "must be at least 1")
 
 
 def version(text: str) -> int:
@@ -70,13 +78,7 @@ def version(text: str) -> int:
 
 def seed(text: str) -> int:
     """A random seed: 0 .. 2^63-1 (what a torch generator takes)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 0 <= value <= MAX_VERSION:
-        raise argparse.ArgumentTypeError(f"{text!r} must be in 0..2^63-1")
-    return value
+    return _whole(text, 0, MAX_VERSION, "must be in 0..2^63-1")
 
 
 def size(unit_bytes: int, name: str, max_bytes: int = 2**40) -> Callable[[str], int]:
@@ -97,13 +99,7 @@ def size(unit_bytes: int, name: str, max_bytes: int = 2**40) -> Callable[[str], 
 
 def port(text: str) -> int:
     """A TCP port: 0 (pick a free one) .. 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 picks a free one, else 1..65535)")
-    return value
+    return _whole(text, 0, 65535, "is not a port (0 picks a free one, else 1..65535)", "a port number")
 
 
 def listen_address(text: str) -> str:

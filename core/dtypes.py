@@ -16,20 +16,19 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 if TYPE_CHECKING:
     import torch
 
+# The torch attribute names of each element width; a name's contract value is DTYPE_<NAME> (one
+# the contract lacks fails here, at import).
+_NAMES_BY_SIZE: dict[int, tuple[str, ...]] = {
+    1: ("int8", "uint8", "bool", "float8_e4m3fn", "float8_e5m2"),
+    2: ("float16", "bfloat16", "int16"),
+    4: ("float32", "int32"),
+    8: ("float64", "int64"),
+}
 # (contract dtype, torch attribute name, bytes per element)
-_TABLE: tuple[tuple[pb.DType.ValueType, str, int], ...] = (
-    (pb.DTYPE_FLOAT32, "float32", 4),
-    (pb.DTYPE_FLOAT16, "float16", 2),
-    (pb.DTYPE_BFLOAT16, "bfloat16", 2),
-    (pb.DTYPE_FLOAT64, "float64", 8),
-    (pb.DTYPE_INT8, "int8", 1),
-    (pb.DTYPE_UINT8, "uint8", 1),
-    (pb.DTYPE_INT16, "int16", 2),
-    (pb.DTYPE_INT32, "int32", 4),
-    (pb.DTYPE_INT64, "int64", 8),
-    (pb.DTYPE_BOOL, "bool", 1),
-    (pb.DTYPE_FLOAT8_E4M3FN, "float8_e4m3fn", 1),
-    (pb.DTYPE_FLOAT8_E5M2, "float8_e5m2", 1),
+_TABLE: tuple[tuple[pb.DType.ValueType, str, int], ...] = tuple(
+    (pb.DType.Value(f"DTYPE_{name.upper()}"), name, size)
+    for size, names in _NAMES_BY_SIZE.items()
+    for name in names
 )
 _NAMES: dict[int, str] = {p: n for p, n, _ in _TABLE}
 _ITEMSIZE: dict[int, int] = {p: s for p, _, s in _TABLE}
