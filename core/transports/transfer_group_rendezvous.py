@@ -8,6 +8,7 @@ member before it builds the process groups. No gRPC in here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -30,18 +31,20 @@ def member_record(identity: MemberIdentity, rank: int) -> bytes:
     return identity.to_proto(rank).SerializeToString(deterministic=True)
 
 
+@dataclasses.dataclass(eq=False)
 class Rendezvous:
-    """The store side of forming one group: claims, checks and the shared abort flag."""
+    """The store side of forming one group: claims, checks and the shared abort flag. ``store`` is
+    the group's (prefixed) store, ``rank`` this member's, ``deadline`` a ``time.monotonic()`` one."""
 
-    def __init__(
-        self, store: Any, spec: pb.TransferGroupSpec, rank: int, me: MemberIdentity, deadline: float
-    ) -> None:
-        self.store = store
-        self.spec = spec
-        self.rank = rank
-        self.me = me
-        self.deadline = deadline
-        self.world = spec.world_size
+    store: Any
+    spec: pb.TransferGroupSpec
+    rank: int
+    me: MemberIdentity
+    deadline: float
+
+    @property
+    def world(self) -> int:
+        return self.spec.world_size
 
     def refuse(self, err: WeightwireError) -> WeightwireError:
         """Tell every member (first refusal wins) and return the error to raise here."""

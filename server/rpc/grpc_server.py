@@ -7,6 +7,7 @@ TCP only when asked; a non-loopback address needs a token.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -75,24 +76,18 @@ def _check_unix_path(path: str) -> None:
         raise ValueError(f"directory {parent!r} of unix socket does not exist")
 
 
+@dataclasses.dataclass(eq=False)
 class RunningServer:
-    """A started worker server. ``address`` is a gRPC target (``unix:/...`` or ``HOST:PORT``)."""
+    """A started worker server. ``address`` is a gRPC target (``unix:/...`` or ``HOST:PORT``);
+    ``stop`` also shuts down ``pools`` and removes ``private_dir`` (the Unix socket's, if made)."""
 
-    def __init__(
-        self,
-        server: grpc.Server,
-        service: WorkerService,
-        address: str,
-        private_dir: str | None,
-        pools: tuple[futures.ThreadPoolExecutor, ...] = (),
-    ) -> None:
-        self.server = server
-        self.service = service
-        self.address = address
-        self._private_dir = private_dir
-        self._pools = pools
-        self._stopped = threading.Event()
-        self._stop_lock = threading.Lock()
+    server: grpc.Server
+    service: WorkerService
+    address: str
+    private_dir: str | None
+    pools: tuple[futures.ThreadPoolExecutor, ...] = dataclasses.field(default=(), repr=False)
+    _stopped: threading.Event = dataclasses.field(default_factory=threading.Event, init=False, repr=False)
+    _stop_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
 
     def stop(self, grace: float | None = 2.0) -> None:
         """Stop accepting, let running calls finish for ``grace`` seconds, release every mapping."""
@@ -101,10 +96,10 @@ class RunningServer:
                 return
             self.server.stop(grace).wait()
             self.service.close()
-            for pool in self._pools:
+            for pool in self.pools:
                 pool.shutdown(wait=False)
-            if self._private_dir:
-                shutil.rmtree(self._private_dir, ignore_errors=True)
+            if self.private_dir:
+                shutil.rmtree(self.private_dir, ignore_errors=True)
             self._stopped.set()
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -11,7 +11,7 @@ import hmac
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import any_pb2
@@ -24,6 +24,8 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+_Response = TypeVar("_Response")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightTransferService"].full_name
 # A status travels in the trailers: grpc-message (the message, percent-encoded: a non-ASCII byte
@@ -91,20 +93,12 @@ class WeightTransferServicer(pb_grpc.WeightTransferServiceServicer):
     def JoinTransferGroup(
         self, request: pb.JoinTransferGroupRequest, context: grpc.ServicerContext
     ) -> pb.JoinTransferGroupResponse:
-        try:
-            return self.service.join_transfer_group(request)
-        except WeightwireError as err:
-            context.abort_with_status(to_rpc_status(err))
-            raise  # unreachable: abort_with_status raises
+        return _answered(context, lambda: self.service.join_transfer_group(request))
 
     def LeaveTransferGroup(
         self, request: pb.LeaveTransferGroupRequest, context: grpc.ServicerContext
     ) -> pb.LeaveTransferGroupResponse:
-        try:
-            return self.service.leave_transfer_group(request)
-        except WeightwireError as err:
-            context.abort_with_status(to_rpc_status(err))
-            raise  # unreachable: abort_with_status raises
+        return _answered(context, lambda: self.service.leave_transfer_group(request))
 
     def PushWeights(
         self, request_iterator: Iterator[pb.PushWeightsRequest], context: grpc.ServicerContext
@@ -143,6 +137,15 @@ class WeightTransferServicer(pb_grpc.WeightTransferServiceServicer):
             _abort_unexpected(context, e)
             return pb.PushUpdateResponse()  # the client went away: nobody reads this
         return pb.PushUpdateResponse(messages=responses)
+
+
+def _answered(context: grpc.ServicerContext, call: Callable[[], _Response]) -> _Response:
+    """``call()``'s response; a ``WeightwireError`` aborts the RPC with its status instead."""
+    try:
+        return call()
+    except WeightwireError as err:
+        context.abort_with_status(to_rpc_status(err))
+        raise  # unreachable: abort_with_status raises
 
 
 def _abort_unexpected(context: grpc.ServicerContext, e: Exception) -> None:

@@ -171,19 +171,20 @@ def check_payload_size(payload: pb.Payload, index: int) -> None:
 
 def check_in_bounds(spec: CheckedSpec, size_bytes: int) -> None:
     """The tensor (a delta: every part of its encoding) ends at or before the payload's size_bytes."""
-    if spec.delta is not None and spec.end_bytes > size_bytes:
+    if spec.end_bytes <= size_bytes:
+        return
+    if spec.delta is not None:
         raise invalid_delta(
             f"tensor {spec.name!r}: its delta's encoding covers bytes up to {spec.end_bytes} but the payload has "
             f"only {size_bytes} bytes",
             tensor=spec.name,
         )
-    if spec.end_bytes > size_bytes:
-        raise WeightwireError(
-            Reason.TENSOR_OUT_OF_BOUNDS,
-            f"tensor {spec.name!r} covers bytes [{spec.offset_bytes}, {spec.end_bytes}) but the payload has only "
-            f"{size_bytes} bytes",
-            tensor=spec.name,
-        )
+    raise WeightwireError(
+        Reason.TENSOR_OUT_OF_BOUNDS,
+        f"tensor {spec.name!r} covers bytes [{spec.offset_bytes}, {spec.end_bytes}) but the payload has only "
+        f"{size_bytes} bytes",
+        tensor=spec.name,
+    )
 
 
 def check_against_manifest(spec: CheckedSpec, owned: OwnedTensor) -> None:

@@ -218,19 +218,22 @@ class CudaIpcImporter(PayloadImporter):
         manifest.waits_for_cuda_ipc_events = True
         manifest.imports_cuda_ipc_storages = True
 
-    @property
-    def storage_sets(self) -> StorageSetCache:
-        with self._lock:
-            if self._sets is None:
-                self._sets = StorageSetCache()
-            return self._sets
-
-    @property
-    def cache(self) -> CudaIpcCache:
+    def _caches(self) -> tuple[CudaIpcCache, StorageSetCache]:
+        """The mapping caches of single handles and of storage sets, made at first use."""
         with self._lock:
             if self._cache is None:
                 self._cache = CudaIpcCache()
-            return self._cache
+            if self._sets is None:
+                self._sets = StorageSetCache()
+            return self._cache, self._sets
+
+    @property
+    def storage_sets(self) -> StorageSetCache:
+        return self._caches()[1]
+
+    @property
+    def cache(self) -> CudaIpcCache:
+        return self._caches()[0]
 
     @property
     def handles_opened(self) -> int:

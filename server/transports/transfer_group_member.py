@@ -94,13 +94,9 @@ class StagingBuffers:
         self._count -= len(self._free)
         self._free.clear()
 
-    @property
-    def buffers(self) -> int:
-        return self._count
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
+    def held(self) -> tuple[int, int]:
+        """The buffers held (free or in use) and their bytes, what the group's status reports."""
+        return self._count, self._bytes
 
 
 class JoinedGroup:

@@ -244,11 +244,7 @@ class GroupMembership:
         if member is not None:
             spec = member.group.spec
             with member.cond:
-                buffers, nbytes, received = (
-                    member.staging.buffers,
-                    member.staging.nbytes,
-                    member.bytes_received,
-                )
+                (buffers, nbytes), received = member.staging.held(), member.bytes_received
             out.group_id = spec.group_id
             out.state = pb.TRANSFER_GROUP_STATE_READY
             out.backend = spec.backend

@@ -110,11 +110,8 @@ class Update:
         self._ctx = ctx
         self._owner = owner
         self.header = header
-        self.version = header.version
         self.prior_state = prior_state
         self.previous_version = previous_version
-        self.begun = False
-        self.finished = False
         self._rpc_ended = rpc_ended
         self._t0 = time.perf_counter_ns()
         self.is_delta = header.HasField("delta_base")
@@ -136,9 +133,16 @@ class Update:
         self.tally = UpdateTally()
         self._loaded_any = False
         self._mappings: dict[Hashable, ImportedPayload] = {}
+        # How it ends: begun (the engine was told it started), finished (failed or committed), and
+        # whether the engine was told it ended (end_update(True)): a later failure must not tell it again.
+        self.begun = False
+        self.finished = False
         self._finish_lock = threading.Lock()
-        # The engine was told the update ended (end_update(True)): a later failure must not tell it again.
         self._engine_ended = False
+
+    @property
+    def version(self) -> int:
+        return self.header.version
 
     @property
     def call_ended(self) -> bool:
