@@ -40,6 +40,7 @@ class DemoConfig:
     """The demo model's sizes (Llama/Qwen-shaped, with Hugging Face names) and its weights' dtype."""
 
     num_layers: int = 4
+    """Decoder layers; a pipeline stage holds a contiguous range of them (``pp_layer_span``)."""
     hidden_size: int = 64
     intermediate_size: int = 128
     vocab_size: int = 256

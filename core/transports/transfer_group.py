@@ -22,7 +22,7 @@ import hashlib
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -375,6 +375,14 @@ class TransferGroup:
         return self.closed and closer is not None and not closer.is_alive()
 
 
+def close_groups(groups: Iterable[TransferGroup], wait_s: float) -> None:
+    """Close ``groups`` (torn down already, or not) and wait for their destructors, all within one
+    bound of ``wait_s``: a process that exits during a process group's destructor aborts."""
+    deadline = time.monotonic() + wait_s
+    for group in groups:
+        group.close(max(0.0, deadline - time.monotonic()))
+
+
 def _destroy(doomed: list[Any], backend: int) -> None:
     if backend == pb.TRANSFER_BACKEND_NCCL:
         for pg in doomed:
@@ -392,6 +400,7 @@ __all__ = [
     "backend_message",
     "backend_name",
     "check_backend",
+    "close_groups",
     "connect_store",
     "nccl_available",
     "shut_down_sockets",

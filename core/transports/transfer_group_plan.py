@@ -260,23 +260,23 @@ def own_rank(spec: pb.TransferGroupSpec, me: MemberIdentity) -> int:
     """This member's group rank: the plan's entry whose instance id is ours, which must also carry
     our role, worker id and parallel rank. GROUP_UNKNOWN_MEMBER otherwise (e.g. the trainer read
     our manifest before this process restarted)."""
-    for m in spec.members:
-        if m.instance_id == me.instance_id:
-            planned = MemberIdentity.from_proto(m)
-            if planned != me:
-                raise WeightwireError(
-                    Reason.GROUP_UNKNOWN_MEMBER,
-                    f"the plan names this process as {planned.describe()} at group rank {m.group_rank}, but it is "
-                    f"{me.describe()}; read the manifests again and form a new group",
-                    group_rank=str(m.group_rank),
-                )
-            return m.group_rank
-    raise WeightwireError(
-        Reason.GROUP_UNKNOWN_MEMBER,
-        f"this process ({me.describe()}) is not in the plan of group {spec.group_id} (it lists "
-        f"{len(spec.members)} members); it restarted or was never read: read the manifests again and form a new group",
-        instance_id=me.instance_id,
-    )
+    m = next((m for m in spec.members if m.instance_id == me.instance_id), None)
+    if m is None:
+        raise WeightwireError(
+            Reason.GROUP_UNKNOWN_MEMBER,
+            f"this process ({me.describe()}) is not in the plan of group {spec.group_id} (it lists "
+            f"{len(spec.members)} members); it restarted or was never read: read the manifests again and form a new group",
+            instance_id=me.instance_id,
+        )
+    planned = MemberIdentity.from_proto(m)
+    if planned != me:
+        raise WeightwireError(
+            Reason.GROUP_UNKNOWN_MEMBER,
+            f"the plan names this process as {planned.describe()} at group rank {m.group_rank}, but it is "
+            f"{me.describe()}; read the manifests again and form a new group",
+            group_rank=str(m.group_rank),
+        )
+    return m.group_rank
 
 
 def message_tag(sequence: int, index: int) -> int:

@@ -61,6 +61,7 @@ class Network:
     """The links a transfer can take and what a message costs (the ``network`` table, optional)."""
 
     nic_gbit_per_s: float = 400.0
+    """One NIC's rate in each direction (a GPU's traffic between nodes goes through NIC gpu mod nics_per_node)."""
     nics_per_node: int = 8
     nvlink_gbyte_per_s: float = 450.0
     message_latency_us: float = 10.0
@@ -77,6 +78,7 @@ class Fleet:
     """One described fleet, checked: the model, both sides and the network between them."""
 
     model: ModelShapes
+    """The model's tensors (names, shapes, layers, experts), read from its config."""
     trainer: Trainer
     engine: Engine
     network: Network

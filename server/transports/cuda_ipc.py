@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import zlib
 from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 import torch
 from weightwire.core.devices import DeviceRef, local_cuda_index
@@ -34,8 +35,25 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["CudaIpcImporter", "CudaIpcMapping", "CudaIpcStorageMapping"]
 
+_Held = TypeVar("_Held")
 
-class CudaIpcMapping:
+
+class _ReadsAfterProducer:
+    """What both mapping kinds do before a read: refuse a closed mapping, and wait for the
+    producer's event (when the payload carried one) at the first read only."""
+
+    _wait_ready: Callable[[], None] | None
+
+    def _readable(self, held: _Held | None) -> _Held:
+        if held is None:
+            raise WeightwireError(Reason.HANDLE_OPEN_FAILED, "CUDA IPC mapping used after close")
+        if self._wait_ready is not None:
+            self._wait_ready()
+            self._wait_ready = None
+        return held
+
+
+class CudaIpcMapping(_ReadsAfterProducer):
     """One bucket's use of an opened CUDA storage; ``close`` leaves the cached mapping open.
 
     The first read of its bytes (``fetch``, ``view``, ``crc32``) waits for the producer's event when
@@ -60,12 +78,7 @@ class CudaIpcMapping:
         self.open_duration_ns = opened.open_duration_ns
 
     def _bytes(self) -> torch.Tensor:
-        if self._flat is None:
-            raise WeightwireError(Reason.HANDLE_OPEN_FAILED, "CUDA IPC mapping used after close")
-        if self._wait_ready is not None:
-            self._wait_ready()
-            self._wait_ready = None
-        return self._flat
+        return self._readable(self._flat)
 
     def view(self, offset_bytes: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         """A tensor on the payload's GPU over bytes [offset, offset + nbytes); read it only."""
@@ -102,7 +115,7 @@ class CudaIpcMapping:
         self.view_memo = None
 
 
-class CudaIpcStorageMapping:
+class CudaIpcStorageMapping(_ReadsAfterProducer):
     """One bucket's use of a kept payload of several storages; ``close`` leaves it kept.
 
     ``views_of`` places each tensor in its own storage (``views.batch_views`` asks it instead of
@@ -135,12 +148,7 @@ class CudaIpcStorageMapping:
         self.open_duration_ns = 0
 
     def _ready(self) -> StorageSetCache:
-        if self._cache is None:
-            raise WeightwireError(Reason.HANDLE_OPEN_FAILED, "CUDA IPC mapping used after close")
-        if self._wait_ready is not None:
-            self._wait_ready()
-            self._wait_ready = None
-        return self._cache
+        return self._readable(self._cache)
 
     def fetch(self, batch: ReadBatch) -> torch.Tensor:
         """Nothing to fetch (each tensor is viewed in its own storage by ``views_of``); waits for

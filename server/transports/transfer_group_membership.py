@@ -15,11 +15,10 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
 
 import torch
 from weightwire.core.errors import Reason, WeightwireError
-from weightwire.core.transports.transfer_group import TransferGroup, backend_name, check_backend
+from weightwire.core.transports.transfer_group import TransferGroup, backend_name, check_backend, close_groups
 from weightwire.core.transports.transfer_group_plan import (
     MemberIdentity,
     check_spec,
@@ -227,11 +226,9 @@ class GroupMembership:
         """The worker stops: leave the group, and give every process group torn down so far up to
         ``wait_s`` to be destroyed (a process that exits during a destructor aborts)."""
         self.teardown("the worker stopped")
-        deadline = time.monotonic() + wait_s
         with self._lock:
             closing, self._closing = self._closing, []
-        for group in closing:
-            group.close(max(0.0, deadline - time.monotonic()))
+        close_groups(closing, wait_s)
 
     # --- status --------------------------------------------------------------------------------
 
