@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Any
 
-from weightwire.core import cli_types
+from weightwire.core import cli_common, cli_types
 from weightwire.core.manifest import ParallelRank
 from weightwire.server.worker.streams import DEFAULT_IDLE_TIMEOUT_S
 
@@ -23,23 +23,16 @@ log = logging.getLogger("weightwire.serve")
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "serve",
-        help="run an engine worker (demo model) serving WeightTransferService",
-        description="Run one engine worker with the built-in demo model. Prints 'weightwire-serve listening ADDR' "
-        "once it accepts requests.",
+    p = cli_common.add_command(
+        subparsers, "serve", run, "run an engine worker (demo model) serving WeightTransferService"
     )
     p.add_argument("--model", choices=["demo"], default="demo", help="model to serve (default: demo)")
     for axis in ("tp", "pp", "dp", "sp"):
         p.add_argument(
             f"--{axis}-rank", type=int, default=0, metavar="R", help=f"{axis.upper()} rank of this worker"
         )
-        p.add_argument(
-            f"--{axis}-size",
-            type=cli_types.positive_int,
-            default=1,
-            metavar="N",
-            help=f"{axis.upper()} size of the engine",
+        cli_common.add_count(
+            p, f"--{axis}-size", f"{axis.upper()} size of the engine", default=1, metavar="N"
         )
     p.add_argument(
         "--listen",
@@ -54,18 +47,14 @@ def add_parser(subparsers: Any) -> None:
         default=0,
         help="initial weights = demo checkpoint of this seed (default 0)",
     )
-    p.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cpu", help="cpu, or cuda (the current visible GPU)"
-    )
+    cli_common.add_device(p, "cpu, or cuda (the current visible GPU)")
     cli_types.add_token_options(
         p,
         "require 'authorization: Bearer TOKEN' (needed on non-loopback TCP)",
         "read the token from this file instead of the command line",
     )
-    p.add_argument(
-        "--tls-cert", type=cli_types.pem_file, default=None, help="PEM certificate chain for TLS on TCP"
-    )
-    p.add_argument("--tls-key", type=cli_types.pem_file, default=None, help="PEM private key for TLS on TCP")
+    cli_common.add_pem_file(p, "--tls-cert", "PEM certificate chain for TLS on TCP")
+    cli_common.add_pem_file(p, "--tls-key", "PEM private key for TLS on TCP")
     p.add_argument("--worker-id", default=None, help="worker name (default e.g. tp0-pp1)")
     p.add_argument(
         "--dump-dir",
@@ -87,12 +76,11 @@ def add_parser(subparsers: Any) -> None:
         metavar="HOST",
         help="address of the metrics endpoint (default 127.0.0.1)",
     )
-    p.add_argument(
+    cli_common.add_seconds(
+        p,
         "--idle-timeout-s",
-        type=cli_types.seconds,
+        f"end a PushWeights stream that sends nothing for S seconds (default {DEFAULT_IDLE_TIMEOUT_S:g})",
         default=DEFAULT_IDLE_TIMEOUT_S,
-        metavar="S",
-        help=f"end a PushWeights stream that sends nothing for S seconds (default {DEFAULT_IDLE_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--group-host",
@@ -102,7 +90,15 @@ def add_parser(subparsers: Any) -> None:
         "(default: the --listen TCP host, else 127.0.0.1); see docs/distributed.md",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    p.set_defaults(func=run)
+
+
+# The options ``serve`` takes as the command line gave them: each flag's value is the keyword
+# argument of the same name.
+_SERVE_FLAGS = ("listen", "tls_cert", "tls_key", "idle_timeout_s", "group_host")
+
+
+def _serve_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in _SERVE_FLAGS}
 
 
 def _dump(adapter: Any, dump_dir: str, version: int) -> None:
@@ -117,8 +113,7 @@ def _dump(adapter: Any, dump_dir: str, version: int) -> None:
 
 def _refuse(message: str) -> int:
     """Bad input on the command line: one line on stderr, exit status 2."""
-    print(f"weightwire serve: {message}", file=sys.stderr)
-    return 2
+    return cli_common.refuse("weightwire serve", message)
 
 
 def _writable_dir(path: str) -> str | None:
@@ -163,6 +158,8 @@ def _bind_problem(listen: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:  # noqa: C901 - known; split when next changed
+    """Run one engine worker with the built-in demo model. Prints 'weightwire-serve listening ADDR'
+    once it accepts requests."""
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -227,17 +224,7 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - known; split when next
             _dump(adapter, dump_dir, result.version)
 
     try:
-        server = serve(
-            adapter,
-            listen=args.listen,
-            token=token,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            idle_timeout_s=args.idle_timeout_s,
-            own_device=own_device,
-            on_commit=on_commit,
-            group_host=args.group_host,
-        )
+        server = serve(adapter, token=token, own_device=own_device, on_commit=on_commit, **_serve_flags(args))
     except (ValueError, OSError) as e:
         return _refuse(str(e))
     except RuntimeError as e:  # gRPC's "Failed to bind to address"

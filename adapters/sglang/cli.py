@@ -12,42 +12,38 @@ import sys
 from typing import Any
 
 from weightwire.adapters.sglang.discovery import DiscoveryError, discover
-from weightwire.core import cli_types
+from weightwire.core import cli_common
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "discover",
-        help="list the weightwire workers of an SGLang engine",
-        description="Print the gRPC target of every weightwire worker of one SGLang engine, ordered by "
-        "(dp, pp, tp) rank. Give the engine's WEIGHTWIRE_SGLANG_SOCKET_DIR, or --base-address with --count.",
-    )
+    p = cli_common.add_command(subparsers, "discover", run, "list the weightwire workers of an SGLang engine")
     p.add_argument("socket_dir", nargs="?", help="the engine's WEIGHTWIRE_SGLANG_SOCKET_DIR")
     p.add_argument(
         "--base-address", help="HOST:BASE_PORT of an engine started with WEIGHTWIRE_SGLANG_BASE_PORT"
     )
-    p.add_argument(
-        "--count",
-        type=cli_types.positive_int,
-        help="expected number of workers (tp * pp * dp); required with --base-address",
+    cli_common.add_count(
+        p, "--count", "expected number of workers (tp * pp * dp); required with --base-address", default=None
     )
-    p.add_argument(
+    cli_common.add_seconds(
+        p,
         "--wait",
-        type=cli_types.seconds_or_zero,
+        "wait this long for --count live workers",
         default=0.0,
         metavar="SECONDS",
-        help="wait this long for --count live workers",
+        zero_allowed=True,
     )
     p.add_argument(
         "--no-check", action="store_true", help="do not connect to check that each worker is listening"
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the gRPC target of every weightwire worker of one SGLang engine, ordered by (dp, pp,
+    tp) rank. Give the engine's WEIGHTWIRE_SGLANG_SOCKET_DIR, or --base-address with --count."""
     if (args.socket_dir is None) == (args.base_address is None):
-        print("weightwire discover: give a socket directory or --base-address (not both)", file=sys.stderr)
-        return 2
+        return cli_common.refuse(
+            "weightwire discover", "give a socket directory or --base-address (not both)"
+        )
     try:
         endpoints = discover(
             args.socket_dir,

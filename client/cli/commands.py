@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
 import os
 import sys
@@ -19,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightwire.client.cli.tables import format_table, human_bytes, results_table, short_device
-from weightwire.core import cli_types
+from weightwire.core import cli_common, cli_types
 from weightwire.core.errors import PushError, WeightwireError
 from weightwire.core.transports.table import names as transport_names
 
@@ -43,10 +42,8 @@ def as_cli_hint(message: str) -> str:
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "manifest",
-        help="show what one worker owns (its shard manifest)",
-        description="Print a worker's device, parallel ranks, layer range and every checkpoint tensor it consumes.",
+    p = cli_common.add_command(
+        subparsers, "manifest", cmd_manifest, "show what one worker owns (its shard manifest)"
     )
     p.add_argument(
         "address",
@@ -57,13 +54,8 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     _connection_args(p)
-    p.set_defaults(func=cmd_manifest)
 
-    p = subparsers.add_parser(
-        "status",
-        help="show weights version and state of workers",
-        description="One row per worker: device, ranks, weights version, state, last update and last error.",
-    )
+    p = cli_common.add_command(subparsers, "status", cmd_status, "show weights version and state of workers")
     p.add_argument("addresses", nargs="+", action=_Addresses, metavar="ADDR", help="worker addresses")
     p.add_argument(
         "--json",
@@ -73,28 +65,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--watch", action="store_true", help="keep polling: a live table redrawn in place until Ctrl-C"
     )
-    p.add_argument(
-        "--interval",
-        type=cli_types.seconds,
-        default=2.0,
-        metavar="S",
-        help="seconds between refreshes with --watch (default 2)",
-    )
-    p.add_argument(
-        "--count",
-        type=cli_types.positive_int,
-        default=None,
-        metavar="N",
-        help="with --watch: stop after N refreshes",
-    )
+    cli_common.add_seconds(p, "--interval", "seconds between refreshes with --watch (default 2)", default=2.0)
+    cli_common.add_count(p, "--count", "with --watch: stop after N refreshes", default=None, metavar="N")
     _connection_args(p)
-    p.set_defaults(func=cmd_status)
 
-    p = subparsers.add_parser(
-        "push",
-        help="push a safetensors checkpoint to running workers",
-        description="Load a .safetensors file (or every .safetensors file of a directory) and push it to the "
-        "workers as weights version N. Names must be checkpoint names; every check runs before anything is sent.",
+    p = cli_common.add_command(
+        subparsers, "push", cmd_push, "push a safetensors checkpoint to running workers"
     )
     p.add_argument(
         "--from",
@@ -153,7 +129,6 @@ def add_parser(subparsers: Any) -> None:
         help="no progress bar on stderr (there is none when stderr is not a terminal)",
     )
     _connection_args(p)
-    p.set_defaults(func=cmd_push)
 
     from weightwire.client.cli import demo
 
@@ -214,20 +189,8 @@ class _Addresses(argparse.Action):
 def _connection_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("connection")
     cli_types.add_token_options(g, "bearer token the workers require", "read the token from this file")
-    g.add_argument(
-        "--tls-ca",
-        type=cli_types.pem_file,
-        default=None,
-        metavar="PEM",
-        help="CA certificate(s) to verify the workers' TLS",
-    )
-    g.add_argument(
-        "--timeout",
-        type=cli_types.seconds,
-        default=60.0,
-        metavar="S",
-        help="deadline of every call in seconds (default 60)",
-    )
+    cli_common.add_pem_file(g, "--tls-ca", "CA certificate(s) to verify the workers' TLS", metavar="PEM")
+    cli_common.add_seconds(g, "--timeout", "deadline of every call in seconds (default 60)", default=60.0)
 
 
 def _pusher(args: argparse.Namespace, addresses: Sequence[str], **kw: Any) -> Any:
@@ -245,8 +208,7 @@ def _fail(err: BaseException) -> int:
 
 def _bad_input(err: BaseException) -> int:
     """Input the command cannot use (a checkpoint that is not one): one line, exit status 2."""
-    print(f"weightwire: {err}", file=sys.stderr)
-    return 2
+    return cli_common.refuse("weightwire", str(err))
 
 
 def _ranks(rank: Any) -> str:
@@ -264,6 +226,7 @@ def _ranks(rank: Any) -> str:
 
 
 def cmd_manifest(args: argparse.Namespace) -> int:
+    """Print a worker's device, parallel ranks, layer range and every checkpoint tensor it consumes."""
     import grpc
     from google.protobuf import json_format
     from weightwire.client.rpc.calls import Worker, call_metadata, error_from_rpc
@@ -322,14 +285,8 @@ def _read(path: str | None) -> bytes | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _when(ts: Any) -> str:
-    if not ts.seconds and not ts.nanos:
-        return "-"
-    return datetime.datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9).strftime("%H:%M:%S")
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    from google.protobuf import json_format
+    """One row per worker: device, ranks, weights version, state, last update and last error."""
     from weightwire.client.cli import fleet_view
     from weightwire.client.rpc.calls import Worker, call_metadata, close_workers
     from weightwire.v1 import weight_transfer_pb2 as pb
@@ -354,15 +311,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         close_workers(workers)
     if args.json:
-        out = {
-            a: (
-                json_format.MessageToDict(s, preserving_proto_field_name=True)
-                if not isinstance(s, WeightwireError)
-                else {"error": {"code": s.code, "reason": s.reason, "message": s.message}}
-            )
-            for a, s in statuses.items()
-        }
-        print(json.dumps(out, indent=2))
+        print(json.dumps(fleet_view.fleet_json(statuses), indent=2))
         return 0 if not any(isinstance(s, WeightwireError) for s in statuses.values()) else 1
     rows = []
     bad = False
@@ -372,16 +321,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             # The whole reason and message: this table is the place a user reads why.
             rows.append((addr, "-", "-", "-", "UNREACHABLE", "-", f"{s.reason}: {s.message}"))
             continue
-        state = pb.WorkerState.Name(s.state).removeprefix("WORKER_STATE_")
+        state = fleet_view.state_of(s)
         bad |= s.state != pb.WORKER_STATE_CONSISTENT
-        last = "-"
-        if s.HasField("last_result"):
-            r = s.last_result
-            last = f"v{r.version} {_when(r.finish_time)} {r.tensors_loaded}t {r.duration_ns / 1e6:.1f}ms"
-        err = "-"
-        if s.HasField("last_error"):
-            le = s.last_error
-            err = f"v{le.version} {_when(le.time)} {le.reason}: {le.message}"
         rows.append(
             (
                 f"{s.worker_id or '?'} {addr}",
@@ -389,8 +330,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 _ranks(s.rank),
                 s.weights_version,
                 state,
-                last,
-                err,
+                fleet_view.last_update(s),
+                fleet_view.last_error(s),
             )
         )
     print(
@@ -449,6 +390,9 @@ def _cast_to(name: str | None) -> Any:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
+    """Load a .safetensors file (or every .safetensors file of a directory) and push it to the
+    workers as weights version N. Names must be checkpoint names; every check runs before anything
+    is sent."""
     from weightwire.client.inputs.plan import PlanError
 
     try:

@@ -26,32 +26,25 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from weightwire.core import cli_types
+from weightwire.core import cli_common, cli_types
 from weightwire.core.transports.shm import SHM_DIR
 
 LISTENING_PREFIX = "weightwire-serve listening "
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
+    p = cli_common.add_command(
+        subparsers,
         "demo",
-        help="run a TP x PP engine of demo workers on this machine, push versions and verify every shard",
-        description="Start worker processes for a TP x PP layout of the demo model, push several versions, "
-        "verify every worker's parameters, show a mislabelled payload being refused.",
+        run,
+        "run a TP x PP engine of demo workers on this machine, push versions and verify every shard",
     )
-    p.add_argument("--tp", type=cli_types.positive_int, default=2, help="tensor-parallel size (default 2)")
-    p.add_argument(
-        "--pp",
-        type=cli_types.positive_int,
-        default=2,
-        help="pipeline-parallel size (default 2; the demo model has 4 layers)",
+    cli_common.add_count(p, "--tp", "tensor-parallel size (default 2)", default=2)
+    cli_common.add_count(
+        p, "--pp", "pipeline-parallel size (default 2; the demo model has 4 layers)", default=2
     )
-    p.add_argument(
-        "--versions", type=cli_types.positive_int, default=3, help="how many versions to push (default 3)"
-    )
-    p.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cpu", help="where workers and trainer tensors live"
-    )
+    cli_common.add_count(p, "--versions", "how many versions to push (default 3)", default=3)
+    cli_common.add_device(p, "where workers and trainer tensors live")
     p.add_argument(
         "--bucket-kb",
         dest="bucket_bytes",
@@ -63,7 +56,6 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--keep", action="store_true", help="keep the temporary directory (dump files, worker logs)"
     )
-    p.set_defaults(func=run)
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,6 +181,8 @@ def layout_problem(tp: int, pp: int) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Start worker processes for a TP x PP layout of the demo model, push several versions, verify
+    every worker's parameters, show a mislabelled payload being refused."""
     problem = layout_problem(args.tp, args.pp)
     if problem is not None:
         print(f"weightwire demo: {problem}", file=sys.stderr)

@@ -16,7 +16,7 @@ import datetime
 import json
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from typing import Any, TextIO, TypeAlias
 
@@ -84,6 +84,23 @@ def _clock(ts: Any) -> str:
     return datetime.datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9).strftime("%H:%M:%S")
 
 
+def last_update(status: pb.GetStatusResponse) -> str:
+    """A worker's last committed update as a table cell: version, time, tensors, duration ("-": none)."""
+    if not status.HasField("last_result"):
+        return "-"
+    r = status.last_result
+    return f"v{r.version} {_clock(r.finish_time)} {r.tensors_loaded}t {r.duration_ns / 1e6:.1f} ms"
+
+
+def last_error(status: pb.GetStatusResponse, message: Callable[[str], str] = str) -> str:
+    """A worker's last error as a table cell: version, time, reason (its code if it has none) and
+    the message, which ``message`` may shorten ("-": none)."""
+    if not status.HasField("last_error"):
+        return "-"
+    e = status.last_error
+    return f"v{e.version} {_clock(e.time)} {e.reason or e.code}: {message(e.message)}"
+
+
 def _ranks(rank: Any) -> str:
     parts = [f"tp{rank.tp_rank}/{rank.tp_size or 1}", f"pp{rank.pp_rank}/{rank.pp_size or 1}"]
     if (rank.dp_size or 1) > 1:
@@ -131,14 +148,6 @@ def fleet_rows(statuses: Mapping[str, Status], *, cut: bool = True) -> list[tupl
                 ("?", address, "-", "-", "-", state, "-", "-", "-", f"{s.reason}: {message(s.message)}")
             )
             continue
-        last = "-"
-        if s.HasField("last_result"):
-            r = s.last_result
-            last = f"v{r.version} {_clock(r.finish_time)} {r.duration_ns / 1e6:.1f} ms"
-        err = "-"
-        if s.HasField("last_error"):
-            e = s.last_error
-            err = f"v{e.version} {_clock(e.time)} {e.reason or e.code}: {message(e.message)}"
         rows.append(
             (
                 s.worker_id or "?",
@@ -147,10 +156,10 @@ def fleet_rows(statuses: Mapping[str, Status], *, cut: bool = True) -> list[tupl
                 _ranks(s.rank),
                 str(s.weights_version),
                 state,
-                last,
+                last_update(s),
                 f"{s.updates_succeeded}/{s.updates_failed}",
                 str(s.open_mappings),
-                err,
+                last_error(s, message),
             )
         )
     return rows
