@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from weightwire.client.inputs import plan as planning
-from weightwire.client.inputs.dtensor_gather import CastTo, is_dtensor, spec_of, target_dtype
+from weightwire.client.inputs.dtensor_gather import CastTo, RankLostError, is_dtensor, spec_of, target_dtype
 from weightwire.client.inputs.plan import PlanError
 from weightwire.client.inputs.types import PushResult
 from weightwire.client.ranks import rank_records
@@ -47,7 +47,12 @@ from weightwire.client.update.session import GateProblem, SessionProblem, SpecTe
 from weightwire.core import dtypes
 from weightwire.core.errors import PushError, Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
-from weightwire.core.transports.transfer_group_slices import DEFAULT_MAX_MESSAGE_BYTES, agree, send_slices
+from weightwire.core.transports.transfer_group_slices import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    agree,
+    send_slices,
+    without_frames,
+)
 from weightwire.core.transports.transfer_plan import (
     Box,
     Placement,
@@ -235,6 +240,8 @@ class _SliceUpdate:
         self.groups_held: list[str] = []
         # Whether every rank said its sends ended well (the outcome exchange).
         self.everyone_ok = False
+        # Why rank 0's outcome exchange failed (a rank was lost), kept for the error it raises.
+        self.lost: RankLostError | None = None
 
     def plan(
         self, items: Sequence[tuple[str, torch.Tensor]]
@@ -332,7 +339,13 @@ class _SliceUpdate:
             sends.start()
             self._outcome(None, sends)
             outcome = RankResults({}, {})
-        shared = rank_records.exchange(self.ranks, outcome, "the update's results")[0]
+        try:
+            shared = rank_records.exchange(self.ranks, outcome, "the update's results")[0]
+        except RankLostError as e:
+            self.link.teardown("a trainer rank was lost")
+            if self.ranks.rank != 0:
+                raise
+            raise _rank_lost(self.lost or e, outcome) from None
         if shared.failures or not self.everyone_ok:
             self.link.teardown("the update failed")
             raise PushError(shared.failures, shared.results)
@@ -399,9 +412,19 @@ class _SliceUpdate:
         ok = problem is None and sent_error is None
         if not ok and problem is None:
             self.link.teardown("the update failed")
-        verdicts = self.ranks.step(
-            ok, (sent_error.message[:2000] if sent_error else "").encode(), "the sends' outcome"
-        )
+        try:
+            verdicts = self.ranks.step(
+                ok, (sent_error.message[:2000] if sent_error else "").encode(), "the sends' outcome"
+            )
+        except RankLostError as e:
+            self.link.teardown("a trainer rank was lost")
+            if self.ranks.rank != 0:
+                raise
+            # Rank 0's gate: the session calls the update off and collects what every worker
+            # said (a worker that lost its bytes names the trainer rank it waited for).
+            self.lost = e
+            self.everyone_ok = False
+            return e.message
         self.everyone_ok = all(flag for flag, _ in verdicts)
         if self.everyone_ok:
             return None
@@ -436,10 +459,32 @@ class _SliceUpdate:
                 staging=self.link.staging,
             )
         except WeightwireError as err:
-            return err
+            return without_frames(err)
         except Exception as e:
             return WeightwireError(Reason.TRANSFER_FAILED, f"trainer rank {me}: sending failed: {e!r}")
         return None
+
+
+def _rank_lost(lost: RankLostError, outcome: RankResults) -> RankLostError:
+    """Rank 0's error for an update during which a trainer rank was lost: names the rank (those
+    the workers' failed receives name, other than rank 0 itself) and carries the workers' failures
+    and results, which no other rank can be told."""
+    named = sorted(
+        {
+            int(r)
+            for f in outcome.failures.values()
+            if (r := f.metadata.get("trainer_rank", "")).isdigit() and r != "0"
+        }
+    )
+    who = f"trainer rank {', '.join(map(str, named))}" if named else "a trainer rank"
+    err = RankLostError(
+        f"{who} was lost during the update: {lost.message}",
+        **lost.metadata,
+        **({"lost_ranks": ",".join(map(str, named))} if named else {}),
+    )
+    err.failures = dict(outcome.failures)
+    err.results = dict(outcome.results)
+    return err
 
 
 def push_slices(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -321,6 +322,17 @@ def send_slices(
     return sent
 
 
+def without_frames(err: WeightwireError) -> WeightwireError:
+    """``err`` without its traceback and context, for an error kept or raised past the frames of
+    a transfer: those frames hold the process group and its posted operations (an operation holds
+    its group's connections), and a group still referenced is not destroyed when it is closed, so
+    its sockets stay open and every peer waiting on this member waits out the group's timeout."""
+    err.__traceback__ = None
+    err.__context__ = None
+    err.__cause__ = None
+    return err
+
+
 def _post(op: Any, what: str) -> Any:
     """Post a send or receive; one the backend refuses at once (a peer already gone) is
     TRANSFER_FAILED, as a failed wait is."""
@@ -330,33 +342,84 @@ def _post(op: Any, what: str) -> Any:
         raise transfer_error(e, what) from None
 
 
-def _wait(work: Any, timeout_s: float, what: str, stopped: Callable[[], bool] | None = None) -> None:
+def _wait(
+    work: Any,
+    timeout_s: float,
+    what: str,
+    stopped: Callable[[], bool] | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
     """Wait for a posted operation within the group's timeout: a peer that died or never sends
     ends it with TRANSFER_FAILED (gloo fails a pending receive at once when its peer's sockets
     close, and at the timeout otherwise), never a hang. With ``stopped`` (a worker's update whose
     call may end: cancelled, past its deadline) the wait also ends with CANCELLED as soon as
     ``stopped()``: the operation is watched (``is_completed``) rather than waited on, since a wait
     that times out finishes it. Only for collectives: gloo marks a point-to-point receive completed
-    only inside its wait, and nothing but the peer's sockets closing or the timeout ends that wait."""
+    only inside its wait, and nothing but the peer's sockets closing or the timeout ends that wait
+    (``_watch_receives`` watches such waits on a thread of their own). ``metadata`` goes into the
+    error (the peer's rank, so that whoever reads it can tell which member went away)."""
     if stopped is not None:
         deadline = time.monotonic() + timeout_s
-        pause = _FIRST_POLL_S
-        while not work.is_completed():
-            if stopped():
-                raise WeightwireError(
-                    Reason.CANCELLED,
-                    f"the update's call ended (cancelled, or past its deadline) during {what}; nothing was committed",
-                )
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, _LAST_POLL_S)
+        _until(work.is_completed, deadline, what, stopped)
         timeout_s = max(deadline - time.monotonic(), 0.001)
     try:
         work.wait(datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        raise transfer_error(e, what) from None
+        raise transfer_error(e, what, **(metadata or {})) from None
+
+
+def _until(done: Callable[[], bool], deadline: float, what: str, stopped: Callable[[], bool]) -> None:
+    """Poll ``done()`` until it is true or ``deadline`` passes; CANCELLED as soon as ``stopped()``."""
+    pause = _FIRST_POLL_S
+    while not done():
+        if stopped():
+            raise WeightwireError(
+                Reason.CANCELLED,
+                f"the update's call ended (cancelled, or past its deadline) during {what}; nothing was committed",
+            )
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, _LAST_POLL_S)
+
+
+def _watch_receives(
+    works: Sequence[Any],
+    timeout_s: float,
+    whats: Sequence[tuple[str, Mapping[str, str]]],
+    stopped: Callable[[], bool] | None,
+) -> None:
+    """``_wait`` for each of ``works`` (point-to-point receives); with ``stopped``, on a thread of
+    their own, so that the caller stops waiting (CANCELLED) as soon as ``stopped()``. Only for receives into
+    buffers of this update alone (the announcements): one given up on may still complete later,
+    when its sender sends after all, and its bytes must land nowhere that counts. A receive into
+    the model's kept tensors is never given up on this way."""
+    if stopped is None:
+        for work, (what, meta) in zip(works, whats, strict=True):
+            _wait(work, timeout_s, what, metadata=meta)
+        return
+    if not works:
+        return
+    finished = threading.Event()
+    failed: list[WeightwireError] = []
+
+    def run() -> None:
+        try:
+            for work, (what, meta) in zip(works, whats, strict=True):
+                _wait(work, timeout_s, what, metadata=meta)
+        except WeightwireError as err:
+            failed.append(without_frames(err))
+        finally:
+            finished.set()
+
+    threading.Thread(target=run, name="ww-slices-watch", daemon=True).start()
+    # The thread's own waits end at the timeout; this one a little later, so theirs is the error.
+    _until(finished.is_set, time.monotonic() + timeout_s + 1.0, whats[0][0], stopped)
+    if failed:
+        raise failed[0]
+    if not finished.is_set():
+        raise WeightwireError(Reason.TRANSFER_FAILED, f"{whats[0][0]} did not end within {timeout_s:g} s")
 
 
 def kept_region(kept: torch.Tensor, owned: OwnedTensor, box: Box) -> torch.Tensor:
@@ -388,12 +451,16 @@ def receive_slices(
     staging: dict[Any, torch.Tensor] | None = None,
     direct_min_bytes: int = DIRECT_MIN_BYTES,
     before_writing: Callable[[], None] | None = None,
+    stopped: Callable[[], bool] | None = None,
 ) -> int:
     """Receive every region the plan sends ``worker`` into ``kept`` (by tensor name). Returns the
     bytes received. Every source's announcement is checked first (``Arrivals.open``: a source with
     another plan or a short announcement is refused before anything lands); then
     ``before_writing`` is called, and the bytes land. A message that arrives short raises
-    MESSAGE_TRUNCATED before its bytes are counted or copied on."""
+    MESSAGE_TRUNCATED before its bytes are counted or copied on. With ``stopped``, the wait for
+    the announcements ends with CANCELLED as soon as ``stopped()`` (``_watch_receives``); the
+    receives into the kept tensors that follow wait for their senders, their sockets closing or
+    the timeout."""
 
     def build(into: _Ops) -> None:
         def region(t: Transfer) -> torch.Tensor:
@@ -429,8 +496,9 @@ def receive_slices(
     notes = []
     for source, a in arrivals.items():
         notes.append(_post(lambda b=a.buffer, s=source: pg.recv([b], s, 0), f"announcement from {a.what}"))
-    for note, a in zip(notes, arrivals.values(), strict=True):
-        _wait(note, timeout_s, f"the announcement from {a.what}")
+    whats = [(f"the announcement from {a.what}", {"trainer_rank": str(s)}) for s, a in arrivals.items()]
+    _watch_receives(notes, timeout_s, whats, stopped)
+    for a in arrivals.values():
         a.open()
     if before_writing is not None:
         before_writing()
@@ -440,7 +508,7 @@ def receive_slices(
         works.append(_post(lambda b=target, s=source: pg.recv([b], s, 0), f"receive from {peer}"))
     received = 0
     for work, (source, target, copies, nbytes, peer, _), index in zip(works, ops, indices, strict=True):
-        _wait(work, timeout_s, f"a receive from {peer}")
+        _wait(work, timeout_s, f"a receive from {peer}", metadata={"trainer_rank": str(source)})
         arrivals[source].check(index, target)
         for to, frm in copies:
             to.copy_(frm)

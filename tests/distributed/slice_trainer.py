@@ -3,8 +3,9 @@ model sharded with FSDP2, and one ``WeightPusher(..., transfer_group=...)`` kept
 ``model.state_dict()`` with ``group=`` the way a training loop would (every rank runs the same line).
 
 Started by the test with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment as
-``slice_trainer.py [--backend nccl] [--store-port P] ADDR...`` (``--store-port``: the
-pusher's store on a fixed port, as docs/distributed.md shows). Reads one JSON command per line on stdin and answers one JSON line on
+``slice_trainer.py [--backend nccl] [--store-port P] [--group-timeout S] ADDR...`` (``--store-port``: the
+pusher's store on a fixed port, as docs/distributed.md shows; ``--group-timeout``: the transfer
+group's timeout, 20 s unless given). Reads one JSON command per line on stdin and answers one JSON line on
 stdout for each:
 
   {"op": "push", "version": V, "seed": S, "scope": "full"|"partial", "drop": [names], "cast_to": dtype,
@@ -129,9 +130,14 @@ def main() -> int:
     port = 0
     if args[:1] == ["--store-port"]:
         port, args = int(args[1]), args[2:]
+    group_timeout_s = 20.0
+    if args[:1] == ["--group-timeout"]:
+        group_timeout_s, args = float(args[1]), args[2:]
     pusher = WeightPusher(
         args,
-        transfer_group=TransferGroupOptions(host="127.0.0.1", port=port, timeout_s=20, backend=backend),
+        transfer_group=TransferGroupOptions(
+            host="127.0.0.1", port=port, timeout_s=group_timeout_s, backend=backend
+        ),
         timeout_s=60,
         metrics=TrainerMetrics(CollectorRegistry()),
     )

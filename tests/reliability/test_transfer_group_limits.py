@@ -31,7 +31,9 @@ from weightwire.core.transports.transfer_group_plan import (
     message_tag,
     plan_group,
 )
+from weightwire.core.transports.transfer_group_slices import agree
 from weightwire.core.transports.transfer_group_store import StoreServer
+from weightwire.core.transports.transfer_plan import TransferPlan
 from weightwire.core.transports.whole_messages import announce, last_byte
 from weightwire.server import serve
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -242,30 +244,41 @@ def _norm_slices_update(
 
 
 @pytest.mark.parametrize("how", ["stream cancelled", "PushUpdate deadline"])
-@pytest.mark.parametrize("plane", ["point-to-point", "slices"])
+@pytest.mark.parametrize("plane", ["point-to-point", "slices", "slices, plans agreed"])
 def test_an_update_whose_call_ends_while_waiting_for_group_bytes_ends_at_once(
     worker: Worker, group: object, how: str, plane: str
 ) -> None:
-    """The trainer (this process) never sends: the worker waits for its bytes (point to point) or
-    for the plan comparison (slices, where a silent trainer rank holds every member)."""
-    _, spec = group  # type: ignore[misc]
+    """The trainer (this process) never sends: the worker waits for its bytes (point to point),
+    for the plan comparison (slices, where a silent trainer rank holds every member), or, the
+    plans compared and agreed, for the trainer's announcement of its messages."""
+    formed, spec = group  # type: ignore[misc]
     before = worker.status()
     version = before.weights_version + 1
-    if plane == "slices":
+    if plane.startswith("slices"):
         reqs = _norm_slices_update(worker, spec, version)
     else:
         reqs = _norm_update(worker, spec, version, lambda size: [(0, size)])  # bytes never sent
+    compared: concurrent.futures.Future[None] | None = None
+    if plane == "slices, plans agreed":
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        plan = TransferPlan((), "0" * 32)  # the fingerprint the bucket names
+        compared = pool.submit(agree, formed.process_group(), plan, 0, 2, GROUP_TIMEOUT_MS / 1000)
+        pool.shutdown(wait=False)
     if how == "stream cancelled":
         feed = RequestFeed()
         call = worker.stub.PushWeights(iter(feed), timeout=CALL_TIMEOUT_S)
         for req in reqs[:2]:
             feed.send(req)
         assert wait_until(lambda: worker.status().state == pb.WORKER_STATE_UPDATING)
+        if compared is not None:
+            compared.result(timeout=CALL_TIMEOUT_S)  # the worker now waits for the announcement
         call.cancel()
         feed.end()
     else:
         out = push(worker.stub, reqs, timeout=3.0, whole=True)
         assert out.code == grpc.StatusCode.DEADLINE_EXCEEDED, (out.code, out.reason, out.message)
+        if compared is not None:
+            compared.result(timeout=CALL_TIMEOUT_S)  # the plans were agreed before the deadline
     # Ends well before the group's timeout (the call deadline of the checks below is far shorter).
     assert wait_until(lambda: worker.status().state != pb.WORKER_STATE_UPDATING, timeout=CALL_TIMEOUT_S)
     st = worker.status()
