@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import queue
 import signal
@@ -470,3 +471,173 @@ def start_demo_worker(
     )
     server = serve(adapter, **serve_kw)  # type: ignore[arg-type]
     return InProcessWorker(server, adapter, rank, config)
+
+
+# --- every trainer rank a source: trainer ranks of one gloo world, each its own process --------------
+
+SLICE_RANK_DIED_EXIT_CODE = 3
+
+
+class TrainerRanks:
+    """``world`` processes of ``python script *args`` as the ranks of one gloo world (RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT set; tests/ on PYTHONPATH), each answering one JSON line per
+    command line; ``script`` runs ``slice_trainer_main``. Used by the engine suites' slices tests."""
+
+    def __init__(
+        self, script: str, args: Sequence[str], *, world: int = 2, drop_env: Sequence[str] = ()
+    ) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        tests = os.path.dirname(os.path.abspath(__file__))
+        env = {
+            **os.environ,
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p),
+        }
+        for key in drop_env:
+            env.pop(key, None)
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, os.path.abspath(script), *args],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=os.path.dirname(os.path.abspath(script)),
+                env={**env, "RANK": str(r)},
+            )
+            for r in range(world)
+        ]
+        for r in range(world):
+            assert self.read(r).get("ready"), r
+
+    def read(self, rank: int) -> dict[str, Any]:
+        out = self.procs[rank].stdout
+        assert out is not None
+        while True:
+            line = out.readline()
+            if not line:
+                err = self.procs[rank].stderr
+                raise RuntimeError(f"trainer rank {rank} ended: {err.read()[-3000:] if err else ''}")
+            if line.startswith("{"):
+                return json.loads(line)  # type: ignore[no-any-return]
+
+    def send(self, rank: int, text: str) -> None:
+        stdin = self.procs[rank].stdin
+        assert stdin is not None
+        stdin.write(text + "\n")
+        stdin.flush()
+
+    def push(self, **cmd: Any) -> list[dict[str, Any]]:
+        """Every rank pushes (``slice_trainer_main``'s push command); their answers, by rank."""
+        for r in range(len(self.procs)):
+            self.send(r, json.dumps({"op": "push", **cmd}))
+        return [self.read(r) for r in range(len(self.procs))]
+
+    def close(self) -> None:
+        for r, p in enumerate(self.procs):
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    self.send(r, json.dumps({"op": "quit"}))
+        for p in self.procs:
+            try:
+                p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+
+
+def slice_trainer_main(addresses: list[str], checkpoint: Callable[[int], Mapping[str, torch.Tensor]]) -> int:
+    """One trainer rank of ``TrainerRanks``: a ``WeightPusher`` over a transfer group on loopback to
+    ``addresses``; reads one JSON command a line, answers one JSON line:
+    {"op": "push", "version": V, "seed": S, "single": bool, "pause": bool} pushes ``checkpoint(S)``,
+    as DTensor shards of one ``Shard(0)`` mesh over the world (every rank a source), or with
+    ``single`` as plain tensors from rank 0 alone; with ``pause`` it prints {"paused": true} right
+    before this rank's sends and waits for "go", or "die": send the announcements, then exit with
+    ``SLICE_RANK_DIED_EXIT_CODE`` at the first data message, once the other rank's bytes reached the
+    workers. {"op": "quit"} ends it."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from weightwire.client import PushError, WeightPusher, WeightwireError
+    from weightwire.client.ranks import slice_push
+    from weightwire.client.transports.transfer_group import TransferGroupOptions
+
+    real_send = slice_push.send_slices
+    pause = [False]
+
+    class DiesAtItsFirstData:
+        """The group's process group, until this rank's first data message: its announcements go
+        out (so every worker starts receiving, and lands the other rank's bytes), then it dies."""
+
+        def __init__(self, pg: Any) -> None:
+            self._pg = pg
+            self._announced: set[int] = set()
+
+        def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+            if dst in self._announced:
+                time.sleep(2)  # the other rank's messages arrive meanwhile
+                os._exit(SLICE_RANK_DIED_EXIT_CODE)  # lost mid-push: no cleanup, like a crash
+            self._announced.add(dst)
+            work = self._pg.send(tensors, dst, tag)
+            work.wait()
+            return work
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._pg, name)
+
+    def paused_send(pg: Any, *args: Any, **kwargs: Any) -> int:
+        if pause[0]:
+            print(json.dumps({"paused": True}), flush=True)
+            if sys.stdin.readline().strip() == "die":
+                pg = DiesAtItsFirstData(pg)
+        return real_send(pg, *args, **kwargs)
+
+    slice_push.send_slices = paused_send  # type: ignore[assignment]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    pusher = WeightPusher(
+        addresses, transfer_group=TransferGroupOptions(host="127.0.0.1", timeout_s=20), timeout_s=60
+    )
+    print(json.dumps({"ready": True}), flush=True)
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "quit":
+                break
+            full = checkpoint(int(cmd["seed"]))
+            if cmd.get("single"):
+                if dist.get_rank() != 0:
+                    print(json.dumps({"ok": True}), flush=True)
+                    continue
+                tensors: Mapping[str, Any] = full
+            else:
+                tensors = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()}
+            pause[0] = bool(cmd.get("pause"))
+            try:
+                results = pusher.push(tensors, version=int(cmd["version"]))
+                answer = {"ok": True, "results": {a: dataclasses.asdict(r) for a, r in results.items()}}
+            except (PushError, WeightwireError) as e:
+                failures = getattr(e, "failures", {})
+                answer = {
+                    "ok": False,
+                    "reason": getattr(e, "reason", "PUSH_FAILED"),
+                    "message": str(e)[:3000],
+                    "failures": {
+                        a: {"reason": f.reason, "message": f.message[:1000]} for a, f in failures.items()
+                    },
+                }
+            finally:
+                pause[0] = False
+            print(json.dumps(answer), flush=True)
+    finally:
+        pusher.close()
+        dist.destroy_process_group()
+    return 0

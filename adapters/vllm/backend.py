@@ -40,9 +40,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from weightwire.adapters.endpoints import engine_rank, prepare_socket, worker_id, worker_index
-from weightwire.adapters.vllm.adapter import VLLMAdapter
 from weightwire.adapters.vllm.plugin import check_version
 from weightwire.adapters.vllm.settings import ENV_BASE_PORT, ENV_SOCKET_DIR, Settings, default_socket_dir
+from weightwire.adapters.vllm.slices import SlicesVLLMAdapter
 from weightwire.core.devices import device_ref_of
 from weightwire.core.manifest import ParallelRank
 
@@ -75,7 +75,8 @@ class WeightwireWeightTransferEngine(WeightTransferEngine[WeightwireInitInfo, We
         check_version(_vllm_version())
         self.settings = Settings.from_env(str(vllm_config.instance_id))
         rank = parallel_rank(vllm_config)
-        self.adapter = VLLMAdapter(
+        # Receives slices from every trainer rank too (slices.py): vLLM reloads what arrives.
+        self.adapter = SlicesVLLMAdapter(
             model,
             vllm_config,
             rank=rank,

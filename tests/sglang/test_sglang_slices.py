@@ -12,22 +12,15 @@ leaves every worker CONSISTENT at its old version, serving its old tokens, and t
 trainer's next push forms a new group and lands. Apart from it, a block-FP8 model's ranks publish
 receives_slices false and log why.
 
-This file is also the trainer rank (``python test_sglang_slices.py ADDR...`` with RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT set): it reads one JSON command a line, answers one JSON line:
-{"op": "push", "version": V, "seed": S, "single": bool, "pause": bool} (``single``: rank 0 pushes
-plain tensors alone; ``pause``: print {"paused": true} right before this rank's sends and wait for
-"go", or "die": send the announcements, then exit with code 3 at the first data message, once the
-other rank's bytes reached the workers), {"op": "quit"}.
+This file is also the trainer rank (``python test_sglang_slices.py ADDR...``, started by
+``helpers.TrainerRanks``): ``helpers.slice_trainer_main`` on this module's checkpoints.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -37,12 +30,12 @@ from typing import Any
 import pytest
 import torch
 from checkpoints import QWEN2, ModelSpec, full_checkpoint, reference_tokens, write_model_dir
+from helpers import SLICE_RANK_DIED_EXIT_CODE as DIED_EXIT_CODE
+from helpers import TrainerRanks, slice_trainer_main
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC = ModelSpec(QWEN2, tie=True)
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
 NEW_TOKENS = 8
-DIED_EXIT_CODE = 3
 
 pytestmark = [
     pytest.mark.sglang,
@@ -51,154 +44,9 @@ pytestmark = [
 ]
 
 
-# --- the trainer rank (run as a script) ----------------------------------------------------------
-
-
-def _trainer_main(addresses: list[str]) -> int:
-    import dataclasses
-    import datetime
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from weightwire.client import PushError, WeightPusher, WeightwireError
-    from weightwire.client.ranks import slice_push
-    from weightwire.client.transports.transfer_group import TransferGroupOptions
-
-    real_send = slice_push.send_slices
-    pause = [False]
-
-    class DiesAtItsFirstData:
-        """The group's process group, until this rank's first data message: its announcements go
-        out (so every worker starts receiving, and lands the other rank's bytes), then it dies."""
-
-        def __init__(self, pg: Any) -> None:
-            self._pg, self._announced = pg, set()
-
-        def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
-            if dst in self._announced:
-                time.sleep(2)  # the other rank's messages arrive meanwhile
-                os._exit(DIED_EXIT_CODE)  # lost mid-push: no cleanup, like a crash
-            self._announced.add(dst)
-            work = self._pg.send(tensors, dst, tag)
-            work.wait()
-            return work
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._pg, name)
-
-    def paused_send(pg: Any, *args: Any, **kwargs: Any) -> int:
-        if pause[0]:
-            print(json.dumps({"paused": True}), flush=True)
-            if sys.stdin.readline().strip() == "die":
-                pg = DiesAtItsFirstData(pg)
-        return real_send(pg, *args, **kwargs)
-
-    slice_push.send_slices = paused_send  # type: ignore[assignment]
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    pusher = WeightPusher(
-        addresses, transfer_group=TransferGroupOptions(host="127.0.0.1", timeout_s=20), timeout_s=60
-    )
-    print(json.dumps({"ready": True}), flush=True)
-    try:
-        for line in sys.stdin:
-            cmd = json.loads(line)
-            if cmd["op"] == "quit":
-                break
-            full = full_checkpoint(SPEC, int(cmd["seed"]))
-            if cmd.get("single"):
-                if dist.get_rank() != 0:
-                    print(json.dumps({"ok": True}), flush=True)
-                    continue
-                tensors = full
-            else:
-                tensors = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()}
-            pause[0] = bool(cmd.get("pause"))
-            try:
-                results = pusher.push(tensors, version=int(cmd["version"]))
-                answer = {"ok": True, "results": {a: dataclasses.asdict(r) for a, r in results.items()}}
-            except (PushError, WeightwireError) as e:
-                failures = getattr(e, "failures", {})
-                answer = {
-                    "ok": False,
-                    "reason": getattr(e, "reason", "PUSH_FAILED"),
-                    "message": str(e)[:3000],
-                    "failures": {
-                        a: {"reason": f.reason, "message": f.message[:1000]} for a, f in failures.items()
-                    },
-                }
-            finally:
-                pause[0] = False
-            print(json.dumps(answer), flush=True)
-    finally:
-        pusher.close()
-        dist.destroy_process_group()
-    return 0
-
-
-# --- the test side ---------------------------------------------------------------------------------
-
-
-class Ranks:
-    """Two trainer ranks (this file as a script), driven by JSON lines."""
-
-    def __init__(self, addresses: list[str]) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        env.pop("WEIGHTWIRE_SGLANG_SOCKET_DIR", None)
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), *addresses],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                cwd=HERE,
-                env={**env, "RANK": str(r)},
-            )
-            for r in range(2)
-        ]
-        for r in range(2):
-            assert self.read(r).get("ready"), r
-
-    def read(self, rank: int) -> dict[str, Any]:
-        out = self.procs[rank].stdout
-        assert out is not None
-        while True:
-            line = out.readline()
-            if not line:
-                err = self.procs[rank].stderr
-                raise RuntimeError(f"trainer rank {rank} ended: {err.read()[-3000:] if err else ''}")
-            if line.startswith("{"):
-                return json.loads(line)  # type: ignore[no-any-return]
-
-    def send(self, rank: int, text: str) -> None:
-        stdin = self.procs[rank].stdin
-        assert stdin is not None
-        stdin.write(text + "\n")
-        stdin.flush()
-
-    def push(self, **cmd: Any) -> list[dict[str, Any]]:
-        for r in range(2):
-            self.send(r, json.dumps({"op": "push", **cmd}))
-        return [self.read(r) for r in range(2)]
-
-    def close(self) -> None:
-        for r, p in enumerate(self.procs):
-            if p.poll() is None:
-                try:
-                    self.send(r, json.dumps({"op": "quit"}))
-                except OSError:
-                    pass
-        for p in self.procs:
-            try:
-                p.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.communicate()
+def trainer_ranks(addresses: list[str]) -> TrainerRanks:
+    """Two trainer ranks: this file as a script (``slice_trainer_main``)."""
+    return TrainerRanks(__file__, addresses, drop_env=["WEIGHTWIRE_SGLANG_SOCKET_DIR"])
 
 
 class Fleet:
@@ -211,7 +59,7 @@ class Fleet:
         self.addresses = addresses
         # A reader only (manifests and status); the trainer ranks push.
         self.reader = WeightPusher(addresses, timeout_s=60)
-        self.ranks = Ranks(addresses)
+        self.ranks = trainer_ranks(addresses)
         self.version = 0
         self.weights = full_checkpoint(SPEC, seed=1)
 
@@ -331,7 +179,7 @@ def test_a_trainer_rank_killed_mid_push_leaves_every_worker_at_its_old_weights(f
     fleet.tokens_match()
     # The trainer restarted (both ranks, as after a crash): its first push forms a new group and lands.
     ranks.close()
-    fleet.ranks = Ranks(fleet.addresses)
+    fleet.ranks = trainer_ranks(fleet.addresses)
     fleet.landed(fleet.push(version=old_version + 1, seed=10), old_version + 1, 10, slices=True)
     assert fleet.tokens_match() != old_tokens
 
@@ -366,4 +214,4 @@ def test_a_quantized_rank_does_not_take_slices_and_says_why(tmp_path: Any) -> No
 
 
 if __name__ == "__main__":
-    sys.exit(_trainer_main(sys.argv[1:]))
+    sys.exit(slice_trainer_main(sys.argv[1:], lambda seed: full_checkpoint(SPEC, seed)))

