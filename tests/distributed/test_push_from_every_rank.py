@@ -240,13 +240,19 @@ def test_a_trainer_rank_lost_mid_transfer_fails_every_rank_and_the_group_reforms
         ranks.send(2, "die")
         answers = [ranks.read(0), ranks.read(1)]
         assert [a["ok"] for a in answers] == [False, False], answers
+        # Rank 0 drove the workers: its error names the lost rank and carries every worker's
+        # failure. Rank 1 cannot be told them (the ranks' exchange died with rank 2): it says a
+        # rank was lost.
+        assert answers[0]["error"]["reason"] == "TRAINER_RANK_LOST", answers[0]
+        assert "trainer rank 2" in answers[0]["error"]["message"], answers[0]
         failures = answers[0]["error"]["failures"]
-        assert failures == answers[1]["error"]["failures"]
+        assert set(failures) == {m.address for m in fleet.members}, failures
         assert {f["reason"] for f in failures.values()} <= {
             "TRANSFER_FAILED",
             "CANCELLED",
             "TRAINER_RANK_FAILED",
-        }
+        }, failures
+        assert answers[1]["error"]["reason"] == "TRAINER_RANK_LOST", answers[1]
         for m in fleet.members:
             assert wait_until(lambda m=m: m.status().state != pb.WORKER_STATE_UPDATING, timeout=30)
             assert m.status().weights_version == before
