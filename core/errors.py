@@ -10,7 +10,12 @@ its code, ``Reason.for_code``). Every error has a reason. Status codes are carri
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 ERROR_DOMAIN = "weightwire"
 
@@ -139,6 +144,30 @@ class WeightwireError(Exception):
     def __str__(self) -> str:
         where = f"{self.worker}: " if self.worker else ""
         return f"{where}{self.code}/{self.reason_name}: {self.message}"
+
+
+def without_frames(err: WeightwireError) -> WeightwireError:
+    """``err`` without its traceback and context, for an error kept or raised past the frames of
+    a transfer: those frames hold the process group and its posted operations (an operation holds
+    its group's connections), and a group still referenced is not destroyed when it is closed, so
+    its sockets stay open and every peer waiting on this member waits out the group's timeout."""
+    err.__traceback__ = None
+    err.__context__ = None
+    err.__cause__ = None
+    return err
+
+
+def raises_without_frames(fn: Callable[P, T]) -> Callable[P, T]:
+    """``fn``, whose ``WeightwireError`` leaves without its frames (``without_frames``)."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except WeightwireError as err:
+            raise without_frames(err) from None
+
+    return call
 
 
 _BY_CODE_NAME = {

@@ -45,13 +45,12 @@ from weightwire.client.rpc.stream import Connections
 from weightwire.client.transports.route import Job, PerWorkerRoute, Route
 from weightwire.client.update.session import GateProblem, SessionProblem, SpecTemplates, UpdateSession
 from weightwire.core import dtypes
-from weightwire.core.errors import PushError, Reason, WeightwireError
+from weightwire.core.errors import PushError, Reason, WeightwireError, without_frames
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports.transfer_group_slices import (
     DEFAULT_MAX_MESSAGE_BYTES,
     agree,
     send_slices,
-    without_frames,
 )
 from weightwire.core.transports.transfer_plan import (
     Box,

@@ -22,7 +22,6 @@ import torch
 from weightwire.client.ranks import rank_records
 from weightwire.client.ranks.rank_agreement import RankGroup
 from weightwire.client.ranks.rank_records import MemberRecord, RankFailure, RankResults
-from weightwire.client.rpc.calls import Worker
 from weightwire.client.transports.group_forming import (
     TRAINER_KEY,
     Joining,
@@ -31,13 +30,12 @@ from weightwire.client.transports.group_forming import (
     largest_tensor_bytes,
 )
 from weightwire.client.transports.transfer_group_link import LinkBase
-from weightwire.client.transports.transfer_group_options import TransferGroupOptions
 from weightwire.core.errors import PushError, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports.transfer_group import TransferGroup, check_backend
 from weightwire.core.transports.transfer_group_plan import MemberIdentity, check_spec, plan_group
 from weightwire.core.transports.transfer_group_slices import GroupRanks
-from weightwire.core.transports.transfer_group_store import SharedStore, StoreServer
+from weightwire.core.transports.transfer_group_store import StoreServer
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["FormedSources", "SourcesLink"]
@@ -67,16 +65,8 @@ class FormedSources:
 class SourcesLink(LinkBase):
     """One trainer rank's side of a group of every trainer rank and the workers."""
 
-    def __init__(
-        self,
-        options: TransferGroupOptions,
-        workers: Mapping[str, Worker],
-        metadata: tuple[tuple[str, str], ...],
-        timeout_s: float,
-        store: SharedStore | None = None,
-    ) -> None:
+    def _start(self) -> None:
         # Rank 0 serves the store: the pusher's (shared with its single-source link) or its own.
-        super().__init__(options, workers, metadata, timeout_s, store)
         self.instance_id = uuid.uuid4().hex
         self._store: StoreServer | None = None
         self._formed: FormedSources | None = None
@@ -88,10 +78,6 @@ class SourcesLink(LinkBase):
         # The plans of recent updates by what they depend on (``slice_push``); planning a model of
         # hundreds of tensors takes tens of milliseconds of Python, every step alike.
         self.plans: dict[object, Any] = {}
-
-    @property
-    def device(self) -> torch.device:
-        return self.options.device
 
     def check_backend(self) -> None:
         """TRANSPORT_UNAVAILABLE when the group's backend cannot run here (NCCL without a GPU)."""

@@ -123,6 +123,14 @@ class LinkBase:
         # The pusher's store, shared by both its links (closed by the pusher), or one of this link's own.
         self._owns_store = store is None
         self.store = store if store is not None else SharedStore(options.host, options.port, self.timeout_s)
+        self._start()
+
+    def _start(self) -> None:
+        """What the link holds besides the common part, made by each kind of link."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.options.device
 
     def _leave_all(self, group_id: str) -> None:
         leave_all(self._workers, group_id, self._metadata)
@@ -135,16 +143,8 @@ class LinkBase:
 class GroupLink(LinkBase):
     """A pusher's transfer group: forms it, routes buckets over it, tears it down."""
 
-    def __init__(
-        self,
-        options: TransferGroupOptions,
-        workers: Mapping[str, Worker],
-        metadata: tuple[tuple[str, str], ...],
-        timeout_s: float,
-        store: SharedStore | None = None,
-    ) -> None:
-        super().__init__(options, workers, metadata, timeout_s, store)
-        self.identity = MemberIdentity.of_trainer(options.trainer_rank, uuid.uuid4().hex)
+    def _start(self) -> None:
+        self.identity = MemberIdentity.of_trainer(self.options.trainer_rank, uuid.uuid4().hex)
         self._formed: _Formed | None = None
         self._closing: list[TransferGroup] = []
         self._lock = threading.Lock()
@@ -152,10 +152,6 @@ class GroupLink(LinkBase):
         self._failure: WeightwireError | None = None
         self._sends = Sends(self._send_failed)
         self.formations = 0
-
-    @property
-    def device(self) -> torch.device:
-        return self.options.device
 
     @property
     def group_id(self) -> str | None:

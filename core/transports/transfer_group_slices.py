@@ -35,7 +35,7 @@ from typing import Any, cast
 
 import torch
 from weightwire.core import dtypes
-from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.errors import Reason, WeightwireError, without_frames
 from weightwire.core.manifest import OwnedTensor
 from weightwire.core.transports.transfer_group import transfer_error
 from weightwire.core.transports.transfer_plan import Box, Transfer, TransferPlan, TransferPlanError
@@ -320,17 +320,6 @@ def send_slices(
     for work in works:
         _wait(work, timeout_s, "a send")
     return sent
-
-
-def without_frames(err: WeightwireError) -> WeightwireError:
-    """``err`` without its traceback and context, for an error kept or raised past the frames of
-    a transfer: those frames hold the process group and its posted operations (an operation holds
-    its group's connections), and a group still referenced is not destroyed when it is closed, so
-    its sockets stay open and every peer waiting on this member waits out the group's timeout."""
-    err.__traceback__ = None
-    err.__context__ = None
-    err.__cause__ = None
-    return err
 
 
 def _post(op: Any, what: str) -> Any:

@@ -23,10 +23,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from weightwire.core import dtypes
-from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.errors import Reason, WeightwireError, raises_without_frames
 from weightwire.core.manifest import OwnedTensor, ShardManifest
 from weightwire.core.transports.transfer_group_plan import clip
-from weightwire.core.transports.transfer_group_slices import GroupRanks, agree, receive_slices, without_frames
+from weightwire.core.transports.transfer_group_slices import GroupRanks, agree, receive_slices
 from weightwire.core.transports.transfer_plan import Box, Transfer, TransferPlan, box_elements, kept_boxes
 from weightwire.server.transports.transfer_group_member import JoinedGroup
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -192,28 +192,8 @@ def check_kept(kept: Mapping[str, torch.Tensor], manifest: ShardManifest, names:
             )
 
 
+@raises_without_frames
 def receive_bucket(
-    member: JoinedGroup,
-    checked: SlicePlan,
-    max_message_bytes: int,
-    kept: Mapping[str, torch.Tensor],
-    manifest: ShardManifest,
-    staging: dict[object, torch.Tensor],
-    lock: threading.Lock,
-    will_write: Callable[[], None],
-    stopped: Callable[[], bool] | None = None,
-) -> int:
-    """``_receive_bucket``; what it raises leaves its frames behind (``without_frames``), so that
-    the group the caller then closes is destroyed at once and its peers' operations on it fail."""
-    try:
-        return _receive_bucket(
-            member, checked, max_message_bytes, kept, manifest, staging, lock, will_write, stopped
-        )
-    except WeightwireError as err:
-        raise without_frames(err) from None
-
-
-def _receive_bucket(
     member: JoinedGroup,
     checked: SlicePlan,
     max_message_bytes: int,
@@ -232,7 +212,9 @@ def _receive_bucket(
     member (nothing was written yet; the caller tears down). Once every source announced its
     messages, the receives into the kept tensors wait for the senders or their sockets closing,
     up to the group's timeout: gloo offers no way to end a posted receive sooner, and one given up
-    on would still write into the model when its sender sends after all."""
+    on would still write into the model when its sender sends after all. What it raises leaves its
+    frames behind, so that the group the caller then closes is destroyed at once and its peers'
+    operations on it fail."""
     group = member.group
     pg = group.process_group()
     timeout_s = group.timeout.total_seconds()
