@@ -12,21 +12,17 @@ commits, and the next push forms a new group and lands.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from group_fleet import CONFIG, QUIET_ENV, Fleet, Member
+from group_fleet import CONFIG, Fleet, Member
 from helpers import wait_until
+from slice_ranks import Ranks, free_port
 from weightwire.adapters.torch.demo import full_checkpoint
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -37,78 +33,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f = Fleet(str(root / "sock"), str(root / "dump"))
     yield f
     f.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Ranks:
-    """``slice_trainer.py`` as M trainer ranks of one gloo world, driven by JSON lines."""
-
-    def __init__(self, world: int, addresses: list[str], *extra: str) -> None:
-        port = _free_port()
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "slice_trainer.py"), *extra, *addresses],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env={
-                    **os.environ,
-                    **QUIET_ENV,
-                    "RANK": str(r),
-                    "WORLD_SIZE": str(world),
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port),
-                },
-            )
-            for r in range(world)
-        ]
-        for r in range(world):
-            assert self.read(r).get("ready"), r
-
-    def read(self, rank: int) -> dict[str, Any]:
-        out = self.procs[rank].stdout
-        assert out is not None
-        while True:
-            line = out.readline()
-            if not line:
-                err = self.procs[rank].stderr
-                raise RuntimeError(f"rank {rank} ended: {err.read()[-3000:] if err else ''}")
-            if line.startswith("{"):
-                return json.loads(line)  # type: ignore[no-any-return]
-
-    def send(self, rank: int, text: str) -> None:
-        stdin = self.procs[rank].stdin
-        assert stdin is not None
-        stdin.write(text + "\n")
-        stdin.flush()
-
-    def command(self, **cmd: Any) -> None:
-        for r in range(len(self.procs)):
-            self.send(r, json.dumps(cmd))
-
-    def push(self, ranks: list[int] | None = None, **cmd: Any) -> list[dict[str, Any]]:
-        self.command(op="push", **cmd)
-        return [self.read(r) for r in (ranks if ranks is not None else range(len(self.procs)))]
-
-    def close(self) -> None:
-        for r, p in enumerate(self.procs):
-            if p.poll() is None:
-                try:
-                    self.send(r, json.dumps({"op": "quit"}))
-                except (BrokenPipeError, OSError):
-                    pass
-        for p in self.procs:
-            try:
-                p.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.communicate()
 
 
 @pytest.fixture
@@ -196,7 +120,7 @@ def test_a_fixed_store_port_serves_multi_rank_and_single_source_pushes_in_turn(f
     shows: a multi-rank push, a single-source push from rank 0, then a multi-rank push again. Both
     kinds of group form on the one store the pusher listens with (each used to start its own on
     the same port: the second failed with GROUP_STORE_UNREACHABLE, "Address already in use")."""
-    ranks = Ranks(2, fleet.addresses(), "--store-port", str(_free_port()))
+    ranks = Ranks(2, fleet.addresses(), "--store-port", str(free_port()))
     try:
         version = fleet.next_version()
         assert_landed(fleet, ranks.push(version=version, seed=version), version, version)
