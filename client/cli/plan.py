@@ -7,10 +7,15 @@ file) or an inline ``model`` table, ``trainer``, ``engine`` and ``network`` tabl
 and per NIC of the plan the transfer planner makes for it, the predicted time of one update and the
 model behind the prediction; ``--json`` prints the same as one JSON object.
 
+``--changed-fraction F`` (or a ``delta`` table with ``changed_fraction`` in the description; the
+option wins) predicts a delta update as well, F of every tensor's elements changed (0.01: 1%): its
+bytes per link in the encoding the trainer would choose at that density, its time by the same
+model, and both as a fraction of the FULL update's (``core.transports.transfer_plan_fleet_delta``).
+
 A description it cannot use (unreadable, nested past the parser, over 16 MiB, a field of the wrong
-type, a zero, negative or NaN bandwidth or size, a layout that does not split, a fleet or model past
-the bounds of ``transfer_plan_fleet`` and ``model_shapes``) exits 2 with one line naming the field;
-docs/plan.md lists every field and bound.
+type, a zero, negative or NaN bandwidth or size, a changed fraction that is not a number from 0 to
+1, a layout that does not split, a fleet or model past the bounds of ``transfer_plan_fleet`` and
+``model_shapes``) exits 2 with one line naming the field; docs/plan.md lists every field and bound.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightwire.core.errors import WeightwireError
 from weightwire.core.model_shapes import model_shapes
@@ -30,11 +35,15 @@ from weightwire.core.transports.transfer_plan_fleet import (
     FleetError,
     FleetPlan,
     Prediction,
+    checked_changed_fraction,
     fleet_from,
     plan_fleet,
     predict,
     worker_ids,
 )
+
+if TYPE_CHECKING:
+    from weightwire.core.transports.transfer_plan_fleet_delta import DeltaPrediction
 
 
 def add_parser(sub: Any) -> None:
@@ -50,6 +59,14 @@ def add_parser(sub: Any) -> None:
         "--single-source",
         action="store_true",
         help="plan as if trainer rank 0 held every tensor whole (one source, the funnel)",
+    )
+    p.add_argument(
+        "--changed-fraction",
+        metavar="F",
+        # a string, checked by the description's own rule: argparse's float() takes "nan" and its
+        # refusals are a usage block, not the one line every other refusal of `plan` is
+        help="predict a delta update too, F (0 to 1) of every tensor's elements changed; "
+        "overrides the description's delta.changed_fraction",
     )
     p.set_defaults(func=run)
 
@@ -101,7 +118,19 @@ def load_description(path: Path) -> dict[str, Any]:
     return data
 
 
-def fleet_of(path: Path, *, single_source: bool = False) -> tuple[dict[str, Any], Fleet]:
+def changed_fraction_of(text: str) -> float:
+    """The ``--changed-fraction`` argument as a number, by the rule of ``delta.changed_fraction``."""
+    number: Any
+    try:
+        number = float(text)
+    except ValueError:
+        number = text  # not a number: refused by the same rule below, naming what was given
+    return checked_changed_fraction(number, "--changed-fraction")
+
+
+def fleet_of(
+    path: Path, *, single_source: bool = False, changed_fraction: str | None = None
+) -> tuple[dict[str, Any], Fleet]:
     description = load_description(path)
     if "model" in description:
         config = description["model"]
@@ -124,17 +153,48 @@ def fleet_of(path: Path, *, single_source: bool = False) -> tuple[dict[str, Any]
         if not isinstance(trainer, Mapping):
             raise FleetError("the description needs a 'trainer' table")
         description = {**description, "trainer": {**trainer, "layout": "single"}}
+    if changed_fraction is not None:
+        description = {**description, "delta": {"changed_fraction": changed_fraction_of(changed_fraction)}}
     return description, fleet_from(description, model)
 
 
-def summary(description: Mapping[str, Any], fp: FleetPlan, pred: Prediction) -> dict[str, Any]:
-    f = fp.fleet
+def traffic(fp: FleetPlan, pred: Prediction) -> dict[str, Any]:
+    """The bytes per worker, source and port of one predicted update, and its time: the same keys
+    for the FULL update (at the top of the summary) and a delta one (under ``delta``)."""
     nic = {str(p): b for p, b in pred.port_bytes.items() if p.kind == "nic"}
     tx = [b for p, b in pred.port_bytes.items() if p.kind == "nic" and p.direction == "tx"]
     rx = [b for p, b in pred.port_bytes.items() if p.kind == "nic" and p.direction == "rx"]
-    per_worker = [pred.bytes_to_worker.get(w, 0) for w in worker_ids(f.engine)]
+    per_worker = [pred.bytes_to_worker.get(w, 0) for w in worker_ids(fp.fleet.engine)]
     per_rank = list(pred.bytes_from_rank.values())
     return {
+        "total_bytes": pred.total_bytes,
+        "bytes_per_worker": {"min": min(per_worker), "max": max(per_worker), "workers": len(per_worker)},
+        "bytes_per_source": {
+            "min": min(per_rank, default=0),
+            "max": max(per_rank, default=0),
+            "sources": len(per_rank),
+            "trainer_ranks": fp.fleet.trainer.gpus,
+        },
+        "nic_tx": {"max": max(tx, default=0), "ports": len(tx)},
+        "nic_rx": {"max": max(rx, default=0), "ports": len(rx)},
+        "nvlink_bytes": sum(b for p, b in pred.port_bytes.items() if p.kind == "nvlink"),
+        "bytes_per_nic": nic,
+        "predicted_seconds": pred.seconds,
+        "bottleneck": {
+            "port": str(pred.bottleneck),
+            "bytes": pred.port_bytes.get(pred.bottleneck, 0),
+            "messages": pred.port_messages.get(pred.bottleneck, 0),
+        },
+    }
+
+
+def summary(
+    description: Mapping[str, Any], fp: FleetPlan, pred: Prediction, delta: DeltaPrediction | None = None
+) -> dict[str, Any]:
+    """The plan and its predicted FULL update; with ``delta``, the delta update under ``delta``
+    (the keys of a run without it are exactly those of before deltas)."""
+    f = fp.fleet
+    out = {
         "name": description.get("name", ""),
         "model": {
             "family": f.model.family,
@@ -149,27 +209,23 @@ def summary(description: Mapping[str, Any], fp: FleetPlan, pred: Prediction) -> 
             "tensor_classes": len(fp.counts),
             "fingerprint": fp.plan.fingerprint,
         },
-        "total_bytes": pred.total_bytes,
-        "bytes_per_worker": {"min": min(per_worker), "max": max(per_worker), "workers": len(per_worker)},
-        "bytes_per_source": {
-            "min": min(per_rank, default=0),
-            "max": max(per_rank, default=0),
-            "sources": len(per_rank),
-            "trainer_ranks": f.trainer.gpus,
-        },
-        "nic_tx": {"max": max(tx, default=0), "ports": len(tx)},
-        "nic_rx": {"max": max(rx, default=0), "ports": len(rx)},
-        "nvlink_bytes": sum(b for p, b in pred.port_bytes.items() if p.kind == "nvlink"),
-        "bytes_per_nic": nic,
-        "predicted_seconds": pred.seconds,
-        "bottleneck": {
-            "port": str(pred.bottleneck),
-            "bytes": pred.port_bytes.get(pred.bottleneck, 0),
-            "messages": pred.port_messages.get(pred.bottleneck, 0),
-        },
+        **traffic(fp, pred),
         "prediction_model": pred.model,
         "published": description.get("published"),
     }
+    if delta is not None:
+        out["delta"] = {
+            "changed_fraction": delta.changed_fraction,
+            **traffic(fp, delta.delta),
+            "bytes_ratio": delta.bytes_ratio,
+            "seconds_ratio": delta.seconds_ratio,
+            "encodings": {
+                name: {"regions": share.regions, "bytes": share.wire_bytes}
+                for name, share in delta.encodings.items()
+            },
+            "prediction_model": delta.delta.model,
+        }
+    return out
 
 
 def _count(n: int) -> str:
@@ -194,6 +250,29 @@ def _gb(n: float) -> str:
 
 def _seconds(s: float) -> str:
     return f"{s:.2f} s" if s >= 0.1 else f"{s * 1e3:.3g} ms"
+
+
+def _of_full(ratio: float | None) -> str:
+    return "FULL sends nothing" if ratio is None else f"{100 * ratio:.3g}% of FULL"
+
+
+def _render_delta(d: Mapping[str, Any]) -> list[str]:
+    encodings = ", ".join(
+        f"{name} {share['regions']:,} regions ({_gb(share['bytes'])})"
+        for name, share in d["encodings"].items()
+    )
+    return [
+        f"  delta     {100 * d['changed_fraction']:g}% of every tensor's elements changed (predicted, "
+        f"not measured): {_gb(d['total_bytes'])} in all, {_of_full(d['bytes_ratio'])}; per worker "
+        f"{_gb(d['bytes_per_worker']['min'])} - {_gb(d['bytes_per_worker']['max'])}",
+        f"            encoded as {encodings or 'nothing'}",
+        f"            NICs busiest send {_gb(d['nic_tx']['max'])}, busiest receive {_gb(d['nic_rx']['max'])}; "
+        f"NVLink {_gb(d['nvlink_bytes'])}",
+        f"            predicted {_seconds(d['predicted_seconds'])}, {_of_full(d['seconds_ratio'])}, bound by "
+        f"{d['bottleneck']['port']} ({_gb(d['bottleneck']['bytes'])}, {d['bottleneck']['messages']:,} messages)"
+        if d["total_bytes"]
+        else "            predicted 0 s: nothing changed, nothing to send",
+    ]
 
 
 def render(s: Mapping[str, Any]) -> str:
@@ -227,13 +306,19 @@ def render(s: Mapping[str, Any]) -> str:
     if s.get("published"):
         pub = s["published"]
         lines.append(f"  published {pub.get('seconds')} s ({pub.get('source', '')})")
+    if "delta" in s:
+        lines.extend(_render_delta(s["delta"]))
     lines.append(f"  model of the prediction: {s['prediction_model']}")
+    if "delta" in s:
+        lines.append(f"  model of the delta: {s['delta']['prediction_model']}")
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        description, fleet = fleet_of(Path(args.topology), single_source=args.single_source)
+        description, fleet = fleet_of(
+            Path(args.topology), single_source=args.single_source, changed_fraction=args.changed_fraction
+        )
         fp = plan_fleet(fleet)
     except (FleetError, WeightwireError) as e:
         print(f"weightwire plan: {e}", file=sys.stderr)
@@ -243,6 +328,14 @@ def run(args: argparse.Namespace) -> int:
             f"weightwire plan: cannot read {e.filename or args.topology}: {e.strerror or e}", file=sys.stderr
         )
         return 2
-    s = summary(description, fp, predict(fp))
+    if fleet.delta is None:
+        s = summary(description, fp, predict(fp))
+    else:
+        # imported only when a delta is asked for: the encoding's size rule lives beside its torch
+        # kernels, and torch takes a second or more to import that a FULL plan does not need
+        from weightwire.core.transports.transfer_plan_fleet_delta import predict_delta
+
+        d = predict_delta(fp, fleet.delta.changed_fraction)
+        s = summary(description, fp, d.full, d)
     print(json.dumps(s, indent=1, sort_keys=True) if args.json else render(s))
     return 0

@@ -21,7 +21,8 @@ per-message latency``, each NIC and NVLink port counted per direction, a message
 (what one source sends one destination, packed in buckets of ``bucket_mib``, as weightwire's
 buckets are). Not in it: the trainer's
 own gathers and dtype conversion (a BF16 trainer quantizing to an FP8 engine), the engine's load,
-the control plane, congestion inside the fabric.
+the control plane, congestion inside the fabric. A delta update of the same plan is predicted by
+the same model over its encoded bytes in ``transfer_plan_fleet_delta``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from weightwire.core import layer_geometry
@@ -41,6 +42,7 @@ from weightwire.core.transports.transfer_plan import (
     Replicate,
     Shard,
     TensorSpec,
+    Transfer,
     TransferPlan,
     plan_transfers,
     whole_box,
@@ -52,11 +54,13 @@ from weightwire.core.transports.transfer_plan_fleet_description import (
     MAX_PLAN_WORK,
     NETWORK_RANGES,
     TRAINER_LAYOUTS,
+    DeltaUpdate,
     Engine,
     Fleet,
     FleetError,
     Network,
     Trainer,
+    checked_changed_fraction,
     fleet_from,
 )
 
@@ -68,6 +72,7 @@ __all__ = [
     "MODEL_STATEMENT",
     "NETWORK_RANGES",
     "TRAINER_LAYOUTS",
+    "DeltaUpdate",
     "Engine",
     "Fleet",
     "FleetError",
@@ -76,6 +81,7 @@ __all__ = [
     "Port",
     "Prediction",
     "Trainer",
+    "checked_changed_fraction",
     "fleet_from",
     "kept_pieces",
     "plan_fleet",
@@ -310,7 +316,13 @@ MODEL_STATEMENT = (
 )
 
 
-def predict(fp: FleetPlan) -> Prediction:
+def predict(
+    fp: FleetPlan, wire_bytes: Callable[[Transfer], int] | None = None, model: str = MODEL_STATEMENT
+) -> Prediction:
+    """The time of one update of ``fp`` by the model ``MODEL_STATEMENT`` states. ``wire_bytes``: what
+    one tensor's region of a transfer takes on the wire, to each destination; by default its bytes
+    whole (a FULL update). The delta prediction (``transfer_plan_fleet_delta``) passes the encoded
+    size instead, so both updates are timed by this one model; ``model`` is the statement it reports."""
     f = fp.fleet
     n = f.network
     e_gpn, t_gpn = f.engine.gpus_per_node, f.trainer.gpus_per_node
@@ -335,11 +347,13 @@ def predict(fp: FleetPlan) -> Prediction:
 
     pairs: dict[tuple[int, str], int] = {}
     for t in fp.plan.transfers:
-        nbytes = t.nbytes * fp.counts[t.tensor]
+        nbytes = (t.nbytes if wire_bytes is None else wire_bytes(t)) * fp.counts[t.tensor]
         for w in t.destinations:
             pairs[t.source, w] = pairs.get((t.source, w), 0) + nbytes
     bucket = max(1, int(n.bucket_mib * (1 << 20)))
     for (source, w), nbytes in sorted(pairs.items()):
+        if nbytes == 0:  # a delta with nothing changed for this pair: no bucket, no sender, no port
+            continue
         msgs = -(-nbytes // bucket)
         to_worker[w] = to_worker.get(w, 0) + nbytes
         from_rank[source] = from_rank.get(source, 0) + nbytes
@@ -368,6 +382,6 @@ def predict(fp: FleetPlan) -> Prediction:
         port_messages=port_msgs,
         bytes_to_worker=to_worker,
         bytes_from_rank=from_rank,
-        total_bytes=fp.total_bytes(),
-        model=MODEL_STATEMENT,
+        total_bytes=sum(pairs.values()),
+        model=model,
     )

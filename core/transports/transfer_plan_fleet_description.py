@@ -1,7 +1,7 @@
 """What ``weightwire plan`` reads: a fleet described as data (the trainer, the engine, the
-network), every field checked for its type and range (``fleet_from``, ``FleetError`` naming the
-field), within bounds that keep planning it small. Pure: no I/O. ``transfer_plan_fleet`` plans
-the ``Fleet`` this returns and re-exports all of it.
+network, optionally the delta update to predict), every field checked for its type and range
+(``fleet_from``, ``FleetError`` naming the field), within bounds that keep planning it small.
+Pure: no I/O. ``transfer_plan_fleet`` plans the ``Fleet`` this returns and re-exports all of it.
 """
 
 from __future__ import annotations
@@ -74,6 +74,14 @@ class Network:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeltaUpdate:
+    """A delta update to predict next to the FULL one (the optional ``delta`` table)."""
+
+    changed_fraction: float
+    """The fraction of every tensor's elements changed since the base, from 0 to 1 (0.01: 1%)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Fleet:
     """One described fleet, checked: the model, both sides and the network between them."""
 
@@ -83,6 +91,8 @@ class Fleet:
     engine: Engine
     network: Network
     model_dtype: str = "bf16"
+    delta: DeltaUpdate | None = None
+    """Set: predict a delta update at this changed fraction as well."""
 
 
 # What ``weightwire plan`` takes. Past these a description is refused before anything is built: the
@@ -146,15 +156,31 @@ def fleet_from(description: Mapping[str, Any], model: ModelShapes) -> Fleet:
     model_dtype = description.get("model_dtype", "bf16")
     if not isinstance(model_dtype, str):
         raise FleetError(f"model_dtype must be a string, got {_shown(model_dtype)}")
+    delta = None
+    if description.get("delta") is not None:
+        # checked here, as ``table`` would say "needs a 'delta' table" of a table that is optional
+        if not isinstance(description["delta"], Mapping):
+            raise FleetError(f"delta must be a table (changed_fraction), got {_shown(description['delta'])}")
+        delta = table(DeltaUpdate, "delta")
+        checked_changed_fraction(delta.changed_fraction, "delta.changed_fraction")
     fleet = Fleet(
         model,
         table(Trainer, "trainer"),
         table(Engine, "engine"),
         table(Network, "network", False),
         model_dtype,
+        delta,
     )
     _check(fleet)
     return fleet
+
+
+def checked_changed_fraction(value: Any, what: str) -> float:
+    """``value`` as a changed fraction (a finite number from 0 to 1), or ``FleetError`` naming
+    ``what``: the ``delta`` table and the command line's ``--changed-fraction`` share this rule."""
+    if not (_typed(value, "float") and 0 <= value <= 1):
+        raise FleetError(f"{what} must be a number from 0 to 1 (0.01: 1% changed), got {_shown(value)}")
+    return float(value)
 
 
 def _check(f: Fleet) -> None:
