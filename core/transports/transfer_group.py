@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.transports.isolated_gloo import ReceivingProcess, take_receiving_process
 from weightwire.core.transports.transfer_group_plan import (
     MemberIdentity,
     check_spec,
@@ -158,6 +159,7 @@ class TransferGroup:
         pg: Any,
         subgroups: dict[int, tuple[Any, dict[int, int]]],
         store: Any,
+        receiving: ReceivingProcess | None = None,
     ) -> None:
         self.spec = spec
         self.rank = rank
@@ -167,6 +169,8 @@ class TransferGroup:
         # subgroup id -> (process group, group rank -> rank inside the subgroup)
         self._subgroups = subgroups
         self._store = store
+        # The process holding this member's gloo groups, when they are isolated (``isolated_gloo``).
+        self._receiving = receiving
         self._lock = threading.Lock()
         self.closed = False
         self._closer: threading.Thread | None = None
@@ -188,10 +192,13 @@ class TransferGroup:
         listen_host: str,
         device: torch.device | str = "cpu",
         store: Any | None = None,
+        isolate: bool = False,
     ) -> TransferGroup:
         """Join ``spec`` as ``me``: rendezvous on the store (``store`` for the member that serves
         it, else a client of ``spec.store_address``), check the group, build the process groups,
-        check identities over them and meet at a barrier. Within ``spec.timeout_ms`` or raises."""
+        check identities over them and meet at a barrier. Within ``spec.timeout_ms`` or raises.
+        With ``isolate`` (a worker), gloo process groups are held by a receiving process of their
+        own (``isolated_gloo``), so that no member can end this process."""
         check_spec(spec)
         rank = own_rank(spec, me)
         device = torch.device(device)
@@ -222,16 +229,22 @@ class TransferGroup:
                 )
             return as_timedelta(left)
 
-        stage = "connecting the process group"
-        try:
-            pg = factory(
-                torch.distributed.PrefixStore("pg", group_store),
-                rank,
-                spec.world_size,
-                remaining(),
-                listen_host,
-                device,
+        receiving: ReceivingProcess | None = None
+
+        def make(sub: str, r: int, n: int) -> Any:
+            if receiving is not None:
+                prefixes = [f"weightwire/{spec.group_id}", sub]
+                return receiving.process_group(spec.store_address, prefixes, r, n, remaining(), listen_host)
+            return factory(
+                torch.distributed.PrefixStore(sub, group_store), r, n, remaining(), listen_host, device
             )
+
+        stage = "starting the receiving process"
+        try:
+            if isolate and spec.backend == pb.TRANSFER_BACKEND_GLOO and store is None:
+                receiving = take_receiving_process(remaining().total_seconds(), spec.group_id)
+            stage = "connecting the process group"
+            pg = make("pg", rank, spec.world_size)
             stage = "checking member identities over the group"
             buf_device = staging_device(spec.backend, device)
             mine = _identity_digest(me, rank).to(buf_device)
@@ -252,18 +265,19 @@ class TransferGroup:
                     continue
                 stage = f"connecting broadcast subgroup {sg.subgroup_id}"
                 local = {r: i for i, r in enumerate(sg.member_ranks)}
-                sub_store = torch.distributed.PrefixStore(f"sub/{sg.subgroup_id}", group_store)
                 subgroups[sg.subgroup_id] = (
-                    factory(sub_store, local[rank], len(sg.member_ranks), remaining(), listen_host, device),
+                    make(f"sub/{sg.subgroup_id}", local[rank], len(sg.member_ranks)),
                     local,
                 )
             stage = "meeting at the group's barrier"
             opts = torch.distributed.BarrierOptions()
             opts.timeout = remaining()
             pg.barrier(opts).wait(remaining())
-        except WeightwireError as err:
-            raise rendezvous.refuse(err) from None
         except Exception as e:
+            if receiving is not None:
+                receiving.kill()
+            if isinstance(e, WeightwireError):
+                raise rendezvous.refuse(e) from None
             text = backend_message(e)
             timed_out = "timed out" in text.lower() or "timeout" in text.lower()
             raise rendezvous.refuse(
@@ -273,7 +287,7 @@ class TransferGroup:
                     group_id=spec.group_id,
                 )
             ) from None
-        return cls(spec, rank, pg, subgroups, base)
+        return cls(spec, rank, pg, subgroups, base, receiving)
 
     # --- data plane ----------------------------------------------------------------------------
 
@@ -354,6 +368,8 @@ class TransferGroup:
                 closer = self._closer
             else:
                 self.closed = True
+                if self._receiving is not None:
+                    self._receiving.kill()  # its sockets close at once; nothing is left to destroy here
                 # The store last: the process groups hold it from C++, but its Python half must
                 # outlive them.
                 doomed = [self._pg, *(p for p, _ in self._subgroups.values()), self._store]

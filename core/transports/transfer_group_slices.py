@@ -445,8 +445,9 @@ def receive_slices(
     """Receive every region the plan sends ``worker`` into ``kept`` (by tensor name). Returns the
     bytes received. Every source's announcement is checked first (``Arrivals.open``: a source with
     another plan or a short announcement is refused before anything lands); then
-    ``before_writing`` is called, and the bytes land. A message that arrives short raises
-    MESSAGE_TRUNCATED before its bytes are counted or copied on. With ``stopped``, the wait for
+    ``before_writing`` is called, and the bytes land (on a process group that stages receives,
+    only once every message arrived whole: ``_receive_messages``). A message that arrives short
+    raises MESSAGE_TRUNCATED before its bytes are counted or copied on. With ``stopped``, the wait for
     the announcements ends with CANCELLED as soon as ``stopped()`` (``_watch_receives``); the
     receives into the kept tensors that follow wait for their senders, their sockets closing or
     the timeout."""
@@ -489,17 +490,51 @@ def receive_slices(
     _watch_receives(notes, timeout_s, whats, stopped)
     for a in arrivals.values():
         a.open()
-    if before_writing is not None:
+    return _receive_messages(pg, ops, indices, arrivals, timeout_s, before_writing, stopped)
+
+
+def _receive_messages(
+    pg: Any,
+    ops: Sequence[Op],
+    indices: Sequence[int],
+    arrivals: Mapping[int, Arrivals],
+    timeout_s: float,
+    before_writing: Callable[[], None] | None,
+    stopped: Callable[[], bool] | None,
+) -> int:
+    """Post and wait for every message of ``ops`` (the announcements were checked), each checked
+    whole. A process group that stages receives (a worker's isolated gloo, ``isolated_gloo``) keeps
+    every message out of the kept tensors until all of them arrived whole, so a failed update
+    leaves the model as it was, and a wait may then end with CANCELLED as soon as ``stopped()``
+    (a receive given up on lands nowhere); otherwise bytes land as they arrive, after
+    ``before_writing``, and each receive waits for its sender, its sockets closing or the timeout."""
+    staged = bool(getattr(pg, "stages_receives", False))
+    if before_writing is not None and not staged:
         before_writing()
     works = []
     for (source, target, _, _, peer, _), index in zip(ops, indices, strict=True):
         arrivals[source].prime(index, target)
-        works.append(_post(lambda b=target, s=source: pg.recv([b], s, 0), f"receive from {peer}"))
+        recv = pg.recv_staged if staged else pg.recv
+        works.append(_post(lambda b=target, s=source, r=recv: r([b], s, 0), f"receive from {peer}"))
     received = 0
     for work, (source, target, copies, nbytes, peer, _), index in zip(works, ops, indices, strict=True):
-        _wait(work, timeout_s, f"a receive from {peer}", metadata={"trainer_rank": str(source)})
-        arrivals[source].check(index, target)
-        for to, frm in copies:
-            to.copy_(frm)
+        _wait(
+            work,
+            timeout_s,
+            f"a receive from {peer}",
+            stopped if staged else None,
+            metadata={"trainer_rank": str(source)},
+        )
+        arrivals[source].check(index, work.staged if staged else target)
+        if not staged:
+            for to, frm in copies:
+                to.copy_(frm)
         received += nbytes
+    if staged:
+        if before_writing is not None:
+            before_writing()
+        for work, (_, _, copies, _, _, _) in zip(works, ops, strict=True):
+            work.land()
+            for to, frm in copies:
+                to.copy_(frm)
     return received

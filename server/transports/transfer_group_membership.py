@@ -18,6 +18,7 @@ import threading
 
 import torch
 from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.transports.isolated_gloo import discard_spare, isolation_enabled, start_spare
 from weightwire.core.transports.transfer_group import TransferGroup, backend_name, check_backend, close_groups
 from weightwire.core.transports.transfer_group_plan import (
     MemberIdentity,
@@ -61,7 +62,9 @@ class _Formation:
         self, spec: pb.TransferGroupSpec, me: MemberIdentity, listen_host: str, device: torch.device
     ) -> None:
         try:
-            group = TransferGroup.form(spec, me, listen_host=listen_host, device=device)
+            group = TransferGroup.form(
+                spec, me, listen_host=listen_host, device=device, isolate=isolation_enabled()
+            )
         except BaseException as e:  # handed to the join
             with self._lock:
                 self._error = e
@@ -104,6 +107,7 @@ class GroupMembership:
         self._forming: pb.TransferGroupSpec | None = None
         self._last_teardown = ""
         self._closing: list[TransferGroup] = []
+        self._stopping = False
 
     def configure(self, *, listen_host: str | None = None, max_staging_bytes: int | None = None) -> None:
         """Where this worker's group sockets listen (an address of this machine the trainer can
@@ -204,6 +208,12 @@ class GroupMembership:
         if member is not None:
             member.close(wait_s)
             log.info("left transfer group %s: %s", member.group.group_id, why)
+            if (
+                not self._stopping
+                and member.group.backend == pb.TRANSFER_BACKEND_GLOO
+                and isolation_enabled()
+            ):
+                start_spare()  # the trainer usually forms the next group at once
 
     def current(self) -> JoinedGroup:
         """The group an arriving bucket travels over, or GROUP_NOT_JOINED saying why there is none."""
@@ -225,7 +235,9 @@ class GroupMembership:
     def shutdown(self, wait_s: float = 10.0) -> None:
         """The worker stops: leave the group, and give every process group torn down so far up to
         ``wait_s`` to be destroyed (a process that exits during a destructor aborts)."""
+        self._stopping = True
         self.teardown("the worker stopped")
+        discard_spare()
         with self._lock:
             closing, self._closing = self._closing, []
         close_groups(closing, wait_s)

@@ -220,6 +220,18 @@ def test_an_owned_tensor_outside_the_ranges_is_refused_before_any_wait(worker: W
     assert (st.weights_version, st.state) == (before.weights_version, before.state)
 
 
+def _agree_then_announce(formed: TransferGroup, plan: TransferPlan, announce_messages: bool) -> object:
+    """The trainer's side of a slices update that stops before its messages: the plans compared,
+    and (``announce_messages``) the norm weight's one message announced, never sent."""
+    agree(formed.process_group(), plan, 0, 2, GROUP_TIMEOUT_MS / 1000)
+    if not announce_messages:
+        return None
+    data = full_checkpoint(DemoConfig(), 1)[NORM].contiguous().view(-1).view(torch.uint8)
+    work = formed.send(announce([(data.numel(), last_byte(data))], data.device), 1, 0)
+    formed.wait(work, "the test's announcement")
+    return work
+
+
 def _norm_slices_update(
     worker: Worker, spec: pb.TransferGroupSpec, version: int
 ) -> list[pb.PushWeightsRequest]:
@@ -244,13 +256,16 @@ def _norm_slices_update(
 
 
 @pytest.mark.parametrize("how", ["stream cancelled", "PushUpdate deadline"])
-@pytest.mark.parametrize("plane", ["point-to-point", "slices", "slices, plans agreed"])
+@pytest.mark.parametrize(
+    "plane", ["point-to-point", "slices", "slices, plans agreed", "slices, messages announced"]
+)
 def test_an_update_whose_call_ends_while_waiting_for_group_bytes_ends_at_once(
     worker: Worker, group: object, how: str, plane: str
 ) -> None:
     """The trainer (this process) never sends: the worker waits for its bytes (point to point),
-    for the plan comparison (slices, where a silent trainer rank holds every member), or, the
-    plans compared and agreed, for the trainer's announcement of its messages."""
+    for the plan comparison (slices, where a silent trainer rank holds every member), the plans
+    compared and agreed, for the trainer's announcement of its messages, or, those announced, for
+    the messages themselves (a worker's gloo receives are staged, so one given up on lands nowhere)."""
     formed, spec = group  # type: ignore[misc]
     before = worker.status()
     version = before.weights_version + 1
@@ -258,11 +273,11 @@ def test_an_update_whose_call_ends_while_waiting_for_group_bytes_ends_at_once(
         reqs = _norm_slices_update(worker, spec, version)
     else:
         reqs = _norm_update(worker, spec, version, lambda size: [(0, size)])  # bytes never sent
-    compared: concurrent.futures.Future[None] | None = None
-    if plane == "slices, plans agreed":
+    compared: concurrent.futures.Future[object] | None = None
+    if plane in ("slices, plans agreed", "slices, messages announced"):
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         plan = TransferPlan((), "0" * 32)  # the fingerprint the bucket names
-        compared = pool.submit(agree, formed.process_group(), plan, 0, 2, GROUP_TIMEOUT_MS / 1000)
+        compared = pool.submit(_agree_then_announce, formed, plan, plane.endswith("announced"))
         pool.shutdown(wait=False)
     if how == "stream cancelled":
         feed = RequestFeed()
@@ -337,3 +352,85 @@ def test_a_message_that_arrives_short_is_refused_and_nothing_counts(
     assert st.weights_version == before.weights_version
     assert st.state != pb.WORKER_STATE_INCONSISTENT, st
     assert st.last_error.reason == "MESSAGE_TRUNCATED", st.last_error
+
+
+@pytest.mark.parametrize("plane", ["point-to-point", "slices"])
+def test_a_message_that_arrives_long_is_refused_and_the_worker_lives(
+    worker: Worker, group: object, plane: str
+) -> None:
+    """The trainer announces the bucket's one message at its planned size, then sends twice as many
+    bytes. gloo ends the process that posted the receive (std::terminate, which nothing in Python
+    catches): that must be the worker's receiving process, not the worker. The update is refused
+    with MESSAGE_TOO_LONG naming the sizes, the version does not move, nothing reached the model,
+    and the worker forms the next group and takes the next push."""
+    formed, spec = group  # type: ignore[misc]
+    before = worker.status()
+    version = before.weights_version + 1
+    data = torch.frombuffer(
+        bytearray(pack({NORM: full_checkpoint(DemoConfig(), version)[NORM]}).data), dtype=torch.uint8
+    )
+    if plane == "slices":
+        reqs = _norm_slices_update(worker, spec, version)
+        data = full_checkpoint(DemoConfig(), version)[NORM].contiguous().view(-1).view(torch.uint8)
+    else:
+        reqs = _norm_update(worker, spec, version, lambda size: [(0, size)])
+    note = announce([(data.numel(), last_byte(data))], data.device)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    pushed = pool.submit(push, worker.stub, reqs, timeout=CALL_TIMEOUT_S)
+    if plane == "slices":
+        agree(formed.process_group(), TransferPlan((), "0" * 32), 0, 2, GROUP_TIMEOUT_MS / 1000)
+        works = [formed.send(note, 1, 0), formed.send(torch.cat([data, data]), 1, 0)]
+    else:
+        works = [
+            formed.send(note, 1, message_tag(1, ANNOUNCEMENT_INDEX)),
+            formed.send(torch.cat([data, data]), 1, message_tag(1, 0)),
+        ]
+    out = pushed.result(timeout=CALL_TIMEOUT_S + 10)
+    pool.shutdown()
+    assert (out.code, out.reason) == (grpc.StatusCode.DATA_LOSS, "MESSAGE_TOO_LONG"), (
+        out.code,
+        out.reason,
+        out.message,
+    )
+    assert (out.metadata.get("sent_bytes"), out.metadata.get("posted_bytes")) == (
+        str(2 * data.numel()),
+        str(data.numel()),
+    ), out.metadata
+    for work in works:
+        try:
+            formed.wait(work, "the test's send")
+        except Exception:
+            pass  # the receiving end is gone; whether the send saw that first is gloo's business
+    st = worker.status()
+    assert st.weights_version == before.weights_version
+    assert st.state == before.state, st
+    assert st.last_error.reason == "MESSAGE_TOO_LONG", st.last_error
+    assert st.transfer_group.state == pb.TRANSFER_GROUP_STATE_NONE
+    # The worker lives: a new group forms (a new receiving process) and carries the next update.
+    spec2, trainer = _spec(worker, formed.spec.store_address, GROUP_TIMEOUT_MS)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    mine = pool.submit(TransferGroup.form, spec2, trainer, listen_host=HOST, store=formed._store)
+    joined = _join(worker, spec2)
+    assert isinstance(joined, pb.JoinTransferGroupResponse), joined
+    second = mine.result(timeout=60)
+    pool.shutdown()
+    try:
+        reqs = _norm_update(worker, spec2, version, lambda size: [(0, size)])
+        packed = torch.frombuffer(
+            bytearray(pack({NORM: full_checkpoint(DemoConfig(), version)[NORM]}).data), dtype=torch.uint8
+        )
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        pushed = pool.submit(push, worker.stub, reqs, timeout=CALL_TIMEOUT_S)
+        note = announce([(packed.numel(), last_byte(packed))], packed.device)
+        sends = [
+            second.send(note, 1, message_tag(1, ANNOUNCEMENT_INDEX)),
+            second.send(packed, 1, message_tag(1, 0)),
+        ]
+        out = pushed.result(timeout=CALL_TIMEOUT_S + 10)
+        pool.shutdown()
+        for work in sends:
+            second.wait(work, "the test's send")
+        assert out.code == grpc.StatusCode.OK, (out.code, out.reason, out.message)
+        assert worker.status().weights_version == version
+    finally:
+        second.close()

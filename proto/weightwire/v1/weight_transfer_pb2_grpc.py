@@ -132,7 +132,10 @@ class WeightTransferServiceServicer(object):
         DATA_LOSS: CHECKSUM_MISMATCH, MESSAGE_TRUNCATED (a transfer-group message arrived short; the
         worker has left the group and counts none of its bytes as received), DELTA_RESULT_MISMATCH
         (metadata: tensor, expected, actual: a target after its delta differs from the trainer's
-        result checksum, so this worker did not hold the base; it is INCONSISTENT until a FULL update).
+        result checksum, so this worker did not hold the base; it is INCONSISTENT until a FULL update),
+        MESSAGE_TOO_LONG (metadata: sent_bytes, posted_bytes: a gloo message arrived longer than its
+        receive; the worker's receiving process ended, the worker did not; nothing counts, the worker
+        has left the group).
         INTERNAL: LOAD_FAILED (the engine adapter raised while loading), INTERNAL (an unexpected
         error in the worker; GetStatus.last_error records the same).
         UNAUTHENTICATED: MISSING_TOKEN, INVALID_TOKEN.
