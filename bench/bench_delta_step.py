@@ -1,0 +1,535 @@
+"""Delta updates on a realistic RL step (issue 38, "Measure"): a Qwen-style causal LM trained with
+AdamW, its bf16 weights pushed as deltas into real workers, against the FULL push of the same model.
+
+The trainer (this process) builds a transformers ``Qwen3ForCausalLM`` (or ``Qwen2ForCausalLM``,
+``--arch``) from a config with random init and HF module names: fp32 master weights, a
+``torch.optim.AdamW`` step at ``--lr`` (1e-6; torch's default weight decay 0.01) on the causal-LM
+cross-entropy of a random token batch (``--batch`` x ``--seq`` tokens, uniform over the vocabulary:
+a real loss and a real gradient, not a real data set). After every step the model goes out as
+``push(model.named_parameters(), cast_to=torch.bfloat16, delta=True)``: the library casts the fp32
+masters to bf16, diffs them against its ``BaseKeeper`` and sends the encodings.
+
+Each transport a delta is wired for today (inline bytes, host shared memory: docs/deltas.md,
+"Transports") gets its own worker, a ``weightwire.server.serve`` over a ``TorchAdapter`` of the same
+architecture in bf16, in a separate (spawned) process, and its own ``WeightPusher``. The transfer
+groups carry whole tensors in this version (``push(delta=True)`` with one goes FULL with
+``delta_fallback`` TRANSPORT): not measured here, and the output says so.
+
+Per step, recorded:
+
+- the fraction of bf16 elements changed since the previous step's bf16 weights, counted here
+  bit by bit, and checked equal to the sum of the ``changed_count`` of the deltas the library made;
+- the deltas' encoded size (the ``Delta.size_bytes`` of what ``BaseKeeper.diff`` returned: the
+  encoding ``choose_encoding`` picks by density) and the bytes of the buckets the push sent
+  (``PushResult.encoded_bytes``), against the model's bf16 bytes;
+- the trainer's time in the library's own delta path, timed from outside by wrapping the pusher's
+  keeper and module functions (nothing in the library changes): the cast, ``BaseKeeper.diff``
+  (``encode``), ``record`` (the base brought forward), ``result_checksums`` (CRC-32 of every kept
+  part) and ``pack_buckets``;
+- the whole ``push`` call of each transport, and the worker's own time (``server_duration_s``).
+
+After the last delta step each worker's tensors are compared with the trainer's bf16 weights by
+digest (CRC-32 from ``weightwire.core.delta.crc32`` and blake2b, per tensor, computed in each
+process). Then ``--full-repeats`` plain ``push()`` calls of the same model (FULL) per transport: the
+reference every figure is a ratio against. Step 0's push (FULL, ``NO_BASE``) is recorded too.
+
+Rerun (a few minutes on 2 cores; ``--layers``, ``--steps`` to change the size and length)::
+
+    .venv/bin/python bench/bench_delta_step.py --out bench/results/delta-step-cpu-2core
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from weightwire.core.delta import choose_encoding
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common
+
+TRANSPORTS = ("host_shm", "inline")
+
+
+def model_config(args: argparse.Namespace) -> Any:
+    import transformers
+
+    common_fields = dict(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    if args.arch == "qwen3":
+        return transformers.Qwen3Config(head_dim=args.head_dim, **common_fields)
+    return transformers.Qwen2Config(**common_fields)
+
+
+def build_model(config: Any) -> torch.nn.Module:
+    import transformers
+
+    if config.model_type == "qwen3":
+        return transformers.Qwen3ForCausalLM(config)
+    return transformers.Qwen2ForCausalLM(config)
+
+
+def digests(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, str]]:
+    """Per tensor: weightwire's CRC-32 of the elements and a blake2b of the raw bytes."""
+    from weightwire.core.delta import crc32
+
+    out = {}
+    for name, t in named:
+        t = t.detach().contiguous()
+        out[name] = (crc32(t), hashlib.blake2b(t.view(torch.uint8).numpy().data).hexdigest())
+    return out
+
+
+def _serve_worker(config: Any, conn: Any) -> None:
+    """A worker in its own process: the architecture in bf16 (its random values are replaced by
+    the first, FULL, push), served on a Unix socket; answers ``digest`` and ``stop`` on ``conn``."""
+    from weightwire.adapters.torch import TorchAdapter
+    from weightwire.core.manifest import ParallelRank
+    from weightwire.server import serve
+
+    torch.set_default_dtype(torch.bfloat16)
+    model = build_model(config)
+    torch.set_default_dtype(torch.float32)
+    adapter = TorchAdapter(model, rank=ParallelRank(), device=torch.device("cpu"), own_device=None)
+    server = serve(adapter)
+    conn.send(server.address)
+    while True:
+        cmd = conn.recv()
+        if cmd == "digest":
+            conn.send(digests(iter(adapter.state().items())))
+        else:
+            break
+    server.stop(grace=0)
+
+
+class Timers:
+    """Seconds spent in wrapped callables since the last ``take``."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+
+    def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.spent[label] = self.spent.get(label, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out, self.spent = self.spent, {}
+        return out
+
+
+class DeltaWatch:
+    """What the instrumented keeper's ``diff`` returned during one push: changed elements,
+    encoded bytes, encodings."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.changed = 0
+        self.elements = 0
+        self.encoded = 0
+        self.encodings: dict[str, int] = {}
+        self.whole = 0
+        self.not_smallest: list[str] = []
+
+    def see(self, new: torch.Tensor, delta: Any) -> None:
+        self.elements += new.numel()
+        if delta is None:
+            self.whole += 1
+            return
+        self.changed += delta.changed_count
+        self.encoded += delta.size_bytes
+        self.encodings[delta.encoding.name] = self.encodings.get(delta.encoding.name, 0) + 1
+        smallest = choose_encoding(new.numel(), delta.changed_count, new.element_size())
+        if smallest is not delta.encoding:
+            self.not_smallest.append(f"{delta.encoding.name} where {smallest.name} is smaller")
+
+
+def instrument(pusher: Any, timers: Timers, watch: DeltaWatch) -> None:
+    """Time the library's delta path of ``pusher`` from outside: its keeper's methods (on the
+    instance) and the module functions ``push_delta`` calls by name."""
+    from weightwire.client.update import delta as delta_mod
+
+    keeper = pusher.delta_keeper
+    diff = timers.wrap("diff_s", keeper.diff)
+
+    def watched_diff(name: str, new: torch.Tensor) -> Any:
+        d = diff(name, new)
+        watch.see(new, d)
+        return d
+
+    keeper.diff = watched_diff
+    keeper.record = timers.wrap("record_s", keeper.record)
+    keeper.result_checksums = timers.wrap("checksums_s", keeper.result_checksums)
+    delta_mod.pack_buckets = timers.wrap("pack_s", delta_mod.pack_buckets)
+    delta_mod._cast = timers.wrap("cast_s", delta_mod._cast)
+
+
+def kind_of(name: str) -> str:
+    if "embed_tokens" in name:
+        return "embed_tokens"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    if "norm" in name:
+        return "norms"
+    if "self_attn" in name:
+        return "attention"
+    return "mlp"
+
+
+def changed_counts(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {n: int((t.view(torch.int16) != old[n].view(torch.int16)).sum()) for n, t in new.items()}
+
+
+def as_bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def workers(config: Any, transports: list[str]) -> Iterator[dict[str, tuple[str, Any]]]:
+    """One worker process per transport: its address and its control pipe."""
+    ctx = mp.get_context("spawn")
+    started: dict[str, tuple[Any, Any]] = {}
+    try:
+        for t in transports:
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_serve_worker, args=(config, child), daemon=True)
+            p.start()
+            started[t] = (p, parent)
+        out = {}
+        for t, (_, conn) in started.items():
+            if not conn.poll(600):
+                raise SystemExit(f"the {t} worker did not start")
+            out[t] = (conn.recv(), conn)
+        yield out
+    finally:
+        for p, conn in started.values():
+            with contextlib.suppress(Exception):
+                conn.send("stop")
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from weightwire.client import WeightPusher
+
+    torch.manual_seed(args.seed)
+    config = model_config(args)
+    model = build_model(config)
+    model.train()
+    params = dict(model.named_parameters())
+    numel = {n: p.numel() for n, p in params.items()}
+    total_elements = sum(numel.values())
+    model_bytes = total_elements * 2
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    transports = [t for t in args.transports.split(",") if t]
+    print(
+        f"{config.model_type} model: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+        f"vocab {config.vocab_size}: {len(params)} tensors, {total_elements / 1e6:.1f} M parameters, "
+        f"{model_bytes / 2**30:.3f} GiB bf16; AdamW lr {args.lr}, {args.batch} x {args.seq} random tokens",
+        flush=True,
+    )
+    load_before = os.getloadavg()
+    timers, watch = Timers(), DeltaWatch()
+    steps: list[dict[str, Any]] = []
+    with workers(config, transports) as fleet:
+        pushers = {t: WeightPusher([fleet[t][0]], transport=t, timeout_s=args.timeout_s) for t in transports}
+        instrument(pushers[transports[0]], timers, watch)
+        version = 1
+        prev = as_bf16(model)
+        first: dict[str, Any] = {}
+        for t, pusher in pushers.items():
+            t0 = time.perf_counter()
+            results = pusher.push(
+                model.named_parameters(), version=version, cast_to=torch.bfloat16, delta=True
+            )
+            (r,) = results.values()
+            first[t] = {
+                "push_s": time.perf_counter() - t0,
+                "encoding": r.encoding,
+                "fallback": r.delta_fallback,
+            }
+        timers.take()
+        watch.reset()
+        print(f"step 0: FULL push {first}", flush=True)
+        for step in range(1, args.steps + 1):
+            tokens = torch.randint(config.vocab_size, (args.batch, args.seq), generator=gen)
+            t0 = time.perf_counter()
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            train_s = time.perf_counter() - t0
+            now = as_bf16(model)
+            counts = changed_counts(now, prev)
+            prev = now
+            rec: dict[str, Any] = {
+                "step": step,
+                "version": version + 1,
+                "loss": float(loss.detach()),
+                "train_s": train_s,
+                "changed_elements": sum(counts.values()),
+                "changed_fraction": sum(counts.values()) / total_elements,
+                "changed_fraction_by_kind": {},
+                "push": {},
+            }
+            for kind in dict.fromkeys(kind_of(n) for n in counts):
+                names = [n for n in counts if kind_of(n) == kind]
+                rec["changed_fraction_by_kind"][kind] = sum(counts[n] for n in names) / sum(
+                    numel[n] for n in names
+                )
+            version += 1
+            for t, pusher in pushers.items():
+                # The module functions are wrapped for every pusher: count the instrumented one's.
+                watch.reset()
+                timers.take()
+                t0 = time.perf_counter()
+                results = pusher.push(
+                    model.named_parameters(), version=version, cast_to=torch.bfloat16, delta=True
+                )
+                push_s = time.perf_counter() - t0
+                (r,) = results.values()
+                if r.encoding != "DELTA":
+                    raise SystemExit(f"step {step} over {t}: the push went {r.encoding} ({r.delta_fallback})")
+                rec["push"][t] = {
+                    "push_s": push_s,
+                    "worker_s": r.server_duration_s,
+                    "sent_bytes": r.encoded_bytes,
+                    "buckets": r.buckets,
+                }
+                if t == transports[0]:
+                    if watch.changed != rec["changed_elements"] or watch.whole:
+                        raise SystemExit(
+                            f"step {step}: the library's deltas changed {watch.changed} elements "
+                            f"({watch.whole} tensors whole), a bitwise count says {rec['changed_elements']}"
+                        )
+                    rec["encoded_bytes"] = watch.encoded
+                    rec["encodings"] = dict(watch.encodings)
+                    rec["not_smallest_encoding"] = watch.not_smallest
+                    rec["trainer"] = timers.take()
+            steps.append(rec)
+            print(
+                f"step {step}: loss {rec['loss']:.3f}, {rec['changed_fraction']:.3%} changed, "
+                f"encoded {rec['encoded_bytes'] / model_bytes:.2%} of the model, "
+                + ", ".join(f"{t} {p['push_s']:.2f} s" for t, p in rec["push"].items()),
+                flush=True,
+            )
+        want = digests(iter(prev.items()))
+        identical = {}
+        for t in transports:
+            conn = fleet[t][1]
+            conn.send("digest")
+            got = conn.recv()
+            identical[t] = got == want
+            if not identical[t]:
+                bad = [n for n in want if got.get(n) != want[n]]
+                print(f"{t}: {len(bad)} tensors differ from the trainer's bf16 weights, e.g. {bad[:3]}")
+        full: dict[str, list[dict[str, float]]] = {t: [] for t in transports}
+        for _ in range(args.full_repeats):
+            for t, pusher in pushers.items():
+                version += 1
+                t0 = time.perf_counter()
+                results = pusher.push(model.named_parameters(), version=version, cast_to=torch.bfloat16)
+                (r,) = results.values()
+                full[t].append(
+                    {
+                        "push_s": time.perf_counter() - t0,
+                        "worker_s": r.server_duration_s,
+                        "sent_bytes": r.bytes_loaded,
+                    }
+                )
+        keeper_bytes = pushers[transports[0]].delta_keeper.memory().host_bytes
+        for pusher in pushers.values():
+            pusher.close()
+    return {
+        "env": common.environment(
+            {
+                "bench": "delta_step",
+                "argv": common.public_argv(sys.argv[1:]),
+                "torch_threads": torch.get_num_threads(),
+                "loadavg_before": load_before,
+                "loadavg_after": os.getloadavg(),
+            }
+        ),
+        "model": {
+            "arch": config.model_type,
+            "layers": config.num_hidden_layers,
+            "hidden": config.hidden_size,
+            "intermediate": config.intermediate_size,
+            "heads": config.num_attention_heads,
+            "kv_heads": config.num_key_value_heads,
+            "vocab": config.vocab_size,
+            "tensors": len(params),
+            "parameters": total_elements,
+            "bf16_bytes": model_bytes,
+        },
+        "train": {
+            "lr": args.lr,
+            "optimizer": "AdamW (fused, weight_decay 0.01)",
+            "batch": args.batch,
+            "seq": args.seq,
+        },
+        "transports": transports,
+        "transfer_group": "not measured: push(delta=True) with a transfer group goes FULL (delta_fallback TRANSPORT) in this version",
+        "first_push": first,
+        "steps": steps,
+        "full": full,
+        "bit_identical_after_deltas": identical,
+        "keeper_host_bytes": keeper_bytes,
+    }
+
+
+def summarize(res: dict[str, Any]) -> str:
+    steps, model_bytes = res["steps"], res["model"]["bf16_bytes"]
+    med = statistics.median
+    lines = []
+    fr = [s["changed_fraction"] for s in steps]
+    enc = [s["encoded_bytes"] / model_bytes for s in steps]
+    lines.append(
+        f"changed per step: median {med(fr):.3%} (min {min(fr):.3%}, max {max(fr):.3%}); "
+        f"encoded: median {med(enc):.2%} of the bf16 model (min {min(enc):.2%}, max {max(enc):.2%})"
+    )
+    late = fr[len(fr) // 2 :]
+    lines.append(
+        f"changed per step over the last {len(late)} steps (the optimizer's moments filled): "
+        f"median {med(late):.3%} (a fresh AdamW moves every element with a gradient by lr at step 1)"
+    )
+    kinds = steps[0]["changed_fraction_by_kind"]
+    lines.append(
+        "changed by kind (median over steps): "
+        + ", ".join(f"{k} {med(s['changed_fraction_by_kind'][k] for s in steps):.3%}" for k in kinds)
+    )
+    mix: dict[str, int] = {}
+    for s in steps:
+        for e, c in s["encodings"].items():
+            mix[e] = mix.get(e, 0) + c
+    odd = [x for s in steps for x in s["not_smallest_encoding"]]
+    lines.append(
+        f"encodings over all steps (tensors): {mix}; not the smallest by choose_encoding: {len(odd)} {odd[:3]}"
+    )
+    lines.append("")
+    lines.append(
+        "| step | changed | encoded / model | diff s | record s | CRC-32 s | pack s | cast s | "
+        + " | ".join(f"{t} push s" for t in res["transports"])
+        + " |"
+    )
+    lines.append("| ---" * (8 + len(res["transports"])) + " |")
+    for s in steps:
+        tr = s["trainer"]
+        lines.append(
+            f"| {s['step']} | {s['changed_fraction']:.3%} | {s['encoded_bytes'] / model_bytes:.2%} "
+            f"| {tr.get('diff_s', 0):.2f} | {tr.get('record_s', 0):.2f} | {tr.get('checksums_s', 0):.2f} "
+            f"| {tr.get('pack_s', 0):.2f} | {tr.get('cast_s', 0):.2f} | "
+            + " | ".join(f"{s['push'][t]['push_s']:.2f}" for t in res["transports"])
+            + " |"
+        )
+    lines.append("")
+    lines.append(
+        "| transport | push | median s | worker s | bytes sent | x FULL bytes | x FULL time | FULL s / this s |"
+    )
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for t in res["transports"]:
+        full_s = med(f["push_s"] for f in res["full"][t])
+        full_b = med(f["sent_bytes"] for f in res["full"][t])
+        full_w = med(f["worker_s"] for f in res["full"][t])
+        d_s = med(s["push"][t]["push_s"] for s in steps)
+        d_w = med(s["push"][t]["worker_s"] for s in steps)
+        d_b = med(s["push"][t]["sent_bytes"] for s in steps)
+        lines.append(
+            f"| {t} | FULL (push()) | {full_s:.3f} | {full_w:.3f} | {full_b / 2**20:.1f} MiB | 1.000 | 1.00 | 1.00 |"
+        )
+        lines.append(
+            f"| {t} | DELTA (push(delta=True)) | {d_s:.3f} | {d_w:.3f} | {d_b / 2**20:.1f} MiB "
+            f"| {d_b / full_b:.3f} | {d_s / full_s:.2f} | {full_s / d_s:.2f} |"
+        )
+    lines.append("")
+    tr = [s["trainer"] for s in steps]
+    trainer_total = [sum(v for k, v in x.items() if k != "cast_s") for x in tr]
+    full_first = med(f["push_s"] for f in res["full"][res["transports"][0]])
+    lines.append(
+        f"trainer's delta path ({res['transports'][0]} pusher; diff + record + CRC-32 + pack, cast apart): "
+        f"median {med(trainer_total):.2f} s = {med(trainer_total) / full_first:.2f} x its FULL push; "
+        f"diff (encode) {med(x.get('diff_s', 0) for x in tr):.2f} s"
+    )
+    lines.append(
+        f"workers bit-identical to the trainer's bf16 weights after {len(steps)} delta steps: {res['bit_identical_after_deltas']}"
+    )
+    lines.append(
+        f"keeper: {res['keeper_host_bytes'] / 2**20:.0f} MiB on the host; first push: {res['first_push']}"
+    )
+    lines.append(f"transfer groups: {res['transfer_group']}")
+    lines.append(f"load average before/after: {res['env']['loadavg_before']} / {res['env']['loadavg_after']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--arch", choices=("qwen3", "qwen2"), default="qwen3")
+    ap.add_argument("--layers", type=int, default=14)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=3072)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128, help="qwen3 only (qwen2: hidden / heads)")
+    ap.add_argument(
+        "--vocab",
+        type=int,
+        default=28672,
+        help="28672 x hidden 1024 in bf16: 56 MiB, inside the inline limit",
+    )
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated: host_shm, inline")
+    ap.add_argument("--full-repeats", type=int, default=3, help="plain push() calls per transport at the end")
+    ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument("--out", type=Path, default=None, help="folder for delta_step.json")
+    args = ap.parse_args()
+    for t in args.transports.split(","):
+        if t not in TRANSPORTS:
+            raise SystemExit(
+                f"--transports: {t!r} is not one of {TRANSPORTS} (the paths deltas are wired for)"
+            )
+    res = run(args)
+    text = summarize(res)
+    print()
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "delta_step.json").write_text(json.dumps(res, indent=1) + "\n")
+        (args.out / "delta_step.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
