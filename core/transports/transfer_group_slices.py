@@ -411,6 +411,17 @@ def _watch_receives(
         raise WeightwireError(Reason.TRANSFER_FAILED, f"{whats[0][0]} did not end within {timeout_s:g} s")
 
 
+@dataclasses.dataclass(frozen=True)
+class Writes:
+    """How a worker's receive reaches its kept tensors: ``before`` is called once before the first
+    byte may land there; with ``deferred`` (a list) and a process group that stages receives
+    (``isolated_gloo``), nothing lands during the receive: what lands the bytes (``before`` first)
+    is appended to ``deferred``, for the caller to run when the update commits."""
+
+    before: Callable[[], None] | None = None
+    deferred: list[Callable[[], None]] | None = None
+
+
 def kept_region(kept: torch.Tensor, owned: OwnedTensor, box: Box) -> torch.Tensor:
     """Where region ``box`` of the full tensor lies in the worker's kept tensor (its pieces
     concatenated along their dimension, in manifest order)."""
@@ -439,15 +450,15 @@ def receive_slices(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     staging: dict[Any, torch.Tensor] | None = None,
     direct_min_bytes: int = DIRECT_MIN_BYTES,
-    before_writing: Callable[[], None] | None = None,
+    writes: Writes | None = None,
     stopped: Callable[[], bool] | None = None,
 ) -> int:
     """Receive every region the plan sends ``worker`` into ``kept`` (by tensor name). Returns the
     bytes received. Every source's announcement is checked first (``Arrivals.open``: a source with
     another plan or a short announcement is refused before anything lands); then
-    ``before_writing`` is called, and the bytes land (on a process group that stages receives,
-    only once every message arrived whole: ``_receive_messages``). A message that arrives short
-    raises MESSAGE_TRUNCATED before its bytes are counted or copied on. With ``stopped``, the wait for
+    ``writes.before`` is called, and the bytes land (on a process group that stages receives,
+    only once every message arrived whole, or later: ``Writes``, ``_receive_messages``). A message
+    that arrives short raises MESSAGE_TRUNCATED before its bytes are counted or copied on. With ``stopped``, the wait for
     the announcements ends with CANCELLED as soon as ``stopped()`` (``_watch_receives``); the
     receives into the kept tensors that follow wait for their senders, their sockets closing or
     the timeout."""
@@ -490,7 +501,7 @@ def receive_slices(
     _watch_receives(notes, timeout_s, whats, stopped)
     for a in arrivals.values():
         a.open()
-    return _receive_messages(pg, ops, indices, arrivals, timeout_s, before_writing, stopped)
+    return _receive_messages(pg, ops, indices, arrivals, timeout_s, writes or Writes(), stopped)
 
 
 def _receive_messages(
@@ -499,7 +510,7 @@ def _receive_messages(
     indices: Sequence[int],
     arrivals: Mapping[int, Arrivals],
     timeout_s: float,
-    before_writing: Callable[[], None] | None,
+    writes: Writes,
     stopped: Callable[[], bool] | None,
 ) -> int:
     """Post and wait for every message of ``ops`` (the announcements were checked), each checked
@@ -509,8 +520,8 @@ def _receive_messages(
     (a receive given up on lands nowhere); otherwise bytes land as they arrive, after
     ``before_writing``, and each receive waits for its sender, its sockets closing or the timeout."""
     staged = bool(getattr(pg, "stages_receives", False))
-    if before_writing is not None and not staged:
-        before_writing()
+    if writes.before is not None and not staged:
+        writes.before()
     works = []
     for (source, target, _, _, peer, _), index in zip(ops, indices, strict=True):
         arrivals[source].prime(index, target)
@@ -531,10 +542,17 @@ def _receive_messages(
                 to.copy_(frm)
         received += nbytes
     if staged:
-        if before_writing is not None:
-            before_writing()
-        for work, (_, _, copies, _, _, _) in zip(works, ops, strict=True):
-            work.land()
-            for to, frm in copies:
-                to.copy_(frm)
+
+        def land() -> None:
+            if writes.before is not None:
+                writes.before()
+            for work, (_, _, copies, _, _, _) in zip(works, ops, strict=True):
+                work.land()
+                for to, frm in copies:
+                    to.copy_(frm)
+
+        if writes.deferred is None:
+            land()
+        else:
+            writes.deferred.append(land)
     return received

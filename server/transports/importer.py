@@ -104,12 +104,15 @@ class FillPlan(Protocol):
 class FillTarget:
     """Where a filled bucket's bytes go: ``kept``, the adapter's kept tensors by name, of this
     ``manifest``. ``will_write`` is called once before the first byte may land; once ``call_ended``
-    is set (the update's call is over) every wait of the receive stops."""
+    is set (the update's call is over) every wait of the receive stops. Bytes an importer can hold
+    back until the update commits (a staged receive) are landed by what it appends to
+    ``landings``, which the update runs at its commit."""
 
     kept: Mapping[str, torch.Tensor]
     manifest: ShardManifest
     will_write: Callable[[], None]
     call_ended: threading.Event | None = None
+    landings: list[Callable[[], None]] | None = None
 
 
 @runtime_checkable

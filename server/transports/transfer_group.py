@@ -200,6 +200,7 @@ class GroupImporter(PayloadImporter):
                 self._slice_lock,
                 into.will_write,
                 ended.is_set if ended is not None else None,
+                into.landings,
             )
         except WeightwireError as err:
             self.membership.teardown(f"{err.reason}: {clip(err.message, 200)}")

@@ -26,7 +26,7 @@ from weightwire.core import dtypes
 from weightwire.core.errors import Reason, WeightwireError, raises_without_frames
 from weightwire.core.manifest import OwnedTensor, ShardManifest
 from weightwire.core.transports.transfer_group_plan import clip
-from weightwire.core.transports.transfer_group_slices import GroupRanks, agree, receive_slices
+from weightwire.core.transports.transfer_group_slices import GroupRanks, Writes, agree, receive_slices
 from weightwire.core.transports.transfer_plan import Box, Transfer, TransferPlan, box_elements, kept_boxes
 from weightwire.server.transports.transfer_group_member import JoinedGroup
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -203,6 +203,7 @@ def receive_bucket(
     lock: threading.Lock,
     will_write: Callable[[], None],
     stopped: Callable[[], bool] | None = None,
+    landings: list[Callable[[], None]] | None = None,
 ) -> int:
     """Agree on the plan with every member, check every source's announcement, then (after
     ``will_write``: from here on bytes may land in the model) receive every region into ``kept``.
@@ -214,7 +215,8 @@ def receive_bucket(
     up to the group's timeout: gloo offers no way to end a posted receive sooner, and one given up
     on would still write into the model when its sender sends after all. What it raises leaves its
     frames behind, so that the group the caller then closes is destroyed at once and its peers'
-    operations on it fail."""
+    operations on it fail. With ``landings``, bytes a staging process group holds back
+    (``isolated_gloo``) land only when the caller runs what is appended to it (at the commit)."""
     group = member.group
     pg = group.process_group()
     timeout_s = group.timeout.total_seconds()
@@ -237,11 +239,18 @@ def receive_bucket(
             timeout_s=timeout_s,
             max_message_bytes=max_message_bytes,
             staging=staging,
-            before_writing=will_write,
+            writes=Writes(will_write, landings),
             stopped=stopped,
         )
-    for name, host in mirrors.items():
-        kept[name].copy_(host)
+
+    def mirror() -> None:
+        for name, host in mirrors.items():
+            kept[name].copy_(host)
+
+    if landings:
+        landings.append(mirror)  # after the landing into the host mirrors
+    else:
+        mirror()
     with member.cond:
         member.bytes_received += received
     return received

@@ -7,13 +7,16 @@ what it fills, which the importer checks against the manifest (``plan_fill``). T
 count as loaded for the update's rules (no name twice in an update, a FULL update delivers every
 owned tensor).
 
-Where the bytes land depends on the adapter. One that only ``KeepsTensors`` (the demo's
-``TorchAdapter``) has them received straight into its tensors, so a failure after the receive began
-leaves the worker INCONSISTENT. One that also ``StagesSlices`` (SGLang, whose writes go through its
-pause gate on the engine thread) first says whether it may take these tensors at all
-(``refuse_slices``, before anything waits); the bucket is then received into staging of the kept
-shapes (this bucket's bytes, on the kept tensors' device, freed when the bucket ends) and handed to
-``write_kept`` only once it arrived whole: a failure during the receive leaves the model as it was.
+Where the bytes land depends on the adapter and the group. One that also ``StagesSlices`` (SGLang
+and vLLM, whose writes go through the engine's own gates) first says whether it may take these
+tensors at all (``refuse_slices``, before anything waits); the bucket is then received into staging
+of the kept shapes (this bucket's bytes, on the kept tensors' device) and handed to ``write_kept``
+only when the update commits. One that only ``KeepsTensors`` (the demo's ``TorchAdapter``) has
+them received into its tensors: over gloo a worker's receives are staged in its receiving process's
+shared memory (``isolated_gloo``) and land when the update commits too; over NCCL they land as they
+arrive, so a failure after the receive began leaves such a worker INCONSISTENT. So over gloo, and
+into SGLang and vLLM over either backend, an update that does not commit (a member died, the
+trainer did not commit) leaves the model as it was: CONSISTENT at the old version.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from weightwire.server.transports.importer import FillsModel, FillTarget
 from weightwire.server.worker.adapter import EngineAdapter, KeepsTensors
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-__all__ = ["StagesSlices", "fill_bucket"]
+__all__ = ["StagesSlices", "fill_bucket", "land"]
 
 
 @runtime_checkable
@@ -60,10 +63,12 @@ def fill_bucket(
     accept_names: Callable[[frozenset[str]], None],
     will_write: Callable[[], None],
     call_ended: threading.Event | None = None,
-) -> tuple[pb.BucketAck, frozenset[str]]:
-    """Check the bucket, have ``importer`` receive it into the adapter's kept tensors, return the
-    ack (after the bytes are in the model) and the names it filled (``accept_names`` took them). Once ``call_ended`` is set (the
-    update's call was cancelled or passed its deadline) every wait of the receive stops: CANCELLED."""
+) -> tuple[pb.BucketAck, frozenset[str], list[Callable[[], None]]]:
+    """Check the bucket, have ``importer`` receive it, return the ack (every byte arrived whole),
+    the names it filled (``accept_names`` took them) and what writes the bytes held back into the
+    model, for the update to run when it commits (module docstring). Once ``call_ended`` is set
+    (the update's call was cancelled or passed its deadline) every wait of the receive stops:
+    CANCELLED."""
     if msg.tensors or len(msg.payloads) != 1:
         raise WeightwireError(
             Reason.MALFORMED_STREAM,
@@ -89,19 +94,17 @@ def fill_bucket(
         stager.refuse_slices(plan.names)
         into = {n: torch.empty_like(kept[n], memory_format=torch.contiguous_format) for n in plan.names}
     t0 = time.perf_counter_ns()
+    landings: list[Callable[[], None]] = []
     try:
         # A plan refused by the group (GROUP_PLAN_MISMATCH) wrote nothing: the worker keeps its state.
         received = importer.fill(
             sel.payload,
             plan,
-            FillTarget(into, manifest, will_write if stager is None else _nothing, call_ended),
+            FillTarget(into, manifest, will_write if stager is None else _nothing, call_ended, landings),
         )
         if any(into[n].is_cuda for n in plan.names):
-            # NCCL receives complete on the stream; the ack promises the bytes are in the model.
+            # NCCL receives complete on the stream; the ack promises every byte arrived.
             torch.cuda.synchronize()
-        if stager is not None:
-            will_write()
-            stager.write_kept(into)
     except WeightwireError:
         raise
     except Exception as e:
@@ -119,8 +122,32 @@ def fill_bucket(
         load_duration_ns=time.perf_counter_ns() - t0,
     )
     ack.source_device.CopyFrom(sel.device.to_proto())
-    return ack, plan.names
+    if stager is not None:
+        staged = into
+
+        def write() -> None:
+            will_write()
+            cast(StagesSlices, stager).write_kept(staged)
+
+        landings.append(write)
+    if any(kept[n].is_cuda for n in plan.names):
+        landings.append(torch.cuda.synchronize)  # the commit's result promises the bytes are in the model
+    return ack, plan.names, landings
 
 
 def _nothing() -> None:
     """Staged bytes are not in the model yet: the write is announced just before ``write_kept``."""
+
+
+def land(landings: list[Callable[[], None]], bucket: str) -> None:
+    """Write what ``fill_bucket`` held back into the model (the update commits); LOAD_FAILED if
+    the engine raised (the model may then be half-written: the caller counts it as written)."""
+    try:
+        for step in landings:
+            step()
+    except WeightwireError:
+        raise
+    except Exception as e:
+        raise WeightwireError(
+            Reason.LOAD_FAILED, f"writing the slices of {bucket} into the model failed: {e!r}"
+        ) from e

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Protocol, cast
 
 from weightwire.core.capabilities import has_capability
@@ -48,7 +48,7 @@ from weightwire.server.worker.accepted import MAX_BUCKETS_PER_UPDATE, MAX_TENSOR
 from weightwire.server.worker.adapter import TracksWrites
 from weightwire.server.worker.delta_load import DeltaLoads
 from weightwire.server.worker.delta_regions import refuse_region_deltas
-from weightwire.server.worker.filled_bucket import fill_bucket
+from weightwire.server.worker.filled_bucket import fill_bucket, land
 from weightwire.server.worker.payload_checks import (
     check_delta_payloads,
     check_payloads,
@@ -129,6 +129,8 @@ class Update:
         self._loaded_layouts: list[BucketLayout] = []
         # Tensors filled by buckets their importer loads itself, which have no layout.
         self._filled_names: set[str] = set()
+        # What writes the filled buckets' held-back bytes into the model, run at the commit.
+        self._landings: list[tuple[int, list[Callable[[], None]]]] = []
         # What the acked buckets loaded: the result's counts, the commit's check, a failure's outcome.
         self.tally = UpdateTally()
         self._loaded_any = False
@@ -269,7 +271,7 @@ class Update:
         def will_write() -> None:
             self._loaded_any = True
 
-        ack, names = fill_bucket(
+        ack, names, landings = fill_bucket(
             msg,
             filler,
             adapter=ctx.adapter,
@@ -280,6 +282,7 @@ class Update:
             call_ended=self._rpc_ended,
         )
         self._filled_names |= names
+        self._landings.append((msg.index, landings))
         return ack
 
     def _import(
@@ -383,6 +386,12 @@ class Update:
         except WeightwireError as err:
             raise self.fail(err) from None
 
+    def _land_filled(self) -> None:
+        """Write the filled buckets' bytes held back until the commit (``fill_bucket``)."""
+        landings, self._landings = self._landings, []
+        for index, steps in landings:
+            land(steps, f"bucket {index}")  # each step that writes announces it (will_write) first
+
     def _commit(self, msg: pb.UpdateCommit) -> pb.UpdateResult:
         received = len(self._accepted.indices)
         if msg.bucket_count != received:
@@ -410,6 +419,7 @@ class Update:
             # The client gave up (its deadline passed while the last loads ran, or it cancelled):
             # it was told the update failed, so it must not be applied.
             raise cancelled_error()
+        self._land_filled()
         self._close_mappings()
         try:
             self._engine_ended = True

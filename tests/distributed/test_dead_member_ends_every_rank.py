@@ -1,6 +1,7 @@
 """A member of an every-rank-a-source push that dies mid-update (a worker, or a trainer rank,
 SIGKILLed) ends every rank within seconds, not at the transfer group's timeout, naming the member
-that died; no surviving worker commits or stays UPDATING.
+that died; no surviving worker commits or stays UPDATING, and every one is CONSISTENT at its old
+version (nothing of the update reached its model).
 
 Real processes: two FSDP2 trainer ranks (``slice_trainer.py``, gloo) with a group timeout of 60 s,
 into four ``weightwire serve`` workers (TP2 x PP2). The bound (15 s) is generous for a loaded
@@ -43,7 +44,11 @@ def _survivors_end_at_their_old_version(fleet: Fleet, victim: object, version: i
         if m is victim:
             continue
         assert wait_until(lambda m=m: m.status().state != pb.WORKER_STATE_UPDATING, timeout=ENDS_WITHIN_S)
-        assert m.status().weights_version == version, m.worker_id
+        st = m.status()
+        assert st.weights_version == version, m.worker_id
+        # Nothing of the update that did not commit reached its model: a worker's gloo receives are
+        # staged and land only at the commit.
+        assert st.state == pb.WORKER_STATE_CONSISTENT, (m.worker_id, st.state, st.last_error)
     assert time.monotonic() - since < ENDS_WITHIN_S + 2
 
 
