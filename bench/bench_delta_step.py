@@ -10,10 +10,14 @@ a real loss and a real gradient, not a real data set). After every step the mode
 masters to bf16, diffs them against its ``BaseKeeper`` and sends the encodings.
 
 Each transport a delta is wired for today (inline bytes, host shared memory: docs/deltas.md,
-"Transports") gets its own worker, a ``weightwire.server.serve`` over a ``TorchAdapter`` of the same
-architecture in bf16, in a separate (spawned) process, and its own ``WeightPusher``. The transfer
-groups carry whole tensors in this version (``push(delta=True)`` with one goes FULL with
-``delta_fallback`` TRANSPORT): not measured here, and the output says so.
+"Transports") gets two workers, each a ``weightwire.server.serve`` over a ``TorchAdapter`` of the
+same architecture in bf16, in a separate (spawned) process, each with its own ``WeightPusher``: one
+takes the delta pushes, the other a plain FULL ``push()`` of the same weights every
+``--full-every`` steps, right after the deltas (a FULL push into the delta worker would move its
+version past the pusher's base). Every ratio is against the FULL push of the same step, because the
+load of a shared machine drifts during a run. The transfer groups carry whole tensors in this
+version (``push(delta=True)`` with one goes FULL with ``delta_fallback`` TRANSPORT): not measured
+here, and the output says so.
 
 Per step, recorded:
 
@@ -28,10 +32,10 @@ Per step, recorded:
   part) and ``pack_buckets``;
 - the whole ``push`` call of each transport, and the worker's own time (``server_duration_s``).
 
-After the last delta step each worker's tensors are compared with the trainer's bf16 weights by
+After the last step each delta worker's tensors are compared with the trainer's bf16 weights by
 digest (CRC-32 from ``weightwire.core.delta.crc32`` and blake2b, per tensor, computed in each
-process). Then ``--full-repeats`` plain ``push()`` calls of the same model (FULL) per transport: the
-reference every figure is a ratio against. Step 0's push (FULL, ``NO_BASE``) is recorded too.
+process). Step 0's push (FULL, ``NO_BASE``) is recorded too. Results: ``--out``/delta_step.json
+and the printed tables (also ``--out``/delta_step.md).
 
 Rerun (a few minutes on 2 cores; ``--layers``, ``--steps`` to change the size and length)::
 
@@ -261,8 +265,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     timers, watch = Timers(), DeltaWatch()
     steps: list[dict[str, Any]] = []
-    with workers(config, transports) as fleet:
-        pushers = {t: WeightPusher([fleet[t][0]], transport=t, timeout_s=args.timeout_s) for t in transports}
+    names = [f"{t}/{kind}" for t in transports for kind in ("delta", "full")]
+    with workers(config, names) as fleet:
+        pushers = {
+            t: WeightPusher([fleet[f"{t}/delta"][0]], transport=t, timeout_s=args.timeout_s)
+            for t in transports
+        }
+        full_pushers = {
+            t: WeightPusher([fleet[f"{t}/full"][0]], transport=t, timeout_s=args.timeout_s)
+            for t in transports
+        }
         instrument(pushers[transports[0]], timers, watch)
         version = 1
         prev = as_bf16(model)
@@ -278,6 +290,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "encoding": r.encoding,
                 "fallback": r.delta_fallback,
             }
+            # The FULL workers' first update, untimed: their later ones find everything set up.
+            full_pushers[t].push(model.named_parameters(), version=version, cast_to=torch.bfloat16)
         timers.take()
         watch.reset()
         print(f"step 0: FULL push {first}", flush=True)
@@ -301,11 +315,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "changed_fraction": sum(counts.values()) / total_elements,
                 "changed_fraction_by_kind": {},
                 "push": {},
+                "full": {},
             }
             for kind in dict.fromkeys(kind_of(n) for n in counts):
-                names = [n for n in counts if kind_of(n) == kind]
-                rec["changed_fraction_by_kind"][kind] = sum(counts[n] for n in names) / sum(
-                    numel[n] for n in names
+                kind_names = [n for n in counts if kind_of(n) == kind]
+                rec["changed_fraction_by_kind"][kind] = sum(counts[n] for n in kind_names) / sum(
+                    numel[n] for n in kind_names
                 )
             version += 1
             for t, pusher in pushers.items():
@@ -336,39 +351,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     rec["encodings"] = dict(watch.encodings)
                     rec["not_smallest_encoding"] = watch.not_smallest
                     rec["trainer"] = timers.take()
+            if step % args.full_every == 0:
+                # The FULL push of the same weights, in the same step: the reference of the ratios.
+                for t, pusher in full_pushers.items():
+                    t0 = time.perf_counter()
+                    results = pusher.push(model.named_parameters(), version=version, cast_to=torch.bfloat16)
+                    (r,) = results.values()
+                    rec["full"][t] = {
+                        "push_s": time.perf_counter() - t0,
+                        "worker_s": r.server_duration_s,
+                        "sent_bytes": r.bytes_loaded,
+                    }
             steps.append(rec)
             print(
                 f"step {step}: loss {rec['loss']:.3f}, {rec['changed_fraction']:.3%} changed, "
-                f"encoded {rec['encoded_bytes'] / model_bytes:.2%} of the model, "
-                + ", ".join(f"{t} {p['push_s']:.2f} s" for t, p in rec["push"].items()),
+                f"encoded {rec['encoded_bytes'] / model_bytes:.2%} of the model; "
+                + ", ".join(f"{t} DELTA {p['push_s']:.2f} s" for t, p in rec["push"].items())
+                + "".join(f", {t} FULL {p['push_s']:.2f} s" for t, p in rec["full"].items()),
                 flush=True,
             )
         want = digests(iter(prev.items()))
         identical = {}
         for t in transports:
-            conn = fleet[t][1]
+            conn = fleet[f"{t}/delta"][1]
             conn.send("digest")
             got = conn.recv()
             identical[t] = got == want
             if not identical[t]:
                 bad = [n for n in want if got.get(n) != want[n]]
                 print(f"{t}: {len(bad)} tensors differ from the trainer's bf16 weights, e.g. {bad[:3]}")
-        full: dict[str, list[dict[str, float]]] = {t: [] for t in transports}
-        for _ in range(args.full_repeats):
-            for t, pusher in pushers.items():
-                version += 1
-                t0 = time.perf_counter()
-                results = pusher.push(model.named_parameters(), version=version, cast_to=torch.bfloat16)
-                (r,) = results.values()
-                full[t].append(
-                    {
-                        "push_s": time.perf_counter() - t0,
-                        "worker_s": r.server_duration_s,
-                        "sent_bytes": r.bytes_loaded,
-                    }
-                )
         keeper_bytes = pushers[transports[0]].delta_keeper.memory().host_bytes
-        for pusher in pushers.values():
+        for pusher in [*pushers.values(), *full_pushers.values()]:
             pusher.close()
     return {
         "env": common.environment(
@@ -402,7 +415,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "transfer_group": "not measured: push(delta=True) with a transfer group goes FULL (delta_fallback TRANSPORT) in this version",
         "first_push": first,
         "steps": steps,
-        "full": full,
         "bit_identical_after_deltas": identical,
         "keeper_host_bytes": keeper_bytes,
     }
@@ -437,48 +449,59 @@ def summarize(res: dict[str, Any]) -> str:
         f"encodings over all steps (tensors): {mix}; not the smallest by choose_encoding: {len(odd)} {odd[:3]}"
     )
     lines.append("")
+    ts = res["transports"]
     lines.append(
         "| step | changed | encoded / model | diff s | record s | CRC-32 s | pack s | cast s | "
-        + " | ".join(f"{t} push s" for t in res["transports"])
+        + " | ".join(f"{t} DELTA s | {t} FULL s" for t in ts)
         + " |"
     )
-    lines.append("| ---" * (8 + len(res["transports"])) + " |")
+    lines.append("| ---" * (8 + 2 * len(ts)) + " |")
     for s in steps:
         tr = s["trainer"]
         lines.append(
             f"| {s['step']} | {s['changed_fraction']:.3%} | {s['encoded_bytes'] / model_bytes:.2%} "
             f"| {tr.get('diff_s', 0):.2f} | {tr.get('record_s', 0):.2f} | {tr.get('checksums_s', 0):.2f} "
             f"| {tr.get('pack_s', 0):.2f} | {tr.get('cast_s', 0):.2f} | "
-            + " | ".join(f"{s['push'][t]['push_s']:.2f}" for t in res["transports"])
+            + " | ".join(
+                f"{s['push'][t]['push_s']:.2f} | "
+                + (f"{s['full'][t]['push_s']:.2f}" if t in s["full"] else "-")
+                for t in ts
+            )
             + " |"
         )
+    # Ratios per step against the FULL push of the same step (the machine's load drifts).
+    paired = [s for s in steps if s["full"]]
     lines.append("")
     lines.append(
-        "| transport | push | median s | worker s | bytes sent | x FULL bytes | x FULL time | FULL s / this s |"
+        f"Over the {len(paired)} steps with a FULL push of the same weights (medians; ratios per step, then the median):"
+    )
+    lines.append("")
+    lines.append(
+        "| transport | push | s | worker s | bytes sent | x FULL bytes | x FULL time | FULL s / this s |"
     )
     lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for t in res["transports"]:
-        full_s = med(f["push_s"] for f in res["full"][t])
-        full_b = med(f["sent_bytes"] for f in res["full"][t])
-        full_w = med(f["worker_s"] for f in res["full"][t])
-        d_s = med(s["push"][t]["push_s"] for s in steps)
-        d_w = med(s["push"][t]["worker_s"] for s in steps)
-        d_b = med(s["push"][t]["sent_bytes"] for s in steps)
+    for t in ts:
+        full_b = med(s["full"][t]["sent_bytes"] for s in paired)
+        d_b = med(s["push"][t]["sent_bytes"] for s in paired)
+        ratio = med(s["push"][t]["push_s"] / s["full"][t]["push_s"] for s in paired)
         lines.append(
-            f"| {t} | FULL (push()) | {full_s:.3f} | {full_w:.3f} | {full_b / 2**20:.1f} MiB | 1.000 | 1.00 | 1.00 |"
+            f"| {t} | FULL (push()) | {med(s['full'][t]['push_s'] for s in paired):.3f} "
+            f"| {med(s['full'][t]['worker_s'] for s in paired):.3f} | {full_b / 2**20:.1f} MiB | 1.000 | 1.00 | 1.00 |"
         )
         lines.append(
-            f"| {t} | DELTA (push(delta=True)) | {d_s:.3f} | {d_w:.3f} | {d_b / 2**20:.1f} MiB "
-            f"| {d_b / full_b:.3f} | {d_s / full_s:.2f} | {full_s / d_s:.2f} |"
+            f"| {t} | DELTA (push(delta=True)) | {med(s['push'][t]['push_s'] for s in paired):.3f} "
+            f"| {med(s['push'][t]['worker_s'] for s in paired):.3f} | {d_b / 2**20:.1f} MiB "
+            f"| {d_b / full_b:.3f} | {ratio:.2f} | {1 / ratio:.2f} |"
         )
     lines.append("")
-    tr = [s["trainer"] for s in steps]
-    trainer_total = [sum(v for k, v in x.items() if k != "cast_s") for x in tr]
-    full_first = med(f["push_s"] for f in res["full"][res["transports"][0]])
+    parts = ("diff_s", "record_s", "checksums_s", "pack_s")
+    path = med(sum(s["trainer"].get(k, 0.0) for k in parts) / s["full"][ts[0]]["push_s"] for s in paired)
     lines.append(
-        f"trainer's delta path ({res['transports'][0]} pusher; diff + record + CRC-32 + pack, cast apart): "
-        f"median {med(trainer_total):.2f} s = {med(trainer_total) / full_first:.2f} x its FULL push; "
-        f"diff (encode) {med(x.get('diff_s', 0) for x in tr):.2f} s"
+        f"trainer's delta path ({ts[0]} pusher: diff + record + CRC-32 + pack, the cast apart): median "
+        f"{med(sum(s['trainer'].get(k, 0.0) for k in parts) for s in steps):.2f} s over all steps, "
+        f"{path:.2f} x the {ts[0]} FULL push of its step; diff (encode) alone "
+        f"{med(s['trainer'].get('diff_s', 0.0) for s in steps):.2f} s, the cast "
+        f"{med(s['trainer'].get('cast_s', 0.0) for s in steps):.2f} s"
     )
     lines.append(
         f"workers bit-identical to the trainer's bf16 weights after {len(steps)} delta steps: {res['bit_identical_after_deltas']}"
@@ -512,7 +535,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated: host_shm, inline")
-    ap.add_argument("--full-repeats", type=int, default=3, help="plain push() calls per transport at the end")
+    ap.add_argument(
+        "--full-every", type=int, default=2, help="a FULL push() of the same weights every N steps"
+    )
     ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--out", type=Path, default=None, help="folder for delta_step.json")
     args = ap.parse_args()
