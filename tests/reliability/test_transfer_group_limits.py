@@ -102,9 +102,8 @@ def _join(worker: Worker, spec: pb.TransferGroupSpec) -> grpc.RpcError | pb.Join
         return err
 
 
-@pytest.fixture
-def group(worker: Worker, store: StoreServer) -> Iterator[tuple[TransferGroup, pb.TransferGroupSpec]]:
-    """A formed group of the test (rank 0) and the worker (rank 1)."""
+def _form(worker: Worker, store: StoreServer) -> tuple[TransferGroup, pb.TransferGroupSpec]:
+    """A new group of the test (rank 0) and the worker (rank 1)."""
     spec, trainer = _spec(worker, store.address, GROUP_TIMEOUT_MS)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     mine = pool.submit(TransferGroup.form, spec, trainer, listen_host=HOST, store=store.store)
@@ -112,8 +111,21 @@ def group(worker: Worker, store: StoreServer) -> Iterator[tuple[TransferGroup, p
     assert isinstance(joined, pb.JoinTransferGroupResponse), joined
     formed = mine.result(timeout=60)
     pool.shutdown()
+    return formed, spec
+
+
+@pytest.fixture
+def group(worker: Worker, store: StoreServer) -> Iterator[tuple[TransferGroup, pb.TransferGroupSpec]]:
+    formed, spec = _form(worker, store)
     yield formed, spec
     formed.close()
+
+
+def _packed_norm(version: int) -> torch.Tensor:
+    """The bytes of a point-to-point bucket holding the norm weight of ``version``."""
+    return torch.frombuffer(
+        bytearray(pack({NORM: full_checkpoint(DemoConfig(), version)[NORM]}).data), dtype=torch.uint8
+    )
 
 
 def _silent_store() -> tuple[socket.socket, list[socket.socket]]:
@@ -324,9 +336,7 @@ def test_a_message_that_arrives_short_is_refused_and_nothing_counts(
     before = worker.status()
     version = before.weights_version + 1
     reqs = _norm_update(worker, spec, version, lambda size: [(0, size)])
-    data = torch.frombuffer(
-        bytearray(pack({NORM: full_checkpoint(DemoConfig(), version)[NORM]}).data), dtype=torch.uint8
-    )
+    data = _packed_norm(version)
     note = announce([(data.numel(), last_byte(data))], data.device)
     if short == "message":
         data = data[: data.numel() // 2]
@@ -356,7 +366,7 @@ def test_a_message_that_arrives_short_is_refused_and_nothing_counts(
 
 @pytest.mark.parametrize("plane", ["point-to-point", "slices"])
 def test_a_message_that_arrives_long_is_refused_and_the_worker_lives(
-    worker: Worker, group: object, plane: str
+    worker: Worker, store: StoreServer, group: object, plane: str
 ) -> None:
     """The trainer announces the bucket's one message at its planned size, then sends twice as many
     bytes. gloo ends the process that posted the receive (std::terminate, which nothing in Python
@@ -366,9 +376,7 @@ def test_a_message_that_arrives_long_is_refused_and_the_worker_lives(
     formed, spec = group  # type: ignore[misc]
     before = worker.status()
     version = before.weights_version + 1
-    data = torch.frombuffer(
-        bytearray(pack({NORM: full_checkpoint(DemoConfig(), version)[NORM]}).data), dtype=torch.uint8
-    )
+    data = _packed_norm(version)
     if plane == "slices":
         reqs = _norm_slices_update(worker, spec, version)
         data = full_checkpoint(DemoConfig(), version)[NORM].contiguous().view(-1).view(torch.uint8)
@@ -407,18 +415,10 @@ def test_a_message_that_arrives_long_is_refused_and_the_worker_lives(
     assert st.last_error.reason == "MESSAGE_TOO_LONG", st.last_error
     assert st.transfer_group.state == pb.TRANSFER_GROUP_STATE_NONE
     # The worker lives: a new group forms (a new receiving process) and carries the next update.
-    spec2, trainer = _spec(worker, formed.spec.store_address, GROUP_TIMEOUT_MS)
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    mine = pool.submit(TransferGroup.form, spec2, trainer, listen_host=HOST, store=formed._store)
-    joined = _join(worker, spec2)
-    assert isinstance(joined, pb.JoinTransferGroupResponse), joined
-    second = mine.result(timeout=60)
-    pool.shutdown()
+    second, spec2 = _form(worker, store)
     try:
         reqs = _norm_update(worker, spec2, version, lambda size: [(0, size)])
-        packed = torch.frombuffer(
-            bytearray(pack({NORM: full_checkpoint(DemoConfig(), version)[NORM]}).data), dtype=torch.uint8
-        )
+        packed = _packed_norm(version)
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         pushed = pool.submit(push, worker.stub, reqs, timeout=CALL_TIMEOUT_S)
         note = announce([(packed.numel(), last_byte(packed))], packed.device)
