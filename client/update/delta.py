@@ -5,18 +5,23 @@ The pusher's ``BaseKeeper`` (``weightwire.core.delta.base_keeper``) holds one ho
 tensor the last push sent (a CUDA tensor's copy stays on its device while the copies there fit the
 pusher's ``delta_device_budget_bytes``). A push goes as a delta only when
 
-- the transport carries host bytes (inline, host shared memory), one trainer rank sends (no
-  ``group``, no DTensors) and no transfer group is configured: otherwise FULL, ``delta_fallback``
-  TRANSPORT (colocated CUDA IPC copies at the device's limit anyway; transfer groups carry whole
-  tensors in this version);
+- the transport carries deltas (the transport table's ``carries_deltas``: inline bytes, host shared
+  memory, a transfer group) and one trainer rank sends (no ``group``, no DTensors): otherwise FULL,
+  ``delta_fallback`` TRANSPORT (colocated CUDA IPC copies at the device's limit anyway; every rank
+  a source carries whole slices in this version);
 - the keeper has a base (``NO_BASE`` otherwise: the first push, or the one after a failure);
 - every recipient reports that base as its version and is CONSISTENT (``BASE_MISMATCH``
-  otherwise: a restarted worker, another trainer's update).
+  otherwise: a restarted worker, another trainer's update). A worker whose status shows another
+  manifest than the one read (it restarted) has its manifest read again first, so the FULL update
+  reaches it (over a transfer group, in a group formed anew with it) instead of failing the push
+  with MANIFEST_CHANGED.
 
 A delta update's tensors are packed by ``pack_delta`` at 64-byte aligned offsets into flat buckets
 (sizes from ``packed_size_bytes``), each with the result checksums of every part its recipients
 keep (their manifests' pieces); a tensor without a base (new, or a new shape) goes whole in the same
-update. The keeper commits only after every worker committed and drops its base on any failure. A
+update. Over a transfer group the byte ranges sent to a worker are the encodings (and whole
+tensors) it owns, as for any bucket (``transfer_group_link``): only the encoded bytes cross the wire.
+The keeper commits only after every worker committed and drops its base on any failure. A
 worker refusing with ``DELTA_BASE_MISMATCH`` makes the push retry once as FULL (``BASE_MISMATCH``);
 ``DELTA_RESULT_MISMATCH`` is raised (the next push is FULL).
 """
@@ -34,7 +39,7 @@ from weightwire.client.inputs.types import FlatBucket, PushResult
 from weightwire.client.transports import exporter as exp
 from weightwire.client.update import jobs as job_builders
 from weightwire.client.update.options import PushOptions
-from weightwire.client.update.routing import CheckedLayouts
+from weightwire.client.update.routing import CheckedLayouts, manifest_changes
 from weightwire.core.delta import BaseKeeper, pack_delta, packed_size_bytes
 from weightwire.core.delta.encoding import Delta
 from weightwire.core.errors import PushError, Reason
@@ -47,8 +52,8 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 WeightPusher = Any
 
 _ALIGN = 64
-# Transports whose bytes a worker reads on the host, the only ones a delta update may use.
-DELTA_TRANSPORTS = (transports.INLINE.name, transports.HOST_SHM.name)
+# Transports a delta update may use: the worker reads the encoded bytes into its own memory.
+DELTA_TRANSPORTS = tuple(t.name for t in transports.TRANSPORTS if t.carries_deltas)
 
 Items = list[tuple[str, torch.Tensor]]
 
@@ -124,9 +129,7 @@ def push_delta(
     keeper = pusher.delta_keeper
     manifests = pusher.manifests()
     name = transport_name(pusher, manifests, source)
-    # A transfer group carries whole tensors in this version, formed or not yet.
-    grouped = getattr(pusher, "_group", None) is not None
-    if ranked or grouped or name not in DELTA_TRANSPORTS:
+    if ranked or name not in DELTA_TRANSPORTS:
         keeper.drop()
         return _full(pusher, items, options, pb.DELTA_FALLBACK_TRANSPORT, keep=False)
     items = _cast(items, options)
@@ -137,6 +140,9 @@ def push_delta(
     statuses = pusher.status()
     if any(s.weights_version != base or s.state != pb.WORKER_STATE_CONSISTENT for s in statuses.values()):
         keeper.drop()
+        if manifest_changes(statuses, manifests, pusher._fingerprints):
+            # A restarted worker: the whole update is planned on what it serves now.
+            pusher.manifests(refresh=True)
         return _full(pusher, items, options, pb.DELTA_FALLBACK_BASE_MISMATCH)
     try:
         return _send_delta(pusher, keeper, items, options, manifests, base, name)
@@ -202,6 +208,17 @@ def _parts(name: str, manifests: Mapping[str, ShardManifest]) -> list[tuple[int,
     return parts
 
 
+def by_owners(entries: Sequence[_Entry], manifests: Mapping[str, ShardManifest]) -> list[list[_Entry]]:
+    """The entries grouped by the workers that own them, each group in input order, as a FULL
+    push's buckets are (``plan.plan_buckets``): a pipeline stage's bucket goes only to its workers,
+    and over a transfer group the workers that own the same tensors share one broadcast."""
+    groups: dict[tuple[str, ...], list[_Entry]] = {}
+    for e in entries:
+        owners = tuple(a for a, m in manifests.items() if e.name in m.tensors)
+        groups.setdefault(owners, []).append(e)
+    return list(groups.values())
+
+
 def pack_buckets(entries: Sequence[_Entry], limit: int) -> list[FlatBucket]:
     """The entries packed in order into flat buckets of at most ``limit`` bytes (one larger entry
     goes alone)."""
@@ -259,7 +276,7 @@ def _send_delta(
     limit = pusher.bucket_size_bytes
     if name == transports.INLINE.name:
         limit = min(limit, exp.INLINE_MAX_BYTES)
-    buckets = pack_buckets(entries, limit)
+    buckets = [b for group in by_owners(entries, manifests) for b in pack_buckets(group, limit)]
     options = dataclasses.replace(options, delta_base=base, delta_fallback=pb.DELTA_FALLBACK_NONE)
     setup, exporter = pusher._setup_exporting(torch.device("cpu"), options)
     results = pusher._plan_and_run(

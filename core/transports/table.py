@@ -30,7 +30,9 @@ class Transport:
     (None: the bytes are valid anywhere, each worker's copy is labelled with its own device);
     ``worker_kinds`` the kinds of worker devices that can import it; ``exports_local_buffers`` marks
     the transport that exports a caller's own buffer on a ``label_kind`` device in place
-    (``push_gathered``'s local buffers, ``export_payload``)."""
+    (``push_gathered``'s local buffers, ``export_payload``); ``carries_deltas`` the transports a
+    delta update's encoded bytes may travel over (docs/deltas.md, "Transports"): bytes a worker
+    reads into its own memory before anything is written, never a peer's memory it copies from."""
 
     name: str
     kind: pb.TransportKind.ValueType
@@ -41,6 +43,7 @@ class Transport:
     exporter: str
     importer: str
     exports_local_buffers: bool = False
+    carries_deltas: bool = False
 
     @property
     def per_source_device(self) -> bool:
@@ -78,6 +81,7 @@ HOST_SHM = Transport(
     exporter="weightwire.client.transports.exporter:HostShmExporter",
     importer="weightwire.server.transports.shm:HostShmImporter",
     exports_local_buffers=True,
+    carries_deltas=True,
 )
 INLINE = Transport(
     name="inline",
@@ -88,6 +92,7 @@ INLINE = Transport(
     worker_kinds=(_HOST, _CUDA),
     exporter="weightwire.client.transports.exporter:InlineExporter",
     importer="weightwire.server.transports.inline:InlineImporter",
+    carries_deltas=True,
 )
 
 TRANSFER_GROUP = Transport(
@@ -101,6 +106,9 @@ TRANSFER_GROUP = Transport(
     worker_kinds=(_HOST, _CUDA),
     exporter="weightwire.client.transports.transfer_group:GroupExporter",
     importer="weightwire.server.transports.transfer_group:GroupImporter",
+    # One source's buckets (point-to-point, broadcast): the ranges sent are the encodings' bytes,
+    # received into the worker's staging buffer. Slices handles take their regions whole.
+    carries_deltas=True,
 )
 
 TRANSPORTS: tuple[Transport, ...] = (CUDA_IPC, HOST_SHM, TRANSFER_GROUP, INLINE)

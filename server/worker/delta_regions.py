@@ -52,7 +52,7 @@ def refuse_region_deltas(index: int, payload: pb.Payload) -> None:
     if any(_carries(payload, path) for path in _PAYLOAD_DELTA_PATHS):
         raise invalid_delta(
             f"bucket {index}: a region of a bucket whose every trainer rank is a source carries a TensorDelta; "
-            "this worker applies deltas only from tensor specs over inline bytes or host shared memory in this "
-            "version: send the regions whole",
+            "this worker applies deltas only from tensor specs (inline bytes, host shared memory, a transfer group "
+            "from one source) in this version: send the regions whole",
             bucket=str(index),
         )

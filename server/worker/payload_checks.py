@@ -75,19 +75,24 @@ def refuse_unfilled(ctx: UpdateContext, payloads: Sequence[pb.Payload], *, allow
 
 
 def check_delta_payloads(ctx: UpdateContext, index: int, payloads: Sequence[pb.Payload]) -> None:
-    """A bucket with deltas is read from host memory: bytes in the message, or a payload on the
-    host. Other transports (a transfer group, CUDA IPC) carry whole tensors in this version;
-    refused before any payload is opened or received."""
+    """A bucket with deltas is read into this worker's own memory before anything is written: bytes
+    in the message, host shared memory, or a transfer group's staging buffer (one source; a slices
+    handle is refused by ``delta_regions``). A transport that carries tensors whole (CUDA IPC: the
+    worker copies from the trainer's memory) is refused before any payload is opened or received;
+    which ones carry deltas is the transport table's ``carries_deltas``."""
     for payload in payloads:
         field = payload.WhichOneof("handle") or ""
         row = transports.by_field(field)
-        importer = ctx.importers.get(field)
-        on_host = row is not None and row.label_kind == pb.DEVICE_KIND_HOST
-        if on_host or (importer is not None and importer.bytes_in_message):
+        if row is not None and row.carries_deltas:
             continue
         raise invalid_delta(
             f"bucket {index}: its tensor specs carry deltas but a payload is {transport_name(field)}; this "
-            "worker reads deltas only from inline bytes or host shared memory: send these tensors whole",
+            f"worker reads deltas only from {_delta_transports()}: send these tensors whole",
             bucket=str(index),
             transport=field,
         )
+
+
+def _delta_transports() -> str:
+    names = [t.human_name for t in transports.TRANSPORTS if t.carries_deltas]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)

@@ -2,7 +2,8 @@
 a real AdamW step on fp32 master weights between pushes, bf16 sent; after each push every worker
 holds the trainer's tensors bit-exactly, from the second push on as a DELTA far smaller than the
 model; a worker set to another version by a FULL push from elsewhere makes the next delta push go
-whole by itself and land; a pusher over CUDA IPC or a transfer group would send FULL."""
+whole by itself and land; a pusher over CUDA IPC would send FULL (over a transfer group deltas go
+as here: tests/distributed/test_group_deltas.py)."""
 
 from __future__ import annotations
 

@@ -311,15 +311,17 @@ def test_delta_without_a_base_and_delta_over_other_transports(one: InProcessWork
     no_base = push(one.stub(), [header(next(_versions)), bucket(0, specs, [inline_payload(data)]), commit(1)])
     refused_untouched(one, no_base, "INVALID_DELTA", old, base)
     assert "delta base" in no_base.message
-    # A transfer group's bytes are not read for deltas in this version: refused before any receive.
-    group = pb.Payload(
-        device=inline_payload(b"").device,
+    # CUDA IPC carries tensors whole (the worker copies from the trainer's memory): refused before
+    # any handle is opened. (A transfer group's single-source buckets carry deltas:
+    # tests/distributed/test_group_deltas.py.)
+    ipc = pb.Payload(
+        device=pb.DeviceId(kind=pb.DEVICE_KIND_CUDA, uuid="GPU-0"),
         size_bytes=len(data),
-        transfer_group=pb.TransferGroupHandle(group_id="g", mode=pb.TRANSFER_MODE_POINT_TO_POINT),
+        cuda_ipc=pb.CudaIpcHandle(memory_handle=b"x", storage_size_bytes=len(data)),
     )
-    out, _ = delta_push(one, base, specs, group)
+    out, _ = delta_push(one, base, specs, ipc)
     refused_untouched(one, out, "INVALID_DELTA", old, base)
-    assert "inline bytes or host shared memory" in out.message
+    assert "host shared memory, a transfer group (torch.distributed) or inline bytes" in out.message
     # Nor a region of an every-rank-a-source bucket.
     region = pb.SliceTransfer(tensor=specs[0].name, delta=specs[0].delta)
     slices = pb.Payload(
