@@ -9,15 +9,15 @@ a real loss and a real gradient, not a real data set). After every step the mode
 ``push(model.named_parameters(), cast_to=torch.bfloat16, delta=True)``: the library casts the fp32
 masters to bf16, diffs them against its ``BaseKeeper`` and sends the encodings.
 
-Each transport a delta is wired for today (inline bytes, host shared memory: docs/deltas.md,
-"Transports") gets two workers, each a ``weightwire.server.serve`` over a ``TorchAdapter`` of the
-same architecture in bf16, in a separate (spawned) process, each with its own ``WeightPusher``: one
-takes the delta pushes, the other a plain FULL ``push()`` of the same weights every
-``--full-every`` steps, right after the deltas (a FULL push into the delta worker would move its
-version past the pusher's base). Every ratio is against the FULL push of the same step, because the
-load of a shared machine drifts during a run. The transfer groups carry whole tensors in this
-version (``push(delta=True)`` with one goes FULL with ``delta_fallback`` TRANSPORT): not measured
-here, and the output says so.
+Each transport a delta is wired for today (docs/deltas.md, "Transports": inline bytes, host shared
+memory, and a transfer group from one source, here gloo over loopback TCP as between machines) gets
+two workers, each a ``weightwire.server.serve`` over a ``TorchAdapter`` of the same architecture in
+bf16, in a separate (spawned) process, each with its own ``WeightPusher``: one takes the delta
+pushes, the other a plain FULL ``push()`` of the same weights every ``--full-every`` steps, right
+after the deltas (a FULL push into the delta worker would move its version past the pusher's
+base). Every ratio is against the FULL push of the same step, because the load of a shared machine
+drifts during a run. Not measured: every trainer rank a source (``SLICES``; whole slices in this
+version) and NCCL (GPUs).
 
 Per step, recorded:
 
@@ -30,7 +30,8 @@ Per step, recorded:
   keeper and module functions (nothing in the library changes): the cast, ``BaseKeeper.diff``
   (``encode``), ``record`` (the base brought forward), ``result_checksums`` (CRC-32 of every kept
   part) and ``pack_buckets``;
-- the whole ``push`` call of each transport, and the worker's own time (``server_duration_s``).
+- the whole ``push`` call of each transport, the worker's own time (``server_duration_s``) and,
+  over the transfer group, the bytes that reached the worker over it (``bytes_received``).
 
 After the last step each delta worker's tensors are compared with the trainer's bf16 weights by
 digest (CRC-32 from ``weightwire.core.delta.crc32`` and blake2b, per tensor, computed in each
@@ -64,7 +65,10 @@ from weightwire.core.delta import choose_encoding
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common
 
-TRANSPORTS = ("host_shm", "inline")
+# The paths a delta is wired for (docs/deltas.md, "Transports"); transfer_group: gloo over loopback
+# TCP from this one trainer process (one source), as across machines.
+TRANSPORTS = ("host_shm", "inline", "transfer_group")
+HOST = "127.0.0.1"
 
 
 def model_config(args: argparse.Namespace) -> Any:
@@ -115,7 +119,7 @@ def _serve_worker(config: Any, conn: Any) -> None:
     model = build_model(config)
     torch.set_default_dtype(torch.float32)
     adapter = TorchAdapter(model, rank=ParallelRank(), device=torch.device("cpu"), own_device=None)
-    server = serve(adapter)
+    server = serve(adapter, group_host=HOST)
     conn.send(server.address)
     while True:
         cmd = conn.recv()
@@ -242,9 +246,16 @@ def workers(config: Any, transports: list[str]) -> Iterator[dict[str, tuple[str,
                 p.kill()
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def make_pusher(address: str, transport: str, timeout_s: float) -> Any:
     from weightwire.client import WeightPusher
+    from weightwire.client.transports.transfer_group import TransferGroupOptions
 
+    if transport == "transfer_group":
+        return WeightPusher([address], transfer_group=TransferGroupOptions(host=HOST), timeout_s=timeout_s)
+    return WeightPusher([address], transport=transport, timeout_s=timeout_s)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     config = model_config(args)
     model = build_model(config)
@@ -267,14 +278,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
     names = [f"{t}/{kind}" for t in transports for kind in ("delta", "full")]
     with workers(config, names) as fleet:
-        pushers = {
-            t: WeightPusher([fleet[f"{t}/delta"][0]], transport=t, timeout_s=args.timeout_s)
-            for t in transports
-        }
-        full_pushers = {
-            t: WeightPusher([fleet[f"{t}/full"][0]], transport=t, timeout_s=args.timeout_s)
-            for t in transports
-        }
+        pushers = {t: make_pusher(fleet[f"{t}/delta"][0], t, args.timeout_s) for t in transports}
+        full_pushers = {t: make_pusher(fleet[f"{t}/full"][0], t, args.timeout_s) for t in transports}
         instrument(pushers[transports[0]], timers, watch)
         version = 1
         prev = as_bf16(model)
@@ -333,12 +338,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 push_s = time.perf_counter() - t0
                 (r,) = results.values()
+                if r.transport != t:
+                    raise SystemExit(f"step {step}: the push to the {t} worker went over {r.transport}")
                 if r.encoding != "DELTA":
                     raise SystemExit(f"step {step} over {t}: the push went {r.encoding} ({r.delta_fallback})")
                 rec["push"][t] = {
                     "push_s": push_s,
                     "worker_s": r.server_duration_s,
                     "sent_bytes": r.encoded_bytes,
+                    "wire_bytes": r.bytes_received,
                     "buckets": r.buckets,
                 }
                 if t == transports[0]:
@@ -361,6 +369,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "push_s": time.perf_counter() - t0,
                         "worker_s": r.server_duration_s,
                         "sent_bytes": r.bytes_loaded,
+                        "wire_bytes": r.bytes_received,
                     }
             steps.append(rec)
             print(
@@ -412,7 +421,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "seq": args.seq,
         },
         "transports": transports,
-        "transfer_group": "not measured: push(delta=True) with a transfer group goes FULL (delta_fallback TRANSPORT) in this version",
+        "not_measured": "every trainer rank a source (SLICES) carries whole slices in this version; NCCL needs GPUs",
         "first_push": first,
         "steps": steps,
         "bit_identical_after_deltas": identical,
@@ -477,21 +486,28 @@ def summarize(res: dict[str, Any]) -> str:
     )
     lines.append("")
     lines.append(
-        "| transport | push | s | worker s | bytes sent | x FULL bytes | x FULL time | FULL s / this s |"
+        "| transport | push | s | worker s | bytes sent | x FULL bytes | on the wire | x FULL time | FULL s / this s |"
     )
-    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for t in ts:
         full_b = med(s["full"][t]["sent_bytes"] for s in paired)
         d_b = med(s["push"][t]["sent_bytes"] for s in paired)
         ratio = med(s["push"][t]["push_s"] / s["full"][t]["push_s"] for s in paired)
+        full_w_b = med(s["full"][t]["wire_bytes"] for s in paired)
+        d_w_b = med(s["push"][t]["wire_bytes"] for s in paired)
+        wire = (
+            (f"{full_w_b / 2**20:.1f} MiB", f"{d_w_b / 2**20:.1f} MiB ({d_w_b / full_w_b:.3f})")
+            if full_w_b
+            else ("-", "-")
+        )
         lines.append(
             f"| {t} | FULL (push()) | {med(s['full'][t]['push_s'] for s in paired):.3f} "
-            f"| {med(s['full'][t]['worker_s'] for s in paired):.3f} | {full_b / 2**20:.1f} MiB | 1.000 | 1.00 | 1.00 |"
+            f"| {med(s['full'][t]['worker_s'] for s in paired):.3f} | {full_b / 2**20:.1f} MiB | 1.000 | {wire[0]} | 1.00 | 1.00 |"
         )
         lines.append(
             f"| {t} | DELTA (push(delta=True)) | {med(s['push'][t]['push_s'] for s in paired):.3f} "
             f"| {med(s['push'][t]['worker_s'] for s in paired):.3f} | {d_b / 2**20:.1f} MiB "
-            f"| {d_b / full_b:.3f} | {ratio:.2f} | {1 / ratio:.2f} |"
+            f"| {d_b / full_b:.3f} | {wire[1]} | {ratio:.2f} | {1 / ratio:.2f} |"
         )
     lines.append("")
     parts = ("diff_s", "record_s", "checksums_s", "pack_s")
@@ -509,7 +525,7 @@ def summarize(res: dict[str, Any]) -> str:
     lines.append(
         f"keeper: {res['keeper_host_bytes'] / 2**20:.0f} MiB on the host; first push: {res['first_push']}"
     )
-    lines.append(f"transfer groups: {res['transfer_group']}")
+    lines.append(f"not measured: {res['not_measured']}")
     lines.append(f"load average before/after: {res['env']['loadavg_before']} / {res['env']['loadavg_after']}")
     return "\n".join(lines)
 
@@ -534,7 +550,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated: host_shm, inline")
+    ap.add_argument(
+        "--transports", default=",".join(TRANSPORTS), help="comma-separated, of " + ", ".join(TRANSPORTS)
+    )
     ap.add_argument(
         "--full-every", type=int, default=2, help="a FULL push() of the same weights every N steps"
     )
