@@ -17,8 +17,9 @@ worker refuses the update, leaves the group, and the next join starts a new rece
 and ``is_completed``), so the data planes post to it as they post to gloo. Memory: the segments
 hold what is posted at once (one update's receives on the every-rank-a-source plane, a bucket on
 the single-source one), kept for the next update; the receiving process costs an interpreter with
-torch (~250 MB resident). When a group ends, the next one's process is started in advance, so that
-forming again costs no start-up. NCCL members stay in the worker's process (a GPU communicator cannot be moved).
+torch (~270 MB resident). A worker starts its first one with itself and the next one whenever a
+group ends, so that forming a group never waits for one to start (seconds, which would count
+against the group's formation timeout). NCCL members stay in the worker's process (a GPU communicator cannot be moved).
 """
 
 from __future__ import annotations

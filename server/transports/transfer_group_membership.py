@@ -108,6 +108,10 @@ class GroupMembership:
         self._last_teardown = ""
         self._closing: list[TransferGroup] = []
         self._stopping = False
+        if isolation_enabled():
+            # Ready long before a trainer joins: starting one (an interpreter importing torch) takes
+            # seconds, which would otherwise count against the group's formation timeout.
+            start_spare()
 
     def configure(self, *, listen_host: str | None = None, max_staging_bytes: int | None = None) -> None:
         """Where this worker's group sockets listen (an address of this machine the trainer can
