@@ -56,6 +56,9 @@ class Reason(enum.Enum):
     TRANSPORT_UNAVAILABLE = "FAILED_PRECONDITION"
     HANDLE_OPEN_FAILED = "FAILED_PRECONDITION"
     ENGINE_NOT_PAUSED = "FAILED_PRECONDITION"
+    # The engine released its weights' memory (SGLang release_memory_occupation, vLLM sleep): a
+    # write would fault or be lost; wake the weights first (the engine adapters refuse at begin).
+    ENGINE_ASLEEP = "FAILED_PRECONDITION"
     GROUP_UNKNOWN_MEMBER = "FAILED_PRECONDITION"
     GROUP_DUPLICATE_RANK = "FAILED_PRECONDITION"
     GROUP_WRONG_WORLD_SIZE = "FAILED_PRECONDITION"

@@ -56,6 +56,9 @@ T = TypeVar("T")
 EngineGate = Callable[[], "str | None"]
 """Returns None when the engine may be written to now, else why not (a message for the trainer)."""
 
+WeightsAsleep = Callable[[], "str | None"]
+"""Returns None while the weights are in place, else why not (the engine released them: sleep)."""
+
 
 class SGLangAdapter:
     """Publishes what one SGLang rank consumes and loads pushed tensors through SGLang."""
@@ -72,6 +75,7 @@ class SGLangAdapter:
         engine_queue: EngineTaskQueue | None = None,
         weight_session: WeightUpdateSession | None = None,
         engine_gate: EngineGate | None = None,
+        weights_asleep: WeightsAsleep | None = None,
         on_committed: Callable[[int], None] | None = None,
         idle_wait_s: float = 0.0,
         direct_copy: bool = True,
@@ -80,6 +84,8 @@ class SGLangAdapter:
         """``engine_queue``: where steps run (None: on the calling thread, for a model that no
         engine is running). ``engine_gate``: refuses writes while the engine serves requests;
         a refusal is retried on later passes for ``idle_wait_s`` before the step fails.
+        ``weights_asleep``: refuses every step at once (ENGINE_ASLEEP, nothing written) while the
+        engine holds its weights released; ``weights_resumed`` is told when they are back.
         ``on_committed(version)``: runs on the engine thread after a successful update.
         ``direct_copy``: prepared loads copy straight into the parameters once checked against
         ``load_weights`` (module docstring); False: every load through ``load_weights``.
@@ -96,6 +102,7 @@ class SGLangAdapter:
             weight_session if weight_session is not None else LoaderWeightSession(model, self.device)
         )
         self._gate = engine_gate
+        self._asleep = weights_asleep
         self._idle_wait_s = idle_wait_s
         self._on_committed = on_committed
         self._params = dict(model.named_parameters())
@@ -132,6 +139,8 @@ class SGLangAdapter:
             worker_id=self.worker_id,
         )
         self._dst = destinations(model, self._params, self.layout) if direct_copy else {}
+        # Where each parameter's storage was when the regions above were stated (weights_resumed).
+        self._param_ptrs = self._storage_ptrs()
 
     # --- EngineAdapter -------------------------------------------------------------------------
 
@@ -264,11 +273,42 @@ class SGLangAdapter:
         except OSError as e:
             log.warning("%s: cannot append update phases to %s: %s", self.worker_id, self._phase_log, e)
 
+    def weights_resumed(self, *, discarded: bool) -> None:
+        """On the engine thread, after the engine mapped its released weights again (SGLang's
+        ``resume_memory_occupation`` with the weights tag).
+
+        Direct copies write into views of the parameters stated at start: if a parameter's
+        storage moved (torch_memory_saver maps the same virtual addresses again, so it should
+        not), the regions are stated afresh and every proof forgotten. When the release lost the
+        bytes (``discarded``: no CPU backup), what a direct copy leaves unwritten (a vocabulary's
+        padding rows) holds whatever the new memory held, so the proofs are forgotten too: the next
+        load of each set of names goes through ``load_weights``, which writes whole parameters, and
+        checks the regions again."""
+        moved = self._storage_ptrs() != self._param_ptrs
+        if moved:
+            self._params = dict(self.model.named_parameters())
+            self._dst = destinations(self.model, self._params, self.layout) if self._direct_copy else {}
+            self._param_ptrs = self._storage_ptrs()
+        if (moved or discarded) and (self._direct_state or self.proven):
+            log.info(
+                "%s: weights resumed (%s); the next load of each tensor goes through load_weights and checks its "
+                "regions again",
+                self.worker_id,
+                "parameters moved" if moved else "their bytes were discarded",
+            )
+            self._direct_state.clear()
+            self.proven.clear()
+
+    def _storage_ptrs(self) -> dict[str, int]:
+        return {name: p.data_ptr() for name, p in self._params.items()}
+
     def may_linger(self) -> bool:
         """On the engine thread: whether it may wait a moment for an update step instead of going
         straight back to the event loop: only when no batch could run anyway (the gate allows
         writing: the engine is idle, or paused in a loop that honours the pause)."""
-        return self._gate is None or self._gate() is None
+        return (self._asleep is None or self._asleep() is None) and (
+            self._gate is None or self._gate() is None
+        )
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -297,11 +337,15 @@ class SGLangAdapter:
         A refused pass is tried again, on later passes, for up to ``idle_wait_s``: SGLang's
         ``pause_generation(mode="abort")`` returns before the schedulers dropped the aborted
         requests, and a pipeline stage after the first still lists finished requests until its
-        next pass. Writing only ever happens in a pass whose own gate check allowed it.
+        next pass. Writing only ever happens in a pass whose own gate check allowed it. Released
+        weights are refused at once (ENGINE_ASLEEP): only the trainer's wake brings them back.
         """
         deadline = time.monotonic() + self._idle_wait_s
 
         def step() -> str | None:
+            asleep = self._asleep() if self._asleep is not None else None
+            if asleep is not None:
+                raise WeightwireError(Reason.ENGINE_ASLEEP, f"{self.worker_id}: cannot {what}: {asleep}")
             refusal = self._gate() if self._gate is not None else None
             if refusal is None:
                 fn()

@@ -13,6 +13,18 @@ tested range and adds two hooks through SGLang's ``HookRegistry``:
 - AFTER ``Scheduler.process_input_requests`` (once per pass of every event loop of SGLang 0.5.17
   through 0.5.23, between batches, right after the scheduler handled its own requests, weight
   updates included): run the queued update steps on the scheduler thread.
+- AFTER ``SchedulerWeightUpdaterManager.resume_memory_occupation`` (SGLang's own wake, on the
+  scheduler thread): tell the adapter its weights are back (``SGLangAdapter.weights_resumed``).
+
+Sleep and wake. While SGLang holds the ``weights`` tag released (``release_memory_occupation``;
+both releases keep the released tags in ``scheduler.weight_updater.offload_tags``) every update
+step is refused at once with ENGINE_ASLEEP, before anything is written: with the memory saver the
+parameters' memory is unmapped (a write faults) and the stash SGLang restores on resume would
+overwrite it. torch_memory_saver maps the memory again at the same virtual addresses, so the
+adapter's direct-copy regions stay valid (checked on resume); when the bytes were discarded (the
+memory saver on without ``--enable-weights-cpu-backup``) the adapter forgets which regions it
+proved, so the next push goes through ``load_weights`` (which writes whole parameters, padding rows
+included) and proves them again.
 
 What differs between the releases is found by feature, not by version number: the weight-update
 session (``ModelRunner.weight_updater.begin_weight_update``, 0.5.23) and the scheduler's own record
@@ -61,6 +73,10 @@ log = logging.getLogger("weightwire.sglang")
 
 INIT_TARGET = "sglang.srt.managers.scheduler.Scheduler.__init__"
 LOOP_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_input_requests"
+# SGLang's own wake of released memory (both supported releases; the scheduler's request dispatcher
+# binds this method when the scheduler is built, after register() patched the class).
+RESUME_TARGET = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.resume_memory_occupation"
+WEIGHTS_TAG = "weights"
 # Both ends run a real engine in the test suite (tests/sglang, `make test`).
 OLDEST_SGLANG = (0, 5, 17)
 NEWEST_SGLANG = (0, 5, 23)
@@ -132,7 +148,7 @@ def register() -> None:
         log.warning("weightwire: %s=0, not starting weight-sync workers in this engine", ENV_ENABLE)
         return
     check_version(_sglang_version(), allow_untested=settings.allow_untested)
-    for target in (INIT_TARGET, LOOP_TARGET):
+    for target in (INIT_TARGET, LOOP_TARGET, RESUME_TARGET):
         try:
             pkgutil.resolve_name(target)
         except (ImportError, AttributeError) as e:
@@ -145,7 +161,8 @@ def register() -> None:
             raise SystemExit(msg) from e
     HookRegistry.register(INIT_TARGET, after_scheduler_init, HookType.AFTER)
     HookRegistry.register(LOOP_TARGET, after_process_input_requests, HookType.AFTER)
-    log.info("weightwire: registered hooks on %s and %s", INIT_TARGET, LOOP_TARGET)
+    HookRegistry.register(RESUME_TARGET, after_resume_memory_occupation, HookType.AFTER)
+    log.info("weightwire: registered hooks on %s, %s and %s", INIT_TARGET, LOOP_TARGET, RESUME_TARGET)
 
 
 def check_version(version: str, *, allow_untested: bool = False) -> None:
@@ -172,6 +189,14 @@ def after_scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any
         raise RuntimeError(
             f"weightwire: the hook on {LOOP_TARGET} is not in place (see SGLang's log for why), so updates "
             "could never run on the scheduler thread; refusing to start without weight sync"
+        )
+    manager = getattr(scheduler, "weight_updater", None)
+    if manager is not None and not hook_applied(
+        type(manager), "resume_memory_occupation", after_resume_memory_occupation
+    ):
+        raise RuntimeError(
+            f"weightwire: the hook on {RESUME_TARGET} is not in place (see SGLang's log for why), so a push after "
+            "resume_memory_occupation could copy into regions that are no longer right; refusing to start"
         )
     worker = start_worker(scheduler)
     log.info(
@@ -201,6 +226,30 @@ def after_process_input_requests(result: Any, scheduler: Any, *args: Any, **kwar
         )
     worker.drain()
     return None
+
+
+def after_resume_memory_occupation(
+    result: Any, manager: Any, recv_req: Any, *args: Any, **kwargs: Any
+) -> None:
+    """AFTER hook on SGLang's ``resume_memory_occupation`` (scheduler thread): when the weights tag
+    was resumed, tell this scheduler's adapter (``SGLangAdapter.weights_resumed``)."""
+    tags = getattr(recv_req, "tags", None)
+    if tags and WEIGHTS_TAG not in tags:
+        return None  # None or empty: SGLang resumes every tag
+    scheduler = getattr(manager, "scheduler", None)
+    worker: SchedulerWorker | None = getattr(scheduler, _WORKER_ATTR, None)
+    if worker is not None:
+        worker.adapter.weights_resumed(discarded=weights_discarded(scheduler, manager))
+    return None
+
+
+def weights_discarded(scheduler: Any, manager: Any) -> bool:
+    """Whether releasing the weights lost their bytes: SGLang's memory saver is really on (not its
+    no-op adapter) and the weights had no CPU backup (``--enable-weights-cpu-backup``)."""
+    saver = getattr(manager, "memory_saver_adapter", None)
+    if saver is None or not getattr(saver, "enabled", False):
+        return False
+    return not bool(getattr(getattr(scheduler, "server_args", None), "enable_weights_cpu_backup", False))
 
 
 def hook_applied(cls: type, method: str, hook: Callable[..., Any]) -> bool:
@@ -248,6 +297,7 @@ def start_worker(scheduler: Any, settings: Settings | None = None) -> SchedulerW
         worker_id=worker_id(rank),
         engine_queue=queue,
         weight_session=weight_session_of(runner),
+        weights_asleep=functools.partial(released_weights, scheduler),
         engine_gate=functools.partial(
             scheduler_gate, scheduler, pause_honoured=pause_honoured(scheduler, rank)
         ),
@@ -322,15 +372,7 @@ def pause_honoured(scheduler: Any, rank: ParallelRank) -> bool:
 
 def scheduler_gate(scheduler: Any, *, pause_honoured: bool) -> str | None:
     """None when writing weights cannot overlap a batch: the engine has no request, or is paused
-    and its event loop honours the pause, and the weights are where the model's parameters point."""
-    released = weights_released(scheduler)
-    if released:
-        # The parameters' memory is unmapped (a GPU write there faults) or about to be replaced by
-        # the stash SGLang restores on resume: a push now would be lost or crash the engine.
-        return (
-            "SGLang released its weights (release_memory_occupation with the weights tag); call POST "
-            '/resume_memory_occupation {"tags": ["weights"]} before pushing'
-        )
+    and its event loop honours the pause (released weights: ``released_weights``)."""
     if scheduler.is_fully_idle():
         return None
     load = f"{len(scheduler.waiting_queue)} waiting, {len(scheduler.running_batch.reqs)} running"
@@ -345,11 +387,18 @@ def scheduler_gate(scheduler: Any, *, pause_honoured: bool) -> str | None:
     return f"the engine is serving requests ({load}); call POST /pause_generation first"
 
 
-def weights_released(scheduler: Any) -> bool:
-    """Whether SGLang's memory saver holds the weights released (both supported releases keep the
-    released tags in ``scheduler.weight_updater.offload_tags``)."""
+def released_weights(scheduler: Any) -> str | None:
+    """None while the weights are in place, else why a push cannot write them now: SGLang holds the
+    weights tag released (both supported releases keep the released tags in
+    ``scheduler.weight_updater.offload_tags``). With the memory saver the parameters' memory is then
+    unmapped (a GPU write faults) and the stash SGLang restores on resume would overwrite it."""
     tags = getattr(getattr(scheduler, "weight_updater", None), "offload_tags", None) or ()
-    return "weights" in tags
+    if WEIGHTS_TAG not in tags:
+        return None
+    return (
+        "SGLang released its weights (release_memory_occupation with the weights tag); call POST "
+        '/resume_memory_occupation {"tags": ["weights"]} (Engine.resume_memory_occupation) before pushing'
+    )
 
 
 def after_commit(scheduler: Any, settings: Settings, version: int) -> None:

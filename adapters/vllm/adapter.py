@@ -23,6 +23,17 @@ arrives and finalized when the update ends, so all chunks of one update land in 
 session, and layers the update does not touch are left alone (a PARTIAL update of ``lm_head``
 reloads only ``lm_head``).
 
+Sleep and wake. vLLM's ``LLM.sleep(level)`` / ``wake_up(tags)`` reach every worker's
+``Worker.sleep`` / ``Worker.wake_up``, which the backend hooks (``sleep_hooks`` in
+``weightwire.adapters.vllm.backend``) to call ``sleeping(level)`` before and ``woken(tags)`` after.
+While the weights are released every push is refused at ``begin_update`` with ENGINE_ASLEEP,
+before anything is touched (writing into unmapped memory would end the worker, and with it the
+EngineCore); a sleep waits for a push still open on this worker, so no write overlaps the release.
+vLLM's CuMemAllocator maps the memory again at the same virtual addresses, so the direct-copy
+regions below stay valid (they re-check their storage on every use); after a level-2 sleep (the
+weights' bytes discarded) the proofs are forgotten, so the next push of each layer goes through
+vLLM's reload, which writes the whole layer (padding rows included), and is checked again.
+
 Direct copies (``direct.py``). From the second time a layer arrives whole in one ``load`` on, a
 layer whose first reload was checked to be nothing but a copy of the pushed tensors into regions of
 its kernel tensors (the same objects at the same storage before and after, nothing else of the layer
@@ -72,6 +83,10 @@ from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
 # Under "vllm." so that vLLM's own log configuration prints it in every worker process.
 log = logging.getLogger("vllm.weightwire")
 
+_ASLEEP = (
+    'vLLM released this worker\'s weights (sleep level {level}); call wake_up() (LLM.wake_up(tags=["weights"]), '
+    "or POST /wake_up?tags=weights) before pushing{after}"
+)
 _NOT_IN_WINDOW = (
     "vLLM has no weight update open on this worker: call start_weight_update() first (LLM.start_weight_update(), "
     "or POST /start_weight_update after POST /pause), push, then finish_weight_update(weight_version=...)"
@@ -125,6 +140,8 @@ class VLLMAdapter:
         self._window_open = False
         self._closing = False
         self._update_version: int | None = None
+        # The level of the sleep that holds this worker's weights released (None: awake).
+        self._asleep_level: int | None = None
         self.committed_version: int | None = None
         # Per update, gRPC thread only: layers opened for reload -> checkpoint names still missing.
         self._open_layers: dict[str, set[str]] = {}
@@ -159,6 +176,50 @@ class VLLMAdapter:
     def window_open(self) -> bool:
         return self._window_open
 
+    # --- sleep and wake (vLLM's Worker.sleep / wake_up, on the worker's main thread) -----------
+
+    def sleeping(self, level: int, timeout_s: float) -> None:
+        """Before vLLM releases this worker's memory: wait up to ``timeout_s`` for a push still open
+        here, then refuse pushes until ``woken``. RuntimeError (the sleep does not happen) when the
+        push does not end in time: its writes would land in released memory."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._update_version is None, timeout=timeout_s):
+                raise RuntimeError(
+                    f"weightwire {self.worker_id}: update {self._update_version} is still running after "
+                    f"{timeout_s:g} s; sleep once the push returned"
+                )
+            self._asleep_level = int(level)
+        log.info(
+            "weightwire %s: vLLM sleeps (level %d); pushes are refused until wake_up", self.worker_id, level
+        )
+
+    def sleep_failed(self, level_before: int | None) -> None:
+        """vLLM's sleep raised: its memory stays where it was, so the state before it holds again."""
+        with self._cond:
+            self._asleep_level = level_before
+
+    def woken(self, tags: Sequence[str] | None) -> None:
+        """After vLLM mapped memory again: with the weights among ``tags`` (None: every tag), pushes
+        are accepted again; after a level-2 sleep the direct-copy proofs are forgotten (module docstring)."""
+        if tags is not None and "weights" not in tags:
+            return
+        with self._cond:
+            level, self._asleep_level = self._asleep_level, None
+        if level is not None and level >= 2:
+            forgotten = self.direct.forget()
+            if forgotten:
+                log.info(
+                    "weightwire %s: woken after a level-%d sleep (weights discarded); %d layer(s) go through vLLM's "
+                    "reload on their next push and are checked again",
+                    self.worker_id,
+                    level,
+                    forgotten,
+                )
+
+    @property
+    def asleep_level(self) -> int | None:
+        return self._asleep_level
+
     def close(self) -> None:
         """Remove the forward hooks (worker shutdown)."""
         self._remove_hooks()
@@ -170,6 +231,18 @@ class VLLMAdapter:
 
     def begin_update(self, version: int) -> None:
         with self._cond:
+            if self._asleep_level is not None:
+                after = (
+                    "; its weights were discarded (level 2): push every tensor (a FULL update) after waking"
+                    if self._asleep_level >= 2
+                    else ""
+                )
+                raise WeightwireError(
+                    Reason.ENGINE_ASLEEP,
+                    f"{self.worker_id}: cannot begin update {version}: "
+                    + _ASLEEP.format(level=self._asleep_level, after=after),
+                    sleep_level=str(self._asleep_level),
+                )
             if not self._window_open or self._closing:
                 what = (
                     "vLLM is finishing its weight update on this worker" if self._closing else _NOT_IN_WINDOW

@@ -20,6 +20,11 @@ vLLM's weight-transfer calls map to weightwire as follows; the trainer pushes th
 - ``shutdown``: stops the worker service, removes its socket and, when the engine's socket directory
   is the default one made for it (``<tmp>/weightwire-vllm-<instance id>``), that directory once the
   engine's last worker left it.
+- ``LLM.sleep(level)`` / ``LLM.wake_up(tags)`` (``POST /sleep``, ``/wake_up``): ``sleep_hooks``
+  wraps the worker's own ``Worker.sleep`` / ``Worker.wake_up`` in this process, once, so that the
+  adapter refuses pushes (ENGINE_ASLEEP) from before the memory is released until the weights are
+  mapped again (``VLLMAdapter.sleeping`` / ``woken``). Workers whose class overrides them (vLLM's
+  CPU worker, whose sleep releases nothing) are left alone.
 - ``trainer_send_weights``: abstract in vLLM 0.26 and 0.27 (a static method for the trainer);
   weightwire's trainer side is ``WeightPusher``, so it raises a message saying so.
 """
@@ -29,8 +34,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,6 +111,7 @@ class WeightwireWeightTransferEngine(WeightTransferEngine[WeightwireInitInfo, We
             own_device=self.adapter.own_device,
         )
         self.address = self.server.address
+        sleep_hooks()
         self._stopped = False
         atexit.register(self.shutdown)
         # Metrics into vLLM's /metrics when its prometheus runs in multiprocess mode (several API
@@ -162,6 +170,60 @@ class WeightwireWeightTransferEngine(WeightTransferEngine[WeightwireInitInfo, We
             "the weightwire backend has no vLLM trainer-side sender: push with weightwire.client.WeightPusher "
             "to weightwire.adapters.vllm.worker_endpoints(llm) inside update_window(llm, version)"
         )
+
+
+_HOOKED = "_weightwire_sleep_hook"
+
+
+def sleep_hooks() -> bool:
+    """Wrap ``vllm.v1.worker.gpu_worker.Worker.sleep`` and ``wake_up`` (once per process) so that the
+    weightwire backend a worker holds hears of both; False when this vLLM has neither."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    hooked = False
+    for name, wrap in (("sleep", _wrap_sleep), ("wake_up", _wrap_wake_up)):
+        original = Worker.__dict__.get(name)
+        if original is None:
+            continue
+        if not getattr(original, _HOOKED, False):
+            wrapped = functools.wraps(original)(wrap(original))
+            setattr(wrapped, _HOOKED, True)
+            setattr(Worker, name, wrapped)
+        hooked = True
+    return hooked
+
+
+def _own_adapter(worker: Any) -> SlicesVLLMAdapter | None:
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return engine.adapter if isinstance(engine, WeightwireWeightTransferEngine) else None
+
+
+def _wrap_sleep(original: Callable[..., Any]) -> Callable[..., Any]:
+    def sleep(worker: Any, level: int = 1, *args: Any, **kwargs: Any) -> Any:
+        adapter = _own_adapter(worker)
+        if adapter is None:
+            return original(worker, level, *args, **kwargs)
+        before = adapter.asleep_level
+        engine = worker.weight_transfer_engine
+        adapter.sleeping(level, engine.settings.finish_wait_s)
+        try:
+            return original(worker, level, *args, **kwargs)
+        except BaseException:
+            adapter.sleep_failed(before)
+            raise
+
+    return sleep
+
+
+def _wrap_wake_up(original: Callable[..., Any]) -> Callable[..., Any]:
+    def wake_up(worker: Any, tags: list[str] | None = None, *args: Any, **kwargs: Any) -> Any:
+        result = original(worker, tags, *args, **kwargs)
+        adapter = _own_adapter(worker)
+        if adapter is not None:
+            adapter.woken(tags)
+        return result
+
+    return wake_up
 
 
 def parallel_rank(vllm_config: Any) -> ParallelRank:

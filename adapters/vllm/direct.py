@@ -123,6 +123,13 @@ class DirectLayers:
     def proven(self) -> frozenset[str]:
         return frozenset(self._proven)
 
+    def forget(self) -> int:
+        """Forget every proof (the engine discarded the layers' bytes: a level-2 sleep): each layer
+        goes through the reload once more and is checked again. Returns how many were proven."""
+        forgotten = len(self._proven)
+        self._proven.clear()
+        return forgotten
+
     def candidate(self, layer_name: str) -> bool:
         """Whether a layer arriving whole should be checked after its reload."""
         return self.enabled and layer_name not in self._proven and layer_name not in self.refused

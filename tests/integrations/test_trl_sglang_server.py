@@ -170,9 +170,7 @@ def test_a_push_while_the_weights_are_released_is_refused(server: Server) -> Non
             with pytest.raises(PushError) as refused:
                 pusher.push(full_checkpoint(SPEC, seed=40), version=before + 1)
             (failure,) = refused.value.failures.values()
-            assert failure.reason == "ENGINE_NOT_PAUSED" and "released its weights" in failure.message, (
-                failure
-            )
+            assert failure.reason == "ENGINE_ASLEEP" and "released its weights" in failure.message, failure
             assert {st.weights_version for st in pusher.status().values()} == {before}
         finally:
             server.call("/continue_generation", {})

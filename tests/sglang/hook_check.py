@@ -15,6 +15,30 @@ import logging
 import os
 
 
+def resumes_told(plugin: object) -> list[object]:
+    """What the resume hook tells a scheduler's adapter for each (tags, memory saver on, CPU backup)."""
+    from types import SimpleNamespace
+
+    told: list[object] = []
+    adapter = SimpleNamespace(weights_resumed=lambda *, discarded: told.append(discarded))
+    out: list[object] = []
+    for tags, saver_on, backup in (
+        (["kv_cache"], True, False),
+        (["weights"], True, False),
+        (None, True, True),
+        (["weights", "kv_cache"], False, False),
+    ):
+        scheduler = SimpleNamespace(
+            _weightwire_worker=SimpleNamespace(adapter=adapter),
+            server_args=SimpleNamespace(enable_weights_cpu_backup=backup),
+        )
+        manager = SimpleNamespace(scheduler=scheduler, memory_saver_adapter=SimpleNamespace(enabled=saver_on))
+        told.clear()
+        plugin.after_resume_memory_occupation(None, manager, SimpleNamespace(tags=tags))  # type: ignore[attr-defined]
+        out.append(told[0] if told else "not told")
+    return out
+
+
 def main() -> None:
     import sglang_cpu_shims
 
@@ -44,9 +68,17 @@ def main() -> None:
     out["loop_hooked"] = plugin.hook_applied(
         Scheduler, "process_input_requests", plugin.after_process_input_requests
     )
-    out["patched_targets"] = sorted(
-        t for t in HookRegistry._patched if t in (plugin.INIT_TARGET, plugin.LOOP_TARGET)
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+
+    out["resume_hooked"] = plugin.hook_applied(
+        SchedulerWeightUpdaterManager, "resume_memory_occupation", plugin.after_resume_memory_occupation
     )
+    out["patched_targets"] = sorted(
+        t
+        for t in HookRegistry._patched
+        if t in (plugin.INIT_TARGET, plugin.LOOP_TARGET, plugin.RESUME_TARGET)
+    )
+    out["resumes_told"] = resumes_told(plugin)
     out["registered_log"] = any("registered hooks" in r for r in records)
 
     # Disabled by environment: register() adds nothing.

@@ -43,7 +43,12 @@ def test_sglang_load_plugins_hooks_the_scheduler(sglang_env: SGLangEnv) -> None:
     assert out["patched_targets"] == [
         "sglang.srt.managers.scheduler.Scheduler.__init__",
         "sglang.srt.managers.scheduler.Scheduler.process_input_requests",
+        "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.resume_memory_occupation",
     ]
+    assert out["resume_hooked"] is True
+    # Resuming the KV cache alone tells nothing; the weights' bytes count as discarded only with the
+    # memory saver on and no CPU backup (the adapter then proves its direct-copy regions again).
+    assert out["resumes_told"] == ["not told", True, False, False]
     assert out["registered_log"] is True
     assert out["disabled_adds_nothing"] is True
     for refused, version in (("too_old", "0.5.16"), ("too_new", "0.6.0"), ("unparsable", "main")):

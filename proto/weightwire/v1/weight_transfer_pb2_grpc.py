@@ -123,6 +123,9 @@ class WeightTransferServiceServicer(object):
         SHAPE_MISMATCH, DTYPE_MISMATCH, STALE_VERSION, MANIFEST_CHANGED, INCOMPLETE_UPDATE (metadata:
         missing), BUCKET_COUNT_MISMATCH, TRANSPORT_UNAVAILABLE, HANDLE_OPEN_FAILED,
         ENGINE_NOT_PAUSED (the engine is serving requests; pause it before pushing),
+        ENGINE_ASLEEP (the engine released its weights' memory: SGLang release_memory_occupation
+        with the weights tag, vLLM sleep; wake the weights first; refused before anything is
+        written, version and state unchanged),
         GROUP_NOT_JOINED (a bucket names a transfer group this worker is not in; form it again),
         DELTA_BASE_MISMATCH (metadata: base_version, worker_version: the header's delta base is not
         this worker's version, or the worker is INCONSISTENT; refused at the header, nothing written).
