@@ -159,6 +159,7 @@ class ReceivingProcess:
         self.pid = self._proc.pid
         self._channel = Channel(ours)
         self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
         self._ready = threading.Event()
         self._formed: dict[int, threading.Event] = {}
         self._form_errors: dict[int, str] = {}
@@ -281,10 +282,13 @@ class ReceivingProcess:
         return work
 
     def flush(self) -> None:
-        with self._lock:
-            batch, self._batch = self._batch, []
-        if batch:
-            self._send({"do": "posts", "posts": batch})
+        # Batches go out in the order they were taken: gloo pairs receives from one peer with one
+        # tag in the order they are posted.
+        with self._flush_lock:
+            with self._lock:
+                batch, self._batch = self._batch, []
+            if batch:
+                self._send({"do": "posts", "posts": batch})
 
     def finished(self) -> None:
         """An operation ended (failed, or landed): its segment space may be reused once nothing
