@@ -16,23 +16,29 @@ processing repacks or rebinds its parameters; a layout these rules do not know) 
 update (``refuse_slices``): every tensor of a slices bucket must have been loaded once through
 ``load_weights`` and found where the regions say (``SGLangAdapter.proven``); until then the bucket is
 refused before a byte moves (TRANSPORT_UNAVAILABLE), and a single-source push does that first load.
+
+The same proven regions take delta updates (``DeltasSGLangAdapter``, ``AppliesDeltas``): a rank
+whose every target keeps exactly its manifest's part (``deltas.delta_layout``) applies each delta
+into them in place and hands them to the worker as the parts its result checksums cover.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from weightwire.adapters.sglang.adapter import SGLangAdapter
+from weightwire.adapters.sglang.deltas import KeptPart, apply_to_parts, delta_layout, refuse_unproven
 from weightwire.adapters.sglang.direct_copy import DirectCopy
+from weightwire.core.delta import Delta
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.server.transports.transfer_group_slices import kept_shape
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SlicesSGLangAdapter", "build_adapter", "kept_regions"]
+__all__ = ["DeltasSGLangAdapter", "SlicesSGLangAdapter", "build_adapter", "kept_regions"]
 
 
 def kept_regions(adapter: SGLangAdapter) -> tuple[dict[str, tuple[torch.Tensor, ...]], str | None]:
@@ -103,17 +109,63 @@ class SlicesSGLangAdapter(SGLangAdapter):
         self._gated(copy_step, what=f"write {len(staged)} received tensor(s)", phase="load")
 
 
+class DeltasSGLangAdapter(SlicesSGLangAdapter):
+    """A ``SlicesSGLangAdapter`` that also applies delta updates (``AppliesDeltas``) into its proven
+    regions (``weightwire.adapters.sglang.deltas``). Made by ``build_adapter``."""
+
+    _parts: dict[str, list[KeptPart]]
+
+    def apply_deltas(self, deltas: Sequence[tuple[str, Delta]]) -> None:
+        """Write each checked delta into every region of its tensor, on the engine thread in a pass
+        whose gate allows writing; a tensor whose regions are not proven is refused first
+        (DELTA_BASE_MISMATCH), before any delta of the call is written."""
+        if not deltas:
+            return
+        names = [name for name, _ in deltas]
+        refuse_unproven(self.worker_id, names, self.proven)
+        shapes = {name: tuple(self._manifest.tensors[name].shape) for name in names}
+
+        def apply_step() -> None:
+            # Again on the engine thread: a wake that dropped the weights' bytes forgets proofs there.
+            refuse_unproven(self.worker_id, names, self.proven)
+            self._synchronize()  # a forward launched before the pause may still read the weights
+            self._wrote = True
+            with torch.no_grad():
+                for name, delta in deltas:
+                    apply_to_parts(self._parts[name], delta, shapes[name])
+            self._synchronize()  # the result is verified as soon as this returns
+
+        self._count_load(len(deltas), direct=True)
+        self._gated(apply_step, what=f"apply {len(deltas)} delta(s)", phase="load")
+
+    def delta_parts(self, name: str) -> Sequence[KeptPart]:
+        """Each region of ``name`` as the part it keeps (its manifest piece, or None for the whole)."""
+        return self._parts[name]
+
+
 def build_adapter(model: torch.nn.Module, hf_config: Any, **kwargs: Any) -> SGLangAdapter:
-    """The adapter of one rank (``SGLangAdapter``'s arguments): a ``SlicesSGLangAdapter`` when every
-    owned tensor has a stated region, else a plain one (its manifest says receives_slices false; the
-    reason is logged)."""
+    """The adapter of one rank (``SGLangAdapter``'s arguments): a ``DeltasSGLangAdapter`` when every
+    owned tensor has a stated region that is its manifest's part, a ``SlicesSGLangAdapter`` when
+    only the regions are stated, else a plain one (its manifest says receives_slices false, and a
+    delta update is refused at its header; the reason is logged)."""
     plain = SGLangAdapter(model, hf_config, **kwargs)
     regions, refusal = kept_regions(plain)
     if refusal is not None:
-        log.warning("%s does not receive slices from every trainer rank: %s", plain.worker_id, refusal)
+        log.warning(
+            "%s does not receive slices from every trainer rank nor apply deltas: %s",
+            plain.worker_id,
+            refusal,
+        )
         return plain
-    # The same state under the class that publishes KeepsTensors: the model's layout is worked out once.
-    adapter = SlicesSGLangAdapter.__new__(SlicesSGLangAdapter)
+    parts, delta_refusal = delta_layout(plain.manifest(), plain.layout, regions)
+    if delta_refusal is not None:
+        log.warning("%s does not apply deltas: %s", plain.worker_id, delta_refusal)
+    # The same state under the class that publishes KeepsTensors (and AppliesDeltas): the model's
+    # layout is worked out once.
+    cls = SlicesSGLangAdapter if delta_refusal is not None else DeltasSGLangAdapter
+    adapter = cls.__new__(cls)
     adapter.__dict__.update(plain.__dict__)
     adapter._regions = regions
+    if isinstance(adapter, DeltasSGLangAdapter):
+        adapter._parts = parts
     return adapter
