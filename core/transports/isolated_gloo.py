@@ -17,9 +17,10 @@ worker refuses the update, leaves the group, and the next join starts a new rece
 and ``is_completed``), so the data planes post to it as they post to gloo. Memory: the segments
 hold what is posted at once (one update's receives on the every-rank-a-source plane, a bucket on
 the single-source one), kept for the next update; the receiving process costs an interpreter with
-torch (~270 MB resident). A worker starts its first one with itself and the next one whenever a
-group ends, so that forming a group never waits for one to start (seconds, which would count
-against the group's formation timeout). NCCL members stay in the worker's process (a GPU communicator cannot be moved).
+torch (~270 MB resident, most of it torch's shared libraries). A worker starts its first one with
+itself, and whenever it takes one for a group it starts the next, so that forming a group never
+waits for one to start (seconds, which would count against the group's formation timeout): while
+a group is formed a worker has two. NCCL members stay in the worker's process (a GPU communicator cannot be moved).
 """
 
 from __future__ import annotations
@@ -458,12 +459,15 @@ _spare_lock = threading.Lock()
 
 
 def take_receiving_process(timeout_s: float, group_id: str) -> ReceivingProcess:
-    """A started receiving process for group ``group_id``: the one started in advance when there is one."""
+    """A started receiving process for group ``group_id``: the one started in advance when there is
+    one; another is started in advance at once, for the next group (a trainer that forms a new
+    group makes the worker leave this one and join that one in the same call)."""
     global _spare
     with _spare_lock:
         taken, _spare = _spare, None
-    if taken is None or not taken.alive:
-        taken = ReceivingProcess()
+        if taken is None or not taken.alive:
+            taken = ReceivingProcess()
+        _spare = ReceivingProcess()
     taken.group_id = group_id
     taken.wait_ready(min(max(timeout_s, 1.0), _START_TIMEOUT_S))
     return taken
