@@ -16,43 +16,21 @@ This file is also the trainer rank (``python test_vllm_slices.py ADDR...``, star
 
 from __future__ import annotations
 
-import socket
 import sys
 from collections.abc import Iterator
 
 import pytest
 from helpers import TrainerRanks, slice_trainer_main
-from vllm_cpu import CpuEngine, ModelSpec, checkpoint, reference, save_checkpoint
+from vllm_cpu import CpuEngine, ModelSpec, checkpoint, reference, tcp_tp2_engine
 
 SPEC = ModelSpec(tie=True)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
-def _two_free_ports() -> int:
-    """A base port whose next port is free too (the two workers listen on base + 0 and base + 1)."""
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-            return int(base)
-    raise RuntimeError("no two consecutive free ports on loopback")
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpuEngine]:
-    tmp = tmp_path_factory.mktemp("vllm-slices")
-    eng = CpuEngine(
-        save_checkpoint(SPEC, checkpoint(SPEC, 1), tmp / "ckpt"),
-        tp=2,
-        pp=1,
-        socket_dir=tmp / "sock",
-        base_port=_two_free_ports(),
-    )
+    eng = tcp_tp2_engine(SPEC, tmp_path_factory.mktemp("vllm-slices"))
     try:
         yield eng
     finally:

@@ -25,7 +25,6 @@ the timeout.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ from typing import Any
 
 import pytest
 from helpers import SLICE_RANK_DIED_EXIT_CODE, TrainerRanks, slice_trainer_main, wait_until
-from vllm_cpu import CpuEngine, ModelSpec, checkpoint, reference, save_checkpoint
+from vllm_cpu import CpuEngine, ModelSpec, checkpoint, reference, tcp_tp2_engine
 
 SPEC = ModelSpec(tie=True)
 GROUP_TIMEOUT_S = 60.0
@@ -44,30 +43,9 @@ ENDS_WITHIN_S = 15.0
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
-def _two_free_ports() -> int:
-    """A base port whose next port is free too (the two workers listen on base + 0 and base + 1)."""
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-            return int(base)
-    raise RuntimeError("no two consecutive free ports on loopback")
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpuEngine]:
-    tmp = tmp_path_factory.mktemp("vllm-slices-faults")
-    eng = CpuEngine(
-        save_checkpoint(SPEC, checkpoint(SPEC, 1), tmp / "ckpt"),
-        tp=2,
-        pp=1,
-        socket_dir=tmp / "sock",
-        base_port=_two_free_ports(),
-    )
+    eng = tcp_tp2_engine(SPEC, tmp_path_factory.mktemp("vllm-slices-faults"))
     try:
         yield eng
     finally:

@@ -20,6 +20,7 @@ import dataclasses
 import gc
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -229,6 +230,32 @@ class CpuEngine:
             raise RuntimeError(
                 f"vLLM left {len(alive)} process(es) running after shutdown: {[p.pid for p in alive]}"
             )
+
+
+def _two_free_ports() -> int:
+    """A base port whose next port is free too (the two workers listen on base + 0 and base + 1)."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+            return int(base)
+    raise RuntimeError("no two consecutive free ports on loopback")
+
+
+def tcp_tp2_engine(spec: ModelSpec, tmp: Path) -> CpuEngine:
+    """A TP=2 engine of ``spec``'s checkpoint (seed 1) whose two workers listen on TCP, as workers
+    on another machine would (every trainer rank a source reaches them there)."""
+    return CpuEngine(
+        save_checkpoint(spec, checkpoint(spec, 1), tmp / "ckpt"),
+        tp=2,
+        pp=1,
+        socket_dir=tmp / "sock",
+        base_port=_two_free_ports(),
+    )
 
 
 def _cmdline(proc: Any) -> list[str]:
