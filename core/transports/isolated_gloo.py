@@ -474,8 +474,8 @@ def take_receiving_process(timeout_s: float, group_id: str) -> ReceivingProcess:
 
 
 def start_spare() -> None:
-    """Start a receiving process in advance for the next group (a group just ended; the trainer
-    usually forms the next one at once), so that joining it costs no start-up."""
+    """Start a receiving process in advance for the first group (the worker starts), so that
+    joining it costs no start-up."""
     global _spare
     with _spare_lock:
         if _spare is None or not _spare.alive:

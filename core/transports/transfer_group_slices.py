@@ -27,17 +27,14 @@ torch.distributed: any process group with
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 from weightwire.core import dtypes
-from weightwire.core.errors import Reason, WeightwireError, without_frames
+from weightwire.core.errors import Reason
 from weightwire.core.manifest import OwnedTensor
-from weightwire.core.transports.transfer_group import transfer_error
+from weightwire.core.transports.transfer_group_waits import post, wait, watch_receives
 from weightwire.core.transports.transfer_plan import Box, Transfer, TransferPlan, TransferPlanError
 from weightwire.core.transports.whole_messages import Arrivals, announce, last_byte
 
@@ -45,10 +42,6 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 # Below this a region is packed with its neighbours: a message per small region would cost more in
 # per-message work than the copies it saves.
 DIRECT_MIN_BYTES = 64 << 10
-# How often a wait that watches for its call's end looks: at first often (most operations end
-# within microseconds of each other), then at most this rarely.
-_FIRST_POLL_S = 0.0002
-_LAST_POLL_S = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,13 +141,14 @@ def agree(
     stopped: Callable[[], bool] | None = None,
 ) -> None:
     """Every member's plan fingerprint against every other's; ``GROUP_PLAN_MISMATCH`` on every
-    member naming the ranks that differ from this one (CANCELLED once ``stopped()``, see ``_wait``)."""
+    member naming the ranks that differ from this one (CANCELLED once ``stopped()``, see
+    ``transfer_group_waits.wait``)."""
     mine = torch.frombuffer(bytearray(bytes.fromhex(plan.fingerprint)), dtype=torch.uint8)
     # Primed with the complement of this member's fingerprint: a short or missing contribution
     # reads as a different plan, never as this one.
     gathered = [torch.bitwise_not(mine) for _ in range(world_size)]
-    work = _post(lambda: pg.allgather([gathered], [mine]), "comparing transfer plans")
-    _wait(work, timeout_s, "comparing transfer plans", stopped)
+    work = post(lambda: pg.allgather([gathered], [mine]), "comparing transfer plans")
+    wait(work, timeout_s, "comparing transfer plans", stopped)
     differ = [r for r, g in enumerate(gathered) if not torch.equal(g, mine)]
     if differ:
         raise TransferPlanError(
@@ -311,104 +305,15 @@ def send_slices(
         streams.setdefault(dst, (worker, []))[1].append((nbytes, last))
     for dst, (worker, listed) in streams.items():
         note = announce(listed, ops[0][1].device)
-        works.append(_post(lambda b=note, d=dst: pg.send([b], d, 0), f"announcing to {worker}"))
+        works.append(post(lambda b=note, d=dst: pg.send([b], d, 0), f"announcing to {worker}"))
     for dst, buf, copies, nbytes, worker, _ in ops:
         for to, frm in copies:
             to.copy_(frm)
-        works.append(_post(lambda b=buf, d=dst: pg.send([b], d, 0), f"send to {worker}"))
+        works.append(post(lambda b=buf, d=dst: pg.send([b], d, 0), f"send to {worker}"))
         sent += nbytes
     for work in works:
-        _wait(work, timeout_s, "a send")
+        wait(work, timeout_s, "a send")
     return sent
-
-
-def _post(op: Any, what: str) -> Any:
-    """Post a send or receive; one the backend refuses at once (a peer already gone) is
-    TRANSFER_FAILED, as a failed wait is."""
-    try:
-        return op()
-    except RuntimeError as e:
-        raise transfer_error(e, what) from None
-
-
-def _wait(
-    work: Any,
-    timeout_s: float,
-    what: str,
-    stopped: Callable[[], bool] | None = None,
-    metadata: Mapping[str, str] | None = None,
-) -> None:
-    """Wait for a posted operation within the group's timeout: a peer that died or never sends
-    ends it with TRANSFER_FAILED (gloo fails a pending receive at once when its peer's sockets
-    close, and at the timeout otherwise), never a hang. With ``stopped`` (a worker's update whose
-    call may end: cancelled, past its deadline) the wait also ends with CANCELLED as soon as
-    ``stopped()``: the operation is watched (``is_completed``) rather than waited on, since a wait
-    that times out finishes it. Only for collectives: gloo marks a point-to-point receive completed
-    only inside its wait, and nothing but the peer's sockets closing or the timeout ends that wait
-    (``_watch_receives`` watches such waits on a thread of their own). ``metadata`` goes into the
-    error (the peer's rank, so that whoever reads it can tell which member went away)."""
-    if stopped is not None:
-        deadline = time.monotonic() + timeout_s
-        _until(work.is_completed, deadline, what, stopped)
-        timeout_s = max(deadline - time.monotonic(), 0.001)
-    try:
-        work.wait(datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        raise transfer_error(e, what, **(metadata or {})) from None
-
-
-def _until(done: Callable[[], bool], deadline: float, what: str, stopped: Callable[[], bool]) -> None:
-    """Poll ``done()`` until it is true or ``deadline`` passes; CANCELLED as soon as ``stopped()``."""
-    pause = _FIRST_POLL_S
-    while not done():
-        if stopped():
-            raise WeightwireError(
-                Reason.CANCELLED,
-                f"the update's call ended (cancelled, or past its deadline) during {what}; nothing was committed",
-            )
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, _LAST_POLL_S)
-
-
-def _watch_receives(
-    works: Sequence[Any],
-    timeout_s: float,
-    whats: Sequence[tuple[str, Mapping[str, str]]],
-    stopped: Callable[[], bool] | None,
-) -> None:
-    """``_wait`` for each of ``works`` (point-to-point receives); with ``stopped``, on a thread of
-    their own, so that the caller stops waiting (CANCELLED) as soon as ``stopped()``. Only for receives into
-    buffers of this update alone (the announcements): one given up on may still complete later,
-    when its sender sends after all, and its bytes must land nowhere that counts. A receive into
-    the model's kept tensors is never given up on this way."""
-    if stopped is None:
-        for work, (what, meta) in zip(works, whats, strict=True):
-            _wait(work, timeout_s, what, metadata=meta)
-        return
-    if not works:
-        return
-    finished = threading.Event()
-    failed: list[WeightwireError] = []
-
-    def run() -> None:
-        try:
-            for work, (what, meta) in zip(works, whats, strict=True):
-                _wait(work, timeout_s, what, metadata=meta)
-        except WeightwireError as err:
-            failed.append(without_frames(err))
-        finally:
-            finished.set()
-
-    threading.Thread(target=run, name="ww-slices-watch", daemon=True).start()
-    # The thread's own waits end at the timeout; this one a little later, so theirs is the error.
-    _until(finished.is_set, time.monotonic() + timeout_s + 1.0, whats[0][0], stopped)
-    if failed:
-        raise failed[0]
-    if not finished.is_set():
-        raise WeightwireError(Reason.TRANSFER_FAILED, f"{whats[0][0]} did not end within {timeout_s:g} s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,8 +363,8 @@ def receive_slices(
     another plan or a short announcement is refused before anything lands); then
     ``writes.before`` is called, and the bytes land (on a process group that stages receives,
     only once every message arrived whole, or later: ``Writes``, ``_receive_messages``). A message
-    that arrives short raises MESSAGE_TRUNCATED before its bytes are counted or copied on. With ``stopped``, the wait for
-    the announcements ends with CANCELLED as soon as ``stopped()`` (``_watch_receives``); the
+    that arrives short raises MESSAGE_TRUNCATED before its bytes are counted or copied on. With
+    ``stopped``, the wait for the announcements ends with CANCELLED as soon as ``stopped()`` (``watch_receives``); the
     receives into the kept tensors that follow wait for their senders, their sockets closing or
     the timeout."""
 
@@ -496,9 +401,9 @@ def receive_slices(
     arrivals = {s: Arrivals(n, ops[0][1].device, f"trainer rank {s}") for s, n in sizes.items()}
     notes = []
     for source, a in arrivals.items():
-        notes.append(_post(lambda b=a.buffer, s=source: pg.recv([b], s, 0), f"announcement from {a.what}"))
+        notes.append(post(lambda b=a.buffer, s=source: pg.recv([b], s, 0), f"announcement from {a.what}"))
     whats = [(f"the announcement from {a.what}", {"trainer_rank": str(s)}) for s, a in arrivals.items()]
-    _watch_receives(notes, timeout_s, whats, stopped)
+    watch_receives(notes, timeout_s, whats, stopped)
     for a in arrivals.values():
         a.open()
     return _receive_messages(pg, ops, indices, arrivals, timeout_s, writes or Writes(), stopped)
@@ -518,7 +423,7 @@ def _receive_messages(
     every message out of the kept tensors until all of them arrived whole, so a failed update
     leaves the model as it was, and a wait may then end with CANCELLED as soon as ``stopped()``
     (a receive given up on lands nowhere); otherwise bytes land as they arrive, after
-    ``before_writing``, and each receive waits for its sender, its sockets closing or the timeout."""
+    ``writes.before``, and each receive waits for its sender, its sockets closing or the timeout."""
     staged = bool(getattr(pg, "stages_receives", False))
     if writes.before is not None and not staged:
         writes.before()
@@ -526,10 +431,10 @@ def _receive_messages(
     for (source, target, _, _, peer, _), index in zip(ops, indices, strict=True):
         arrivals[source].prime(index, target)
         recv = pg.recv_staged if staged else pg.recv
-        works.append(_post(lambda b=target, s=source, r=recv: r([b], s, 0), f"receive from {peer}"))
+        works.append(post(lambda b=target, s=source, r=recv: r([b], s, 0), f"receive from {peer}"))
     received = 0
     for work, (source, target, copies, nbytes, peer, _), index in zip(works, ops, indices, strict=True):
-        _wait(
+        wait(
             work,
             timeout_s,
             f"a receive from {peer}",

@@ -107,10 +107,10 @@ class GroupMembership:
         self._forming: pb.TransferGroupSpec | None = None
         self._last_teardown = ""
         self._closing: list[TransferGroup] = []
-        self._stopping = False
         if isolation_enabled():
             # Ready long before a trainer joins: starting one (an interpreter importing torch) takes
-            # seconds, which would otherwise count against the group's formation timeout.
+            # seconds, which would otherwise count against the group's formation timeout. Each one
+            # taken for a group starts the next (``take_receiving_process``).
             start_spare()
 
     def configure(self, *, listen_host: str | None = None, max_staging_bytes: int | None = None) -> None:
@@ -212,12 +212,6 @@ class GroupMembership:
         if member is not None:
             member.close(wait_s)
             log.info("left transfer group %s: %s", member.group.group_id, why)
-            if (
-                not self._stopping
-                and member.group.backend == pb.TRANSFER_BACKEND_GLOO
-                and isolation_enabled()
-            ):
-                start_spare()  # the trainer usually forms the next group at once
 
     def current(self) -> JoinedGroup:
         """The group an arriving bucket travels over, or GROUP_NOT_JOINED saying why there is none."""
@@ -239,7 +233,6 @@ class GroupMembership:
     def shutdown(self, wait_s: float = 10.0) -> None:
         """The worker stops: leave the group, and give every process group torn down so far up to
         ``wait_s`` to be destroyed (a process that exits during a destructor aborts)."""
-        self._stopping = True
         self.teardown("the worker stopped")
         discard_spare()
         with self._lock:
