@@ -28,7 +28,7 @@ from weightwire.adapters.torch import TorchAdapter
 from weightwire.adapters.torch.demo import DEMO_TP_RULES, DemoConfig, build_demo_model
 from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef
-from weightwire.core.manifest import ParallelRank
+from weightwire.core.manifest import ParallelRank, ShardManifest
 from weightwire.core.transports.shm import new_shm_name
 from weightwire.v1 import weight_transfer_pb2 as pb
 from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
@@ -317,6 +317,55 @@ def full_update_requests(
         reqs.append(bucket(i, packed.specs, [payload]))
     reqs.append(commit(len(groups)))
     return reqs
+
+
+def sparse_step(old: Mapping[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """About 1% of every tensor's elements set to new random values (enough to change an engine's
+    tokens), the rest as in ``old``; the delta tests' weights after one step."""
+    gen = torch.Generator().manual_seed(seed)
+    new = {}
+    for name, t in old.items():
+        flat = t.clone().view(-1)
+        mask = torch.rand(flat.numel(), generator=gen) < 0.01
+        flat[mask] = torch.randn(int(mask.sum()), generator=gen, dtype=t.dtype)
+        new[name] = flat.view(t.shape)
+    return new
+
+
+def delta_update_requests(
+    manifests: Iterable[ShardManifest], name: str, old: torch.Tensor, new: torch.Tensor, base: int
+) -> list[pb.PushWeightsRequest]:
+    """A PARTIAL delta update (version ``base + 1``) of ``name`` from ``old`` to ``new``, inline,
+    with the CRC-32 result checksum of every part the workers of ``manifests`` keep of it."""
+    from weightwire.core.delta import checksum, encode, pack_delta, packed_size_bytes
+
+    delta = encode(old, new)
+    buffer = torch.zeros(packed_size_bytes(delta, 0), dtype=torch.uint8)
+    sums = []
+    for m in manifests:
+        pieces = m.tensors[name].pieces
+        for p in pieces or [None]:
+            value = new if p is None else new.narrow(p.dim, p.offset, p.length)
+            msg = pb.DeltaChecksum(
+                checksum=pb.Checksum(
+                    algorithm=pb.CHECKSUM_ALGORITHM_CRC32, value=checksum(value, pb.CHECKSUM_ALGORITHM_CRC32)
+                )
+            )
+            if p is not None:
+                msg.piece.CopyFrom(pb.TensorPiece(dim=p.dim, offset=p.offset, length=p.length))
+            sums.append(msg)
+    spec = pb.TensorSpec(
+        name=name,
+        dtype=dtypes.from_torch(new.dtype),
+        shape=list(new.shape),
+        offset_bytes=0,
+        delta=pack_delta(delta, buffer, 0, sums),
+    )
+    return [
+        header(base + 1, scope=pb.UPDATE_SCOPE_PARTIAL, delta_base=pb.DeltaBase(base_version=base)),
+        bucket(0, [spec], [inline_payload(buffer.numpy().tobytes())]),
+        commit(1),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------

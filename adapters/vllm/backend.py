@@ -47,6 +47,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from weightwire.adapters.endpoints import engine_rank, prepare_socket, worker_id, worker_index
+from weightwire.adapters.vllm.deltas import build_adapter
 from weightwire.adapters.vllm.plugin import check_version
 from weightwire.adapters.vllm.settings import ENV_BASE_PORT, ENV_SOCKET_DIR, Settings, default_socket_dir
 from weightwire.adapters.vllm.slices import SlicesVLLMAdapter
@@ -82,8 +83,9 @@ class WeightwireWeightTransferEngine(WeightTransferEngine[WeightwireInitInfo, We
         check_version(_vllm_version())
         self.settings = Settings.from_env(str(vllm_config.instance_id))
         rank = parallel_rank(vllm_config)
-        # Receives slices from every trainer rank too (slices.py): vLLM reloads what arrives.
-        self.adapter = SlicesVLLMAdapter(
+        # Receives slices from every trainer rank too (slices.py): vLLM reloads what arrives; and
+        # applies delta updates where it can (deltas.py).
+        self.adapter = build_adapter(
             model,
             vllm_config,
             rank=rank,
@@ -92,6 +94,7 @@ class WeightwireWeightTransferEngine(WeightTransferEngine[WeightwireInitInfo, We
             worker_id=worker_id(rank),
             forward_wait_s=self.settings.forward_wait_s,
             direct_copy=self.settings.direct_copy,
+            delta_copies=self.settings.delta_copies,
         )
         address = self.settings.endpoints.address(rank)
         self._socket_path: str | None = None

@@ -155,7 +155,7 @@ class DirectLayers:
                 # Something other than weightwire replaced the kernel tensor: check again.
                 del self._proven[layer_name]
                 return None
-            pairs.append((dst, _piece(self.layout.targets[name], src)))
+            pairs.append((dst, narrowed(self.layout.targets[name], src)))
         self.copied += 1
         return pairs
 
@@ -195,12 +195,12 @@ class DirectLayers:
                 f"its reload set its quant_method's {', '.join(changed) or 'tensors'} (a kernel that repacks, "
                 "or state derived from the weights)"
             )
-        regions = _regions(self.layout, layer_name, layer)
+        regions = layer_regions(self.layout, layer_name, layer)
         if regions is None:
             return "the slice geometry cannot state where each tensor lies in its parameter"
         for name, (dst, _, _) in regions.items():
             src = pushed.get(name)
-            if src is None or not torch.equal(dst, _piece(self.layout.targets[name], src)):
+            if src is None or not torch.equal(dst, narrowed(self.layout.targets[name], src)):
                 return f"its kernel tensors do not hold {name} where the slice geometry says"
         self._proven[layer_name] = regions
         return None
@@ -222,7 +222,7 @@ def _current(layer: torch.nn.Module, leaf: str) -> torch.Tensor | None:
     return layer._parameters.get(leaf, layer._buffers.get(leaf))
 
 
-def _piece(target: LoadTarget, full: torch.Tensor) -> torch.Tensor:
+def narrowed(target: LoadTarget, full: torch.Tensor) -> torch.Tensor:
     src = full
     for piece in target.pieces:
         src = src.narrow(piece.dim, piece.offset, piece.length)
@@ -235,7 +235,7 @@ def _is_vocab(layer: torch.nn.Module) -> bool:
     return isinstance(layer, VocabParallelEmbedding)
 
 
-def _regions(
+def layer_regions(
     layout: ModelLayout, layer_name: str, layer: torch.nn.Module
 ) -> dict[str, tuple[torch.Tensor, _TensorState, torch.Tensor]] | None:
     """Where each checkpoint tensor of the layer lies in its kernel tensor: a fused parameter holds

@@ -17,6 +17,9 @@ gRPC.
   running on a worker (default 60).
 - ``WEIGHTWIRE_VLLM_DIRECT_COPY``: ``0`` loads every layer through vLLM's layerwise reload, also
   the layers proven to take a plain copy (default ``1``: those are copied directly; ``direct.py``).
+- ``WEIGHTWIRE_VLLM_DELTA_COPIES``: ``1`` keeps a host copy of this worker's pieces of each layer
+  whose kernel holds no checkpoint-layout weight (every linear layer on CPU), so delta updates apply
+  to those layers too (default ``0``: a worker with such a layer refuses deltas; ``deltas.py``).
 
 Neither SOCKET_DIR nor BASE_PORT set: sockets go to ``<tmp>/weightwire-vllm-<instance id>``, where
 the instance id is vLLM's ``VllmConfig.instance_id`` (the same in all workers of one engine,
@@ -40,6 +43,7 @@ ENV_HOST = f"{ENV_PREFIX}_HOST"
 ENV_FORWARD_WAIT = f"{ENV_PREFIX}_FORWARD_WAIT_S"
 ENV_FINISH_WAIT = f"{ENV_PREFIX}_FINISH_WAIT_S"
 ENV_DIRECT_COPY = f"{ENV_PREFIX}_DIRECT_COPY"
+ENV_DELTA_COPIES = f"{ENV_PREFIX}_DELTA_COPIES"
 
 __all__ = ["ENV_BASE_PORT", "ENV_HOST", "ENV_SOCKET_DIR", "Settings", "SettingsError", "default_socket_dir"]
 
@@ -52,6 +56,7 @@ class Settings:
     forward_wait_s: float = 30.0
     finish_wait_s: float = 60.0
     direct_copy: bool = True
+    delta_copies: bool = False
 
     @classmethod
     def from_env(cls, instance_id: str, env: Mapping[str, str] | None = None) -> Settings:
@@ -63,6 +68,7 @@ class Settings:
             forward_wait_s=env_seconds(env, ENV_FORWARD_WAIT, default=30.0),
             finish_wait_s=env_seconds(env, ENV_FINISH_WAIT, default=60.0),
             direct_copy=env_flag(env, ENV_DIRECT_COPY, default=True),
+            delta_copies=env_flag(env, ENV_DELTA_COPIES, default=False),
         )
 
 

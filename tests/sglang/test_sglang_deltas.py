@@ -22,7 +22,7 @@ import grpc
 import pytest
 import torch
 from checkpoints import QWEN2, ModelSpec, full_checkpoint, reference_tokens, write_model_dir
-from helpers import bucket, commit, header, inline_payload, push
+from helpers import delta_update_requests, push, sparse_step
 
 SPEC = ModelSpec(QWEN2, tie=True)
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
@@ -74,22 +74,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 
-def sparse_step(old: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """About 1% of every tensor's elements set to new values (large enough to change the tokens)."""
-    gen = torch.Generator().manual_seed(seed)
-    new = {}
-    for name, t in old.items():
-        flat = t.clone().view(-1)
-        mask = torch.rand(flat.numel(), generator=gen) < 0.01
-        flat[mask] = torch.randn(int(mask.sum()), generator=gen, dtype=t.dtype)
-        new[name] = flat.view(t.shape)
-    return new
-
-
 def test_a_delta_to_a_tensor_no_load_proved_is_refused_before_anything_is_written(engine: Engine) -> None:
     from weightwire.client import WeightPusher
-    from weightwire.core import dtypes
-    from weightwire.core.delta import checksum, encode, pack_delta, packed_size_bytes
     from weightwire.v1 import weight_transfer_pb2 as pb
     from weightwire.v1 import weight_transfer_pb2_grpc as pb_grpc
 
@@ -106,31 +92,7 @@ def test_a_delta_to_a_tensor_no_load_proved_is_refused_before_anything_is_writte
 
         old = engine.weights[UNPROVEN]
         new = sparse_step({UNPROVEN: old}, seed=5)[UNPROVEN]
-        delta = encode(old, new)
-        buffer = torch.zeros(packed_size_bytes(delta, 0), dtype=torch.uint8)
-        sums = []
-        for m in manifests.values():
-            for p in m.tensors[UNPROVEN].pieces:
-                msg = pb.DeltaChecksum(
-                    checksum=pb.Checksum(
-                        algorithm=pb.CHECKSUM_ALGORITHM_CRC32,
-                        value=checksum(new.narrow(p.dim, p.offset, p.length), pb.CHECKSUM_ALGORITHM_CRC32),
-                    )
-                )
-                msg.piece.CopyFrom(pb.TensorPiece(dim=p.dim, offset=p.offset, length=p.length))
-                sums.append(msg)
-        spec = pb.TensorSpec(
-            name=UNPROVEN,
-            dtype=dtypes.from_torch(new.dtype),
-            shape=list(new.shape),
-            offset_bytes=0,
-            delta=pack_delta(delta, buffer, 0, sums),
-        )
-        requests = [
-            header(2, scope=pb.UPDATE_SCOPE_PARTIAL, delta_base=pb.DeltaBase(base_version=1)),
-            bucket(0, [spec], [inline_payload(buffer.numpy().tobytes())]),
-            commit(1),
-        ]
+        requests = delta_update_requests(manifests.values(), UNPROVEN, old, new, 1)
         engine.host.pause("abort")
         try:
             for address in engine.addresses:
