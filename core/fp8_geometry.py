@@ -18,6 +18,9 @@ layers themselves when they build them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from weightwire.core.layer_geometry import Feed, GeometryError, LayerFeeds
 from weightwire.core.manifest import TensorPiece
 
@@ -101,3 +104,25 @@ def scale_feeds(what: str, weight: LayerFeeds, block: tuple[int, int] = BLOCK) -
             raise GeometryError(f"{what}: fused components keep different column blocks ({cols}, {c})")
         cols = c
     return LayerFeeds((rows, cols or 0), tuple(feeds))
+
+
+def layer_feeds(
+    what: str,
+    rule: Callable[..., LayerFeeds],
+    layer: Any,
+    leaf: str,
+    *args: Any,
+    block: tuple[int, int] = BLOCK,
+) -> LayerFeeds:
+    """The feeds of parameter ``leaf`` of a block-quantised linear ``layer`` whose dense feeds
+    ``rule(layer, leaf, *args)`` gives (``core.layer_geometry``): its ``weight``'s slices checked
+    to keep whole blocks, its ``weight_scale_inv`` derived from them; other leaves (a bias) as
+    ``rule`` states them."""
+    if leaf not in (WEIGHT_LEAF, SCALE_LEAF):
+        return rule(layer, leaf, *args)
+    weight = rule(layer, WEIGHT_LEAF, *args)
+    if leaf == SCALE_LEAF:
+        return scale_feeds(what, weight, block)
+    for feed in weight.feeds:
+        check_block_aligned(what, feed.shape, feed.pieces, block)
+    return weight

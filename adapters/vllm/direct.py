@@ -21,9 +21,10 @@ hand) the adapter asks ``verify``:
 
 A proven layer is copied directly from then on, in one grouped copy per ``load``, whenever all of
 its tensors arrive in one ``load``; a layer that fails the check, cannot be stated (experts, tied
-layers, submodules, a parameter vLLM replaced), or arrives split over buckets keeps going through
-the reload. A proven layer's regions are re-derived whenever its kernel tensors are no longer the
-objects they were (another reload path replaced them): it is then unproven again.
+layers, submodules, a parameter vLLM replaced), is quantized (the manifest's ``reload_only``: its
+post-load processing may repack), or arrives split over buckets keeps going through the reload. A
+proven layer's regions are re-derived whenever its kernel tensors are no longer the objects they
+were (another reload path replaced them): it is then unproven again.
 
 Used by ``weightwire.adapters.vllm.adapter`` on the worker service's gRPC thread.
 """
@@ -110,7 +111,9 @@ class DirectLayers:
         tied = set(layout.tied_layers) | {t for names in layout.tied_layers.values() for t in names}
         for name, layer in layers.items():
             why = None
-            if name in tied:
+            if name in layout.reload_only:
+                why = layout.reload_only[name]
+            elif name in tied:
                 why = "shares a parameter with another layer (its kernels are rebuilt after each reload)"
             elif any(True for _ in layer.children()):
                 why = "has submodules"

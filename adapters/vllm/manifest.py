@@ -13,7 +13,11 @@ layers expanded through the model's ``packed_modules_mapping``), each parallel l
 of its unsharded sizes (total heads, head size, output sizes, input size, original vocabulary), and
 the model-format shapes vLLM records for its layerwise reload before any repacking (checked against
 those sizes, so a layout this module does not understand fails at engine start instead of
-publishing a wrong manifest). Quantized layers are refused for the same reason.
+publishing a wrong manifest). Quantized layers are refused for the same reason, except
+block-quantised FP8 linear layers (the DeepSeek / Kimi checkpoint layout, ``fp8.py``): their
+``weight`` (float8_e4m3fn) and ``weight_scale_inv`` (float32 per block) are checkpoint tensors of
+their own, sliced on whole blocks, and the layer always loads through vLLM's reload
+(``reload_only``); attention layers' KV-cache scales are left out.
 
 Mixture-of-experts layers (``RoutedExperts``, inside a ``MoERunner`` named ``...mlp.experts``)
 hold every local expert's gate and up projections stacked in ``w13_weight``
@@ -37,6 +41,7 @@ Called by ``weightwire.adapters.vllm.adapter`` inside each vLLM worker process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -52,7 +57,8 @@ from weightwire.adapters.layout_rules import (
     read_stage,
     refuse_layouts,
 )
-from weightwire.core import dtypes, layer_geometry
+from weightwire.adapters.vllm import fp8
+from weightwire.core import dtypes, fp8_geometry, layer_geometry
 from weightwire.core.layer_geometry import GeometryError
 from weightwire.core.manifest import TensorPiece
 
@@ -78,11 +84,14 @@ class ModelLayout(StageLayout):
     tied_layers: Mapping[str, tuple[str, ...]]
     """vLLM layer name -> the other layers that share one of its parameters (a tied ``lm_head``).
     vLLM's reload re-processes only the layer it loads; these must be re-processed after it."""
+    reload_only: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """vLLM layer name -> why it must always load through vLLM's reload, never by a direct copy (a
+    quantized layer: its ``process_weights_after_loading`` may repack what was pushed)."""
 
 
 def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa: C901 - known; split when next changed
     """Every checkpoint tensor this worker's ``model`` consumes (see the module docstring)."""
-    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
         UnquantizedEmbeddingMethod,
@@ -105,6 +114,7 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
     targets: dict[str, LoadTarget] = {}
     owner_of_param: dict[int, str] = {}
     tied_layers: dict[str, list[str]] = {}
+    reload_only: dict[str, str] = {}
 
     def add(
         name: str,
@@ -170,17 +180,18 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
                 for t in _expert_targets(module, layer_name, leaf, model_format(module, leaf, param), param):
                     add(t.name, layer_name, leaf, t.shard_id, t.dtype, t.shape, t.pieces)
                 continue
-            if isinstance(module, (LinearBase, VocabParallelEmbedding)) and leaf not in ("weight", "bias"):
+            if fp8.is_kv_cache_scale(module, leaf):
+                continue
+            block = fp8.block_size(where, module) if isinstance(module, LinearBase) else None
+            if isinstance(module, (LinearBase, VocabParallelEmbedding)) and leaf not in fp8.leaves(block):
                 raise ManifestError(
                     f"{where}: parallel layer with parameter {leaf!r} (quantization scales?); weightwire's "
-                    "vLLM adapter handles unquantized models"
+                    "vLLM adapter handles unquantized and block-quantised FP8 models"
                 )
-            if isinstance(module, LinearBase) and not isinstance(
-                module.quant_method, UnquantizedLinearMethod
-            ):
-                raise ManifestError(
-                    f"{where}: layer is quantized ({type(module.quant_method).__name__}); weightwire's vLLM "
-                    "adapter handles unquantized models only"
+            if block is not None:
+                reload_only[layer_name] = (
+                    f"quantized ({type(module.quant_method).__name__}): its process_weights_after_loading "
+                    "may repack what was pushed"
                 )
             local = model_format(module, leaf, param)
             dtype = param.dtype
@@ -190,7 +201,18 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
                 if isinstance(module, LinearBase)
                 else None
             )
-            if linear is not None:
+            if linear is not None and block is not None:
+                add_feeds(
+                    layer_name,
+                    leaf,
+                    where,
+                    local,
+                    dtype,
+                    linear.names,
+                    functools.partial(fp8_geometry.layer_feeds, where, linear.rule, block=block),
+                    *linear.args,
+                )
+            elif linear is not None:
                 add_feeds(layer_name, leaf, where, local, dtype, linear.names, linear.rule, *linear.args)
             elif isinstance(module, LinearBase):
                 raise ManifestError(f"{where}: unsupported parallel layer {type(module).__name__}")
@@ -232,6 +254,7 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
         targets=targets,
         names_by_layer={k: frozenset(v) for k, v in by_layer.items()},
         tied_layers={k: tuple(v) for k, v in tied_layers.items()},
+        reload_only=reload_only,
         **dataclasses.asdict(stage),
     )
 

@@ -61,6 +61,25 @@ def test_fused_component_inside_a_block_is_refused() -> None:
         fp8_geometry.scale_feeds("qkv", _qkv(2, 0, heads=4, kv_heads=2, head=32 * 2))
 
 
+def test_layer_feeds_of_a_block_quantised_layer() -> None:
+    """``layer_feeds`` wraps a dense rule: the weight's slices checked, the scale derived, the
+    bias as the dense rule states it."""
+    layer = types.SimpleNamespace(
+        output_size=512, output_size_per_partition=256, input_size=384, input_size_per_partition=384
+    )
+    weight = fp8_geometry.layer_feeds("o", layer_geometry.column, layer, "weight", 1)
+    assert weight == layer_geometry.column(layer, "weight", 1)
+    scale = fp8_geometry.layer_feeds("o", layer_geometry.column, layer, "weight_scale_inv", 1)
+    assert scale.local == (2, 3) and scale.feeds[0].shape == (4, 3)
+    assert scale.feeds[0].pieces == (TensorPiece(0, 2, 2),)
+    bias = fp8_geometry.layer_feeds("o", layer_geometry.column, layer, "bias", 1)
+    assert bias == layer_geometry.column(layer, "bias", 1)
+    with pytest.raises(GeometryError, match="split a 512 x 512 FP8 block"):
+        fp8_geometry.layer_feeds("o", layer_geometry.column, layer, "weight", 1, block=(512, 512))
+    with pytest.raises(GeometryError, match="split a 384 x 384 FP8 block"):
+        fp8_geometry.layer_feeds("o", layer_geometry.column, layer, "weight_scale_inv", 1, block=(384, 384))
+
+
 def test_quantize_block_round_trip_and_layout() -> None:
     w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     q, s = quantize_block(w)
