@@ -67,6 +67,7 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:
     from weightwire.client.observe.trainer_metrics import TrainerMetrics
+    from weightwire.client.ranks.slice_deltas import SliceDeltas
     from weightwire.client.ranks.transfer_group_sources import SourcesLink
 
 
@@ -171,7 +172,11 @@ class WeightPusher(UpdateRunner):
     # ---------------------------------------------------------------- transfer groups
 
     def _push_slices(
-        self, items: list[tuple[str, torch.Tensor]], options: PushOptions, group: Any
+        self,
+        items: list[tuple[str, torch.Tensor]],
+        options: PushOptions,
+        group: Any,
+        deltas: SliceDeltas | None = None,
     ) -> dict[str, PushResult]:
         from weightwire.client.ranks.slice_push import push_slices
         from weightwire.client.ranks.transfer_group_sources import SourcesLink
@@ -199,7 +204,7 @@ class WeightPusher(UpdateRunner):
             manifests = self.manifests(refresh=link.group_id is None)
             return manifests, dict(self._fingerprints)
 
-        return push_slices(link, connections, read_manifests, items, options, group=group)
+        return push_slices(link, connections, read_manifests, items, options, group=group, deltas=deltas)
 
     def leave_transfer_group(self) -> None:
         """Tear the transfer group down on this side and on every worker (the next push forms a new one)."""
@@ -317,6 +322,14 @@ class WeightPusher(UpdateRunner):
             from weightwire.client.update.delta import push_delta
 
             return push_delta(self, items, options, ranked=ranked, source=source_device(items))
+        if delta and self._group is not None:
+            from weightwire.client.inputs.dtensor_gather import default_group
+            from weightwire.client.ranks.slice_deltas import push_slices_delta
+
+            # Every trainer rank a source, each diffing the regions it sends.
+            return push_slices_delta(
+                self, items, options, group if group is not None else default_group(items)
+            )
         if delta:
             self.delta_keeper.drop()
             options = dataclasses.replace(options, delta_fallback=pb.DELTA_FALLBACK_TRANSPORT)

@@ -23,6 +23,10 @@ Every rank of the trainer's ``group`` runs the same push line; then, in order:
 5. rank 0's results (or failures, with blame) go to every rank: every rank returns the same results
    or raises the same ``PushError``. A failed update tears the group down on every member; the next
    push forms a new one.
+
+With ``delta=True`` (``weightwire.client.ranks.slice_deltas``) each rank prepares its part once the
+plan is agreed (step 1): a delta's buckets carry every region's ``TensorDelta`` and each rank sends
+its streams of encodings (``send_streams``) in place of its regions' bytes in step 3.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from weightwire.client.update.session import GateProblem, SessionProblem, SpecTe
 from weightwire.core import dtypes
 from weightwire.core.errors import PushError, Reason, WeightwireError, without_frames
 from weightwire.core.manifest import ShardManifest
+from weightwire.core.transports.transfer_group_slice_deltas import send_streams
 from weightwire.core.transports.transfer_group_slices import (
     DEFAULT_MAX_MESSAGE_BYTES,
     agree,
@@ -64,6 +69,7 @@ from weightwire.core.transports.transfer_plan import TensorSpec as Holding
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:
+    from weightwire.client.ranks.slice_deltas import SliceDeltas
     from weightwire.client.update.options import PushOptions
 
 __all__ = ["holdings_of", "push_slices"]
@@ -165,10 +171,15 @@ def _layout_key(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[object, ...]
 
 
 def _slices_payload(
-    address: str, formed: FormedSources, plan: TransferPlan, manifest: ShardManifest
+    address: str,
+    formed: FormedSources,
+    plan: TransferPlan,
+    manifest: ShardManifest,
+    deltas: SliceDeltas | None = None,
 ) -> pb.Payload:
     """The payload of ``address``'s part of ``plan``: the same message every update with the same
-    plan and group (so the worker finds it checked already)."""
+    plan and group (so the worker finds it checked already), and in a delta update each region's
+    ``TensorDelta`` (``deltas.regions``)."""
     payload = pb.Payload()
     payload.device.CopyFrom(manifest.device.to_proto())
     h = payload.transfer_group
@@ -179,6 +190,8 @@ def _slices_payload(
     size = 0
     for t in plan.for_worker(address):
         s = h.slices.add(tensor=t.tensor, source_rank=t.source)
+        if deltas is not None:
+            s.delta.CopyFrom(deltas.regions[t])
         s.start.extend(a for a, _ in t.box)
         s.stop.extend(b for _, b in t.box)
         size += t.nbytes
@@ -227,8 +240,11 @@ class _SliceUpdate:
         read_manifests: Callable[[], tuple[dict[str, ShardManifest], dict[str, str]]],
         options: PushOptions,
         ranks: RankGroup,
+        deltas: SliceDeltas | None = None,
     ) -> None:
         self.link = link
+        # A push asked for as a delta (``slice_deltas``): what this rank records or sends of it.
+        self.deltas = deltas
         self.connections = connections
         self._read_manifests = read_manifests
         self.manifests: dict[str, ShardManifest] = {}
@@ -330,6 +346,8 @@ class _SliceUpdate:
 
     def run(self, items: Sequence[tuple[str, torch.Tensor]]) -> dict[str, PushResult]:
         plan, local, boxes = self.plan(items)
+        if self.deltas is not None:
+            self.deltas.prepare(self.ranks, plan, local, boxes, self.link.device)
         formed = self.link.ensure(self.ranks, self.manifests, self.groups_held)
         sends = _RankSends(self, formed, plan, local, boxes)
         if self.ranks.rank == 0:
@@ -354,11 +372,13 @@ class _SliceUpdate:
         """Rank 0: one ``UpdateSession`` over every worker, one bucket each (its part of the plan),
         committed only when the ranks' outcome exchange (its commit gate) says every rank sent well."""
         workers = list(self.manifests)
+        delta = self.deltas is not None and self.deltas.is_delta
+        sizes = self.deltas.sent_to if self.deltas is not None and delta else plan.bytes_to()
         jobs = [
             Job(
                 [],
                 (a,),
-                plan.bytes_to().get(a, 0),
+                sizes.get(a, 0),
                 self._route(a, formed, plan, sends if i == len(workers) - 1 else None),
             )
             for i, a in enumerate(workers)
@@ -388,8 +408,12 @@ class _SliceUpdate:
 
         def prepare(stopped: Callable[[], bool], deadline: float) -> Route:
             key = (formed.group_id, plan.fingerprint, address)
-            payload = self.link.buckets.get(key)
-            if payload is None:
+            deltas = self.deltas if self.deltas is not None and self.deltas.is_delta else None
+            payload = self.link.buckets.get(key) if deltas is None else None
+            if deltas is not None:
+                # New counts and checksums every update: built each time, never remembered.
+                payload = _slices_payload(address, formed, plan, self.manifests[address], deltas)
+            elif payload is None:
                 payload = _slices_payload(address, formed, plan, self.manifests[address])
                 self.link.remember_bucket(key, payload)
             return PerWorkerRoute({address: payload}, on_queued=sends.start if sends is not None else None)
@@ -446,6 +470,16 @@ class _SliceUpdate:
             group = formed.group
             pg = group.process_group()
             agree(pg, plan, group.rank, group.world_size, self.link.timeout_s)
+            if self.deltas is not None and self.deltas.is_delta:
+                send_streams(
+                    pg,
+                    formed.ranks,
+                    me,
+                    self.deltas.streams,
+                    timeout_s=self.link.timeout_s,
+                    max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+                )
+                return None
             send_slices(
                 pg,
                 plan,
@@ -494,10 +528,12 @@ def push_slices(
     options: PushOptions,
     *,
     group: Any,
+    deltas: SliceDeltas | None = None,
 ) -> dict[str, PushResult]:
     """Run one update from this rank (every rank of ``group`` calls it with the same arguments);
     every rank returns the same results or raises the same error. ``read_manifests`` gives the
     workers' manifests and fingerprints (read inside the ranks' agreement: a rank that cannot read
-    them fails every rank)."""
+    them fails every rank). ``deltas``: a push asked for as a delta (``slice_deltas``), prepared
+    once the plan is agreed."""
     ranks = RankGroup(group, link.timeout_s + _GROUP_GRACE_S)
-    return _SliceUpdate(link, connections, read_manifests, options, ranks).run(items)
+    return _SliceUpdate(link, connections, read_manifests, options, ranks, deltas).run(items)

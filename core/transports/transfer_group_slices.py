@@ -165,6 +165,11 @@ def _region(t: torch.Tensor, box: Box, origin: Sequence[int]) -> torch.Tensor:
     return t
 
 
+def held_region(shard: torch.Tensor, box: Box, held: Box) -> torch.Tensor:
+    """Region ``box`` of the full tensor in ``shard``, a rank's part of it that is region ``held``."""
+    return _region(shard, box, [a for a, _ in held])
+
+
 def _buffer(staging: dict[Any, torch.Tensor] | None, key: Any, nbytes: int) -> torch.Tensor:
     """A message buffer of ``nbytes``, kept in ``staging`` across updates when the caller gives one
     (the same plan makes the same messages, so each buffer is reused as is; a fresh allocation per

@@ -13,7 +13,9 @@ A failed update (``release``) tears the group down.
 
 A slices handle (``TRANSFER_MODE_SLICES``: every trainer rank a source) is the one kind of payload
 this importer loads itself (``FillsModel``): ``plan_fill`` checks it against the manifest and
-``fill`` receives its regions straight into the tensors the engine keeps.
+``fill`` receives its regions straight into the tensors the engine keeps (in a delta update, the
+sources' streams of the regions' encodings, applied into them at the commit:
+``transfer_group_slice_deltas``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ from weightwire.server.transports.importer import (
 )
 from weightwire.server.transports.transfer_group_member import BucketReceive, JoinedGroup
 from weightwire.server.transports.transfer_group_membership import GroupMembership
+from weightwire.server.transports.transfer_group_slice_deltas import (
+    carries_slice_deltas,
+    check_slice_deltas,
+    receive_delta_bucket,
+)
 from weightwire.server.transports.transfer_group_slices import (
     SlicePlan,
     check_kept,
@@ -166,8 +173,16 @@ class GroupImporter(PayloadImporter):
         """The checked plan of a slices payload (``transfer_group_slices.check_slices``)."""
         member = self.membership.current()
         gid = member.group.group_id
+        regions = payload
+        if carries_slice_deltas(payload):
+            # A delta update's regions carry new counts and checksums every step, but what is
+            # checked here is the regions alone: they are the key, so the same regions hit.
+            regions = pb.Payload()
+            regions.CopyFrom(payload)
+            for s in regions.transfer_group.slices:
+                s.ClearField("delta")
         # By digest: a handle may be megabytes, and what is kept must stay small whatever a client sends.
-        key = hashlib.blake2b(payload.SerializeToString(deterministic=True), digest_size=16).digest()
+        key = hashlib.blake2b(regions.SerializeToString(deterministic=True), digest_size=16).digest()
         hit = self._slices.get(key)
         if hit is not None and hit[0] == gid:
             return hit[1]
@@ -190,6 +205,20 @@ class GroupImporter(PayloadImporter):
             self._slice_staging = (gid, {})
         ended = into.call_ended
         try:
+            if carries_slice_deltas(payload):
+                deltas = check_slice_deltas(payload, plan, into.manifest)
+                return receive_delta_bucket(
+                    member,
+                    plan,
+                    deltas,
+                    payload.transfer_group.max_message_bytes,
+                    into.kept,
+                    into.manifest,
+                    self._slice_lock,
+                    into.will_write,
+                    ended.is_set if ended is not None else None,
+                    into.landings,
+                )
             return receive_bucket(
                 member,
                 plan,

@@ -4,7 +4,7 @@ each kept part verified against the trainer's result checksum; the counts the re
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
 import torch
@@ -66,6 +66,16 @@ class DeltaLoads:
                     self.changed_elements += delta.changed_count
             finally:
                 del views
+
+    def count_regions(self, payloads: Sequence[pb.Payload]) -> None:
+        """A filled bucket's regions with deltas (every trainer rank a source): each counts as a
+        delta applied with its one result checksum (the region's) verified."""
+        for payload in payloads:
+            for s in payload.transfer_group.slices:
+                if s.HasField("delta"):
+                    self.tensors += 1
+                    self.changed_elements += s.delta.changed_count
+                    self.checksums_verified += 1
 
     def fill_result(self, result: pb.UpdateResult, header: pb.UpdateHeader) -> None:
         """The result's encoding fields: DELTA with its counts, or FULL echoing the header's fallback."""

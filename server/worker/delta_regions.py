@@ -1,9 +1,11 @@
 """Where a payload can carry a TensorDelta outside tensor specs, and the refusal of one there.
 
 A bucket filled straight into the model (every trainer rank a source, ``TRANSFER_MODE_SLICES``)
-takes its regions whole in this version: a region with a ``SliceTransfer.delta`` is INVALID_DELTA,
-before anything is planned or received. The fields that can hold one are found from the contract's
-descriptors, so that no handle is named here (the importer says how a bucket loads).
+may carry a ``SliceTransfer.delta`` per region only in a delta update (``UpdateHeader.delta_base``;
+``weightwire.server.transports.transfer_group_slice_deltas`` receives and applies those): in any
+other update such a region is INVALID_DELTA, before anything is planned or received. The fields
+that can hold one are found from the contract's descriptors, so that no handle is named here (the
+importer says how a bucket loads).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from google.protobuf.message import Message
 from weightwire.core.delta.errors import invalid_delta
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-__all__ = ["refuse_region_deltas"]
+__all__ = ["carries_region_deltas", "refuse_region_deltas"]
 
 
 def _delta_paths(
@@ -47,12 +49,16 @@ def _carries(message: Message, path: tuple[FieldDescriptor, ...]) -> bool:
     return any(not rest or _carries(item, rest) for item in items)
 
 
+def carries_region_deltas(payload: pb.Payload) -> bool:
+    """Whether ``payload`` carries a TensorDelta anywhere (a slices handle's region)."""
+    return any(_carries(payload, path) for path in _PAYLOAD_DELTA_PATHS)
+
+
 def refuse_region_deltas(index: int, payload: pb.Payload) -> None:
-    """INVALID_DELTA if ``payload`` carries a TensorDelta anywhere (a slices handle's region)."""
-    if any(_carries(payload, path) for path in _PAYLOAD_DELTA_PATHS):
+    """INVALID_DELTA if ``payload`` carries a TensorDelta anywhere, in an update without a base."""
+    if carries_region_deltas(payload):
         raise invalid_delta(
-            f"bucket {index}: a region of a bucket whose every trainer rank is a source carries a TensorDelta; "
-            "this worker applies deltas only from tensor specs (inline bytes, host shared memory, a transfer group "
-            "from one source) in this version: send the regions whole",
+            f"bucket {index}: a region of a bucket whose every trainer rank is a source carries a TensorDelta "
+            "in an update without delta_base; a delta needs the base it applies to (UpdateHeader.delta_base)",
             bucket=str(index),
         )

@@ -17,6 +17,11 @@ shared memory (``isolated_gloo``) and land when the update commits too; over NCC
 arrive, so a failure after the receive began leaves such a worker INCONSISTENT. So over gloo, and
 into SGLang and vLLM over either backend, an update that does not commit (a member died, the
 trainer did not commit) leaves the model as it was: CONSISTENT at the old version.
+
+In a delta update the regions carry deltas, applied into the kept tensors at the commit
+(``transfer_group_slice_deltas``); an adapter that ``StagesSlices`` has no base in its staging, so
+it refuses such a bucket with DELTA_BASE_MISMATCH before anything waits (the trainer sends the
+update whole).
 """
 
 from __future__ import annotations
@@ -28,12 +33,15 @@ from typing import Protocol, cast, runtime_checkable
 
 import torch
 from weightwire.core.capabilities import has_capability
+from weightwire.core.delta import DELTA_BASE_MISMATCH
+from weightwire.core.delta.errors import delta_error
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.server.rules.selection import select_own_payload
 from weightwire.server.transports.importer import FillsModel, FillTarget
 from weightwire.server.worker.adapter import EngineAdapter, KeepsTensors
+from weightwire.server.worker.delta_regions import carries_region_deltas
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["StagesSlices", "fill_bucket", "land"]
@@ -90,6 +98,15 @@ def fill_bucket(
     kept = cast(KeepsTensors, adapter).kept_tensors()
     stager = cast(StagesSlices, adapter) if has_capability(adapter, StagesSlices) else None
     into: Mapping[str, torch.Tensor] = kept
+    if stager is not None and carries_region_deltas(sel.payload):
+        # Its staging holds the bucket's bytes, not the model's: there is no base to apply to.
+        raise delta_error(
+            DELTA_BASE_MISMATCH,
+            f"bucket {msg.index}: this engine adapter writes slices through its own staging and applies no "
+            "delta to regions; send the update whole",
+            bucket=str(msg.index),
+            applies_deltas="false",
+        )
     if stager is not None:
         stager.refuse_slices(plan.names)
         into = {n: torch.empty_like(kept[n], memory_format=torch.contiguous_format) for n in plan.names}

@@ -264,8 +264,9 @@ class Update:
 
     def _filled_bucket(self, msg: pb.Bucket, filler: FillsModel) -> pb.BucketAck:
         self._accepted.take_index(msg)
-        for payload in msg.payloads:
-            refuse_region_deltas(msg.index, payload)
+        if not self.is_delta:
+            for payload in msg.payloads:
+                refuse_region_deltas(msg.index, payload)
         ctx = self._ctx
 
         def will_write() -> None:
@@ -283,6 +284,9 @@ class Update:
         )
         self._filled_names |= names
         self._landings.append((msg.index, landings))
+        if self.is_delta:
+            # Its regions' deltas are applied and verified at the commit, which fails otherwise.
+            self._deltas.count_regions(msg.payloads)
         return ack
 
     def _import(

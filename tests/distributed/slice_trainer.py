@@ -9,7 +9,12 @@ group's timeout, 20 s unless given). Reads one JSON command per line on stdin an
 stdout for each:
 
   {"op": "push", "version": V, "seed": S, "scope": "full"|"partial", "drop": [names], "cast_to": dtype,
-   "pause_rank": R, "single": bool} push the checkpoint of seed S (``drop``: tensors left out;
+   "pause_rank": R, "single": bool, "steps": [seeds], "delta": bool, "forge_base": B}
+                    push the checkpoint of seed S after the sparse steps of ``steps``
+                    (``sparse_checkpoint.stepped``), with ``delta=True`` when asked (``forge_base``:
+                    a delta against base B, which no worker had, sent as push(delta=True) sends one
+                    but without its decision or fallback, from a copy of the pusher's keeper:
+                    the pusher's own base stays) (``drop``: tensors left out;
                     ``single``: rank 0 alone pushes it as plain tensors, one source, the
                     others answer {"ok": true} at once). On rank R, the push
                     prints {"paused": true} after the group compared the plan, right before its own
@@ -25,6 +30,7 @@ metrics count} or {"ok": false,
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import json
@@ -35,12 +41,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
+from sparse_checkpoint import stepped
 from torch.distributed.fsdp import fully_shard
 from weightwire.adapters.torch.demo import DemoConfig, build_demo_model
 from weightwire.client import PushError, PushProgress, TrainerMetrics, WeightPusher, WeightwireError
-from weightwire.client.ranks import slice_push
+from weightwire.client.inputs.dtensor_gather import default_group
+from weightwire.client.ranks import slice_deltas, slice_push
 from weightwire.client.transports.transfer_group import TransferGroupOptions
+from weightwire.client.update.options import PushOptions
 from weightwire.core.manifest import ParallelRank
+from weightwire.v1 import weight_transfer_pb2 as pb
 
 DIED_EXIT_CODE = 3
 _pause = False
@@ -59,8 +69,13 @@ def _paused_send(*args: Any, **kwargs: Any) -> int:
 slice_push.send_slices = _paused_send  # type: ignore[assignment]
 
 
-def fsdp_model(seed: int) -> torch.nn.Module:
+def fsdp_model(seed: int, steps: list[int] | None = None) -> torch.nn.Module:
     model = build_demo_model(DemoConfig(), ParallelRank(), "cpu", seed)
+    if steps:
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, t in stepped(DemoConfig(), seed, steps).items():
+                params[name].copy_(t)
     for layer in model.model.layers.children():
         fully_shard(layer)
     fully_shard(model)
@@ -78,7 +93,7 @@ def run_push(pusher: WeightPusher, cmd: dict[str, Any]) -> dict[str, Any]:
             return {"ok": True}
         model = build_demo_model(DemoConfig(), ParallelRank(), "cpu", int(cmd["seed"]))
     else:
-        model = fsdp_model(int(cmd["seed"]))
+        model = fsdp_model(int(cmd["seed"]), cmd.get("steps"))
     tensors = {n: t for n, t in model.state_dict().items() if n not in set(cmd.get("drop", []))}
     _pause = cmd.get("pause_rank") == dist.get_rank()
     reports: list[list[int]] = []
@@ -87,12 +102,15 @@ def run_push(pusher: WeightPusher, cmd: dict[str, Any]) -> dict[str, Any]:
         reports.append([p.buckets_done, p.buckets_total, p.bytes_done, p.bytes_total])
 
     try:
+        if cmd.get("forge_base"):
+            return forged_delta(pusher, tensors, int(cmd["version"]), int(cmd["forge_base"]))
         results = pusher.push(
             tensors,
             version=int(cmd["version"]),
             scope=cmd.get("scope", "full"),
             cast_to=getattr(torch, cmd["cast_to"]) if cmd.get("cast_to") else None,
             progress=progress,
+            delta=bool(cmd.get("delta")),
         )
         pushes = pusher.metrics.registry.get_sample_value(  # type: ignore[union-attr]
             "weightwire_trainer_pushes_total", {"outcome": "committed"}
@@ -106,19 +124,32 @@ def run_push(pusher: WeightPusher, cmd: dict[str, Any]) -> dict[str, Any]:
             "formations": pusher._sources.formations if pusher._sources is not None else 0,
         }
     except (PushError, WeightwireError) as e:
-        failures = getattr(e, "failures", {})
-        return {
-            "ok": False,
-            "error": {
-                "reason": getattr(e, "reason", "PUSH_FAILED"),
-                "message": str(e)[:4000],
-                "failures": {
-                    a: {"reason": f.reason, "message": f.message[:2000]} for a, f in failures.items()
-                },
-            },
-        }
+        return failed(e)
     finally:
         _pause = False
+
+
+def forged_delta(pusher: WeightPusher, tensors: dict[str, Any], version: int, base: int) -> dict[str, Any]:
+    """A delta against ``base`` from a copy of the pusher's keeper that believes the workers hold it."""
+    confused = copy.deepcopy(pusher.delta_keeper)
+    confused._base_version = base
+    items = list(tensors.items())
+    options = PushOptions(version=version, scope=pb.UPDATE_SCOPE_FULL)
+    deltas = slice_deltas.SliceDeltas(confused, version, base)
+    results = slice_deltas.send(pusher, items, options, default_group(items), deltas, pb.DELTA_FALLBACK_NONE)
+    return {"ok": True, "results": {a: dataclasses.asdict(r) for a, r in results.items()}}
+
+
+def failed(e: Exception) -> dict[str, Any]:
+    failures = getattr(e, "failures", {})
+    return {
+        "ok": False,
+        "error": {
+            "reason": getattr(e, "reason", "PUSH_FAILED"),
+            "message": str(e)[:4000],
+            "failures": {a: {"reason": f.reason, "message": f.message[:2000]} for a, f in failures.items()},
+        },
+    }
 
 
 def main() -> int:
@@ -133,6 +164,9 @@ def main() -> int:
     group_timeout_s = 20.0
     if args[:1] == ["--group-timeout"]:
         group_timeout_s, args = float(args[1]), args[2:]
+    if backend == "nccl" and torch.cuda.is_available():
+        # One GPU per trainer rank: NCCL refuses two members of one group on one device.
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     pusher = WeightPusher(
         args,
         transfer_group=TransferGroupOptions(

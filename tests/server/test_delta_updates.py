@@ -322,16 +322,16 @@ def test_delta_without_a_base_and_delta_over_other_transports(one: InProcessWork
     out, _ = delta_push(one, base, specs, ipc)
     refused_untouched(one, out, "INVALID_DELTA", old, base)
     assert "host shared memory, a transfer group (torch.distributed) or inline bytes" in out.message
-    # Nor a region of an every-rank-a-source bucket.
+    # Nor a region of an every-rank-a-source bucket in an update without a base (with one, a
+    # region's delta is received and applied: tests/distributed/test_slice_deltas.py).
     region = pb.SliceTransfer(tensor=specs[0].name, delta=specs[0].delta)
     slices = pb.Payload(
         device=inline_payload(b"").device,
         transfer_group=pb.TransferGroupHandle(group_id="g", mode=pb.TRANSFER_MODE_SLICES, slices=[region]),
     )
-    hdr = header(next(_versions), delta_base=pb.DeltaBase(base_version=base))
-    out = push(one.stub(), [hdr, bucket(0, [], [slices]), commit(1)])
+    out = push(one.stub(), [header(next(_versions)), bucket(0, [], [slices]), commit(1)])
     refused_untouched(one, out, "INVALID_DELTA", old, base)
-    assert "every trainer rank is a source" in out.message
+    assert "every trainer rank is a source" in out.message and "without delta_base" in out.message
 
 
 def test_drifted_worker_is_caught_and_says_inconsistent(one: InProcessWorker) -> None:
