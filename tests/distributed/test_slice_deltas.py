@@ -1,6 +1,7 @@
 """Delta updates with every trainer rank a source (issue 38), between real processes over gloo on
 loopback: 2 FSDP2 trainer ranks (``slice_trainer.py``) into real ``weightwire serve`` workers of a
-TP2 x PP2 engine (one fleet for the module).
+TP2 x PP2 engine in two replicas (eight workers; one fleet for the module), so regions go to
+several workers (a replicated norm to both TP ranks of a stage, every region to both replicas).
 
 After a FULL push, each sparse delta push leaves every worker bit for bit at its shard of the
 trainer's checkpoint, each worker having received only the encodings of the regions it keeps
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.timeout(600)
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     root = tmp_path_factory.mktemp("slice-delta-fleet")
     (root / "sock").mkdir()
-    f = Fleet(str(root / "sock"), str(root / "dump"), replicas=1)
+    f = Fleet(str(root / "sock"), str(root / "dump"), replicas=2)
     yield f
     f.stop()
 
