@@ -118,17 +118,15 @@ class SliceDeltas:
         """Record (FULL) or diff and pack (delta) the regions this rank sends; for a delta, learn
         every rank's (collective: every rank calls it once the plan is agreed)."""
         me = ranks.rank
-        if self.base is None:
-            self.keeper.drop()  # whatever each rank held, the regions of this update are the base
-            self.keeper.begin(self.version)
-            for t in plan.for_source(me):
-                self.keeper.record(region_key(t), held_region(local[t.tensor], t.box, boxes[t.tensor]))
-            return
         error: Exception | None = None
-        data = b""
+        data = b"\x01"
         try:
-            data = b"\x01" + self._encode(me, plan, local, boxes, device).SerializeToString()
+            if self.base is None:
+                self._record(me, plan, local, boxes)
+            else:
+                data += self._encode(me, plan, local, boxes, device).SerializeToString()
         except Exception as e:
+            # Said to every rank, so that none goes on to wait for this one's sends.
             error = e
             kind = e.reason if isinstance(e, WeightwireError) else "INTERNAL"
             data = b"\x00" + json.dumps({"reason": kind, "message": str(e)[:2000]}).encode()
@@ -138,7 +136,17 @@ class SliceDeltas:
                 if error is not None:
                     raise error
                 raise peer_failed(r, json.loads(d[1:].decode()), before_sending=True)
-        self._learn(plan, [pb.TransferGroupHandle.FromString(d[1:]) for d in everyone])
+        if self.base is not None:
+            self._learn(plan, [pb.TransferGroupHandle.FromString(d[1:]) for d in everyone])
+
+    def _record(
+        self, me: int, plan: TransferPlan, local: Mapping[str, torch.Tensor], boxes: Mapping[str, Box]
+    ) -> None:
+        """A FULL push: the regions this rank sends become its base once every worker commits."""
+        self.keeper.drop()  # whatever each rank held, the regions of this update are the base
+        self.keeper.begin(self.version)
+        for t in plan.for_source(me):
+            self.keeper.record(region_key(t), held_region(local[t.tensor], t.box, boxes[t.tensor]))
 
     def _encode(
         self,
