@@ -438,6 +438,32 @@ MODES: dict[str, type[Receiver]] = {
 }
 
 
+def profile_command(cmd: dict[str, Any]) -> dict[str, Any]:
+    """Profile every thread of this process (yappi, CPU clock) between ``profile_start`` and
+    ``profile_stop``, which writes the top functions to ``cmd["path"]`` (``profile_push.py``)."""
+    try:
+        import yappi
+    except ImportError:
+        return {"error": "yappi is not installed"}
+    if cmd["cmd"] == "profile_start":
+        yappi.set_clock_type(cmd.get("clock", "cpu"))
+        yappi.clear_stats()
+        yappi.start(builtins=True)
+        return {"ok": True}
+    yappi.stop()
+    stats = yappi.get_func_stats()
+    with open(cmd["path"], "w", encoding="utf-8") as f:
+        for key in ("tsub", "ttot"):
+            f.write(f"== sorted by {key} ({yappi.get_clock_type()} clock)\n")
+            stats.sort(key, "desc")
+            for s in list(stats)[:60]:
+                f.write(f"{s.ncall:>8} {s.tsub:10.4f} {s.ttot:10.4f}  {s.module}:{s.lineno}({s.name})\n")
+        f.write("== threads\n")
+        for t in yappi.get_thread_stats():
+            f.write(f"{t.name} {t.id} {t.ttot:.4f} {t.sched_count}\n")
+    return {"ok": True}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=sorted(MODES), required=True)
@@ -475,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
             cmd = json.loads(line)
             if cmd.get("cmd") == "quit":
                 break
+            if cmd.get("cmd") in ("profile_start", "profile_stop"):
+                out.write(json.dumps(profile_command(cmd)) + "\n")
+                out.flush()
+                continue
             try:
                 reply = receiver.handle(cmd)
             except Exception as e:  # report, keep serving: the orchestrator decides what to do
