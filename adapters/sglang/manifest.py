@@ -338,14 +338,9 @@ def _geometry(
     """``rule``'s feeds for ``module.<leaf>``; for a block-FP8 layer, its weight's slices checked
     to keep whole blocks and its ``weight_scale_inv`` derived from them (``core.fp8_geometry``)."""
     try:
-        if block is None or leaf not in ("weight", fp8_geometry.SCALE_LEAF):
+        if block is None:
             return rule(module, leaf, *args)
-        weight = rule(module, "weight", *args)
-        if leaf == fp8_geometry.SCALE_LEAF:
-            return fp8_geometry.scale_feeds(param_name, weight, block)
-        for feed in weight.feeds:
-            fp8_geometry.check_block_aligned(param_name, feed.shape, feed.pieces, block)
-        return weight
+        return fp8_geometry.layer_feeds(param_name, rule, module, leaf, *args, block=block)
     except GeometryError as e:
         raise ManifestError(f"{param_name}: {e}") from None
 
