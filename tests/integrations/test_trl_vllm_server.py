@@ -3,9 +3,11 @@
 backend, ``VLLM_SERVER_DEV_MODE=1``), one server for the module; ``ENGINE`` carries what it holds
 from test to test.
 
-1. A real ``AsyncGRPOTrainer`` built with ``weight_transfer=WeightwireTransfer(...)`` runs its own
-   sync code (``_sync_weight``: pause, ``send_weights(self._streaming_iter())``, resume) at the cold
-   start and after two steps: the version is the trainer's ``state.global_step``, read by the backend.
+1. ``AsyncGRPOTrainer(..., weight_transfer=WeightwireTransfer(...)).train()`` for two optimisation
+   steps, TRL's rollout process sampling from the server: after each sync the server's greedy tokens
+   equal transformers' on the trainer's weights and its version is the step; a run of another model
+   fails ``train()`` with weightwire's reason. The one stand-in is the flash-attn varlen kernel TRL's
+   tree attention calls (CUDA only), replaced by the same computation in torch.
 2. The same calls on a transformers model trained for real (AdamW): tokens equal transformers' on
    the trainer's weights after each sync, the version is the step; a stale step (``STALE_VERSION``)
    and a trainer of another model (``SHAPE_MISMATCH``) fail ``send_weights`` with weightwire's
@@ -18,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import re
 import socket
 import subprocess
@@ -87,6 +88,8 @@ class Server:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("trl-vllm")
     model = save_checkpoint(SPEC, checkpoint(SPEC, START), tmp / "ckpt")
+    # TRL's rollouts apply the chat template and ask vLLM for logprobs, which vLLM detokenizes.
+    byte_tokenizer(SPEC.vocab).save_pretrained(model)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -102,7 +105,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         [
             *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)),
             *("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager"),
-            *("--max-model-len", "128", "--seed", "0", "--skip-tokenizer-init"),
+            *("--max-model-len", "128", "--seed", "0"),
             *("--weight-transfer-config", '{"backend": "weightwire"}'),
         ],
         env=env,
@@ -170,31 +173,9 @@ class Trainer:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
-class NoRollouts:
-    """TRL's ``RolloutWorkerProtocol`` with nothing to produce: the test drives the trainer's syncs
-    itself (its training forward needs CUDA, below), so no rollout is ever asked for."""
-
-    def __init__(self) -> None:
-        self.rollout_buffer: queue.Queue = queue.Queue()
-        self.metrics_queue: queue.Queue = queue.Queue()
-        self.versions: list[int] = []
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def update_model_version(self, model_version: int) -> None:
-        self.versions.append(model_version)
-
-    def check_health(self, stale_after_s: float) -> None:
-        pass
-
-
 def byte_tokenizer(vocab_size: int) -> Any:
-    """A small byte-level BPE tokenizer padded to the model's vocabulary (the trainer needs one for
-    its pad and eos ids; the rollouts here are token ids in and out)."""
+    """A small byte-level BPE tokenizer padded to the model's vocabulary, saved with the checkpoint:
+    TRL tokenizes its prompts through the chat template, vLLM detokenizes the logprobs TRL asks for."""
     from tokenizers import ByteLevelBPETokenizer
 
     bpe = ByteLevelBPETokenizer()
@@ -202,68 +183,149 @@ def byte_tokenizer(vocab_size: int) -> Any:
         ["The weights are new."], vocab_size=300, min_frequency=1, special_tokens=["<eos>"]
     )
     bpe.add_tokens([f"<x{i}>" for i in range(bpe.get_vocab_size(), vocab_size)])
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>")
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>")
+    # A chat template TRL knows how to parse responses of (it refuses one it does not recognise).
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    tokenizer.chat_template = qwen2_5_chat_template
+    return tokenizer
 
 
-def test_async_grpo_trainer_syncs_through_weightwire(
-    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A real AsyncGRPOTrainer built with the backend; its own train-begin setup and _sync_weight.
+def varied_reward(completions: list[Any], **_: Any) -> list[float]:
+    """A reward that differs between a prompt's samples, so GRPO's advantages (and the gradient) are
+    not zero. Module-level: TRL pickles reward functions into its rollout process."""
+    return [float(sum(map(ord, str(c))) % 7) for c in completions]
 
-    TRL 1.16's training forward cannot run on a CPU: the trainer loads the policy with its tree
-    attention, which calls flash-attn varlen kernels (the ``kernels`` package, CUDA only). So the
-    test runs what ``train()`` runs around the optimisation steps, in its order: the train-begin
-    callback's ``init_weight_transfer()`` and cold ``_sync_weight()``, then after each step (here the
-    parameters moved by hand and ``state.global_step`` advanced, as the Trainer does)
-    ``_sync_weight()``, TRL's own pause / ``send_weights(self._streaming_iter())`` / resume.
-    """
+
+class TorchVarlenAttention:
+    """Stand-in for the one thing here that cannot run on a CPU: the flash-attn 3 varlen kernel that
+    TRL 1.16's tree attention (``trl.experimental.async_grpo.packing.tree_attention``) loads through
+    the ``kernels`` package, which has CUDA / ROCm builds only. The same computation in torch: each
+    packed segment's queries attend causally (bottom-right aligned, as flash-attn) to the keys and
+    values tree attention gathered for that segment's path."""
+
+    @staticmethod
+    def flash_attn_varlen_func(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        softmax_scale: float | None = None,
+        causal: bool = True,
+        window_size: tuple[int, int] = (-1, -1),
+        **_: Any,
+    ) -> torch.Tensor:
+        assert causal and window_size == (-1, -1), "the test's model has neither"
+        out = torch.empty_like(q)
+        groups = q.shape[1] // k.shape[1]
+        for s in range(len(cu_seqlens_q) - 1):
+            q0, q1 = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
+            k0, k1 = int(cu_seqlens_k[s]), int(cu_seqlens_k[s + 1])
+            keys, values = (x[k0:k1].repeat_interleave(groups, dim=1).transpose(0, 1) for x in (k, v))
+            mask = torch.arange(k1 - k0)[None, :] <= torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                q[q0:q1].transpose(0, 1), keys, values, attn_mask=mask, scale=softmax_scale
+            )
+            out[q0:q1] = attended.transpose(0, 1)
+        return out
+
+
+class RecordingTransfer(WeightwireTransfer):
+    """The backend as a user configures it, recording after each sync that pushed (at TRL's
+    ``resume()``, when the engine generates again) the engine's version and greedy tokens beside
+    the trainer's weights at that moment."""
+
+    def __init__(self, server: Server) -> None:
+        super().__init__(server.base, socket_dir=str(server.socket_dir), worker_count=1, transport="host_shm")
+        self.server = server
+        self.trainer: Any = None
+        self.synced: list[tuple[int, str, list[list[int]], dict[str, torch.Tensor]]] = []
+
+    def resume(self) -> None:
+        super().resume()
+        if self.last_version is not None and (not self.synced or self.synced[-1][0] != self.last_version):
+            weights = {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()}
+            self.synced.append(
+                (self.last_version, self.server.weight_version(), self.server.generate(), weights)
+            )
+
+
+def grpo_trainer(server: Server, model: str, out: Path, transfer: WeightwireTransfer) -> Any:
     from datasets import Dataset
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async_grpo_trainer
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    # TRL reads the training GPU's name for its MFU metric (torch.cuda.get_device_name raises on a
-    # CPU torch); None is what it uses for a device it does not know.
-    monkeypatch.setattr(async_grpo_trainer, "get_peak_flops_per_device", lambda *a, **k: None)
-    assert ENGINE.version == 0, "runs first: a fresh run's cold sync meets the start-up checkpoint"
     config = AsyncGRPOConfig(
-        output_dir=str(tmp_path / "out"),
+        output_dir=str(out),
         max_steps=2,
         weight_sync_steps=1,
         dtype="float32",
+        learning_rate=1e-2,
+        num_generations=2,
+        per_device_train_batch_size=2,
+        max_completion_length=8,
         vllm_server_base_url=server.base,
         report_to="none",
         use_cpu=True,
     )
-    transfer = WeightwireTransfer(
-        server.base, socket_dir=str(server.socket_dir), worker_count=1, transport="host_shm"
-    )
-    rollouts = NoRollouts()
-    trainer = AsyncGRPOTrainer(
-        model=server.model,
+    # A system turn keeps the chat template's default one (longer than the server's 128 tokens) out.
+    prompt = [{"role": "system", "content": "w"}, {"role": "user", "content": "The weights"}]
+    return AsyncGRPOTrainer(
+        model=model,
         args=config,
-        processing_class=byte_tokenizer(SPEC.vocab),
-        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "x"}]] * 8}),
-        rollout_worker=rollouts,
+        reward_funcs=varied_reward,
+        train_dataset=Dataset.from_dict({"prompt": [prompt] * 8}),
         weight_transfer=transfer,
     )
-    assert trainer.weight_transfer is transfer
-    transfer.init_weight_transfer()
-    try:
-        trainer._sync_weight()  # the cold sync, at global_step 0
-        assert transfer.last_version is None and server.weight_version() == "default"
-        assert server.generate() == ENGINE.tokens()
-        for step in (1, 2):
-            with torch.no_grad():
-                for p in trainer.model.parameters():
-                    p.add_(0.05 * torch.randn_like(p))
-            trainer.state.global_step = step
-            trainer._sync_weight()
-            ENGINE.weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-            ENGINE.version = step
-            assert server.weight_version() == str(step)
-            assert server.generate() == ENGINE.tokens()
-        assert rollouts.versions == [1, 2, 3]  # TRL's own count of syncs, told to its rollout worker
-    finally:
-        transfer.destroy()
+
+
+def test_async_grpo_trainer_trains_through_weightwire(
+    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``AsyncGRPOTrainer.train()`` for two optimisation steps: TRL's rollout process samples from
+    the server, the trainer trains on CPU and syncs through weightwire after each step. After each
+    sync the server's greedy tokens equal transformers' on the trainer's weights and it reports the
+    step as its weights version. Then a trainer of another model fails ``train()`` with weightwire's
+    reason at its first sync, and the engine keeps serving the first run's weights."""
+    from trl.experimental.async_grpo import async_grpo_trainer, packing
+
+    monkeypatch.setattr(packing, "_flash_attn", lambda: TorchVarlenAttention)
+    # TRL reads the training GPU's name for its MFU metric (torch.cuda.get_device_name raises on a
+    # CPU torch); None is what it uses for a device it does not know.
+    monkeypatch.setattr(async_grpo_trainer, "get_peak_flops_per_device", lambda *a, **k: None)
+    assert ENGINE.version == 0, "runs first: a fresh run's cold sync meets the start-up checkpoint"
+    before = server.generate()
+    assert before == ENGINE.tokens()
+
+    transfer = RecordingTransfer(server)
+    trainer = grpo_trainer(server, server.model, tmp_path / "out", transfer)
+    transfer.trainer = trainer
+    trainer.train()
+
+    assert trainer.state.global_step == 2
+    assert [(step, version) for step, version, _, _ in transfer.synced] == [(1, "1"), (2, "2")]
+    for step, _, tokens, weights in transfer.synced:
+        assert tokens == Expected(SPEC, weights).tokens(), f"the engine's tokens after step {step}"
+    ENGINE.weights, ENGINE.version = transfer.synced[-1][3], 2
+    assert server.weight_version() == "2" and server.generate() == ENGINE.tokens()
+    assert ENGINE.tokens() != before, "training changed no greedy token: the test proves nothing"
+
+    # A run of another model (wider MLPs) against this engine: its cold sync is refused before any
+    # byte is sent, and train() fails with weightwire's reason naming the tensor.
+    other = ModelSpec(intermediate=384)
+    other_model = save_checkpoint(other, checkpoint(other, 3), tmp_path / "other")
+    transformers.AutoTokenizer.from_pretrained(server.model).save_pretrained(other_model)
+    wrong = grpo_trainer(server, str(other_model), tmp_path / "wrong", RecordingTransfer(server))
+    with pytest.raises(PlanError) as mismatch:
+        wrong.train()
+    assert mismatch.value.reason == "SHAPE_MISMATCH" and "mlp.gate_proj.weight" in str(mismatch.value)
+    assert wrong.state.global_step == 0
+    # TRL stopped at the error with the engine paused (as with its own backend); resumed, the engine
+    # serves the first run's weights at its version.
+    server.call("/resume")
+    assert server.weight_version() == "2" and server.generate() == ENGINE.tokens()
 
 
 def test_trainer_steps_reach_the_engine_as_its_weights_and_version(server: Server) -> None:

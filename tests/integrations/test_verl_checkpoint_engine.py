@@ -10,8 +10,12 @@ on all, the class's ``build_topology`` over their metadata (checked as the manag
 ``init_process_group`` with each one's share, ``send_weights`` on the actor beside
 ``receive_weights`` on the rollout workers (concurrently, as verl's ``ray.get`` over both groups),
 ``finalize``. Each worker's dump must then equal its TP shard of what the actor sent, at version
-``global_steps``. verl's Ray worker groups and rollout server adapters need a Ray cluster and an
-engine on a GPU: docs/integrations.md has that recipe.
+``global_steps``.
+
+The last test runs verl's own ``CheckpointEngineManager.update_weights`` on a local Ray (CPU only):
+verl's ``RayWorkerGroup`` of two actor ranks and, for the rollout replica, verl's own
+``CheckpointEngineWorker`` (tests/integrations/verl_ray_workers.py says what stands in for the FSDP
+engine and the GPU server adapter). One Ray session for the module.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,6 +62,14 @@ class Fleet:
             ]
         )
 
+    def version(self) -> int:
+        """The version the workers hold now (each test starts past what the module pushed before)."""
+        from weightwire.client import WeightPusher
+
+        targets = [f"unix:{self.socket_dir}/tp{r.tp_rank}-pp0.sock" for r in RANKS]
+        with WeightPusher(targets) as pusher:
+            return max(int(s.weights_version) for s in pusher.status().values())
+
     def assert_holds(self, version: int, full: dict[str, torch.Tensor]) -> None:
         for rank in RANKS:
             got = load_dump(self.dump_dir, f"tp{rank.tp_rank}-pp0", version)
@@ -74,6 +87,26 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     finally:
         for p in f.processes:
             p.stop()
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """One local Ray for the module; its worker processes import verl_ray_workers from here."""
+    import ray
+
+    saved = os.environ.get("PYTHONPATH")
+    # The raylet and its workers inherit the driver's environment.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, saved) if p)
+    try:
+        # Four logical CPUs on any machine: one bundle per actor rank and per rollout worker.
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        yield
+    finally:
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def new_engine(**engine_kwargs: object) -> CheckpointEngine:
@@ -215,6 +248,73 @@ def test_disaggregated_every_actor_rank_a_source(fleet: Fleet) -> None:
     for r in rollouts:
         assert asyncio.run(_drain(r, steps[-1])) == []
     fleet.assert_holds(steps[-1], full_checkpoint(CONFIG, seed=steps[-1]))
+
+
+def test_verl_checkpoint_engine_manager_updates_over_ray(fleet: Fleet, local_ray: None) -> None:
+    """verl's CheckpointEngineManager.update_weights, as its trainer calls it each step: two actor
+    ranks (verl RayWorkerGroup, one gloo world) every one a source of one transfer group, one rollout
+    replica of TP=2 whose two CheckpointEngineWorkers front the two weightwire workers."""
+    import ray
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.single_controller.ray.base import split_resource_pool
+    from verl.workers.config import CheckpointEngineConfig, RolloutConfig
+    from verl_ray_workers import ActorRank, LocalReplica, RolloutSide
+
+    config = CheckpointEngineConfig(
+        backend="weightwire",
+        custom_backend_module="weightwire.integrations.verl",
+        update_weights_bucket_megabytes=1,
+        engine_kwargs={
+            "weightwire": {
+                "layout": "disaggregated",
+                "socket_dir": str(fleet.socket_dir),
+                "group_host": "127.0.0.1",
+                "group_port": free_port(),
+                # A refused step has at times ended on the second actor rank only at the pusher's
+                # timeout: keep that bounded.
+                "timeout_s": 30.0,
+            }
+        },
+    )
+    rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=2, checkpoint_engine=config)
+    started = time.perf_counter()
+    pool = RayResourcePool(process_on_nodes=[4], use_gpu=False, max_colocate_count=1)
+    actor_pool, rollout_pool = split_resource_pool(pool, [2, 2])
+    actors = RayWorkerGroup(
+        resource_pool=actor_pool,
+        ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(ActorRank), checkpoint_engine_config=config),
+        device_name="cpu",
+    )
+    rollout = RayWorkerGroup(
+        resource_pool=rollout_pool,
+        ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(RolloutSide), rollout_config=rollout_config),
+        device_name="cpu",
+    )
+    replica = LocalReplica(replica_rank=0, config=rollout_config, model_config=None, gpus_per_node=2)
+    asyncio.run(replica.init_hybrid(rollout))
+    manager = CheckpointEngineManager(config, actors, [replica])
+    print(f"\nverl worker groups up in {time.perf_counter() - started:.1f} s")
+
+    base = fleet.version()
+    for step in (base + 1, base + 2):
+        started = time.perf_counter()
+        metrics = manager.update_weights(global_steps=step)
+        took = time.perf_counter() - started
+        assert metrics["weightwire/workers"] == 2 and metrics["weightwire/group_bytes"] > 0, metrics
+        fleet.assert_holds(step, full_checkpoint(CONFIG, seed=step))
+        print(f"\nverl update_weights step {step}: {took:.3f} s, push {metrics['weightwire/sync_s']:.3f} s")
+    # Each rollout worker's server adapter was handed both updates, and no tensor passed through it.
+    assert rollout.received() == [[[], []], [[], []]]
+
+    # A stale step fails the manager's call with the workers' reason; the weights stay. (Ray hands the
+    # driver weightwire's PushError as text: its exceptions do not unpickle, ray's
+    # UnserializableException carries their message and stack.)
+    started = time.perf_counter()
+    with pytest.raises(ray.exceptions.RayError, match="STALE_VERSION"):
+        manager.update_weights(global_steps=base + 1)
+    print(f"verl update_weights of a stale step failed in {time.perf_counter() - started:.1f} s")
+    fleet.assert_holds(base + 2, full_checkpoint(CONFIG, seed=base + 2))
 
 
 async def _drain(engine: CheckpointEngine, step: int) -> list:
