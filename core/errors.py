@@ -59,6 +59,9 @@ class Reason(enum.Enum):
     # The engine released its weights' memory (SGLang release_memory_occupation, vLLM sleep): a
     # write would fault or be lost; wake the weights first (the engine adapters refuse at begin).
     ENGINE_ASLEEP = "FAILED_PRECONDITION"
+    # Bucket.layout_id names tensor specs this worker does not hold (a restart, an eviction, another
+    # manifest) or payloads other than they were accepted with: send the bucket with its tensors.
+    LAYOUT_UNKNOWN = "FAILED_PRECONDITION"
     GROUP_UNKNOWN_MEMBER = "FAILED_PRECONDITION"
     GROUP_DUPLICATE_RANK = "FAILED_PRECONDITION"
     GROUP_WRONG_WORLD_SIZE = "FAILED_PRECONDITION"
@@ -111,7 +114,26 @@ class Reason(enum.Enum):
         return _BY_CODE_NAME.get(code, Reason.RPC_FAILED)
 
 
-class WeightwireError(Exception):
+def _restored(cls: type[BaseException], args: tuple[object, ...], state: dict[str, object]) -> BaseException:
+    """An error of ``cls`` as ``__reduce__`` described it, without calling its ``__init__`` (whose
+    signature differs between the error classes)."""
+    err = cls.__new__(cls)
+    BaseException.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
+
+
+class _Picklable:
+    """Errors that survive pickling with every attribute (Ray, multiprocessing and
+    concurrent.futures pickle what a worker raises; the default rebuilds from ``args`` alone,
+    which these classes' constructors do not take)."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        assert isinstance(self, BaseException)
+        return (_restored, (type(self), self.args, dict(self.__dict__)))
+
+
+class WeightwireError(_Picklable, Exception):
     """An error with a reason, a message a person can act on, and machine-readable metadata.
 
     ``code`` is the gRPC status code name (the reason's own code unless given, as when a status
@@ -196,7 +218,7 @@ def reason_label(reason: str) -> str:
     return "OTHER"
 
 
-class PushError(Exception):
+class PushError(_Picklable, Exception):
     """Raised by the client when an update failed on one or more workers.
 
     ``failures`` maps a worker's name (its address) to the error it reported; ``results`` holds
