@@ -29,7 +29,13 @@ from weightwire.client.transports import exporter as exp
 from weightwire.client.update import jobs as job_builders
 from weightwire.client.update.options import PushOptions
 from weightwire.client.update.routing import manifest_changes, route_own_device
-from weightwire.client.update.session import CommitGate, SpecTemplates, UpdateSession, open_streams
+from weightwire.client.update.session import (
+    CommitGate,
+    SpecTemplates,
+    UpdateSession,
+    layouts_let_go,
+    open_streams,
+)
 from weightwire.client.update.setup import PushSetup, recheck_needed, updating_workers
 from weightwire.client.update.staging import Staging
 from weightwire.core.errors import PushError, Reason
@@ -83,7 +89,7 @@ class UpdateRunner:
             bucket_size_given=bucket_size_bytes is not None,
             fresh_pool_bytes=None if fresh_pool_bytes is None else max(0, int(fresh_pool_bytes)),
         )
-        self._templates = SpecTemplates()
+        self._templates = SpecTemplates(layout_ids=True)
         self._push_lock = threading.Lock()
         self._closed = False
         # The threads that read the update streams are kept across updates: a thread start per
@@ -199,7 +205,15 @@ class UpdateRunner:
         """The update's jobs made by ``plan`` while each worker's stream opens (``_opened_early``),
         then run (``_run``): how every entry point of one trainer rank ends."""
         with self._opened_early(setup, options, one_bucket=one_bucket) as opened:
-            return self._run(setup, plan(), options, opened=opened, sources=sources)
+            try:
+                return self._run(setup, plan(), options, opened=opened, sources=sources)
+            except PushError as e:
+                if not layouts_let_go(e):
+                    raise
+        # A worker no longer held tensor specs this pusher named by layout id (it kept newer ones
+        # in their place): the session forgot every id of that worker, so the same update goes
+        # again with its specs, at once (nothing committed anywhere; the workers were just checked).
+        return self._run(dataclasses.replace(setup, recheck=None), plan(), options, sources=sources)
 
     def _run(
         self,

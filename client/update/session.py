@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -24,6 +25,7 @@ from weightwire.client.transports.route import Job, Route
 from weightwire.client.update.blame import collect_results
 from weightwire.client.update.options import PushOptions
 from weightwire.client.update.staging import StagingPool, Stopped
+from weightwire.core.errors import PushError, Reason
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -54,34 +56,90 @@ class SessionProblem:
 CommitGate = Callable[[SessionProblem | None], str | None]
 
 
+# A worker as far as the layouts it keeps go: its address, manifest fingerprint and instance (a
+# restarted worker, or one with another manifest, is another and holds none).
+WorkerKey = tuple[str, str, str]
+
+
 class SpecTemplates:
-    """The ``tensors`` part of a Bucket message per (job specs, base offset), built once.
+    """The ``tensors`` part of a Bucket message per (job specs, base offset), built once, and the
+    workers that kept it under its ``layout_id``.
 
     A trainer pushing the same ``FlatBucket`` every update hands over the same ``TensorSpec``
     objects each time (frozen dataclasses: immutable). Entries hold those objects, so while an entry
     lives no other object can have their ids; equal ids in a key therefore mean the same specs.
+
+    With ``layout_ids`` (a pusher's templates, kept across updates) each entry has a random
+    ``layout_id``, sent with its specs. A worker that accepted them says so in its ack
+    (``layout_kept``, ``kept``); from then on its buckets of the same specs name the id instead of
+    carrying them (399 specs for an 8B model), which neither side then builds, serializes or
+    parses. Only what a worker acked is referred to, under its address, fingerprint and instance,
+    and all of a worker's ids go at any failure of it (``forget``): a worker that let them go
+    refuses with LAYOUT_UNKNOWN, and the pusher sends the same update again with its specs
+    (``layouts_let_go``).
     """
 
     _MAX_ENTRIES = 256
 
-    def __init__(self) -> None:
-        self._entries: dict[tuple[int, ...], tuple[list[TensorSpec], pb.Bucket]] = {}
+    def __init__(self, *, layout_ids: bool = False) -> None:
+        # Whether buckets carry layout ids: only for templates kept across updates (a pusher's),
+        # else each update would only fill the workers' bounded room for kept specs.
+        self._layout_ids = layout_ids
+        self._entries: dict[tuple[int, ...], tuple[list[TensorSpec], pb.Bucket, bytes]] = {}
+        self._kept: dict[WorkerKey, set[bytes]] = {}
 
     def request(
-        self, specs: list[TensorSpec], base_offset_bytes: int, into: pb.PushWeightsRequest
+        self,
+        specs: list[TensorSpec],
+        base_offset_bytes: int,
+        into: pb.PushWeightsRequest,
+        worker: WorkerKey | None = None,
     ) -> pb.PushWeightsRequest:
         """``into`` (an empty request), its bucket's ``tensors`` now ``specs`` shifted by
         ``base_offset_bytes`` (built in place: wrapping a finished Bucket in a request would copy
-        every spec again)."""
+        every spec again), or only their ``layout_id`` where ``worker`` kept them. ``worker`` None:
+        no layout id at all (a delta update, whose specs change every update)."""
         key = (base_offset_bytes, *map(id, specs))
         entry = self._entries.get(key)
         if entry is None:
             if len(self._entries) >= self._MAX_ENTRIES:
                 self._entries.clear()
-            entry = (list(specs), pb.Bucket(tensors=[s.to_proto(base_offset_bytes) for s in specs]))
+                self._kept.clear()  # their ids are gone with them
+            bucket = pb.Bucket(tensors=[s.to_proto(base_offset_bytes) for s in specs])
+            entry = (list(specs), bucket, os.urandom(16) if specs and self._layout_ids else b"")
             self._entries[key] = entry
-        into.bucket.CopyFrom(entry[1])
+        layout_id = entry[2]
+        if worker is None or not layout_id:
+            into.bucket.CopyFrom(entry[1])
+        elif layout_id in self._kept.get(worker, ()):
+            into.bucket.layout_id = layout_id
+        else:
+            into.bucket.CopyFrom(entry[1])
+            into.bucket.layout_id = layout_id
         return into
+
+    def kept(self, worker: WorkerKey, layout_id: bytes) -> None:
+        """``worker`` acked that it keeps the specs of ``layout_id``."""
+        if layout_id:
+            self._kept.setdefault(worker, set()).add(layout_id)
+
+    def forget(self, address: str) -> None:
+        """Refer to nothing the worker at ``address`` kept (it failed an update: it may have
+        restarted, or let the specs go)."""
+        for worker in [w for w in self._kept if w[0] == address]:
+            del self._kept[worker]
+
+
+def layouts_let_go(error: PushError) -> bool:
+    """Whether ``error`` is only workers refusing tensor specs named by layout id
+    (LAYOUT_UNKNOWN), the others cancelled because of them, and none committed: the update may go
+    again at once, with its specs (the session forgot the refusing workers' ids)."""
+    kinds = {e.kind for e in error.failures.values()}
+    return (
+        not error.results
+        and Reason.LAYOUT_UNKNOWN in kinds
+        and kinds <= {Reason.LAYOUT_UNKNOWN, Reason.CANCELLED}
+    )
 
 
 def open_streams(
@@ -157,6 +215,14 @@ class UpdateSession:
         self._bytes_total = sum(j.size_bytes for j in self._jobs)
         self._buckets_done = 0
         self._bytes_done = 0
+        # Who may keep this update's specs under a layout id (not in a delta update: its specs
+        # change every update), and each job's id (the same for every recipient).
+        self._worker_keys: dict[str, WorkerKey] = (
+            {a: (a, fingerprints.get(a, ""), m.instance_id) for a, m in manifests.items()}
+            if options.delta_base is None
+            else {}
+        )
+        self._layout_ids: dict[int, bytes] = {}
         # Streams opened while the update was planned (``open_streams``) are taken over as they are.
         self.streams: dict[str, WorkerStream] = {}
         for a in manifests:
@@ -216,6 +282,7 @@ class UpdateSession:
                 if completed:  # not while an exception (say Ctrl-C) is on its way out
                     self._await_cancelled_updates(deadline)
             self._discard_unacked()
+            self._forget_failed_layouts()
         try:
             return collect_results(
                 self.streams,
@@ -235,6 +302,13 @@ class UpdateSession:
                     started_at=self._options.started_at,
                 )
             self._forget_jobs()
+
+    def _forget_failed_layouts(self) -> None:
+        """A worker that failed this update may have restarted or let its kept specs go: the next
+        push sends it every bucket's specs again."""
+        for s in self.streams.values():
+            if s.error is not None:
+                self._templates.forget(s.address)
 
     def _forget_jobs(self) -> None:
         """Let go of the jobs, and with them the caller's tensors, once the update is over. The
@@ -260,8 +334,13 @@ class UpdateSession:
             shares = route.payloads({a: self._manifests[a].device for a in job.recipients})
             for a in job.recipients:
                 request = self._templates.request(
-                    job.specs, route.base_offset_bytes, self.streams[a].new_request()
+                    job.specs,
+                    route.base_offset_bytes,
+                    self.streams[a].new_request(),
+                    self._worker_keys.get(a),
                 )
+                if request.bucket.layout_id:
+                    self._layout_ids[job_id] = request.bucket.layout_id
                 request.bucket.payloads.extend(shares[a])
                 if route.checksum is not None:
                     request.bucket.checksum.CopyFrom(route.checksum)
@@ -349,6 +428,8 @@ class UpdateSession:
         job_id = stream.sent_jobs[ack.index]
         report: PushProgress | None = None
         with self._cond:
+            if ack.layout_kept and stream.address in self._worker_keys:
+                self._templates.kept(self._worker_keys[stream.address], self._layout_ids.get(job_id, b""))
             waiting = self._pending.get(job_id)
             if waiting is None:
                 return

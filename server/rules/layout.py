@@ -33,6 +33,11 @@ MAX_CACHED_SPECS = 1 << 16
 # Whole bucket messages remembered as a faster way to their layout, by their serialized bytes in
 # all (a bound on that index's memory: a 400-tensor bucket serializes to ~30 KiB).
 MAX_CACHED_MESSAGE_BYTES = 32 << 20
+# Layouts kept under a trainer's ``Bucket.layout_id`` (a pusher names at most a few hundred), the
+# specs over all of them, and the longest id taken.
+MAX_LAYOUT_REFS = 1024
+MAX_LAYOUT_REF_SPECS = 1 << 18
+MAX_LAYOUT_ID_BYTES = 64
 
 
 def layout_key(msg: pb.Bucket, payloads: Sequence[pb.Payload]) -> bytes:
@@ -41,8 +46,13 @@ def layout_key(msg: pb.Bucket, payloads: Sequence[pb.Payload]) -> bytes:
     updates and are checked per update)."""
     specs_only = pb.Bucket()
     specs_only.tensors.MergeFrom(msg.tensors)
-    sizes = ";".join(f"{p.size_bytes}:{p.WhichOneof('handle') or ''}" for p in payloads)
-    return specs_only.SerializeToString() + b"|" + sizes.encode()
+    return specs_only.SerializeToString() + b"|" + payload_signature(payloads).encode()
+
+
+def payload_signature(payloads: Sequence[pb.Payload]) -> str:
+    """Each payload's size and handle field: what a layout's bounds and handle checks depended on
+    besides its specs (``layout_key``'s second part), compared when a bucket refers to its specs."""
+    return ";".join(f"{p.size_bytes}:{p.WhichOneof('handle') or ''}" for p in payloads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +177,10 @@ class LayoutCache:
         # Serialized bucket message and fingerprint -> the layout key it resolved to.
         self._by_message: dict[tuple[bytes, str], tuple[bytes, str]] = {}
         self._message_bytes = 0
+        # (Bucket.layout_id, fingerprint) -> the payload signature its specs were accepted with and
+        # their layout. Held here, not by key: a layout that left ``_layouts`` stays valid.
+        self._refs: dict[tuple[bytes, str], tuple[str, BucketLayout]] = {}
+        self._ref_specs = 0
 
     def __len__(self) -> int:
         return len(self._layouts)
@@ -203,3 +217,25 @@ class LayoutCache:
         if len(layout.specs) <= self._max_specs:
             self._layouts[key] = layout
             self._specs += len(layout.specs)
+
+    def keep_ref(self, layout_id: bytes, fingerprint: str, signature: str, layout: BucketLayout) -> bool:
+        """Keep ``layout`` (checked with payloads of ``signature``) under the trainer's id for this
+        manifest, replacing what the id named before; the oldest go first beyond the bounds. False
+        when it cannot be kept (more specs than the whole bound)."""
+        if len(layout.specs) > MAX_LAYOUT_REF_SPECS:
+            return False
+        entry = (layout_id, fingerprint)
+        old = self._refs.pop(entry, None)
+        if old is not None:
+            self._ref_specs -= len(old[1].specs)
+        while self._refs and (
+            len(self._refs) >= MAX_LAYOUT_REFS or self._ref_specs + len(layout.specs) > MAX_LAYOUT_REF_SPECS
+        ):
+            self._ref_specs -= len(self._refs.pop(next(iter(self._refs)))[1].specs)
+        self._refs[entry] = (signature, layout)
+        self._ref_specs += len(layout.specs)
+        return True
+
+    def by_ref(self, layout_id: bytes, fingerprint: str) -> tuple[str, BucketLayout] | None:
+        """The payload signature and layout kept under ``layout_id`` for this manifest, or None."""
+        return self._refs.get((layout_id, fingerprint))

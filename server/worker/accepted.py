@@ -3,10 +3,10 @@
 ``WorkerService.begin_update`` begins an update only on a header that passes ``check_header``;
 ``weightwire.server.worker.update.Update`` then keeps one ``Accepted``: the bucket indices (none twice, a
 bounded count) and the tensor names (none twice across buckets, a bounded count) its buckets
-brought, whichever way each bucket loads. A bucket with tensor specs is accepted by ``layout``: its
-layout from the worker's ``LayoutCache`` or the checks of ``weightwire.server.rules.layout``, then its
-checksum fields; a bucket its importer fills straight into the model by ``take_names``. The commit
-reads the count of buckets from here. Nothing is opened in here.
+brought, whichever way each bucket loads. A bucket with tensor specs (or naming specs kept under
+its ``layout_id``) is accepted by ``layout``: its layout from the worker's ``LayoutCache`` or the
+checks of ``weightwire.server.rules.layout``, then its checksum fields; a bucket its importer fills
+straight into the model by ``take_names``. The commit reads the count of buckets from here. Nothing is opened in here.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.text import clip_utf8
 from weightwire.server.rules.layout import (
+    MAX_LAYOUT_ID_BYTES,
     BucketLayout,
     LayoutCache,
     check_ownership,
     check_structure,
     duplicate_tensor,
     layout_key,
+    payload_signature,
 )
 from weightwire.server.transports.importer import PayloadImporter
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -111,6 +113,14 @@ def check_header(
         check_base(base, weights_version, consistent=consistent)
 
 
+def layout_unknown(index: int, why: str) -> WeightwireError:
+    return WeightwireError(
+        Reason.LAYOUT_UNKNOWN,
+        f"bucket {index}: {why}; nothing of it was loaded: send the bucket with its tensor specs",
+        bucket=str(index),
+    )
+
+
 class Accepted:
     """The buckets and tensor names of one update so far (``indices``, ``names``)."""
 
@@ -133,6 +143,8 @@ class Accepted:
         self._verify_checksums = verify_checksums
         self.indices: set[int] = set()
         self.names: set[str] = set()
+        # Whether the last bucket's specs were kept under its layout_id (its ack says so).
+        self.layout_kept = False
 
     def take_index(self, msg: pb.Bucket) -> None:
         if msg.index < 0:
@@ -168,10 +180,61 @@ class Accepted:
         return False
 
     def layout(self, msg: pb.Bucket, payloads: list[pb.Payload]) -> tuple[BucketLayout, int | None]:
-        """Structure and ownership: bucket index, the layout (remembered or checked now), names
-        across buckets, checksum fields. Nothing is opened yet. Returns the layout and the
-        checksum to verify (None: none asked for)."""
+        """Structure and ownership: bucket index, the layout (remembered, referred to by
+        ``layout_id`` or checked now), names across buckets, checksum fields. Nothing is opened
+        yet. Returns the layout and the checksum to verify (None: none asked for); ``layout_kept``
+        then says whether the bucket's specs were kept under its ``layout_id``."""
         self.take_index(msg)
+        self.layout_kept = False
+        if len(msg.layout_id) > MAX_LAYOUT_ID_BYTES:
+            raise WeightwireError(
+                Reason.MALFORMED_STREAM,
+                f"bucket {msg.index}: layout_id is {len(msg.layout_id)} bytes; at most {MAX_LAYOUT_ID_BYTES}",
+                bucket=str(msg.index),
+            )
+        if msg.layout_id and not msg.tensors:
+            layout = self._referred(msg, payloads)
+        else:
+            layout = self._checked(msg, payloads)
+            if msg.layout_id and not self._deltas:
+                self.layout_kept = self._layouts.keep_ref(
+                    msg.layout_id, self._manifest.fingerprint, payload_signature(payloads), layout
+                )
+        repeated = layout.first_seen(self.names)
+        if repeated is not None:
+            raise duplicate_tensor(repeated)
+        checksum = self.checksum(msg)
+        if len(self.names) + len(layout.names) > MAX_TENSORS_PER_UPDATE:
+            raise WeightwireError(
+                Reason.MALFORMED_STREAM, f"more than {MAX_TENSORS_PER_UPDATE} tensor specs in one update"
+            )
+        self.names |= layout.names
+        return layout, checksum
+
+    def _referred(self, msg: pb.Bucket, payloads: Sequence[pb.Payload]) -> BucketLayout:
+        """The layout this worker kept under the bucket's ``layout_id`` for its manifest, checked
+        with payloads of the same sizes and handle fields as these; LAYOUT_UNKNOWN otherwise."""
+        ref = msg.layout_id.hex()[:32]
+        if self._deltas:
+            # A delta's specs carry counts and checksums of this update: never kept, never referred to.
+            raise layout_unknown(msg.index, f"a delta update refers to tensor specs by layout_id {ref}")
+        kept = self._layouts.by_ref(msg.layout_id, self._manifest.fingerprint)
+        if kept is None:
+            raise layout_unknown(
+                msg.index,
+                f"this worker holds no tensor specs under layout_id {ref} for manifest "
+                f"{self._manifest.fingerprint[:12]} (it restarted, changed manifest or let them go)",
+            )
+        signature, layout = kept
+        if payload_signature(payloads) != signature:
+            raise layout_unknown(
+                msg.index,
+                f"the payloads' sizes or kinds differ from those the specs of layout_id {ref} were accepted with",
+            )
+        return layout
+
+    def _checked(self, msg: pb.Bucket, payloads: list[pb.Payload]) -> BucketLayout:
+        """The layout of a bucket that carries its specs: remembered, or checked now."""
         # The count first, before any work per spec (serializing, keying or checking a bucket of
         # 2^20 specs takes seconds of CPU): the limit is known from the message's length alone.
         if len(msg.tensors) > MAX_TENSORS_PER_UPDATE - len(self.names):
@@ -206,16 +269,7 @@ class Accepted:
                 self._layouts.put(key, layout)
             if message:
                 self._layouts.put_message(message, fingerprint, key)
-        repeated = layout.first_seen(self.names)
-        if repeated is not None:
-            raise duplicate_tensor(repeated)
-        checksum = self.checksum(msg)
-        if len(self.names) + len(layout.names) > MAX_TENSORS_PER_UPDATE:
-            raise WeightwireError(
-                Reason.MALFORMED_STREAM, f"more than {MAX_TENSORS_PER_UPDATE} tensor specs in one update"
-            )
-        self.names |= layout.names
-        return layout, checksum
+        return layout
 
     def checksum(self, msg: pb.Bucket) -> int | None:
         """The CRC-32 to verify for ``msg`` (None: none asked for), its fields checked."""

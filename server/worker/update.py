@@ -229,12 +229,16 @@ class Update:
         if filler is not None:
             return self._filled_bucket(msg, filler)
         payloads = list(msg.payloads)
-        if payloads and not msg.tensors:
+        if payloads and not msg.tensors and not msg.layout_id:
             refuse_unfilled(self._ctx, payloads, allow_peer=self.header.allow_peer_device_import)
         layout, checksum = self._accepted.layout(msg, payloads)
         if self.is_delta and any(s.delta is not None for s in layout.specs):
             check_delta_payloads(self._ctx, msg.index, payloads)
-        ack = pb.BucketAck(index=msg.index, tensors_skipped=len(layout.specs) - len(layout.owned))
+        ack = pb.BucketAck(
+            index=msg.index,
+            tensors_skipped=len(layout.specs) - len(layout.owned),
+            layout_kept=self._accepted.layout_kept,
+        )
         # Every payload's label and handle are checked, also those this worker does not select and
         # in a bucket it owns nothing of: a malformed bucket is malformed for everyone.
         check_payloads(self._ctx, payloads)

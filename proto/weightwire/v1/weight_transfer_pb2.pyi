@@ -145,6 +145,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_GROUP_NOT_JOINED: _ClassVar[ErrorReason]
     ERROR_REASON_DELTA_BASE_MISMATCH: _ClassVar[ErrorReason]
     ERROR_REASON_ENGINE_ASLEEP: _ClassVar[ErrorReason]
+    ERROR_REASON_LAYOUT_UNKNOWN: _ClassVar[ErrorReason]
     ERROR_REASON_UPDATE_IN_PROGRESS: _ClassVar[ErrorReason]
     ERROR_REASON_CHECKSUM_MISMATCH: _ClassVar[ErrorReason]
     ERROR_REASON_MESSAGE_TRUNCATED: _ClassVar[ErrorReason]
@@ -263,6 +264,7 @@ ERROR_REASON_GROUP_PLAN_MISMATCH: ErrorReason
 ERROR_REASON_GROUP_NOT_JOINED: ErrorReason
 ERROR_REASON_DELTA_BASE_MISMATCH: ErrorReason
 ERROR_REASON_ENGINE_ASLEEP: ErrorReason
+ERROR_REASON_LAYOUT_UNKNOWN: ErrorReason
 ERROR_REASON_UPDATE_IN_PROGRESS: ErrorReason
 ERROR_REASON_CHECKSUM_MISMATCH: ErrorReason
 ERROR_REASON_MESSAGE_TRUNCATED: ErrorReason
@@ -405,16 +407,18 @@ class Checksum(_message.Message):
     def __init__(self, algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., value: _Optional[int] = ...) -> None: ...
 
 class Bucket(_message.Message):
-    __slots__ = ("index", "tensors", "payloads", "checksum")
+    __slots__ = ("index", "tensors", "payloads", "checksum", "layout_id")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     index: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     payloads: _containers.RepeatedCompositeFieldContainer[Payload]
     checksum: Checksum
-    def __init__(self, index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payloads: _Optional[_Iterable[_Union[Payload, _Mapping]]] = ..., checksum: _Optional[_Union[Checksum, _Mapping]] = ...) -> None: ...
+    layout_id: bytes
+    def __init__(self, index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payloads: _Optional[_Iterable[_Union[Payload, _Mapping]]] = ..., checksum: _Optional[_Union[Checksum, _Mapping]] = ..., layout_id: _Optional[bytes] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
     __slots__ = ("version", "scope", "manifest_fingerprint", "verify_checksums", "allow_peer_device_import", "update_id", "delta_base", "delta_fallback")
@@ -453,7 +457,7 @@ class PushWeightsRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., bucket: _Optional[_Union[Bucket, _Mapping]] = ..., commit: _Optional[_Union[UpdateCommit, _Mapping]] = ...) -> None: ...
 
 class BucketAck(_message.Message):
-    __slots__ = ("index", "tensors_loaded", "tensors_skipped", "bytes_loaded", "source_device", "transport", "peer_device_import", "handle_opened", "open_duration_ns", "load_duration_ns", "bytes_received")
+    __slots__ = ("index", "tensors_loaded", "tensors_skipped", "bytes_loaded", "source_device", "transport", "peer_device_import", "handle_opened", "open_duration_ns", "load_duration_ns", "bytes_received", "layout_kept")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_LOADED_FIELD_NUMBER: _ClassVar[int]
     TENSORS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
@@ -465,6 +469,7 @@ class BucketAck(_message.Message):
     OPEN_DURATION_NS_FIELD_NUMBER: _ClassVar[int]
     LOAD_DURATION_NS_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_KEPT_FIELD_NUMBER: _ClassVar[int]
     index: int
     tensors_loaded: int
     tensors_skipped: int
@@ -476,7 +481,8 @@ class BucketAck(_message.Message):
     open_duration_ns: int
     load_duration_ns: int
     bytes_received: int
-    def __init__(self, index: _Optional[int] = ..., tensors_loaded: _Optional[int] = ..., tensors_skipped: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., source_device: _Optional[_Union[DeviceId, _Mapping]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., peer_device_import: bool = ..., handle_opened: bool = ..., open_duration_ns: _Optional[int] = ..., load_duration_ns: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+    layout_kept: bool
+    def __init__(self, index: _Optional[int] = ..., tensors_loaded: _Optional[int] = ..., tensors_skipped: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., source_device: _Optional[_Union[DeviceId, _Mapping]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., peer_device_import: bool = ..., handle_opened: bool = ..., open_duration_ns: _Optional[int] = ..., load_duration_ns: _Optional[int] = ..., bytes_received: _Optional[int] = ..., layout_kept: bool = ...) -> None: ...
 
 class UpdateResult(_message.Message):
     __slots__ = ("version", "previous_version", "scope", "bucket_count", "tensors_loaded", "bytes_loaded", "handles_opened", "duration_ns", "state", "update_id", "finish_time", "bytes_received", "encoding", "base_version", "delta_fallback", "delta_tensors", "changed_elements", "result_checksums_verified")
