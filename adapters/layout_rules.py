@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from weightwire.core import layer_geometry
+from weightwire.core import fp8_geometry, layer_geometry
+from weightwire.core.layer_geometry import GeometryError
 from weightwire.core.manifest import TensorPiece
 
 # Parallel linear layers by class name, most specific first (QKV and merged layers are column-
@@ -31,6 +32,13 @@ _FUSED_RULES = (layer_geometry.qkv, layer_geometry.merged_column)
 
 # A fused expert parameter's checkpoint tensors: (shard id, checkpoint module name, full shape, pieces).
 ExpertShard = tuple[str, str, tuple[int, int], tuple[TensorPiece, ...]]
+
+
+# The fused expert parameters a manifest states, unquantized (False) and block-FP8 (True).
+EXPERT_LEAVES: Mapping[bool, tuple[str, ...]] = {
+    False: ("w13_weight", "w2_weight"),
+    True: ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"),
+}
 
 
 class ManifestError(ValueError):
@@ -144,15 +152,18 @@ def check_local(
         )
 
 
-def check_expert_param(where: str, leaf: str, method: str) -> None:
-    """Refuse a quantized experts layer (``method``: its quant method's class name) and an expert
-    parameter other than ``w13_weight`` / ``w2_weight``."""
-    if method != "UnquantizedFusedMoEMethod":
+def check_expert_param(where: str, leaf: str, method: str, block: tuple[int, int] | None = None) -> None:
+    """Refuse an expert parameter other than ``w13_weight`` / ``w2_weight`` (and, for experts in
+    block-quantised FP8, their ``_scale_inv``), and experts quantized otherwise than unquantized
+    or block FP8 (``method``: the quant method's class name; ``block``: the FP8 block size the
+    engine adapter read from it, None when unquantized)."""
+    if block is None and method != "UnquantizedFusedMoEMethod":
         raise ManifestError(
-            f"{where}: experts are quantized ({method}); only unquantized experts are supported"
+            f"{where}: experts are quantized ({method}); only unquantized and block-quantised FP8 experts "
+            "are supported"
         )
-    if leaf not in ("w13_weight", "w2_weight"):
-        raise ManifestError(f"{where}: expert parameter {leaf!r} (bias or scale) is not supported")
+    if leaf not in EXPERT_LEAVES[block is not None]:
+        raise ManifestError(f"{where}: expert parameter {leaf!r} (bias or other scale) is not supported")
 
 
 def refuse_layouts(where: str, refusals: Mapping[str, bool]) -> None:
@@ -172,17 +183,64 @@ def expert_shards(
     per_rank: int,
     rows: tuple[int, int, int],
     names: tuple[str, str, str],
+    block: tuple[int, int] | None = None,
 ) -> tuple[ExpertShard, ...]:
     """The checkpoint tensors of one expert in fused parameter ``leaf`` (``w13_weight``: gate
     ``w1`` and up ``w3``; ``w2_weight``: down ``w2``), after checking the parameter's local shape
     ``[experts, 2 * per_rank, hidden]`` / ``[experts, hidden, per_rank]``. ``rows``: ``(start,
     kept, full)``, this rank keeps intermediate rows ``[start, start + kept)`` of ``full`` (rows of
-    gate/up, columns of down); ``names``: the checkpoint module names of gate, up and down."""
+    gate/up, columns of down); ``names``: the checkpoint module names of gate, up and down.
+
+    Block-quantised FP8 experts (``block``): the weight's slice must keep whole blocks (a split
+    block is refused, naming ``where``), and ``w13_weight_scale_inv`` / ``w2_weight_scale_inv``
+    (local ``[experts, 2 * per_rank / bn, hidden / bk]`` / ``[experts, hidden / bn, per_rank / bk]``,
+    rounded up) are fed from each expert's ``weight_scale_inv``, the blocks of its weight's slice."""
     start, kept, full = rows
-    if leaf == "w13_weight":
-        check_local(where, local, (experts, 2 * per_rank, hidden))
+    base = leaf.removesuffix("_scale_inv")
+    if base == "w13_weight":
         gate_up = () if kept == full else (TensorPiece(0, start, kept),)
-        return (("w1", names[0], (full, hidden), gate_up), ("w3", names[1], (full, hidden), gate_up))
-    check_local(where, local, (experts, hidden, per_rank))
-    down = () if kept == full else (TensorPiece(1, start, kept),)
-    return (("w2", names[2], (hidden, full), down),)
+        weights: tuple[ExpertShard, ...] = (
+            ("w1", names[0], (full, hidden), gate_up),
+            ("w3", names[1], (full, hidden), gate_up),
+        )
+        local_weight = (experts, 2 * per_rank, hidden)
+    else:
+        down = () if kept == full else (TensorPiece(1, start, kept),)
+        weights = (("w2", names[2], (hidden, full), down),)
+        local_weight = (experts, hidden, per_rank)
+    if block is None:
+        check_local(where, local, local_weight)
+        return weights
+    try:
+        for _, _, shape, pieces in weights:
+            fp8_geometry.check_block_aligned(where, shape, pieces, block)
+        if base == "w13_weight" and per_rank % block[0]:
+            # Gate and up stack in one parameter: gate's last block would share its scale with up's first.
+            raise GeometryError(
+                f"{where}: {per_rank} gate/up rows per rank do not fill whole {block[0]}-row FP8 blocks"
+            )
+        if leaf == base:
+            check_local(where, local, local_weight)
+            return weights
+        b_rows, b_cols = (
+            fp8_geometry.blocks(local_weight[1], block[0]),
+            fp8_geometry.blocks(local_weight[2], block[1]),
+        )
+        check_local(where, local, (experts, b_rows, b_cols))
+        return tuple(
+            (
+                sid,
+                ckpt,
+                fp8_geometry.scale_shape(shape, block),
+                fp8_geometry.scale_pieces(where, shape, pieces, block),
+            )
+            for sid, ckpt, shape, pieces in weights
+        )
+    except GeometryError as e:
+        raise ManifestError(str(e)) from None
+
+
+def expert_leaf(leaf: str) -> str:
+    """The checkpoint leaf an expert parameter is filled from: ``weight_scale_inv`` for
+    ``w13_weight_scale_inv`` / ``w2_weight_scale_inv``, else ``weight``."""
+    return fp8_geometry.SCALE_LEAF if leaf.endswith("_scale_inv") else fp8_geometry.WEIGHT_LEAF

@@ -20,9 +20,12 @@ in one ``w13_weight`` ``[local_experts, 2 * I / moe_tp, hidden]`` and the down p
 ``w2_weight`` ``[local_experts, hidden, I / moe_tp]``. Each is expanded to the checkpoint's
 per-expert names (``mlp.experts.{e}.gate_proj.weight`` and so on, as the model's loader names them
 through ``FusedMoE.make_expert_params_mapping``) for the experts of this rank's expert-parallel
-rank only, each with this rank's MoE-TP slice: rows of gate/up, columns of down. Layouts the
-loader would transform (Triton-kernel transposes, up-before-gate, padded intermediate sizes,
-redundant or fused shared experts, biases) are refused.
+rank only, each with this rank's MoE-TP slice: rows of gate/up, columns of down. Block-FP8
+experts (``Fp8MoEMethod`` with ``weight_block_size``) add ``w13_weight_scale_inv`` /
+``w2_weight_scale_inv``, expanded the same way to each expert's ``weight_scale_inv`` (the blocks of
+its weight's slice, which must keep whole blocks). Layouts the loader would transform
+(Triton-kernel transposes, up-before-gate, padded intermediate sizes, redundant or fused shared
+experts, biases) and other quantized experts are refused.
 
 Called by ``weightwire.adapters.sglang.adapter`` (inside the scheduler process, or a test process
 that built an SGLang model under SGLang's parallel state).
@@ -41,6 +44,7 @@ from weightwire.adapters.layout_rules import (
     StageLayout,
     check_expert_param,
     check_local,
+    expert_leaf,
     expert_shards,
     linear_feeds,
     read_stage,
@@ -250,7 +254,8 @@ def _expert_targets(
             f"{where}: mixture-of-experts layer of {arch}, whose checkpoint expert names this adapter does not "
             f"know (known: {sorted(EXPERT_CHECKPOINT_NAMES)})"
         )
-    check_expert_param(where, leaf, type(getattr(layer, "quant_method", None)).__name__)
+    block = _fp8_expert_block(where, layer)
+    check_expert_param(where, leaf, type(getattr(layer, "quant_method", None)).__name__, block)
     refuse_layouts(
         where,
         {
@@ -299,12 +304,45 @@ def _expert_targets(
         per_rank=per_rank,
         rows=(start, kept, full),
         names=names[:3],
+        block=block,
     )
+    ckpt_leaf = expert_leaf(leaf)
     return [
-        LoadTarget(f"{module_name}.{e}.{ckpt}.weight", where, sid, param.dtype, shape, pieces, e)
+        LoadTarget(f"{module_name}.{e}.{ckpt}.{ckpt_leaf}", where, sid, param.dtype, shape, pieces, e)
         for e in range(first, first + num_local)
         for sid, ckpt, shape, pieces in shards
     ]
+
+
+def _fp8_expert_block(where: str, layer: Any) -> tuple[int, int] | None:
+    """None for unquantized experts; the block size of block-quantised FP8 ones (SGLang's
+    ``Fp8MoEMethod`` with ``weight_block_size``: ``w13_weight`` / ``w2_weight`` float8_e4m3fn and
+    ``w13_weight_scale_inv`` / ``w2_weight_scale_inv`` float32 per block, each loaded per expert
+    from the checkpoint's ``weight`` and ``weight_scale_inv``). Other FP8 expert layouts are
+    refused here, naming what they do; other quant methods by ``check_expert_param``."""
+    method: Any = getattr(layer, "quant_method", None)
+    if type(method).__name__ != "Fp8MoEMethod":
+        return None
+    config = method.quant_config
+    refuse_layouts(
+        where,
+        {
+            "FP8 experts quantized at load from a 16-bit checkpoint (online quantization)": not getattr(
+                config, "is_checkpoint_fp8_serialized", False
+            ),
+            "per-tensor FP8 experts (weight_scale, requantized after loading)": not getattr(
+                method, "block_quant", False
+            ),
+            "MXFP8 (UE8M0 scales) experts": bool(getattr(method, "use_mxfp8", False)),
+            "FP4 experts": bool(getattr(method, "is_fp4_expert", False)),
+            "FP8 experts with static activation scales": getattr(config, "activation_scheme", "dynamic")
+            != "dynamic",
+        },
+    )
+    block = tuple(int(b) for b in method.weight_block_size)
+    if len(block) != 2:
+        raise ManifestError(f"{where}: FP8 block size {block} is not two-dimensional")
+    return block[0], block[1]
 
 
 def _check_trivial_placement(where: str, layer: Any) -> None:

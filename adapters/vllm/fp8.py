@@ -71,6 +71,39 @@ def block_size(where: str, layer: Any) -> tuple[int, int] | None:
     return block[0], block[1]
 
 
+def expert_block_size(where: str, layer: Any) -> tuple[int, int] | None:
+    """None for unquantized experts; the block size of block-quantised FP8 ones (vLLM's
+    ``Fp8MoEMethod`` with ``weight_block_size``: ``w13_weight`` / ``w2_weight`` float8_e4m3fn and
+    ``w13_weight_scale_inv`` / ``w2_weight_scale_inv`` float32 per block, each loaded per expert
+    from the checkpoint's ``weight`` and ``weight_scale_inv``). Other FP8 expert layouts are
+    refused here, naming what they do; other quant methods by ``layout_rules.check_expert_param``."""
+    method: Any = getattr(layer, "quant_method", None)
+    if type(method).__name__ != "Fp8MoEMethod":
+        return None
+    config = method.quant_config
+    if not config.is_checkpoint_fp8_serialized:
+        raise ManifestError(
+            f"{where}: FP8 experts quantized at load from a 16-bit checkpoint (online quantization) are not "
+            "supported; serve a block-quantised FP8 checkpoint (weight_block_size) instead"
+        )
+    if not method.block_quant:
+        raise ManifestError(
+            f"{where}: per-tensor FP8 experts (weight_scale, requantized to one scale per expert after "
+            "loading) are not supported; block-quantised FP8 experts (weight_block_size) are"
+        )
+    if getattr(method, "weight_scale_refine", None) is not None:
+        raise ManifestError(
+            f"{where}: FP8 expert block scales refined to {list(method.moe_block_shape)} to fit the TP shard "
+            f"(the loader upsamples the checkpoint's {list(method.weight_block_size)} scales) are not supported"
+        )
+    if getattr(config, "activation_scheme", "dynamic") != "dynamic":
+        raise ManifestError(f"{where}: FP8 experts with static activation scales are not supported")
+    block = tuple(int(b) for b in method.weight_block_size)
+    if len(block) != 2:
+        raise ManifestError(f"{where}: FP8 block size {block} is not two-dimensional")
+    return block[0], block[1]
+
+
 def is_kv_cache_scale(layer: Any, leaf: str) -> bool:
     """Whether ``layer.<leaf>`` is an attention layer's KV-cache quantization scale (left out)."""
     from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod

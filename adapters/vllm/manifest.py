@@ -26,8 +26,11 @@ hold every local expert's gate and up projections stacked in ``w13_weight``
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``, with the checkpoint module names the layer
 records for its loader), for the experts of this worker's expert-parallel rank only
 (``expert_map_manager``), each with this worker's MoE-TP slice: rows of gate/up, columns of down.
-Layouts vLLM's loader would transform (padded sizes, transposed or fused checkpoints, biases,
-fused shared or redundant experts, quantized experts) are refused.
+Block-FP8 experts (``Fp8MoEMethod`` with ``weight_block_size``, ``fp8.expert_block_size``) add
+``w13_weight_scale_inv`` / ``w2_weight_scale_inv``, expanded the same way to each expert's
+``weight_scale_inv`` (the blocks of its weight's slice, which must keep whole blocks); such a layer
+is ``reload_only``. Layouts vLLM's loader would transform (padded sizes, transposed or fused
+checkpoints, biases, fused shared or redundant experts, other quantized experts) are refused.
 
 Each checkpoint name maps to the vLLM layer (module) whose parameters it fills. vLLM's layerwise
 reload processes a layer once every tensor feeding it has arrived, so the adapter uses
@@ -52,6 +55,7 @@ from weightwire.adapters.layout_rules import (
     StageLayout,
     check_expert_param,
     check_local,
+    expert_leaf,
     expert_shards,
     linear_feeds,
     read_stage,
@@ -177,6 +181,11 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
             owner_of_param[id(param)] = layer_name
             where = _join(layer_name, leaf)
             if RoutedExperts and isinstance(module, RoutedExperts):
+                if not type(module.quant_method).__name__.startswith("Unquantized"):
+                    reload_only[layer_name] = (
+                        f"quantized ({type(module.quant_method).__name__}): its process_weights_after_loading "
+                        "may repack what was pushed"
+                    )
                 for t in _expert_targets(module, layer_name, leaf, model_format(module, leaf, param), param):
                     add(t.name, layer_name, leaf, t.shard_id, t.dtype, t.shape, t.pieces)
                 continue
@@ -267,7 +276,8 @@ def _expert_targets(
     worker's slice of the intermediate dimension, as ``RoutedExperts.load_weights`` /
     ``weight_loader`` / ``_load_w13`` / ``_load_w2`` (vLLM 0.32) slice them."""
     where = _join(layer_name, leaf)
-    check_expert_param(where, leaf, type(layer.quant_method).__name__)
+    block = fp8.expert_block_size(where, layer)
+    check_expert_param(where, leaf, type(layer.quant_method).__name__, block)
     config = layer.moe_config
     managers = layer.expert_map_manager
     refuse_layouts(
@@ -302,11 +312,13 @@ def _expert_targets(
         per_rank=per_rank,
         rows=(tp_rank * per_rank, per_rank, full),
         names=(layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name),
+        block=block,
     )
+    ckpt_leaf = expert_leaf(leaf)
     # The loader qualifies a checkpoint name with the runner's prefix: layer.layer_name.
     return [
         LoadTarget(
-            f"{layer.layer_name}.{e}.{ckpt}.weight",
+            f"{layer.layer_name}.{e}.{ckpt}.{ckpt_leaf}",
             where,
             sid,
             param.dtype,

@@ -20,8 +20,11 @@ def prepare_cpu_import() -> None:
     sglang_cpu_shims.apply()
 
 
-def init_parallel(*, rank: int, world_size: int, tp_size: int, pp_size: int, init_port: int) -> None:
-    """SGLang's distributed environment and model-parallel groups over gloo, as its layer tests do."""
+def init_parallel(
+    *, rank: int, world_size: int, tp_size: int, pp_size: int, init_port: int, ep_size: int = 1
+) -> None:
+    """SGLang's distributed environment and model-parallel groups over gloo, as its layer tests do
+    (``ep_size`` > 1: the MoE layers' expert parallelism within the TP group)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(init_port))
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
@@ -36,7 +39,7 @@ def init_parallel(*, rank: int, world_size: int, tp_size: int, pp_size: int, ini
         distributed_init_method=f"tcp://127.0.0.1:{init_port}",
     )
     publish(
-        ServerArgs(model_path="dummy", tp_size=tp_size, pp_size=pp_size, device="cpu"),
+        ServerArgs(model_path="dummy", tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, device="cpu"),
         role="test",
         ranks=SpawnRanks(world_rank=rank),
     )

@@ -17,6 +17,7 @@ Commands on stdin, one per line; each answers ``ok`` or ``error <message>`` on s
 ``dump PATH`` (every parameter, by vLLM name, into a torch file), ``reference CKPT PATH`` (a fresh
 model loaded from checkpoint CKPT by vLLM's loader alone, dumped), ``manifest_error BLOCK`` (the
 manifest builder's refusal, or "none", when the model's FP8 block were BLOCK x BLOCK),
+``manifest_error BLOCK WITHIN`` (the same, changing only the layers whose names contain WITHIN),
 ``direct`` (the adapter's direct-copy decisions, JSON), ``window`` (open vLLM's update window),
 ``quit``.
 """
@@ -142,7 +143,7 @@ def main() -> None:
                 )
                 continue
             elif cmd == "manifest_error":
-                print("ok " + manifest_error(model, vllm_config, int(rest[0])), flush=True)
+                print("ok " + manifest_error(model, vllm_config, int(rest[0]), *rest[1:]), flush=True)
                 continue
             else:
                 raise ValueError(f"unknown command {cmd!r}")
@@ -153,14 +154,15 @@ def main() -> None:
     server.stop(grace=1.0)
 
 
-def manifest_error(model: torch.nn.Module, vllm_config: Any, block: int) -> str:
+def manifest_error(model: torch.nn.Module, vllm_config: Any, block: int, within: str = "") -> str:
     """What the manifest builder says of this model were its FP8 blocks ``block`` x ``block`` (a
     checkpoint whose blocks this rank's slices would split: vLLM checks its own block size when it
-    builds the layers, so the model is built with 128 and the config changed afterwards)."""
+    builds the layers, so the model is built with 128 and the config changed afterwards), in the
+    layers whose names contain ``within`` only (all by default)."""
     from weightwire.adapters.layout_rules import ManifestError
     from weightwire.adapters.vllm.manifest import model_layout
 
-    methods = [getattr(m, "quant_method", None) for m in model.modules()]
+    methods = [getattr(m, "quant_method", None) for n, m in model.named_modules() if within in n]
     saved = [(m, m.weight_block_size) for m in methods if getattr(m, "weight_block_size", None)]
     try:
         for m, _ in saved:

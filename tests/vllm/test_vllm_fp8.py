@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from rank_fleet import RankFleet, assert_same_bytes, free_port
 from vllm_cpu import ModelSpec, checkpoint, save_checkpoint
 from weightwire.adapters.vllm import discover
 from weightwire.client import PlanError, WeightPusher
@@ -63,89 +61,26 @@ def write(state: dict[str, torch.Tensor], directory: Path) -> str:
     return str(directory)
 
 
-class Ranks:
-    """The two rank processes, driven through their stdin commands (fp8_rank.py)."""
+class Ranks(RankFleet):
+    """The two rank processes (fp8_rank.py), serving their workers in ``socket_dir``."""
 
     def __init__(self, ckpt: str, socket_dir: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = dict(
-            os.environ,
-            PYTHONUNBUFFERED="1",
-            PYTHONPATH=os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
-            VLLM_CPU_OMP_THREADS_BIND="0|1",
+        port = free_port()
+        args = ["--world", "2", "--init-port", str(port), "--ckpt", ckpt, "--socket-dir", str(socket_dir)]
+        super().__init__(
+            [[str(HERE / "fp8_rank.py"), "--rank", str(r), *args] for r in range(2)],
+            {
+                "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
+                "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+            },
         )
-        self.procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(HERE / "fp8_rank.py"),
-                    "--rank",
-                    str(r),
-                    "--world",
-                    "2",
-                    "--init-port",
-                    str(port),
-                    "--ckpt",
-                    ckpt,
-                    "--socket-dir",
-                    str(socket_dir),
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            for r in range(2)
-        ]
-        for proc in self.procs:
-            self._answer(proc, "ready")
-
-    @staticmethod
-    def _answer(proc: subprocess.Popen[str], want: str = "ok") -> str:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith(("ok", "error", "ready")):
-                assert line.startswith(want), line
-                return line[len(want) :].strip()
-        raise RuntimeError(f"rank process ended (exit {proc.wait()})")
-
-    def ask(self, command: str) -> list[str]:
-        for proc in self.procs:
-            assert proc.stdin is not None
-            proc.stdin.write(command + "\n")
-            proc.stdin.flush()
-        return [self._answer(proc) for proc in self.procs]
-
-    def dumps(self, tmp: Path, command: str, tag: str) -> list[dict[str, torch.Tensor]]:
-        """Each rank's parameters after ``command`` (``dump`` or ``reference CKPT``), by vLLM name."""
-        paths = [tmp / f"{tag}-{r}.pt" for r in range(2)]
-        for r, proc in enumerate(self.procs):
-            assert proc.stdin is not None
-            proc.stdin.write(f"{command} {paths[r]}\n")
-            proc.stdin.flush()
-        for proc in self.procs:
-            self._answer(proc)
-        return [torch.load(p) for p in paths]
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None and proc.stdin is not None:
-                proc.stdin.write("quit\n")
-                proc.stdin.flush()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
-@pytest.fixture(scope="module")
-def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Ranks, WeightPusher, Path]]:
-    root = tmp_path_factory.mktemp("fp8")
+def serving(root: Path, first: Callable[[Path], str]) -> Iterator[tuple[Ranks, WeightPusher, Path]]:
+    """The two ranks started from checkpoint directory ``first(root / "ckpt1")``, their update
+    window open, and a pusher to both."""
     (root / "sock").mkdir()
-    ranks = Ranks(write(fp8_checkpoint(seed=1), root / "ckpt1"), root / "sock")
+    ranks = Ranks(first(root / "ckpt1"), root / "sock")
     try:
         ranks.ask("window")  # what vLLM's start_weight_update opens
         with WeightPusher(
@@ -156,12 +91,9 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Ranks, W
         ranks.stop()
 
 
-def assert_same(held: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    assert held.keys() == want.keys()
-    for name, t in want.items():
-        assert held[name].dtype == t.dtype and held[name].shape == t.shape, (what, name)
-        # Bytes, not values: FP8 NaN patterns and -0 compare as what was loaded.
-        assert torch.equal(held[name].view(torch.uint8), t.view(torch.uint8)), f"{name} ({what})"
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Ranks, WeightPusher, Path]]:
+    yield from serving(tmp_path_factory.mktemp("fp8"), lambda d: write(fp8_checkpoint(seed=1), d))
 
 
 def test_manifests_list_weights_and_scales_with_whole_blocks(
@@ -204,7 +136,7 @@ def test_pushes_land_where_vllms_loader_puts_the_checkpoint(
     pushed = ranks.dumps(root, "dump", "v1")
     want = ranks.dumps(root, f"reference {write(full, root / 'ckpt2')}", "ref2")
     for r in range(2):
-        assert_same(pushed[r], want[r], f"FULL push, rank {r}")
+        assert_same_bytes(pushed[r], want[r], f"FULL push, rank {r}")
         name = "model.layers.1.mlp.gate_up_proj.weight_scale_inv"
         assert not torch.equal(start[r][name], pushed[r][name])  # the push changed what it should
 
@@ -219,7 +151,7 @@ def test_pushes_land_where_vllms_loader_puts_the_checkpoint(
     pushed = ranks.dumps(root, "dump", "v2")
     want = ranks.dumps(root, f"reference {write({**full, **partial}, root / 'ckpt3')}", "ref3")
     for r in range(2):
-        assert_same(pushed[r], want[r], f"PARTIAL push, rank {r}")
+        assert_same_bytes(pushed[r], want[r], f"PARTIAL push, rank {r}")
 
     # A bf16 trainer: quantize_for quantises what the engine holds as FP8 (same arithmetic).
     bf16 = bf16_checkpoint(seed=4)
@@ -234,7 +166,7 @@ def test_pushes_land_where_vllms_loader_puts_the_checkpoint(
     pushed = ranks.dumps(root, "dump", "v3")
     want = ranks.dumps(root, f"reference {write(quantized, root / 'ckpt4')}", "ref4")
     for r in range(2):
-        assert_same(pushed[r], want[r], f"quantize_for push, rank {r}")
+        assert_same_bytes(pushed[r], want[r], f"quantize_for push, rank {r}")
 
     # Quantized layers always loaded through vLLM's reload (three updates: never a direct copy).
     for answer in ranks.ask("direct"):
@@ -278,7 +210,7 @@ def test_refusals_before_anything_loads(running: tuple[Ranks, WeightPusher, Path
     }
     after = ranks.dumps(root, "dump", "after-refusals")
     for r in range(2):
-        assert_same(after[r], before[r], f"after refusals, rank {r}")
+        assert_same_bytes(after[r], before[r], f"after refusals, rank {r}")
 
     # Blocks a rank's slice would split (a 256 x 256 block over TP2's 128-row halves of q/k/v):
     # the manifest builder refuses the model at engine start, naming the layer.
