@@ -389,7 +389,7 @@ def run_slice_member(args: argparse.Namespace) -> int:
         packed: dict[tuple[Any, ...], torch.Tensor] = {}
         bare = [
             (group.of_worker(w), packed.setdefault(tuple(m), pack_message(m, local, holdings)))
-            for w, _, m in send_sequence(plan, group, args.rank, limit)
+            for w, _, _, m in send_sequence(plan, group, args.rank, limit)
         ]
 
         def plan_step() -> int:

@@ -2,7 +2,8 @@
 from M FSDP2 ranks over a transfer group, against bare torch.distributed moving the same bytes
 between the same processes, same run (issue 27).
 
-    .venv/bin/python bench/bench_push_sources.py [--model cpu-m] [--sources 1,2,4] [--engine 2,1] [--reps 5] [--out DIR]
+    .venv/bin/python bench/bench_push_sources.py [--model cpu-m] [--sources 1,2,4] [--engine 2,1] [--reps 5]
+        [--bucket-mib N] [--out DIR]
 
 Processes: ``tp x dp`` workers (this script with ``--role worker``: ``weightwire.server.serve`` over a
 ``TorchAdapter`` holding its TP slice of the bench model, ``bench/models.py``) and, per source count
@@ -17,6 +18,9 @@ barriers of the trainer ranks:
 ``bare``  the bytes the plan moves between each trainer rank and each worker, as one message per
           pair over a bare ``ProcessGroupGloo`` of the same processes, received into buffers made
           beforehand: no gRPC, no planning, no placing into tensors, no acks.
+
+``--bucket-mib``: the pushers' bucket size (their default, 64 MiB, unless given), which splits each
+worker's part of the update into buckets; each case records the buckets each worker acked.
 
 Ratio = bare / push (>= 0.9 is the target for M >= 2). Results go to ``DIR/push_sources.json``.
 """
@@ -124,7 +128,12 @@ def run_trainer(args: argparse.Namespace) -> int:
     if world > 1:
         fully_shard(module)
     workers = args.workers.split(",")
-    pusher = WeightPusher(workers, transfer_group=TransferGroupOptions(host=HOST), timeout_s=300)
+    pusher = WeightPusher(
+        workers,
+        transfer_group=TransferGroupOptions(host=HOST),
+        timeout_s=300,
+        bucket_size_bytes=args.bucket_mib << 20 if args.bucket_mib else None,
+    )
     state = module.state_dict()
     times = []
     for rep in range(args.reps + 1):
@@ -135,6 +144,7 @@ def run_trainer(args: argparse.Namespace) -> int:
         if rep:
             times.append(time.perf_counter() - t0)
     received = {a: r.bytes_received for a, r in results.items()}
+    buckets = {a: r.buckets for a, r in results.items()}
     # The bytes the update moved between each trainer rank and each worker, from the same planner.
     manifests = pusher.manifests()
     if world > 1:
@@ -148,7 +158,10 @@ def run_trainer(args: argparse.Namespace) -> int:
         pairs = {a: [received[a]] for a in workers}
     pusher.close()
     if me == 0:
-        print(json.dumps({"push_s": times, "received": received, "pairs": pairs}), flush=True)
+        print(
+            json.dumps({"push_s": times, "received": received, "pairs": pairs, "buckets": buckets}),
+            flush=True,
+        )
     # bare: the same pair bytes between the same processes
     line = sys.stdin.readline()
     cmd = json.loads(line)
@@ -236,6 +249,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         ",".join(addresses),
                         "--version-base",
                         str(1 + len(cases) * (args.reps + 1)),
+                        "--bucket-mib",
+                        str(args.bucket_mib),
                     ],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -281,13 +296,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "bare_ms": round(bare_ms, 2),
                 "ratio": round(bare_ms / push_ms, 3),
                 "bytes_moved": moved,
+                "buckets_per_worker": [pushed["buckets"][a] for a in addresses],
                 "push_all_ms": [round(x * 1e3, 2) for x in pushed["push_s"]],
                 "bare_all_ms": [round(x * 1e3, 2) for x in bare["bare_s"]],
             }
             cases.append(case)
             print(
                 f"M={m}: push {push_ms:8.1f} ms  bare {bare_ms:8.1f} ms  ratio {case['ratio']:.2f}  "
-                f"({moved / 2**20:.1f} MiB into {len(workers)} workers)",
+                f"({moved / 2**20:.1f} MiB into {len(workers)} workers, buckets per worker "
+                f"{case['buckets_per_worker']})",
                 flush=True,
             )
     finally:
@@ -317,6 +334,7 @@ def main() -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--workers", default="")
     ap.add_argument("--version-base", type=int, default=1)
+    ap.add_argument("--bucket-mib", type=int, default=0, help="the pushers' bucket size (0: their default)")
     ap.add_argument("--tp-rank", type=int, default=0)
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--dp-rank", type=int, default=0)

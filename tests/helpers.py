@@ -601,9 +601,14 @@ class TrainerRanks:
                 p.communicate()
 
 
-def slice_trainer_main(addresses: list[str], checkpoint: Callable[[int], Mapping[str, torch.Tensor]]) -> int:
+def slice_trainer_main(
+    addresses: list[str],
+    checkpoint: Callable[[int], Mapping[str, torch.Tensor]],
+    bucket_size_bytes: int | None = None,
+) -> int:
     """One trainer rank of ``TrainerRanks``: a ``WeightPusher`` over a transfer group on loopback to
-    ``addresses``; reads one JSON command a line, answers one JSON line:
+    ``addresses`` (with ``bucket_size_bytes`` when given: each worker's part then comes as buckets
+    of at most that); reads one JSON command a line, answers one JSON line:
     {"op": "push", "version": V, "seed": S, "single": bool, "pause": bool} pushes ``checkpoint(S)``,
     as DTensor shards of one ``Shard(0)`` mesh over the world (every rank a source), or with
     ``single`` as plain tensors from rank 0 alone; with ``pause`` it prints {"paused": true} right
@@ -653,7 +658,10 @@ def slice_trainer_main(addresses: list[str], checkpoint: Callable[[int], Mapping
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     pusher = WeightPusher(
-        addresses, transfer_group=TransferGroupOptions(host="127.0.0.1", timeout_s=20), timeout_s=60
+        addresses,
+        transfer_group=TransferGroupOptions(host="127.0.0.1", timeout_s=20),
+        timeout_s=60,
+        bucket_size_bytes=bucket_size_bytes,
     )
     print(json.dumps({"ready": True}), flush=True)
     try:

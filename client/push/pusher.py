@@ -204,7 +204,16 @@ class WeightPusher(UpdateRunner):
             manifests = self.manifests(refresh=link.group_id is None)
             return manifests, dict(self._fingerprints)
 
-        return push_slices(link, connections, read_manifests, items, options, group=group, deltas=deltas)
+        return push_slices(
+            link,
+            connections,
+            read_manifests,
+            items,
+            options,
+            group=group,
+            deltas=deltas,
+            bucket_bytes=self.bucket_size_bytes,
+        )
 
     def leave_transfer_group(self) -> None:
         """Tear the transfer group down on this side and on every worker (the next push forms a new one)."""

@@ -126,7 +126,8 @@ class PlanRecord:
 class SlicesPlanRecord:
     """One rank's plan of an every-rank-a-source update (``slice_push``): the transfer plan's
     fingerprint ("" when it could not plan), the group it still holds with these workers ("" for
-    none), what it pushes (version, scope, update id, cast_to) and its error."""
+    none), what it pushes (version, scope, update id, cast_to, the bucket size that splits each
+    worker's part) and its error."""
 
     fingerprint: str
     group: str
@@ -135,11 +136,12 @@ class SlicesPlanRecord:
     update_id: str
     cast_to: str
     error: RankFailure | None
+    bucket_bytes: int
 
     @property
     def update(self) -> list[object]:
         """What every rank must push alike, as the disagreement names it."""
-        return [self.version, self.scope, self.update_id, self.cast_to]
+        return [self.version, self.scope, self.update_id, self.cast_to, self.bucket_bytes]
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = dataclasses.asdict(self)
@@ -158,11 +160,19 @@ class SlicesPlanRecord:
                 "update_id": str,
                 "cast_to": str,
                 "error": (dict, _NONE),
+                "bucket_bytes": int,
             },
         )
         error = RankFailure.from_json(f["error"]) if f["error"] is not None else None
         return cls(
-            f["fingerprint"], f["group"], f["version"], f["scope"], f["update_id"], f["cast_to"], error
+            f["fingerprint"],
+            f["group"],
+            f["version"],
+            f["scope"],
+            f["update_id"],
+            f["cast_to"],
+            error,
+            f["bucket_bytes"],
         )
 
 

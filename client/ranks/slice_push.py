@@ -12,10 +12,12 @@ Every rank of the trainer's ``group`` runs the same push line; then, in order:
    error or difference fails every rank before anything is sent;
 2. the group of every trainer rank and the workers is formed, or reused (``transfer_group_sources``);
 3. rank 0 runs the update's ``UpdateSession`` (``weightwire.client.update.session``) over every
-   worker, one bucket each: its part of the plan, a slices payload (``PerWorkerRoute``); once the
-   last is queued, the route starts this rank's sends, and every other rank starts its own; every
-   member compares the plan's fingerprint over the group, then every rank sends what the plan gives
-   it (``send_slices``) while every worker receives into its kept tensors;
+   worker, its part of the plan split into buckets of at most the pusher's bucket size
+   (``split_buckets``), each a slices payload (``PerWorkerRoute``); once the last is queued, the
+   route starts this rank's sends, and every other rank starts its own; every member compares the
+   plan's fingerprint over the group (once per update), then every rank sends what the plan gives
+   it (``send_slices``), bucket by bucket, while every worker receives one bucket at a time and
+   holds it until the commit;
 4. the ranks exchange whether their sends ended well: on rank 0 that exchange is the session's
    commit gate, so the session commits on every worker only when every rank's sends did and every
    worker acked its bucket, and cancels every stream otherwise (what failed tears this side of the
@@ -31,10 +33,11 @@ its streams of encodings (``send_streams``) in place of its regions' bytes in st
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from weightwire.client.inputs import plan as planning
@@ -54,6 +57,7 @@ from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports.transfer_group_slice_deltas import send_streams
 from weightwire.core.transports.transfer_group_slices import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    Buckets,
     agree,
     send_slices,
 )
@@ -170,16 +174,39 @@ def _layout_key(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[object, ...]
     )
 
 
+def split_buckets(plan: TransferPlan, workers: Sequence[str], bucket_bytes: int) -> Buckets:
+    """Each worker's part of ``plan`` as buckets of at most ``bucket_bytes`` (a tensor whose
+    regions to the worker hold more goes alone in one): the tensors of each bucket, in plan order.
+    Every region of a tensor goes in the same bucket, so each bucket tiles what the worker keeps of
+    its tensors on its own (``check_slices``). A worker sent nothing gets one empty bucket."""
+    out = []
+    for w in workers:
+        sizes: dict[str, int] = {}
+        for t in plan.for_worker(w):
+            sizes[t.tensor] = sizes.get(t.tensor, 0) + t.nbytes
+        parts: list[list[str]] = [[]]
+        size = 0
+        for name, n in sizes.items():
+            if parts[-1] and size + n > bucket_bytes:
+                parts.append([])
+                size = 0
+            parts[-1].append(name)
+            size += n
+        out.append((w, tuple(frozenset(p) for p in parts)))
+    return tuple(out)
+
+
 def _slices_payload(
     address: str,
     formed: FormedSources,
     plan: TransferPlan,
     manifest: ShardManifest,
     deltas: SliceDeltas | None = None,
+    tensors: frozenset[str] | None = None,
 ) -> pb.Payload:
-    """The payload of ``address``'s part of ``plan``: the same message every update with the same
-    plan and group (so the worker finds it checked already), and in a delta update each region's
-    ``TensorDelta`` (``deltas.regions``)."""
+    """The payload of ``address``'s part of ``plan`` (of its bucket of ``tensors``, when given):
+    the same message every update with the same plan and group (so the worker finds it checked
+    already), and in a delta update each region's ``TensorDelta`` (``deltas.regions``)."""
     payload = pb.Payload()
     payload.device.CopyFrom(manifest.device.to_proto())
     h = payload.transfer_group
@@ -189,6 +216,8 @@ def _slices_payload(
     h.max_message_bytes = DEFAULT_MAX_MESSAGE_BYTES
     size = 0
     for t in plan.for_worker(address):
+        if tensors is not None and t.tensor not in tensors:
+            continue
         s = h.slices.add(tensor=t.tensor, source_rank=t.source)
         if deltas is not None:
             s.delta.CopyFrom(deltas.regions[t])
@@ -210,8 +239,9 @@ class _RankSends:
         plan: TransferPlan,
         local: dict[str, torch.Tensor],
         boxes: dict[str, Box],
+        buckets: Buckets,
     ) -> None:
-        self._send = lambda: update.send(formed, plan, local, boxes)
+        self._send = lambda: update.send(formed, plan, local, boxes, buckets)
         self._thread: threading.Thread | None = None
         self.error: WeightwireError | None = None
 
@@ -241,8 +271,11 @@ class _SliceUpdate:
         options: PushOptions,
         ranks: RankGroup,
         deltas: SliceDeltas | None = None,
+        bucket_bytes: int = planning.DEFAULT_BUCKET_BYTES,
     ) -> None:
         self.link = link
+        # What bounds a bucket (``split_buckets``): the pusher's bucket size, the same on every rank.
+        self.bucket_bytes = bucket_bytes
         # A push asked for as a delta (``slice_deltas``): what this rank records or sends of it.
         self.deltas = deltas
         self.connections = connections
@@ -319,6 +352,7 @@ class _SliceUpdate:
                 str(opts.update_id),
                 str(opts.cast_to),
                 RankFailure.of(local_error) if local_error else None,
+                self.bucket_bytes,
             ),
             "the update's transfer plan",
         )
@@ -330,7 +364,7 @@ class _SliceUpdate:
         if len({json.dumps(rec.update) for rec in records}) > 1:
             raise PlanError(
                 Reason.TRAINER_RANKS_DISAGREE,
-                "the trainer ranks push different updates (version, scope, update id, cast_to): "
+                "the trainer ranks push different updates (version, scope, update id, cast_to, bucket size): "
                 + "; ".join(f"rank {r}: {rec.update}" for r, rec in enumerate(records)),
             )
         if len({rec.fingerprint for rec in records}) > 1:
@@ -349,9 +383,10 @@ class _SliceUpdate:
         if self.deltas is not None:
             self.deltas.prepare(self.ranks, plan, local, boxes, self.link.device)
         formed = self.link.ensure(self.ranks, self.manifests, self.groups_held)
-        sends = _RankSends(self, formed, plan, local, boxes)
+        buckets = self._split(plan)
+        sends = _RankSends(self, formed, plan, local, boxes, buckets)
         if self.ranks.rank == 0:
-            outcome = self._streamed(formed, plan, sends)
+            outcome = self._streamed(formed, plan, sends, buckets)
         else:
             sends.start()
             self._outcome(None, sends)
@@ -368,20 +403,49 @@ class _SliceUpdate:
             raise PushError(shared.failures, shared.results)
         return shared.results
 
-    def _streamed(self, formed: FormedSources, plan: TransferPlan, sends: _RankSends) -> RankResults:
-        """Rank 0: one ``UpdateSession`` over every worker, one bucket each (its part of the plan),
-        committed only when the ranks' outcome exchange (its commit gate) says every rank sent well."""
-        workers = list(self.manifests)
+    def _split(self, plan: TransferPlan) -> Buckets:
+        """Each worker's buckets (``split_buckets``); a delta update goes as one bucket per worker
+        (empty: ``send_streams`` sends each worker one stream)."""
+        if self.deltas is not None and self.deltas.is_delta:
+            return ()
+        key = ("split", plan.fingerprint, self.bucket_bytes, tuple(self.manifests))
+        split = self.link.plans.get(key)
+        if split is None:
+            split = split_buckets(plan, list(self.manifests), self.bucket_bytes)
+            self.link.remember_plan(key, split)
+        return cast(Buckets, split)
+
+    def _streamed(
+        self, formed: FormedSources, plan: TransferPlan, sends: _RankSends, buckets: Buckets
+    ) -> RankResults:
+        """Rank 0: one ``UpdateSession`` over every worker, its part of the plan in the buckets
+        ``buckets`` gives it (the workers' first buckets first, then their second ...), committed
+        only when the ranks' outcome exchange (its commit gate) says every rank sent well."""
         delta = self.deltas is not None and self.deltas.is_delta
         sizes = self.deltas.sent_to if self.deltas is not None and delta else plan.bytes_to()
+        given = dict(buckets)
+        split: dict[str, tuple[frozenset[str] | None, ...]] = {
+            a: given.get(a, (None,)) for a in self.manifests
+        }
+        per_tensor: dict[tuple[str, str], int] = collections.Counter()
+        if given:
+            for t in plan.transfers:
+                for d in t.destinations:
+                    per_tensor[d, t.tensor] += t.nbytes
+        order = [
+            (a, j, parts[j])
+            for j in range(max(len(p) for p in split.values()))
+            for a, parts in split.items()
+            if j < len(parts)
+        ]
         jobs = [
             Job(
                 [],
                 (a,),
-                sizes.get(a, 0),
-                self._route(a, formed, plan, sends if i == len(workers) - 1 else None),
+                sizes.get(a, 0) if names is None else sum(per_tensor[a, n] for n in names),
+                self._route(a, j, names, formed, plan, sends if i == len(order) - 1 else None),
             )
-            for i, a in enumerate(workers)
+            for i, (a, j, names) in enumerate(order)
         ]
         session = UpdateSession(
             jobs,
@@ -402,19 +466,26 @@ class _SliceUpdate:
             )
 
     def _route(
-        self, address: str, formed: FormedSources, plan: TransferPlan, sends: _RankSends | None
+        self,
+        address: str,
+        index: int,
+        names: frozenset[str] | None,
+        formed: FormedSources,
+        plan: TransferPlan,
+        sends: _RankSends | None,
     ) -> Callable[[Callable[[], bool], float], Route]:
-        """``address``'s bucket: its slices payload; the last one queued starts this rank's sends."""
+        """``address``'s bucket ``index`` (of the tensors ``names``; None: its whole part): its
+        slices payload; the last one queued starts this rank's sends."""
 
         def prepare(stopped: Callable[[], bool], deadline: float) -> Route:
-            key = (formed.group_id, plan.fingerprint, address)
+            key = (formed.group_id, plan.fingerprint, address, index, self.bucket_bytes)
             deltas = self.deltas if self.deltas is not None and self.deltas.is_delta else None
             payload = self.link.buckets.get(key) if deltas is None else None
             if deltas is not None:
                 # New counts and checksums every update: built each time, never remembered.
                 payload = _slices_payload(address, formed, plan, self.manifests[address], deltas)
             elif payload is None:
-                payload = _slices_payload(address, formed, plan, self.manifests[address])
+                payload = _slices_payload(address, formed, plan, self.manifests[address], tensors=names)
                 self.link.remember_bucket(key, payload)
             return PerWorkerRoute({address: payload}, on_queued=sends.start if sends is not None else None)
 
@@ -462,7 +533,12 @@ class _SliceUpdate:
         return why or (sent_error.message if sent_error else None) or (problem.message if problem else None)
 
     def send(
-        self, formed: FormedSources, plan: TransferPlan, local: dict[str, torch.Tensor], boxes: dict[str, Box]
+        self,
+        formed: FormedSources,
+        plan: TransferPlan,
+        local: dict[str, torch.Tensor],
+        boxes: dict[str, Box],
+        buckets: Buckets,
     ) -> WeightwireError | None:
         """This rank's part: the plan compared over the group, then its sends; the error, if any."""
         me = self.ranks.rank
@@ -490,6 +566,7 @@ class _SliceUpdate:
                 timeout_s=self.link.timeout_s,
                 max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
                 staging=self.link.staging,
+                buckets=buckets,
             )
         except WeightwireError as err:
             return without_frames(err)
@@ -529,11 +606,13 @@ def push_slices(
     *,
     group: Any,
     deltas: SliceDeltas | None = None,
+    bucket_bytes: int = planning.DEFAULT_BUCKET_BYTES,
 ) -> dict[str, PushResult]:
     """Run one update from this rank (every rank of ``group`` calls it with the same arguments);
     every rank returns the same results or raises the same error. ``read_manifests`` gives the
     workers' manifests and fingerprints (read inside the ranks' agreement: a rank that cannot read
     them fails every rank). ``deltas``: a push asked for as a delta (``slice_deltas``), prepared
-    once the plan is agreed."""
+    once the plan is agreed. ``bucket_bytes`` bounds each bucket a worker is sent
+    (``split_buckets``; a delta goes as one bucket per worker)."""
     ranks = RankGroup(group, link.timeout_s + _GROUP_GRACE_S)
-    return _SliceUpdate(link, connections, read_manifests, options, ranks, deltas).run(items)
+    return _SliceUpdate(link, connections, read_manifests, options, ranks, deltas, bucket_bytes).run(items)

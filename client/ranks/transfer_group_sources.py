@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 # A plan of a few thousand members, exchanged between the ranks as its protobuf.
 _MAX_SPEC_BYTES = 4 << 20
-_MAX_PLANS = 4
+_MAX_PLANS = 8
 _MAX_BUCKETS = 4096
 
 
@@ -72,7 +72,7 @@ class SourcesLink(LinkBase):
         self._formed: FormedSources | None = None
         self.formations = 0
         # Each worker's slices bucket of recent plans (``remember_bucket``).
-        self.buckets: dict[tuple[str, str, str], pb.Payload] = {}
+        self.buckets: dict[tuple[object, ...], pb.Payload] = {}
         # Message buffers of this rank's sends, reused while the plan stays the same.
         self.staging: dict[Any, torch.Tensor] = {}
         # The plans of recent updates by what they depend on (``slice_push``); planning a model of
@@ -87,15 +87,16 @@ class SourcesLink(LinkBase):
     def group_id(self) -> str | None:
         return self._formed.group_id if self._formed is not None else None
 
-    def remember_bucket(self, key: tuple[str, str, str], payload: pb.Payload) -> None:
-        """Keep a worker's slices bucket (by group, plan and worker) for the next update: the same
+    def remember_bucket(self, key: tuple[object, ...], payload: pb.Payload) -> None:
+        """Keep a worker's slices bucket (by group, plan, worker and place) for the next update: the same
         message every step, built once (tens of thousands of regions on a large model)."""
         if len(self.buckets) >= _MAX_BUCKETS:
             self.buckets.pop(next(iter(self.buckets)))
         self.buckets[key] = payload
 
     def remember_plan(self, key: object, planned: Any) -> None:
-        """Keep an update's plan for the next push of the same layout to the same workers."""
+        """Keep an update's plan (or its split into buckets) for the next push of the same layout to
+        the same workers."""
         if len(self.plans) >= _MAX_PLANS:
             self.plans.pop(next(iter(self.plans)))
         self.plans[key] = planned

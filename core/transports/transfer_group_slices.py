@@ -70,8 +70,10 @@ def messages(
     worker: str,
     max_message_bytes: int,
     direct_min_bytes: int = DIRECT_MIN_BYTES,
+    tensors: frozenset[str] | None = None,
 ) -> list[list[Transfer]]:
-    """The transfers ``source`` sends ``worker``, grouped into messages: first the transfers under
+    """The transfers ``source`` sends ``worker`` (only those of ``tensors`` when given: one of the
+    worker's buckets), grouped into messages: first the transfers under
     ``direct_min_bytes``, in plan order, packed back to back into messages of at most
     ``max_message_bytes``; then each transfer of at least ``direct_min_bytes`` as a message of its
     own, those of whole rows (``Transfer.rows``) first, each group in plan order. Such a message is sent from the shard in place when its region is
@@ -83,6 +85,8 @@ def messages(
     size = 0
     for t in plan.transfers:
         if t.source != source or worker not in t.destinations:
+            continue
+        if tensors is not None and t.tensor not in tensors:
             continue
         if _alone(t, direct_min_bytes):
             alone.append([t])
@@ -112,23 +116,39 @@ def send_order(ranks: GroupRanks, source: int) -> list[str]:
     return [ranks.workers[(first + k) % n] for k in range(n)]
 
 
+Buckets = tuple[tuple[str, tuple[frozenset[str], ...]], ...]
+"""How each worker's part of a plan is split into the buckets of one update: per worker (in any
+order) the tensors of each of its buckets, in bucket order. Every region of a tensor travels in
+the same bucket; a worker the split leaves out gets all its regions in one."""
+
+
 def send_sequence(
     plan: TransferPlan,
     ranks: GroupRanks,
     source: int,
     max_message_bytes: int,
     direct_min_bytes: int = DIRECT_MIN_BYTES,
-) -> list[tuple[str, int, list[Transfer]]]:
-    """``(worker, index, message)`` in the order trainer rank ``source`` posts its sends: the
-    workers in ``send_order`` taking turns, one message each, so every worker's stream starts at
-    once and the copies of the later, packed regions overlap the earlier ones' sends. Each worker's
-    messages keep their order (``messages``), which is all the receiver relies on."""
-    streams = [
-        (w, messages(plan, source, w, max_message_bytes, direct_min_bytes)) for w in send_order(ranks, source)
-    ]
+    buckets: Buckets = (),
+) -> list[tuple[str, int, int, list[Transfer]]]:
+    """``(worker, bucket, index, message)`` in the order trainer rank ``source`` posts its sends:
+    bucket by bucket (every worker's first bucket, then every worker's second, ...), and within one
+    round the workers in ``send_order`` taking turns, one message each, so every worker's stream
+    starts at once and the copies of the later, packed regions overlap the earlier ones' sends.
+    Each worker's messages keep their order (``messages``, per bucket), which is all the receiver
+    relies on."""
+    split = dict(buckets)
+    rounds: dict[str, list[list[list[Transfer]]]] = {}
+    for w in send_order(ranks, source):
+        parts = split.get(w)
+        if parts is None:
+            rounds[w] = [messages(plan, source, w, max_message_bytes, direct_min_bytes)]
+        else:
+            rounds[w] = [messages(plan, source, w, max_message_bytes, direct_min_bytes, p) for p in parts]
     out = []
-    for index in range(max((len(m) for _, m in streams), default=0)):
-        out += [(w, index, m[index]) for w, m in streams if index < len(m)]
+    for bucket in range(max((len(r) for r in rounds.values()), default=0)):
+        streams = [(w, r[bucket]) for w, r in rounds.items() if bucket < len(r)]
+        for index in range(max((len(m) for _, m in streams), default=0)):
+            out += [(w, bucket, index, m[index]) for w, m in streams if index < len(m)]
     return out
 
 
@@ -204,6 +224,7 @@ class _Ops:
     tensors: dict[str, tuple[torch.Tensor, int, tuple[int, ...], tuple[int, ...]]]
     meta: dict[str, Any]  # what else a tensor's views were made from (its holding, its pieces)
     ops: list[Op]
+    rounds: list[int] = dataclasses.field(default_factory=list)  # each op's bucket (sending side)
 
     def valid(
         self, plan: TransferPlan, params: tuple[Any, ...], tensors: Mapping[str, Any], meta: Mapping[str, Any]
@@ -237,16 +258,16 @@ def _cached_ops(
     tensors: Mapping[str, torch.Tensor],
     meta: Mapping[str, Any],
     build: Callable[[_Ops], None],
-) -> list[Op]:
+) -> _Ops:
     store = cast(dict[Any, Any] | None, staging)
     entry = store.get(key) if store is not None else None
     if isinstance(entry, _Ops) and entry.valid(plan, params, tensors, meta):
-        return entry.ops
+        return entry
     entry = _Ops(plan, params, {}, {}, [])
     build(entry)
     if store is not None:
         store[key] = entry
-    return entry.ops
+    return entry
 
 
 def send_slices(
@@ -261,11 +282,14 @@ def send_slices(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     staging: dict[Any, torch.Tensor] | None = None,
     direct_min_bytes: int = DIRECT_MIN_BYTES,
+    buckets: Buckets = (),
 ) -> int:
     """Send what the plan gives trainer rank ``source``: ``local[name]`` is its shard of tensor
     ``name``, the region ``holdings[name]`` of the full tensor. A region contiguous in the shard is
     sent from it; any other is copied once, into its place in a message (a region travelling alone
-    is copied once for all its destinations). Returns the bytes sent (a transfer to k workers
+    is copied once for all its destinations). With ``buckets`` each worker's part goes as the
+    buckets it names, each announced on its own before its messages (the worker receives one bucket
+    at a time, ``receive_slices`` per bucket). Returns the bytes sent (a transfer to k workers
     counted k times)."""
 
     def build(into: _Ops) -> None:
@@ -275,7 +299,9 @@ def send_slices(
             shard, held = into.track(local, holdings, t.tensor)
             return _region(shard, t.box, [a for a, _ in held])
 
-        for worker, index, message in send_sequence(plan, ranks, source, max_message_bytes, direct_min_bytes):
+        for worker, bucket, index, message in send_sequence(
+            plan, ranks, source, max_message_bytes, direct_min_bytes, buckets
+        ):
             dst = ranks.of_worker(worker)
             t = message[0]
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -286,11 +312,11 @@ def send_slices(
                     if r.is_contiguous():
                         buf = r
                     else:
-                        buf = _buffer(staging, ("alone", worker, index), t.nbytes)
+                        buf = _buffer(staging, ("alone", worker, bucket, index), t.nbytes)
                         copies.append((_view(buf, 0, t, r.dtype), r))
                     alone[t] = buf
             else:
-                buf = _buffer(staging, (worker, index), sum(t.nbytes for t in message))
+                buf = _buffer(staging, (worker, bucket, index), sum(t.nbytes for t in message))
                 offset = 0
                 for t in message:
                     r = region(t)
@@ -300,22 +326,32 @@ def send_slices(
             # region itself.
             last = last_byte(region(message[-1]))
             into.ops.append((dst, buf, copies, sum(t.nbytes for t in message), worker, last))
+            into.rounds.append(bucket)
 
-    params = ("send", ranks, source, max_message_bytes, direct_min_bytes)
+    params = ("send", ranks, source, max_message_bytes, direct_min_bytes, buckets)
     works, sent = [], 0
-    ops = _cached_ops(staging, ("ops", "send", source), plan, params, local, holdings, build)
-    streams: dict[int, tuple[str, list[tuple[int, torch.Tensor]]]] = {}
-    for dst, _, _, nbytes, worker, last in ops:
-        assert last is not None
-        streams.setdefault(dst, (worker, []))[1].append((nbytes, last))
-    for dst, (worker, listed) in streams.items():
-        note = announce(listed, ops[0][1].device)
-        works.append(post(lambda b=note, d=dst: pg.send([b], d, 0), f"announcing to {worker}"))
-    for dst, buf, copies, nbytes, worker, _ in ops:
-        for to, frm in copies:
-            to.copy_(frm)
-        works.append(post(lambda b=buf, d=dst: pg.send([b], d, 0), f"send to {worker}"))
-        sent += nbytes
+    entry = _cached_ops(staging, ("ops", "send", source), plan, params, local, holdings, build)
+    ops, rounds = entry.ops, entry.rounds
+    start = 0
+    while start < len(ops):
+        # One bucket round: its announcements first, then its messages (each worker reads a
+        # bucket's announcement, then that bucket's messages, then the next bucket's announcement).
+        end = start
+        while end < len(ops) and rounds[end] == rounds[start]:
+            end += 1
+        streams: dict[int, tuple[str, list[tuple[int, torch.Tensor]]]] = {}
+        for dst, _, _, nbytes, worker, last in ops[start:end]:
+            assert last is not None
+            streams.setdefault(dst, (worker, []))[1].append((nbytes, last))
+        for dst, (worker, listed) in streams.items():
+            note = announce(listed, ops[0][1].device)
+            works.append(post(lambda b=note, d=dst: pg.send([b], d, 0), f"announcing to {worker}"))
+        for dst, buf, copies, nbytes, worker, _ in ops[start:end]:
+            for to, frm in copies:
+                to.copy_(frm)
+            works.append(post(lambda b=buf, d=dst: pg.send([b], d, 0), f"send to {worker}"))
+            sent += nbytes
+        start = end
     for work in works:
         wait(work, timeout_s, "a send")
     return sent
@@ -397,7 +433,7 @@ def receive_slices(
                 into.ops.append((source, target, copies, nbytes, f"trainer rank {source}", None))
 
     params = ("receive", ranks, worker, max_message_bytes, direct_min_bytes)
-    ops = _cached_ops(staging, ("ops", "receive", worker), plan, params, kept, owned, build)
+    ops = _cached_ops(staging, ("ops", "receive", worker), plan, params, kept, owned, build).ops
     sizes: dict[int, list[int]] = {}
     indices: list[int] = []  # each op's index among its source's messages
     for source, _, _, nbytes, _, _ in ops:

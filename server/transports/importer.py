@@ -106,13 +106,15 @@ class FillTarget:
     ``manifest``. ``will_write`` is called once before the first byte may land; once ``call_ended``
     is set (the update's call is over) every wait of the receive stops. Bytes an importer can hold
     back until the update commits (a staged receive) are landed by what it appends to
-    ``landings``, which the update runs at its commit."""
+    ``landings``, which the update runs at its commit. ``ordinal``: the bucket's place among the
+    update's filled buckets (0 for its first)."""
 
     kept: Mapping[str, torch.Tensor]
     manifest: ShardManifest
     will_write: Callable[[], None]
     call_ended: threading.Event | None = None
     landings: list[Callable[[], None]] | None = None
+    ordinal: int = 0
 
 
 @runtime_checkable
@@ -135,6 +137,10 @@ class FillsModel(Protocol):
 
     def plan_fill(self, payload: pb.Payload, manifest: ShardManifest) -> FillPlan:
         """Check the payload against the manifest (raise WeightwireError); nothing waits yet."""
+        ...
+
+    def staging_device(self, kept: torch.Tensor) -> torch.device:
+        """Where bytes bound for ``kept`` are best held before they reach it (where they arrive)."""
         ...
 
     def fill(self, payload: pb.Payload, plan: FillPlan, into: FillTarget) -> int:

@@ -57,6 +57,9 @@ from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["GroupImporter"]
 
+# Checked slices payloads kept for the next update (a trainer sends the same regions every step).
+_CHECKED_SLICES = 256
+
 
 def covered_by(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
     """Whether ``[start, end)`` lies inside the ``(offset, size)`` ranges (ascending, not
@@ -158,6 +161,13 @@ class GroupImporter(PayloadImporter):
         """A slices handle: its regions are received into the engine's kept tensors (``fill``)."""
         return payload.transfer_group.mode == pb.TRANSFER_MODE_SLICES
 
+    def staging_device(self, kept: torch.Tensor) -> torch.device:
+        """gloo receives into host memory, so bytes bound for a kept tensor on a GPU are staged
+        there (no GPU memory); NCCL receives on the kept tensor's device."""
+        if self.membership.current().group.backend == pb.TRANSFER_BACKEND_GLOO:
+            return torch.device("cpu")
+        return kept.device
+
     def announce(self, manifest: pb.ShardManifest, *, keeps_tensors: bool) -> None:
         # Slices land in the tensors the engine keeps: only an adapter that exposes them takes them.
         manifest.receives_slices = keeps_tensors
@@ -187,7 +197,8 @@ class GroupImporter(PayloadImporter):
         if hit is not None and hit[0] == gid:
             return hit[1]
         checked = check_slices(payload, member.group.spec, manifest)
-        if len(self._slices) >= 4:
+        # One entry per bucket of an update (a worker's part may come as several buckets).
+        if len(self._slices) >= _CHECKED_SLICES:
             self._slices.pop(next(iter(self._slices)))
         self._slices[key] = (gid, checked)
         return checked
@@ -230,6 +241,7 @@ class GroupImporter(PayloadImporter):
                 into.will_write,
                 ended.is_set if ended is not None else None,
                 into.landings,
+                into.ordinal,
             )
         except WeightwireError as err:
             self.membership.teardown(f"{err.reason}: {clip(err.message, 200)}")

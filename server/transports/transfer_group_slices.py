@@ -20,6 +20,7 @@ import collections
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from weightwire.core import dtypes
@@ -204,8 +205,10 @@ def receive_bucket(
     will_write: Callable[[], None],
     stopped: Callable[[], bool] | None = None,
     landings: list[Callable[[], None]] | None = None,
+    ordinal: int = 0,
 ) -> int:
-    """Agree on the plan with every member, check every source's announcement, then (after
+    """Agree on the plan with every member (at the update's first bucket, ``ordinal`` 0: the
+    trainer ranks compare it once per update too), check every source's announcement, then (after
     ``will_write``: from here on bytes may land in the model) receive every region into ``kept``.
     Returns the bytes received; TRANSFER_FAILED / GROUP_PLAN_MISMATCH / MESSAGE_TRUNCATED on
     failure, CANCELLED as soon as ``stopped()`` (the update's call ended) while the plans are
@@ -216,7 +219,10 @@ def receive_bucket(
     on would still write into the model when its sender sends after all. What it raises leaves its
     frames behind, so that the group the caller then closes is destroyed at once and its peers'
     operations on it fail. With ``landings``, bytes a staging process group holds back
-    (``isolated_gloo``) land only when the caller runs what is appended to it (at the commit)."""
+    (``isolated_gloo``) land only when the caller runs what is appended to it (at the commit).
+    ``ordinal``: this bucket's place among the update's slices buckets; its buffers are kept apart
+    from the other buckets' (``staging``), so that one update's buckets, landed at its commit,
+    never share one, and the next update with the same split finds each bucket's ready."""
     group = member.group
     pg = group.process_group()
     timeout_s = group.timeout.total_seconds()
@@ -227,8 +233,10 @@ def receive_bucket(
         for name in checked.names:
             if into[name].device.type != "cpu":
                 mirrors[name] = into[name] = torch.empty(into[name].shape, dtype=into[name].dtype)
+    own = cast(dict[Any, torch.Tensor], cast(dict[object, Any], staging).setdefault(("bucket", ordinal), {}))
     with lock:
-        agree(pg, checked.plan, group.rank, group.world_size, timeout_s, stopped)
+        if ordinal == 0:
+            agree(pg, checked.plan, group.rank, group.world_size, timeout_s, stopped)
         received = receive_slices(
             pg,
             checked.plan,
@@ -238,7 +246,7 @@ def receive_bucket(
             manifest.tensors,
             timeout_s=timeout_s,
             max_message_bytes=max_message_bytes,
-            staging=staging,
+            staging=own,
             writes=Writes(will_write, landings),
             stopped=stopped,
         )

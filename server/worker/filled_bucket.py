@@ -7,16 +7,22 @@ what it fills, which the importer checks against the manifest (``plan_fill``). T
 count as loaded for the update's rules (no name twice in an update, a FULL update delivers every
 owned tensor).
 
-Where the bytes land depends on the adapter and the group. One that also ``StagesSlices`` (SGLang
-and vLLM, whose writes go through the engine's own gates) first says whether it may take these
-tensors at all (``refuse_slices``, before anything waits); the bucket is then received into staging
-of the kept shapes (this bucket's bytes, on the kept tensors' device) and handed to ``write_kept``
-only when the update commits. One that only ``KeepsTensors`` (the demo's ``TorchAdapter``) has
-them received into its tensors: over gloo a worker's receives are staged in its receiving process's
-shared memory (``isolated_gloo``) and land when the update commits too; over NCCL they land as they
-arrive, so a failure after the receive began leaves such a worker INCONSISTENT. So over gloo, and
-into SGLang and vLLM over either backend, an update that does not commit (a member died, the
-trainer did not commit) leaves the model as it was: CONSISTENT at the old version.
+Where the bytes land depends on the adapter and the group; an update may come as several such
+buckets per worker, and none of them reaches the model before the update commits. One that also
+``StagesSlices`` (SGLang and vLLM, whose writes go through the engine's own gates) first says
+whether it may take these tensors at all (``refuse_slices``, before anything waits); the bucket is
+then received into staging of the kept shapes, where the importer's bytes arrive
+(``staging_device``: host memory over gloo, whatever device the model is on; the GPU over NCCL),
+and handed to ``write_kept`` only when the update commits. One that only ``KeepsTensors`` (the
+demo's ``TorchAdapter``) has them received into its tensors: over gloo a worker's receives are
+staged in its receiving process's shared memory (``isolated_gloo``) and land when the update
+commits too; over NCCL they land as they arrive, so a failure after the first bucket's receive
+began leaves such a worker INCONSISTENT. So over gloo, and into SGLang and vLLM over either
+backend, an update that does not commit (a member died, the trainer did not commit) leaves the
+model as it was: CONSISTENT at the old version. What is held until the commit is the worker's
+bytes of the update (its kept bytes for a FULL one), in host memory over gloo; what one bucket's
+receive holds besides is bounded by the bucket (docs/design-notes.md, "Several buckets, one
+commit").
 
 In a delta update the regions carry deltas, applied into the kept tensors at the commit
 (``transfer_group_slice_deltas``); an adapter that ``StagesSlices`` has no base in its staging, so
@@ -26,9 +32,10 @@ update whole).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, cast, runtime_checkable
 
 import torch
@@ -44,7 +51,7 @@ from weightwire.server.worker.adapter import EngineAdapter, KeepsTensors
 from weightwire.server.worker.delta_regions import carries_region_deltas
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-__all__ = ["StagesSlices", "fill_bucket", "land"]
+__all__ = ["StagesSlices", "fill_bucket", "land_update"]
 
 
 @runtime_checkable
@@ -71,12 +78,13 @@ def fill_bucket(
     accept_names: Callable[[frozenset[str]], None],
     will_write: Callable[[], None],
     call_ended: threading.Event | None = None,
+    ordinal: int = 0,
 ) -> tuple[pb.BucketAck, frozenset[str], list[Callable[[], None]]]:
     """Check the bucket, have ``importer`` receive it, return the ack (every byte arrived whole),
     the names it filled (``accept_names`` took them) and what writes the bytes held back into the
     model, for the update to run when it commits (module docstring). Once ``call_ended`` is set
     (the update's call was cancelled or passed its deadline) every wait of the receive stops:
-    CANCELLED."""
+    CANCELLED. ``ordinal``: the bucket's place among the update's filled buckets."""
     if msg.tensors or len(msg.payloads) != 1:
         raise WeightwireError(
             Reason.MALFORMED_STREAM,
@@ -109,7 +117,12 @@ def fill_bucket(
         )
     if stager is not None:
         stager.refuse_slices(plan.names)
-        into = {n: torch.empty_like(kept[n], memory_format=torch.contiguous_format) for n in plan.names}
+        # Held until the commit where the bytes arrive: host memory over gloo, even for a model
+        # on a GPU (no GPU memory beyond the model's own), the GPU over NCCL.
+        into = {
+            n: torch.empty(kept[n].shape, dtype=kept[n].dtype, device=importer.staging_device(kept[n]))
+            for n in plan.names
+        }
     t0 = time.perf_counter_ns()
     landings: list[Callable[[], None]] = []
     try:
@@ -117,7 +130,16 @@ def fill_bucket(
         received = importer.fill(
             sel.payload,
             plan,
-            FillTarget(into, manifest, will_write if stager is None else _nothing, call_ended, landings),
+            # Staging is not the model: a stager's bucket lands in it once arrived whole, which
+            # frees the receiving process's segments for the next bucket.
+            FillTarget(
+                into,
+                manifest,
+                will_write if stager is None else _nothing,
+                call_ended,
+                landings if stager is None else None,
+                ordinal,
+            ),
         )
         if any(into[n].is_cuda for n in plan.names):
             # NCCL receives complete on the stream; the ack promises every byte arrived.
@@ -139,32 +161,60 @@ def fill_bucket(
         load_duration_ns=time.perf_counter_ns() - t0,
     )
     ack.source_device.CopyFrom(sel.device.to_proto())
+    cuda = any(kept[n].is_cuda for n in plan.names)
     if stager is not None:
-        staged = into
-
-        def write() -> None:
-            will_write()
-            cast(StagesSlices, stager).write_kept(staged)
-
-        landings.append(write)
-    if any(kept[n].is_cuda for n in plan.names):
+        landings.append(StagedWrite(cast(StagesSlices, stager), into, will_write, cuda))
+    elif cuda:
         landings.append(torch.cuda.synchronize)  # the commit's result promises the bytes are in the model
     return ack, plan.names, landings
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedWrite:
+    """A stager's bucket, held in ``staged`` until the commit (``land_update`` writes every such
+    bucket of the update in one ``write_kept``)."""
+
+    stager: StagesSlices
+    staged: Mapping[str, torch.Tensor]
+    will_write: Callable[[], None]
+    cuda: bool
+
+    def __call__(self) -> None:
+        _write([self])
+
+
+def _write(writes: Sequence[StagedWrite]) -> None:
+    merged: dict[str, torch.Tensor] = {}
+    for w in writes:
+        merged.update(w.staged)
+    writes[0].will_write()
+    writes[0].stager.write_kept(merged)
+    if any(w.cuda for w in writes):
+        torch.cuda.synchronize()  # the commit's result promises the bytes are in the model
 
 
 def _nothing() -> None:
     """Staged bytes are not in the model yet: the write is announced just before ``write_kept``."""
 
 
-def land(landings: list[Callable[[], None]], bucket: str) -> None:
-    """Write what ``fill_bucket`` held back into the model (the update commits); LOAD_FAILED if
-    the engine raised (the model may then be half-written: the caller counts it as written)."""
+def land_update(landings: Sequence[tuple[int, Sequence[Callable[[], None]]]]) -> None:
+    """Write what ``fill_bucket`` held back of every bucket of the update into the model (the
+    update commits), bucket by bucket; a stager's buckets in one ``write_kept`` (the engine writes
+    an update's tensors together, as a vLLM layer whose tensors came in two buckets needs).
+    LOAD_FAILED if the engine raised (the model may then be half-written: the caller counts it as
+    written)."""
+    staged = [step for _, steps in landings for step in steps if isinstance(step, StagedWrite)]
+    what = "bucket" + ("s " if len(landings) > 1 else " ") + ", ".join(str(i) for i, _ in landings[:8])
     try:
-        for step in landings:
-            step()
+        for _, steps in landings:
+            for step in steps:
+                if not isinstance(step, StagedWrite):
+                    step()
+        if staged:
+            _write(staged)
     except WeightwireError:
         raise
     except Exception as e:
         raise WeightwireError(
-            Reason.LOAD_FAILED, f"writing the slices of {bucket} into the model failed: {e!r}"
+            Reason.LOAD_FAILED, f"writing the slices of {what} into the model failed: {e!r}"
         ) from e

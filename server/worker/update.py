@@ -48,7 +48,7 @@ from weightwire.server.worker.accepted import MAX_BUCKETS_PER_UPDATE, MAX_TENSOR
 from weightwire.server.worker.adapter import TracksWrites
 from weightwire.server.worker.delta_load import DeltaLoads
 from weightwire.server.worker.delta_regions import refuse_region_deltas
-from weightwire.server.worker.filled_bucket import fill_bucket, land
+from weightwire.server.worker.filled_bucket import fill_bucket, land_update
 from weightwire.server.worker.payload_checks import (
     check_delta_payloads,
     check_payloads,
@@ -285,6 +285,7 @@ class Update:
             accept_names=self._accepted.take_names,
             will_write=will_write,
             call_ended=self._rpc_ended,
+            ordinal=len(self._landings),
         )
         self._filled_names |= names
         self._landings.append((msg.index, landings))
@@ -397,8 +398,7 @@ class Update:
     def _land_filled(self) -> None:
         """Write the filled buckets' bytes held back until the commit (``fill_bucket``)."""
         landings, self._landings = self._landings, []
-        for index, steps in landings:
-            land(steps, f"bucket {index}")  # each step that writes announces it (will_write) first
+        land_update(landings)  # each step that writes announces it (will_write) first
 
     def _commit(self, msg: pb.UpdateCommit) -> pb.UpdateResult:
         received = len(self._accepted.indices)

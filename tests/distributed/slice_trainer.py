@@ -3,13 +3,15 @@ model sharded with FSDP2, and one ``WeightPusher(..., transfer_group=...)`` kept
 ``model.state_dict()`` with ``group=`` the way a training loop would (every rank runs the same line).
 
 Started by the test with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment as
-``slice_trainer.py [--backend nccl] [--store-port P] [--group-timeout S] ADDR...`` (``--store-port``: the
-pusher's store on a fixed port, as docs/distributed.md shows; ``--group-timeout``: the transfer
-group's timeout, 20 s unless given). Reads one JSON command per line on stdin and answers one JSON line on
-stdout for each:
+``slice_trainer.py [--backend nccl] [--store-port P] [--group-timeout S] [--bucket-bytes B] ADDR...``
+(``--store-port``: the pusher's store on a fixed port, as docs/distributed.md shows; ``--group-timeout``:
+the transfer group's timeout, 20 s unless given; ``--bucket-bytes``: the pusher's bucket size, which
+splits each worker's part into buckets). Reads one JSON command per line on stdin and answers one JSON
+line on stdout for each:
 
   {"op": "push", "version": V, "seed": S, "scope": "full"|"partial", "drop": [names], "cast_to": dtype,
-   "pause_rank": R, "single": bool, "steps": [seeds], "delta": bool, "forge_base": B}
+   "pause_rank": R, "pause_between_buckets": R, "single": bool, "steps": [seeds], "delta": bool,
+   "forge_base": B}
                     push the checkpoint of seed S after the sparse steps of ``steps``
                     (``sparse_checkpoint.stepped``), with ``delta=True`` when asked (``forge_base``:
                     a delta against base B, which no worker had, sent as push(delta=True) sends one
@@ -18,7 +20,9 @@ stdout for each:
                     ``single``: rank 0 alone pushes it as plain tensors, one source, the
                     others answer {"ok": true} at once). On rank R, the push
                     prints {"paused": true} after the group compared the plan, right before its own
-                    sends, and waits for a line on stdin ("go": send; "die": exit at once, code 3)
+                    sends, and waits for a line on stdin ("go": send; "die": exit at once, code 3);
+                    with "pause_between_buckets": R, rank R sends every worker's first bucket,
+                    then prints {"paused": true} and waits so before the second bucket's
   {"op": "quit"}
 
 The answer: {"ok": true, "results": {addr: {...}}, "group_id": ..., "formations": N, "progress":
@@ -50,20 +54,52 @@ from weightwire.client.ranks import slice_deltas, slice_push
 from weightwire.client.transports.transfer_group import TransferGroupOptions
 from weightwire.client.update.options import PushOptions
 from weightwire.core.manifest import ParallelRank
+from weightwire.core.transports.transfer_group_slices import send_sequence
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 DIED_EXIT_CODE = 3
 _pause = False
+_pause_between = False
 _real_send = slice_push.send_slices
 
 
-def _paused_send(*args: Any, **kwargs: Any) -> int:
+def _wait_for_word() -> None:
+    print(json.dumps({"paused": True}), flush=True)
+    line = sys.stdin.readline().strip()
+    if line == "die":
+        os._exit(DIED_EXIT_CODE)  # a trainer rank lost mid-transfer: no cleanup, like a crash
+
+
+class _PausedAfter:
+    """A process group whose ``send`` pauses (``_wait_for_word``) before its ``n + 1``-th send."""
+
+    def __init__(self, pg: Any, n: int) -> None:
+        self._pg, self._left = pg, n
+
+    def send(self, *args: Any) -> Any:
+        if self._left == 0:
+            _wait_for_word()
+        self._left -= 1
+        return self._pg.send(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pg, name)
+
+
+def _paused_send(pg: Any, plan: Any, ranks: Any, source: int, *args: Any, **kwargs: Any) -> int:
     if _pause:
-        print(json.dumps({"paused": True}), flush=True)
-        line = sys.stdin.readline().strip()
-        if line == "die":
-            os._exit(DIED_EXIT_CODE)  # a trainer rank lost mid-transfer: no cleanup, like a crash
-    return _real_send(*args, **kwargs)
+        _wait_for_word()
+    if _pause_between:
+        # The sends of the first round of buckets: each worker's announcement and messages.
+        first = [
+            w
+            for w, bucket, _, _ in send_sequence(
+                plan, ranks, source, kwargs["max_message_bytes"], buckets=kwargs["buckets"]
+            )
+            if bucket == 0
+        ]
+        pg = _PausedAfter(pg, len(first) + len(set(first)))
+    return _real_send(pg, plan, ranks, source, *args, **kwargs)
 
 
 slice_push.send_slices = _paused_send  # type: ignore[assignment]
@@ -87,7 +123,7 @@ def answer(record: dict[str, Any]) -> None:
 
 
 def run_push(pusher: WeightPusher, cmd: dict[str, Any]) -> dict[str, Any]:
-    global _pause
+    global _pause, _pause_between
     if cmd.get("single"):
         if dist.get_rank() != 0:
             return {"ok": True}
@@ -96,6 +132,7 @@ def run_push(pusher: WeightPusher, cmd: dict[str, Any]) -> dict[str, Any]:
         model = fsdp_model(int(cmd["seed"]), cmd.get("steps"))
     tensors = {n: t for n, t in model.state_dict().items() if n not in set(cmd.get("drop", []))}
     _pause = cmd.get("pause_rank") == dist.get_rank()
+    _pause_between = cmd.get("pause_between_buckets") == dist.get_rank()
     reports: list[list[int]] = []
 
     def progress(p: PushProgress) -> None:
@@ -126,7 +163,7 @@ def run_push(pusher: WeightPusher, cmd: dict[str, Any]) -> dict[str, Any]:
     except (PushError, WeightwireError) as e:
         return failed(e)
     finally:
-        _pause = False
+        _pause = _pause_between = False
 
 
 def forged_delta(pusher: WeightPusher, tensors: dict[str, Any], version: int, base: int) -> dict[str, Any]:
@@ -164,6 +201,9 @@ def main() -> int:
     group_timeout_s = 20.0
     if args[:1] == ["--group-timeout"]:
         group_timeout_s, args = float(args[1]), args[2:]
+    bucket_bytes = None
+    if args[:1] == ["--bucket-bytes"]:
+        bucket_bytes, args = int(args[1]), args[2:]
     if backend == "nccl" and torch.cuda.is_available():
         # One GPU per trainer rank: NCCL refuses two members of one group on one device.
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
@@ -174,6 +214,7 @@ def main() -> int:
         ),
         timeout_s=60,
         metrics=TrainerMetrics(CollectorRegistry()),
+        bucket_size_bytes=bucket_bytes,
     )
     answer({"ready": True, "rank": dist.get_rank()})
     try:

@@ -6,7 +6,8 @@ only its slices (fused q/k/v and gate/up, its vocabulary rows of the tied embedd
 One engine per release serves the module's tests, in order: a slices push before any push through
 ``load_weights`` is refused before a byte moves (the regions are not proven yet); a FULL push from
 one rank, then two slices pushes, each followed by greedy tokens equal to transformers' on the pushed weights and
-``bytes_received`` equal to the worker's manifest's kept bytes (less than the whole model); a
+``bytes_received`` equal to the worker's manifest's kept bytes (less than the whole model), sent as
+several buckets per worker (64 KiB each at most); a
 trainer rank killed mid-push (after every worker began receiving and got the other rank's bytes)
 leaves every worker CONSISTENT at its old version, serving its old tokens, and the restarted
 trainer's next push forms a new group and lands. Apart from it, a block-FP8 model's ranks publish
@@ -34,6 +35,9 @@ from helpers import SLICE_RANK_DIED_EXIT_CODE as DIED_EXIT_CODE
 from helpers import TrainerRanks, slice_trainer_main
 
 SPEC = ModelSpec(QWEN2, tie=True)
+# Each worker's part is several times this: it comes as several buckets, written into the engine
+# together at the commit.
+BUCKET_BYTES = 64 << 10
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
 NEW_TOKENS = 8
 
@@ -81,6 +85,7 @@ class Fleet:
             if slices:
                 assert m.receives_slices, address
                 assert r["bytes_received"] == m.kept_bytes < m.total_bytes, (address, r)
+                assert r["buckets"] >= m.kept_bytes // BUCKET_BYTES >= 2, (address, r)
         self.version, self.weights = version, full_checkpoint(SPEC, seed)
 
     def states(self) -> set[tuple[int, int]]:
@@ -214,4 +219,4 @@ def test_a_quantized_rank_does_not_take_slices_and_says_why(tmp_path: Any) -> No
 
 
 if __name__ == "__main__":
-    sys.exit(slice_trainer_main(sys.argv[1:], lambda seed: full_checkpoint(SPEC, seed)))
+    sys.exit(slice_trainer_main(sys.argv[1:], lambda seed: full_checkpoint(SPEC, seed), BUCKET_BYTES))

@@ -8,7 +8,7 @@ kernels' repacking runs again) inside vLLM's update window.
 
 One engine for the module. After each of two pushes, the engine's greedy tokens equal
 transformers' on the pushed weights, and each worker's ``bytes_received`` equals its manifest's
-kept bytes (less than the whole model).
+kept bytes (less than the whole model), sent as several buckets per worker (64 KiB each at most).
 
 This file is also the trainer rank (``python test_vllm_slices.py ADDR...``, started by
 ``helpers.TrainerRanks``): ``helpers.slice_trainer_main`` on this module's checkpoints.
@@ -24,6 +24,9 @@ from helpers import TrainerRanks, slice_trainer_main
 from vllm_cpu import CpuEngine, ModelSpec, checkpoint, reference, tcp_tp2_engine
 
 SPEC = ModelSpec(tie=True)
+# Each worker's part is several times this: it comes as several buckets, written into the engine
+# together at the commit (a layer's fused tensors may arrive in different buckets).
+BUCKET_BYTES = 64 << 10
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -63,6 +66,7 @@ def test_slices_from_both_ranks_over_tcp_generate_transformers_tokens(engine: Cp
                         "transfer_group",
                     )
                     assert r["bytes_received"] == m.kept_bytes < m.total_bytes, (address, r)
+                    assert r["buckets"] >= m.kept_bytes // BUCKET_BYTES >= 2, (address, r)
                 after = engine.generate()
                 assert after == reference(SPEC, checkpoint(SPEC, seed)).tokens
                 assert after != before, (
@@ -74,4 +78,4 @@ def test_slices_from_both_ranks_over_tcp_generate_transformers_tokens(engine: Cp
 
 
 if __name__ == "__main__":
-    sys.exit(slice_trainer_main(sys.argv[1:], lambda seed: checkpoint(SPEC, seed)))
+    sys.exit(slice_trainer_main(sys.argv[1:], lambda seed: checkpoint(SPEC, seed), BUCKET_BYTES))
