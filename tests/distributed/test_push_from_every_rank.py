@@ -119,8 +119,15 @@ def test_a_fixed_store_port_serves_multi_rank_and_single_source_pushes_in_turn(f
     """One pusher per rank made with ``TransferGroupOptions(host, port=P)``, as docs/distributed.md
     shows: a multi-rank push, a single-source push from rank 0, then a multi-rank push again. Both
     kinds of group form on the one store the pusher listens with (each used to start its own on
-    the same port: the second failed with GROUP_STORE_UNREACHABLE, "Address already in use")."""
-    ranks = Ranks(2, fleet.addresses(), "--store-port", str(free_port()))
+    the same port: the second failed with GROUP_STORE_UNREACHABLE, "Address already in use").
+
+    The group timeout is 60 s, not the trainer's default 20: the single-source group forms right
+    after the multi-rank one, and each of the eight workers joins it with the gloo receiving
+    process it started when it took one for the first group (a fresh interpreter importing torch,
+    ~2 s of CPU each), and eight at once on a 2-core machine loaded by other work can take nearly
+    all of 20 s: a run at load 7-8 failed with every worker's connection left 0.5 s of it ("timed
+    out after 0.528 s waiting for 1 key(s)"), passing alone."""
+    ranks = Ranks(2, fleet.addresses(), "--store-port", str(free_port()), "--group-timeout", "60")
     try:
         version = fleet.next_version()
         assert_landed(fleet, ranks.push(version=version, seed=version), version, version)
