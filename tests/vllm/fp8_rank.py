@@ -34,12 +34,13 @@ from typing import Any
 import torch
 
 
-def engine_config(ckpt: str, tp: int) -> Any:
+def engine_config(ckpt: str, tp: int, expert_parallel: bool = False) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(
         model=ckpt,
         tensor_parallel_size=tp,
+        enable_expert_parallel=expert_parallel,
         dtype="bfloat16",
         enforce_eager=True,
         skip_tokenizer_init=True,
@@ -91,6 +92,7 @@ def main() -> None:
     ap.add_argument("--init-port", type=int, required=True)
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--socket-dir", required=True)
+    ap.add_argument("--expert-parallel", action="store_true", help="MoE experts over the TP ranks (EP)")
     args = ap.parse_args()
 
     import fp8_cpu_kernel  # noqa: F401 - installs the test-only FP8 GEMM (no AMX here)
@@ -99,7 +101,7 @@ def main() -> None:
     from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
 
     _set_torch_accelerator_to_noop()  # what vLLM's CPU model runner does before it loads a model
-    vllm_config = engine_config(args.ckpt, args.world)
+    vllm_config = engine_config(args.ckpt, args.world, args.expert_parallel)
     # What vLLM's CPU worker sets before it joins (its shared-memory communicator's name).
     os.environ["VLLM_DIST_IDENT"] = str(args.init_port)
     with set_current_vllm_config(vllm_config):

@@ -64,9 +64,10 @@ def write(state: dict[str, torch.Tensor], directory: Path) -> str:
 class Ranks(RankFleet):
     """The two rank processes (fp8_rank.py), serving their workers in ``socket_dir``."""
 
-    def __init__(self, ckpt: str, socket_dir: Path) -> None:
+    def __init__(self, ckpt: str, socket_dir: Path, *extra: str) -> None:
         port = free_port()
         args = ["--world", "2", "--init-port", str(port), "--ckpt", ckpt, "--socket-dir", str(socket_dir)]
+        args += extra
         super().__init__(
             [[str(HERE / "fp8_rank.py"), "--rank", str(r), *args] for r in range(2)],
             {
@@ -76,11 +77,13 @@ class Ranks(RankFleet):
         )
 
 
-def serving(root: Path, first: Callable[[Path], str]) -> Iterator[tuple[Ranks, WeightPusher, Path]]:
-    """The two ranks started from checkpoint directory ``first(root / "ckpt1")``, their update
-    window open, and a pusher to both."""
+def serving(
+    root: Path, first: Callable[[Path], str], *extra: str
+) -> Iterator[tuple[Ranks, WeightPusher, Path]]:
+    """The two ranks (``extra`` arguments to fp8_rank.py) started from checkpoint directory
+    ``first(root / "ckpt1")``, their update window open, and a pusher to both."""
     (root / "sock").mkdir()
-    ranks = Ranks(first(root / "ckpt1"), root / "sock")
+    ranks = Ranks(first(root / "ckpt1"), root / "sock", *extra)
     try:
         ranks.ask("window")  # what vLLM's start_weight_update opens
         with WeightPusher(
