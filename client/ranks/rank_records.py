@@ -193,6 +193,25 @@ class MemberRecord:
         return cls(f["instance"], RankFailure.from_json(f["error"]) if f["error"] is not None else None)
 
 
+@dataclasses.dataclass(frozen=True)
+class DeltaDecisionRecord:
+    """What a rank knows for deciding whether a multi-rank push goes as a delta: the base version
+    its keeper holds (0: none) and, from rank 0, whether every worker holds that base consistently
+    and whether a worker restarted since its manifest was read."""
+
+    base: int
+    at_base: bool
+    restarted: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: object) -> DeltaDecisionRecord:
+        f = _take(d, {"base": int, "at_base": bool, "restarted": bool})
+        return cls(f["base"], f["at_base"], f["restarted"])
+
+
 class StopCause(enum.Enum):
     """Why a rank is not fine at the commit gate."""
 
@@ -258,7 +277,9 @@ _FAILURE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "metadata": dict,
 }
 
-Record = TypeVar("Record", PlanRecord, RankOutcome, RankResults, SlicesPlanRecord, MemberRecord)
+Record = TypeVar(
+    "Record", PlanRecord, RankOutcome, RankResults, SlicesPlanRecord, MemberRecord, DeltaDecisionRecord
+)
 
 
 def exchange(ranks: RankGroup, record: Record, what: str) -> list[Record]:
@@ -279,6 +300,7 @@ def digests(records: Sequence[PlanRecord]) -> list[dict[str, Any]]:
 
 
 __all__ = [
+    "DeltaDecisionRecord",
     "MemberRecord",
     "PlanRecord",
     "RankFailure",

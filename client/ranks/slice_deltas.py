@@ -39,7 +39,9 @@ from typing import Any
 
 import torch
 from weightwire.client.inputs.types import PushResult
+from weightwire.client.ranks import rank_records
 from weightwire.client.ranks.rank_agreement import RankGroup, peer_failed
+from weightwire.client.ranks.rank_records import DeltaDecisionRecord, RankFailure, RecordError
 from weightwire.client.update.delta import fallback_name
 from weightwire.client.update.options import PushOptions
 from weightwire.client.update.routing import manifest_changes
@@ -128,14 +130,13 @@ class SliceDeltas:
         except Exception as e:
             # Said to every rank, so that none goes on to wait for this one's sends.
             error = e
-            kind = e.reason if isinstance(e, WeightwireError) else "INTERNAL"
-            data = b"\x00" + json.dumps({"reason": kind, "message": str(e)[:2000]}).encode()
+            data = b"\x00" + json.dumps(RankFailure.of(e).to_json()).encode()
         everyone = ranks.exchange(data, "the regions' deltas")
         for r, d in enumerate(everyone):
             if d[:1] != b"\x01":
                 if error is not None:
                     raise error
-                raise peer_failed(r, json.loads(d[1:].decode()), before_sending=True)
+                raise peer_failed(r, _failure_of(r, d[1:]).to_json(), before_sending=True)
         if self.base is not None:
             self._learn(plan, [pb.TransferGroupHandle.FromString(d[1:]) for d in everyone])
 
@@ -202,6 +203,14 @@ class SliceDeltas:
         self.sent_to = _stream_sizes(self.regions, plan.transfers)
 
 
+def _failure_of(rank: int, data: bytes) -> RankFailure:
+    """Rank ``rank``'s failure as it sent it in the regions' exchange, decoded strictly."""
+    try:
+        return RankFailure.from_json(json.loads(data.decode()))
+    except (ValueError, TypeError, KeyError) as e:
+        raise RecordError(rank, "the regions' deltas", str(e)[:300]) from None
+
+
 def _decide(pusher: WeightPusher, keeper: BaseKeeper, ranks: RankGroup) -> pb.DeltaFallback.ValueType:
     """Step 1 of the module docstring: NONE (a delta against the keeper's base) or why FULL; the
     same on every rank."""
@@ -216,14 +225,14 @@ def _decide(pusher: WeightPusher, keeper: BaseKeeper, ranks: RankGroup) -> pb.De
             restarted = bool(manifest_changes(statuses, pusher.manifests(), pusher._fingerprints))
         except WeightwireError:
             at_base = False  # a worker that does not answer: the whole update says why it fails
-    mine = json.dumps({"base": base or 0, "at_base": at_base, "restarted": restarted}).encode()
-    records = [json.loads(d.decode()) for d in ranks.exchange(mine, "whether the update is a delta")]
-    if records[0]["restarted"] and pusher._sources is not None:
+    mine = DeltaDecisionRecord(base or 0, at_base, restarted)
+    records = rank_records.exchange(ranks, mine, "whether the update is a delta")
+    if records[0].restarted and pusher._sources is not None:
         pusher._sources.teardown("a worker restarted: its manifest is read again")
-    bases = {int(r["base"]) for r in records}
+    bases = {r.base for r in records}
     if 0 in bases or len(bases) != 1:
         return pb.DELTA_FALLBACK_NO_BASE
-    if not records[0]["at_base"]:
+    if not records[0].at_base:
         return pb.DELTA_FALLBACK_BASE_MISMATCH
     return pb.DELTA_FALLBACK_NONE
 
