@@ -609,9 +609,11 @@ def slice_trainer_main(
     """One trainer rank of ``TrainerRanks``: a ``WeightPusher`` over a transfer group on loopback to
     ``addresses`` (with ``bucket_size_bytes`` when given: each worker's part then comes as buckets
     of at most that); reads one JSON command a line, answers one JSON line:
-    {"op": "push", "version": V, "seed": S, "single": bool, "pause": bool} pushes ``checkpoint(S)``,
+    {"op": "push", "version": V, "seed": S, "single": bool, "pause": bool, "sparse": [seed...],
+    "delta": bool} pushes ``checkpoint(S)`` after ``sparse_step`` with each of ``sparse`` in turn,
     as DTensor shards of one ``Shard(0)`` mesh over the world (every rank a source), or with
-    ``single`` as plain tensors from rank 0 alone; with ``pause`` it prints {"paused": true} right
+    ``single`` as plain tensors from rank 0 alone, with ``delta`` as ``push(..., delta=True)``;
+    with ``pause`` it prints {"paused": true} right
     before this rank's sends and waits for "go", or "die": send the announcements, then exit with
     ``SLICE_RANK_DIED_EXIT_CODE`` at the first data message, once the other rank's bytes reached the
     workers. {"op": "quit"} ends it."""
@@ -670,6 +672,8 @@ def slice_trainer_main(
             if cmd["op"] == "quit":
                 break
             full = checkpoint(int(cmd["seed"]))
+            for step in cmd.get("sparse", ()):
+                full = sparse_step(full, int(step))
             if cmd.get("single"):
                 if dist.get_rank() != 0:
                     print(json.dumps({"ok": True}), flush=True)
@@ -679,7 +683,7 @@ def slice_trainer_main(
                 tensors = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()}
             pause[0] = bool(cmd.get("pause"))
             try:
-                results = pusher.push(tensors, version=int(cmd["version"]))
+                results = pusher.push(tensors, version=int(cmd["version"]), delta=bool(cmd.get("delta")))
                 answer = {"ok": True, "results": {a: dataclasses.asdict(r) for a, r in results.items()}}
             except (PushError, WeightwireError) as e:
                 failures = getattr(e, "failures", {})

@@ -19,7 +19,10 @@ refused before a byte moves (TRANSPORT_UNAVAILABLE), and a single-source push do
 
 The same proven regions take delta updates (``DeltasSGLangAdapter``, ``AppliesDeltas``): a rank
 whose every target keeps exactly its manifest's part (``deltas.delta_layout``) applies each delta
-into them in place and hands them to the worker as the parts its result checksums cover.
+into them in place and hands them to the worker as the parts its result checksums cover. That
+holds for deltas from every trainer rank too: the worker asks ``refuse_deltas`` before anything of
+such a bucket waits, holds the checked region deltas (not the model) until the commit, and then
+hands them to ``apply_deltas`` (``weightwire.server.worker.staged_deltas``).
 """
 
 from __future__ import annotations
@@ -137,6 +140,12 @@ class DeltasSGLangAdapter(SlicesSGLangAdapter):
 
         self._count_load(len(deltas), direct=True)
         self._gated(apply_step, what=f"apply {len(deltas)} delta(s)", phase="load")
+
+    def refuse_deltas(self, names: frozenset[str]) -> None:
+        """DELTA_BASE_MISMATCH unless every one of ``names`` was proven (``deltas.refuse_unproven``);
+        called before anything of a delta bucket from every trainer rank waits (``RefusesDeltas``:
+        its region deltas are then handed to ``apply_deltas`` at the commit)."""
+        refuse_unproven(self.worker_id, names, self.proven)
 
     def delta_parts(self, name: str) -> Sequence[KeptPart]:
         """Each region of ``name`` as the part it keeps (its manifest piece, or None for the whole)."""

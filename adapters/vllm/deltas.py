@@ -34,6 +34,12 @@ the refusal ahead of every write (a PARTIAL delta is refused the same way while 
 has none). The worker stays CONSISTENT at its version, and the trainer's automatic FULL reloads the
 layers, which gives them their bases again.
 
+Deltas from every trainer rank (a transfer group in ``TRANSFER_MODE_SLICES``) take the same path:
+the worker asks ``refuse_deltas`` (the same check) before anything of such a bucket waits, holds
+the checked region deltas (not the model) until the commit, and then hands them, one delta per
+tensor, to ``apply_deltas`` in one call (``weightwire.server.worker.staged_deltas``), so a layer
+whose tensors came in several buckets is reloaded once.
+
 Whether a worker applies deltas at all is decided at start (``build_adapter``): not when a tensor
 is split into more than one piece on this rank, when the model has experts (vLLM's CPU kernel
 prepacks them in place after the reload, a layout not tested here), or when a layer's regions
@@ -218,6 +224,14 @@ class DeltasVLLMAdapter(SlicesVLLMAdapter):
             self.load(
                 [(n, self._applied(n, changes.get(n))) for n in sorted(self.layout.names_by_layer[layer])]
             )
+
+    def refuse_deltas(self, names: frozenset[str]) -> None:
+        """DELTA_BASE_MISMATCH unless every tensor this worker owns has a base (what the first delta
+        of an update checks); called before anything of a delta bucket from every trainer rank waits
+        (``RefusesDeltas``: its region deltas are handed to ``apply_deltas`` at the commit)."""
+        missing = self.bases.without_base(self._manifest.tensors)
+        if missing:
+            raise _no_base(self.worker_id, missing)
 
     def delta_parts(self, name: str) -> Sequence[tuple[Piece | None, torch.Tensor]]:
         """This rank's piece of ``name`` where its base is now (module docstring), as its manifest's piece."""

@@ -26,8 +26,8 @@ Per push, every rank of the trainer's group, in order:
 3. every rank commits its keeper only when the update committed on every worker (every rank
    returns the same results); any failure drops every rank's base, so the next push is FULL. A
    worker that refuses the delta (``DELTA_BASE_MISMATCH``: its version or state changed since the
-   status, or its adapter writes slices through staging of its own) fails the update on every
-   rank alike, and every rank sends it again whole at once (BASE_MISMATCH, ``delta_refused``).
+   status, its engine holds no base for a tensor of it, or its adapter applies no deltas) fails the
+   update on every rank alike, and every rank sends it again whole at once (BASE_MISMATCH, ``delta_refused``).
 """
 
 from __future__ import annotations

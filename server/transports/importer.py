@@ -30,6 +30,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
+from weightwire.core.delta import Delta
 from weightwire.core.devices import DeviceRef
 from weightwire.core.transports import table as transports
 from weightwire.server.rules.views import ReadBatch
@@ -101,13 +102,28 @@ class FillPlan(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class RegionChange:
+    """One checked delta of a region of a filled bucket, handed to the worker instead of applied
+    (``FillTarget.changes``): the tensor, the region's box in the full checkpoint tensor, the
+    trainer's result checksums of the region, and the changes of the region's elements in
+    row-major order (its views valid until the update ends)."""
+
+    tensor: str
+    box: tuple[tuple[int, int], ...]
+    result_checksums: Sequence[pb.DeltaChecksum]
+    delta: Delta
+
+
+@dataclasses.dataclass(frozen=True)
 class FillTarget:
     """Where a filled bucket's bytes go: ``kept``, the adapter's kept tensors by name, of this
     ``manifest``. ``will_write`` is called once before the first byte may land; once ``call_ended``
     is set (the update's call is over) every wait of the receive stops. Bytes an importer can hold
     back until the update commits (a staged receive) are landed by what it appends to
     ``landings``, which the update runs at its commit. ``ordinal``: the bucket's place among the
-    update's filled buckets (0 for its first)."""
+    update's filled buckets (0 for its first). ``changes``: for an adapter that applies deltas
+    itself, a delta bucket's checked region deltas are appended there, and none is applied into
+    ``kept`` (nothing of the bucket is then written by the importer)."""
 
     kept: Mapping[str, torch.Tensor]
     manifest: ShardManifest
@@ -115,6 +131,7 @@ class FillTarget:
     call_ended: threading.Event | None = None
     landings: list[Callable[[], None]] | None = None
     ordinal: int = 0
+    changes: list[RegionChange] | None = None
 
 
 @runtime_checkable

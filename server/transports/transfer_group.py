@@ -229,6 +229,7 @@ class GroupImporter(PayloadImporter):
                     into.will_write,
                     ended.is_set if ended is not None else None,
                     into.landings,
+                    into.changes,
                 )
             return receive_bucket(
                 member,

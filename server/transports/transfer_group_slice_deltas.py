@@ -19,6 +19,8 @@ In order, per bucket (``GroupImporter.fill`` calls ``check_slice_deltas`` and th
 4. at the commit (or at once without deferred landings) each delta is applied into the region of
    the kept tensor (``apply_delta``) and the region's checksum compared with the trainer's
    (``verify_result``): DELTA_RESULT_MISMATCH then fails the commit, the worker INCONSISTENT.
+   A worker whose adapter applies deltas itself (SGLang, vLLM: ``FillTarget.changes``) is handed
+   the checked deltas instead (``weightwire.server.worker.staged_deltas`` applies them).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from weightwire.core.transports.transfer_group_slice_deltas import (
 )
 from weightwire.core.transports.transfer_group_slices import agree, kept_region
 from weightwire.core.transports.transfer_plan import Transfer, box_elements
+from weightwire.server.transports.importer import RegionChange
 from weightwire.server.transports.transfer_group_member import JoinedGroup
 from weightwire.server.transports.transfer_group_slices import SlicePlan
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -160,10 +163,12 @@ def receive_delta_bucket(
     will_write: Callable[[], None],
     stopped: Callable[[], bool] | None = None,
     landings: list[Callable[[], None]] | None = None,
+    changes: list[RegionChange] | None = None,
 ) -> int:
     """Rules 2 to 4 of the module docstring; returns the bytes received (the sources' streams).
     With ``landings`` the deltas are applied and verified when the caller runs what is appended
-    to it (at the commit); without, at once."""
+    to it (at the commit); without, at once. With ``changes`` they are appended there instead,
+    checked and not applied (rule 4 is the caller's)."""
     group = member.group
     pg = group.process_group()
     timeout_s = group.timeout.total_seconds()
@@ -187,7 +192,12 @@ def receive_delta_bucket(
         will_write()
         apply_regions(read, kept, manifest)
 
-    if landings is not None:
+    if changes is not None:
+        changes.extend(
+            RegionChange(r.transfer.tensor, r.transfer.box, r.msg.result_checksums, delta)
+            for r, delta in read
+        )
+    elif landings is not None:
         landings.append(apply)
     else:
         apply()

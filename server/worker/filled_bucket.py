@@ -25,9 +25,12 @@ receive holds besides is bounded by the bucket (docs/design-notes.md, "Several b
 commit").
 
 In a delta update the regions carry deltas, applied into the kept tensors at the commit
-(``transfer_group_slice_deltas``); an adapter that ``StagesSlices`` has no base in its staging, so
-it refuses such a bucket with DELTA_BASE_MISMATCH before anything waits (the trainer sends the
-update whole).
+(``transfer_group_slice_deltas``). An adapter that ``StagesSlices`` has no base in its staging: one
+that also applies deltas through its own path (``AppliesDeltas`` and ``RefusesDeltas``: SGLang and
+vLLM) says before anything waits whether it holds a base for every tensor of the bucket, is handed
+the checked deltas, and applies them at the commit (``staged_deltas``); any other refuses such a
+bucket with DELTA_BASE_MISMATCH before anything waits. Either refusal leaves the worker CONSISTENT
+at its version, and the trainer sends the update whole.
 """
 
 from __future__ import annotations
@@ -46,9 +49,10 @@ from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.server.rules.selection import select_own_payload
-from weightwire.server.transports.importer import FillsModel, FillTarget
-from weightwire.server.worker.adapter import EngineAdapter, KeepsTensors
+from weightwire.server.transports.importer import FillsModel, FillTarget, RegionChange
+from weightwire.server.worker.adapter import AppliesDeltas, EngineAdapter, KeepsTensors
 from weightwire.server.worker.delta_regions import carries_region_deltas
+from weightwire.server.worker.staged_deltas import RefusesDeltas, StagedDeltas, apply_staged
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["StagesSlices", "fill_bucket", "land_update"]
@@ -106,17 +110,23 @@ def fill_bucket(
     kept = cast(KeepsTensors, adapter).kept_tensors()
     stager = cast(StagesSlices, adapter) if has_capability(adapter, StagesSlices) else None
     into: Mapping[str, torch.Tensor] = kept
+    # A stager's delta bucket: the checked region deltas, handed to its own delta path at the commit.
+    changes: list[RegionChange] | None = None
     if stager is not None and carries_region_deltas(sel.payload):
-        # Its staging holds the bucket's bytes, not the model's: there is no base to apply to.
-        raise delta_error(
-            DELTA_BASE_MISMATCH,
-            f"bucket {msg.index}: this engine adapter writes slices through its own staging and applies no "
-            "delta to regions; send the update whole",
-            bucket=str(msg.index),
-            applies_deltas="false",
-        )
+        if not (has_capability(adapter, AppliesDeltas) and has_capability(adapter, RefusesDeltas)):
+            # Its staging holds the bucket's bytes, not the model's: there is no base to apply to.
+            raise delta_error(
+                DELTA_BASE_MISMATCH,
+                f"bucket {msg.index}: this engine adapter writes slices through its own staging and applies no "
+                "delta to regions; send the update whole",
+                bucket=str(msg.index),
+                applies_deltas="false",
+            )
+        cast(RefusesDeltas, adapter).refuse_deltas(plan.names)
+        changes = []
     if stager is not None:
         stager.refuse_slices(plan.names)
+    if stager is not None and changes is None:
         # Held until the commit where the bytes arrive: host memory over gloo, even for a model
         # on a GPU (no GPU memory beyond the model's own), the GPU over NCCL.
         into = {
@@ -139,6 +149,7 @@ def fill_bucket(
                 call_ended,
                 landings if stager is None else None,
                 ordinal,
+                changes,
             ),
         )
         if any(into[n].is_cuda for n in plan.names):
@@ -162,7 +173,9 @@ def fill_bucket(
     )
     ack.source_device.CopyFrom(sel.device.to_proto())
     cuda = any(kept[n].is_cuda for n in plan.names)
-    if stager is not None:
+    if changes is not None:
+        landings.append(StagedDeltas(cast(AppliesDeltas, adapter), changes, manifest, will_write))
+    elif stager is not None:
         landings.append(StagedWrite(cast(StagesSlices, stager), into, will_write, cuda))
     elif cuda:
         landings.append(torch.cuda.synchronize)  # the commit's result promises the bytes are in the model
@@ -200,18 +213,22 @@ def _nothing() -> None:
 def land_update(landings: Sequence[tuple[int, Sequence[Callable[[], None]]]]) -> None:
     """Write what ``fill_bucket`` held back of every bucket of the update into the model (the
     update commits), bucket by bucket; a stager's buckets in one ``write_kept`` (the engine writes
-    an update's tensors together, as a vLLM layer whose tensors came in two buckets needs).
+    an update's tensors together, as a vLLM layer whose tensors came in two buckets needs), its
+    delta buckets in one ``apply_deltas`` (``staged_deltas.apply_staged``).
     LOAD_FAILED if the engine raised (the model may then be half-written: the caller counts it as
     written)."""
     staged = [step for _, steps in landings for step in steps if isinstance(step, StagedWrite)]
+    deltas = [step for _, steps in landings for step in steps if isinstance(step, StagedDeltas)]
     what = "bucket" + ("s " if len(landings) > 1 else " ") + ", ".join(str(i) for i, _ in landings[:8])
     try:
         for _, steps in landings:
             for step in steps:
-                if not isinstance(step, StagedWrite):
+                if not isinstance(step, StagedWrite | StagedDeltas):
                     step()
         if staged:
             _write(staged)
+        if deltas:
+            apply_staged(deltas)
     except WeightwireError:
         raise
     except Exception as e:

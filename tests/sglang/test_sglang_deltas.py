@@ -7,13 +7,21 @@ every worker with DELTA_BASE_MISMATCH before anything is written, each worker CO
 version and serving its tokens; then a trainer in this process pushes over a transfer group
 (gloo, loopback) a FULL update and three sparse deltas (``push(..., delta=True)``), each landing as
 a delta with a small fraction of the FULL bytes received, and the engine's greedy tokens equal
-transformers' on the pushed weights.
+transformers' on the pushed weights; then every trainer rank a source: 2 trainer ranks, each its own
+process of one gloo world, push their FSDP-style ``Shard(0)`` DTensor shards with ``delta=True``
+(a FULL, then two deltas): each worker holds the checked region deltas until the commit and applies
+them into its proven regions (``server/worker/staged_deltas.py``), its ``bytes_received`` equal to
+its deltas' encoded bytes, and the tokens equal transformers'.
+
+This file is also the trainer rank (``python test_sglang_deltas.py ADDR...``, started by
+``helpers.TrainerRanks``): ``helpers.slice_trainer_main`` on this module's checkpoints.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +30,7 @@ import grpc
 import pytest
 import torch
 from checkpoints import QWEN2, ModelSpec, full_checkpoint, reference_tokens, write_model_dir
-from helpers import delta_update_requests, push, sparse_step
+from helpers import TrainerRanks, delta_update_requests, push, slice_trainer_main, sparse_step
 
 SPEC = ModelSpec(QWEN2, tie=True)
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
@@ -148,3 +156,51 @@ def test_a_full_push_then_three_deltas_land_as_deltas_with_the_tokens_of_the_wei
             after = engine.tokens_match()
             assert after != before, "consecutive weights must give different tokens, or this shows nothing"
             before = after
+
+
+def test_deltas_from_every_trainer_rank_land_in_the_proven_regions(engine: Engine) -> None:
+    from weightwire.client import WeightPusher
+
+    ranks = TrainerRanks(__file__, engine.addresses, drop_env=["WEIGHTWIRE_SGLANG_SOCKET_DIR"])
+    try:
+        with WeightPusher(engine.addresses, timeout_s=60) as reader:
+            manifests = reader.manifests()
+            version = max(s.weights_version for s in reader.status().values())
+        seed, steps = 10, []
+
+        def ranks_push() -> dict[str, dict[str, Any]]:
+            nonlocal version
+            version += 1
+            engine.host.pause("abort")
+            try:
+                answers = ranks.push(version=version, seed=seed, sparse=steps, delta=True)
+            finally:
+                engine.host.resume()
+            assert all(a["ok"] for a in answers), answers
+            results: dict[str, dict[str, Any]] = answers[0]["results"]
+            assert {(r["version"], r["state"]) for r in results.values()} == {(version, "CONSISTENT")}
+            weights = full_checkpoint(SPEC, seed)
+            for step in steps:
+                weights = sparse_step(weights, step)
+            engine.weights = weights
+            return results
+
+        full = ranks_push()
+        for address, r in full.items():
+            assert (r["encoding"], r["delta_fallback"]) == ("FULL", "NO_BASE"), r
+            assert r["bytes_received"] == manifests[address].kept_bytes, (address, r)
+        before = engine.tokens_match()
+        for step in (11, 12):
+            steps.append(step)
+            for address, r in ranks_push().items():
+                assert (r["encoding"], r["delta_fallback"], r["delta_refused"]) == ("DELTA", "NONE", 0), r
+                assert 0 < r["bytes_received"] == r["encoded_bytes"] < full[address]["bytes_received"] / 10, r
+            after = engine.tokens_match()
+            assert after != before, "consecutive weights must give different tokens, or this shows nothing"
+            before = after
+    finally:
+        ranks.close()
+
+
+if __name__ == "__main__":
+    sys.exit(slice_trainer_main(sys.argv[1:], lambda seed: full_checkpoint(SPEC, seed)))

@@ -14,17 +14,31 @@ DELTA_BASE_MISMATCH before anything is written (CONSISTENT, version and tokens u
 pusher's next delta push goes whole by itself (BASE_MISMATCH) and lands, the one after it as a delta
 again; a base changed behind the adapter's back fails the next delta with DELTA_RESULT_MISMATCH and
 the push after it is FULL and brings the workers back.
+
+Then every trainer rank a source: 2 trainer ranks, each its own process of one gloo world, push
+their FSDP-style ``Shard(0)`` DTensor shards with ``delta=True`` over a transfer group; each worker
+holds the checked region deltas until the commit and applies them through the same reload (one
+delta per tensor; ``server/worker/staged_deltas.py``). A FULL and two deltas land with the tokens of
+the weights and each worker's ``bytes_received`` equal to its deltas' encoded bytes; after a level-2
+sleep both workers refuse the next delta before anything waits (DELTA_BASE_MISMATCH) and the same
+push goes whole; a drifted base fails the next delta with DELTA_RESULT_MISMATCH at the version
+before it, and the next push is FULL and lands.
+
+This file is also the trainer rank (``python test_vllm_deltas.py ADDR...``, started by
+``helpers.TrainerRanks``): ``helpers.slice_trainer_main`` on this module's checkpoints.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
 import torch
 from engine_checks import Expected, UpdateWindow, check_engine
-from helpers import delta_update_requests, push, sparse_step
+from helpers import TrainerRanks, delta_update_requests, push, slice_trainer_main, sparse_step
 from vllm_cpu import CpuEngine, ModelSpec, checkpoint, save_checkpoint
 from weightwire.adapters.vllm import update_window, worker_endpoints
 from weightwire.client import PushError, PushResult, WeightPusher
@@ -169,3 +183,79 @@ def test_a_base_changed_behind_the_adapter_fails_the_result_check_and_the_next_p
     assert {s.state for s in pusher.status().values()} == {pb.WORKER_STATE_INCONSISTENT}
     results = push_delta(engine, pusher, expected, weights)
     assert {(r.encoding, r.delta_fallback) for r in results.values()} == {("FULL", "NO_BASE")}
+
+
+def test_deltas_from_every_trainer_rank_reload_the_changed_layers_and_each_refusal_ends_in_a_full(
+    engine: CpuEngine, pusher: WeightPusher, expected: Expected
+) -> None:
+    check_engine(engine, pusher, expected)
+    manifests = pusher.manifests()
+    ranks = TrainerRanks(__file__, list(pusher.endpoints))
+    seed, steps = 10, []
+
+    def ranks_push(*, window: bool = True) -> list[dict[str, Any]]:
+        version = expected.version + 1
+        cmd = {"version": version, "seed": seed, "sparse": steps, "delta": True}
+        if not window:
+            with UpdateWindow(engine):
+                return ranks.push(**cmd)
+        with update_window(engine.llm, version):
+            answers = ranks.push(**cmd)
+        assert all(a["ok"] for a in answers), answers
+        assert answers[0]["results"] == answers[1]["results"]
+        weights = checkpoint(SPEC, seed)
+        for step in steps:
+            weights = sparse_step(weights, step)
+        expected.weights, expected.version = weights, version
+        check_engine(engine, pusher, expected)  # the tokens of the weights, every worker at the version
+        return answers
+
+    try:
+        full = ranks_push()[0]["results"]
+        for address, r in full.items():
+            assert (r["encoding"], r["delta_fallback"]) == ("FULL", "NO_BASE"), r
+            assert r["bytes_received"] == manifests[address].kept_bytes, (address, r)
+        before = engine.generate()
+        for step in (11, 12):
+            steps.append(step)
+            for address, r in ranks_push()[0]["results"].items():
+                assert (r["encoding"], r["delta_fallback"], r["delta_refused"]) == ("DELTA", "NONE", 0), r
+                assert 0 < r["bytes_received"] == r["encoded_bytes"] < full[address]["bytes_received"] / 10, r
+            after = engine.generate()
+            assert after != before, "consecutive weights must give different tokens, or this shows nothing"
+            before = after
+
+        # No base (a level-2 sleep discards the weights' bytes): both refuse before anything waits,
+        # and the same push goes whole, which gives every layer its base again.
+        assert engine.llm.collective_rpc("weightwire_sleep", args=(2,)) == [2, 2]
+        assert engine.llm.collective_rpc("weightwire_wake_up", args=(None,)) == [None, None]
+        steps.append(13)
+        results = ranks_push()[0]["results"]
+        assert {(r["encoding"], r["delta_fallback"], r["delta_refused"]) for r in results.values()} == {
+            ("FULL", "BASE_MISMATCH", 2)
+        }
+        for st in pusher.status().values():
+            assert (st.last_error.version, st.last_error.reason) == (expected.version, "DELTA_BASE_MISMATCH")
+
+        # A drifted base: the delta leaves the drifted element alone, so only the result check sees it.
+        steps.append(14)
+        assert torch.equal(
+            sparse_step(expected.weights, 14)[DRIFTED].view(-1)[0], expected.weights[DRIFTED].view(-1)[0]
+        )
+        engine.llm.collective_rpc("weightwire_drift", args=(DRIFTED,))
+        answers = ranks_push(window=False)
+        assert not any(a["ok"] for a in answers), answers
+        failures = answers[0]["failures"]
+        assert {f["reason"] for f in failures.values()} == {"DELTA_RESULT_MISMATCH"}, failures
+        assert all(DRIFTED in f["message"] for f in failures.values()), failures
+        states = {(s.weights_version, s.state) for s in pusher.status().values()}
+        assert states == {(expected.version, pb.WORKER_STATE_INCONSISTENT)}
+        steps.append(15)  # (the weights of step 14 give an ambiguous reference: top-2 logits too close)
+        results = ranks_push()[0]["results"]
+        assert {(r["encoding"], r["delta_fallback"]) for r in results.values()} == {("FULL", "NO_BASE")}
+    finally:
+        ranks.close()
+
+
+if __name__ == "__main__":
+    sys.exit(slice_trainer_main(sys.argv[1:], lambda seed: checkpoint(SPEC, seed)))
