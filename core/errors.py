@@ -62,6 +62,9 @@ class Reason(enum.Enum):
     # Bucket.layout_id names tensor specs this worker does not hold (a restart, an eviction, another
     # manifest) or payloads other than they were accepted with: send the bucket with its tensors.
     LAYOUT_UNKNOWN = "FAILED_PRECONDITION"
+    # CudaIpcHandle.storage_set_id names a set of CUDA storages this worker does not keep (a restart,
+    # a set dropped for newer ones): send the payload with its storages.
+    STORAGE_SET_UNKNOWN = "FAILED_PRECONDITION"
     GROUP_UNKNOWN_MEMBER = "FAILED_PRECONDITION"
     GROUP_DUPLICATE_RANK = "FAILED_PRECONDITION"
     GROUP_WRONG_WORLD_SIZE = "FAILED_PRECONDITION"

@@ -76,8 +76,17 @@ def named_items(
 ) -> list[tuple[str, torch.Tensor]]:
     """A mapping (``state_dict()``), ``(name, tensor)`` pairs or a generator (``named_parameters()``)
     as a list of pairs. Only references are kept: no tensor is copied or gathered here."""
+    return named_items_and_dtensors(named_tensors)[0]
+
+
+def named_items_and_dtensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+    """``named_items``, and whether any of them is a DTensor (``has_dtensors``), in one pass."""
     pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     out: list[tuple[str, torch.Tensor]] = []
+    dtensor = _dtensor_type()
+    found = False
     for item in pairs:
         try:
             name, t = item
@@ -89,8 +98,10 @@ def named_items(
             raise TypeError(
                 f"push takes (name, tensor) pairs; got ({type(name).__name__}, {type(t).__name__})"
             )
+        if dtensor is not None and not found and isinstance(t, dtensor):
+            found = True
         out.append((name, t))
-    return out
+    return out, found
 
 
 def has_dtensors(items: Iterable[tuple[str, torch.Tensor]]) -> bool:
@@ -323,6 +334,7 @@ __all__ = [
     "is_dtensor",
     "local_device",
     "named_items",
+    "named_items_and_dtensors",
     "source_device",
     "spec_of",
     "target_dtype",

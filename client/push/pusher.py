@@ -39,9 +39,9 @@ from weightwire.client.inputs import plan as planning
 from weightwire.client.inputs.dtensor_gather import (
     CastTo,
     check_cast_to,
-    has_dtensors,
     local_device,
     named_items,
+    named_items_and_dtensors,
     source_device,
 )
 from weightwire.client.inputs.types import (
@@ -320,8 +320,8 @@ class WeightPusher(UpdateRunner):
         """
         check_cast_to(cast_to)
         options = PushOptions.from_arguments(locals())
-        items = named_items(named_tensors)
-        ranked = group is not None or has_dtensors(items)
+        items, dtensors = named_items_and_dtensors(named_tensors)
+        ranked = group is not None or dtensors
         if ranked:
             # One trainer rank: nothing to agree on or gather, so the plain push (and its fast paths).
             single = self._one_rank.items(items, group)
@@ -367,8 +367,9 @@ class WeightPusher(UpdateRunner):
         source = source_device(items)
         setup, exporter = self._setup_exporting(source, options)
         # CUDA tensors exported where they live go as one bucket (per group of recipients).
-        in_place = job_builders.exports_in_place(items, setup.manifests, exporter, options)
-        one_bucket = in_place or sum(t.nbytes for _, t in items) <= self.bucket_size_bytes
+        # One pass over the tensors (their device, layout, plan rows and storages), read by the rest.
+        in_place = job_builders.exports_in_place(items, setup.manifests, exporter, options) or False
+        one_bucket = bool(in_place) or sum(t.nbytes for _, t in items) <= self.bucket_size_bytes
         # Only a transport that routes each update sends from the caller's tensors by name.
         sources = dict(items) if exporter.routes_each_update else None
         return self._plan_and_run(

@@ -37,7 +37,13 @@ from collections.abc import Sequence
 
 import torch
 from weightwire.client.transports.cuda_ipc_tensors import ExportedTensors, PooledExports, StorageShare
-from weightwire.client.transports.exporter import Exporter, StagingBuffer, consumers_wait, crc32_of
+from weightwire.client.transports.exporter import (
+    Exporter,
+    StagingBuffer,
+    TensorScan,
+    consumers_wait,
+    crc32_of,
+)
 from weightwire.core.devices import DeviceRef, cuda_device_uuid
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.transports import table as transports
@@ -253,6 +259,32 @@ class CudaIpcExporter(PooledExports, Exporter):
         )
         return CudaStagingBuffer(raw, view, owned=False, event=known.event)
 
+    def scan_tensors(self, items: Sequence[tuple[str, torch.Tensor]]) -> TensorScan | None:
+        """One pass over ``items``: None unless each is a dense tensor on this GPU (at most a
+        payload's storages), else what planning and ``export_tensors`` need of each."""
+        if not items or len(items) > MAX_STORAGES_PER_PAYLOAD:
+            return None
+        index = self.device.index
+        tensors: list[torch.Tensor] = []
+        rows: list[tuple[str, torch.dtype, torch.Size]] = []
+        storages: list[torch.UntypedStorage] = []
+        offsets: list[int | torch.SymInt] = []
+        # Bound once: this loop runs every push over every tensor.
+        add_tensor, add_row, add_storage, add_offset = (
+            tensors.append,
+            rows.append,
+            storages.append,
+            offsets.append,
+        )
+        for name, t in items:
+            if t.get_device() != index or not t.is_contiguous():
+                return None
+            add_tensor(t)
+            add_row((name, t.dtype, t.shape))
+            add_storage(t.untyped_storage())
+            add_offset(t.storage_offset())
+        return TensorScan(tensors, tuple(rows), storages, offsets)
+
     def can_export_tensors(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether ``export_tensors`` can send these tensors where they live: dense tensors on this
         GPU, at most a payload's storages."""
@@ -264,16 +296,24 @@ class CudaIpcExporter(PooledExports, Exporter):
         )
 
     def export_tensors(
-        self, tensors: Sequence[torch.Tensor], recipients: Sequence[str]
+        self,
+        tensors: Sequence[torch.Tensor],
+        recipients: Sequence[str],
+        places: tuple[Sequence[torch.UntypedStorage], Sequence[int | torch.SymInt]] | None = None,
     ) -> ExportedTensors | None:
         """``tensors`` as views into their own storages (no copy) for each of ``recipients``, or None
         when one cannot be shared (the caller packs them instead). The same tensors in the same
-        storages for the same recipients give the same object."""
-        storages = [t.untyped_storage() for t in tensors]
+        storages for the same recipients give the same object. ``places``: each tensor's storage
+        and storage offset, as ``scan_tensors`` read them (else read here)."""
+        if places is None:
+            storages: Sequence[torch.UntypedStorage] = [t.untyped_storage() for t in tensors]
+            storage_offsets: Sequence[int | torch.SymInt] = [t.storage_offset() for t in tensors]
+        else:
+            storages, storage_offsets = places
         key = (
             self._generation,
             tuple(map(id, storages)),
-            tuple([t.storage_offset() for t in tensors]),
+            tuple(storage_offsets),
             tuple(recipients),
         )
         with self._lock:

@@ -10,6 +10,7 @@ where they live. Sharing a storage itself (``_share_storage``, torch's CUDA IPC)
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import weakref
 from collections.abc import Collection, Sequence
@@ -48,7 +49,8 @@ class ExportedTensors:
     # Each recipient's own shares of the storages (the same storages, places and sizes).
     storages: dict[str, list[pb.CudaIpcStorage]]
     _payloads: dict[tuple[str, bool, bool], pb.Payload] = dataclasses.field(default_factory=dict)
-    specs_memo: dict[int, tuple[object, list[object]]] = dataclasses.field(default_factory=dict)
+    # Per bucket plan (by id): the plan, its specs at this payload's offsets, and their bytes.
+    specs_memo: dict[int, tuple[object, list[object], int]] = dataclasses.field(default_factory=dict)
     # Tensors packed into the fresh-tensor pool (``cuda_ipc_pool``): their indices among the
     # exported tensors and the pool views they are copied into before each send; the region
     # holding those views (kept while this payload is).
@@ -81,11 +83,15 @@ class ExportedTensors:
     def payload(
         self, recipient: str, label: DeviceRef, event_handle: bytes | None, complete: bool
     ) -> pb.Payload:
-        """``recipient``'s payload (built once per event mode and completeness, then the same object)."""
+        """``recipient``'s payload (built once per event mode and completeness, then the same object),
+        named by a random ``storage_set_id``: once the worker acked that it keeps the set, later
+        updates send it the name alone (``weightwire.client.update.payload_refs``)."""
         key = (recipient, event_handle is not None, complete)
         msg = self._payloads.get(key)
         if msg is None:
-            handle = pb.CudaIpcHandle(storages=self.storages[recipient], storages_complete=complete)
+            handle = pb.CudaIpcHandle(
+                storages=self.storages[recipient], storages_complete=complete, storage_set_id=os.urandom(16)
+            )
             if event_handle is not None:
                 handle.event_handle = event_handle
                 handle.event_sync_required = True

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import mmap
 import os
 import threading
@@ -95,13 +96,33 @@ class Exporter(abc.ABC):
 
     # --- tensors exported where they live (no packing copy) -----------------------------------
 
+    def scan_tensors(self, items: Sequence[tuple[str, torch.Tensor]]) -> TensorScan | None:
+        """One pass over a push's named tensors: what planning and ``export_tensors`` need of each
+        (``TensorScan``), or None when ``export_tensors`` cannot send them where they live
+        (``can_export_tensors``; an exporter that can reads them all in one loop instead)."""
+        tensors = [t for _, t in items]
+        if not self.can_export_tensors(tensors):
+            return None
+        return TensorScan(
+            tensors,
+            tuple([(name, t.dtype, t.shape) for name, t in items]),
+            [t.untyped_storage() for t in tensors],
+            [t.storage_offset() for t in tensors],
+        )
+
     def can_export_tensors(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether ``export_tensors`` can send these tensors where they live (CUDA IPC of a trainer's
         own parameters); the others pack them into staging buffers."""
         return False
 
-    def export_tensors(self, tensors: Sequence[torch.Tensor], recipients: Sequence[str]) -> object | None:
-        """``tensors`` exported where they live for each of ``recipients``, or None (pack them)."""
+    def export_tensors(
+        self,
+        tensors: Sequence[torch.Tensor],
+        recipients: Sequence[str],
+        places: tuple[Sequence[torch.UntypedStorage], Sequence[int | torch.SymInt]] | None = None,
+    ) -> object | None:
+        """``tensors`` exported where they live for each of ``recipients``, or None (pack them).
+        ``places``: each tensor's storage and storage offset, when a ``TensorScan`` read them."""
         return None
 
     def tensors_payloads(self, exported: object, *, complete: bool) -> dict[str, pb.Payload]:
@@ -342,3 +363,18 @@ def make_exporter(name: str, source: torch.device) -> Exporter:
             f"transport {name!r} is not available in this process; available: {', '.join(available_transports())}",
         )
     return cls.for_source(source)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorScan:
+    """What one pass over a push's named tensors read of each, for every later step of the push
+    of tensors exported where they live: the tensors, the rows the plan is keyed by (name, dtype,
+    shape), and each tensor's storage and storage offset (the export's key and places). Every step
+    used to walk the tensors again for its own part (the device and layout check, the plan's key,
+    the export's key), which for a model of hundreds of parameters is a share of the push's fixed
+    cost."""
+
+    tensors: list[torch.Tensor]
+    rows: tuple[tuple[str, torch.dtype, torch.Size], ...]
+    storages: list[torch.UntypedStorage]
+    offsets: list[int | torch.SymInt]

@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import weakref
 from collections.abc import Hashable, Mapping, Sequence
+from typing import Literal
 
 import torch
 from weightwire.client.inputs import plan as planning
@@ -88,11 +89,13 @@ class TensorPlans:
         options: PushOptions,
         bucket_bytes: int,
         align_bytes: int,
+        rows: tuple[tuple[str, torch.dtype, torch.Size], ...] | None = None,
     ) -> Hashable:
+        """``rows``: each tensor's (name, dtype, shape), when a ``TensorScan`` read them."""
         cast = options.cast_to
         cast_key = tuple(sorted(cast.items(), key=str)) if isinstance(cast, Mapping) else cast
         return (
-            tuple([(name, t.dtype, t.shape) for name, t in items]),
+            rows if rows is not None else tuple([(name, t.dtype, t.shape) for name, t in items]),
             tuple([(a, id(m)) for a, m in manifests.items()]),
             options.scope,
             options.allow_unowned,
@@ -124,19 +127,20 @@ def exports_in_place(
     manifests: Mapping[str, ShardManifest],
     exporter: exp.Exporter,
     options: PushOptions,
-) -> bool:
+) -> exp.TensorScan | None:
     """Whether ``push`` sends ``items`` where they live (no packing copy): CUDA tensors on the
     exporter's GPU, dense, sent unconverted and unchecksummed, to workers that all read payloads of
-    several storages (``ShardManifest.imports_cuda_ipc_storages``). Anything else is packed."""
+    several storages (``ShardManifest.imports_cuda_ipc_storages``); then the one pass over them that
+    the rest of the push reads (``Exporter.scan_tensors``), else None (they are packed)."""
     if options.verify_checksums or not manifests:
-        return False
+        return None
     if not all(m.imports_cuda_ipc_storages for m in manifests.values()):
-        return False
+        return None
     if options.cast_to is not None and any(
         target_dtype(t.dtype, options.cast_to) != t.dtype for _, t in items
     ):
-        return False
-    return exporter.can_export_tensors([t for _, t in items])
+        return None
+    return exporter.scan_tensors(items)
 
 
 def _packing_bucket_bytes(
@@ -161,16 +165,16 @@ def tensor_jobs(
     staging: Staging,
     options: PushOptions,
     align_bytes: int,
-    in_place: bool | None = None,
+    in_place: exp.TensorScan | Literal[False] | None = None,
 ) -> Jobs:
     """Named tensors, each bucket sent to the workers that own something in it: exported where they
-    live (``exports_in_place``; one bucket per group of recipients), else packed into buckets of at
-    most the pusher's bucket size (inline: under the message limit; GPU staging with no size given:
-    ``plan.DEFAULT_CUDA_BUCKET_BYTES``)."""
+    live (``exports_in_place``, or its scan in ``in_place``; one bucket per group of recipients),
+    else (``in_place`` False) packed into buckets of at most the pusher's bucket size (inline: under
+    the message limit; GPU staging with no size given: ``plan.DEFAULT_CUDA_BUCKET_BYTES``)."""
     if in_place is None:
-        in_place = exports_in_place(items, manifests, exporter, options)
+        in_place = exports_in_place(items, manifests, exporter, options) or False
     if in_place:
-        jobs = _in_place_jobs(items, manifests, exporter, staging, options, align_bytes)
+        jobs = _in_place_jobs(items, manifests, exporter, staging, options, align_bytes, in_place)
         if jobs is not None:
             return jobs
     return _packed_jobs(
@@ -191,35 +195,41 @@ def _in_place_jobs(
     staging: Staging,
     options: PushOptions,
     align_bytes: int,
+    scan: exp.TensorScan,
 ) -> Jobs | None:
     """One job per recipient group with its tensors exported where they live, or None when some
-    storage cannot be shared (then everything is packed)."""
-    plans, kept = _checked_plans(items, manifests, exporter, staging, options, _ONE_BUCKET, align_bytes)
+    storage cannot be shared (then everything is packed). Each tensor's storage and offset come
+    from ``scan``, the push's one pass over its tensors."""
+    plans, kept = _checked_plans(
+        items, manifests, exporter, staging, options, _ONE_BUCKET, align_bytes, scan=scan
+    )
     # In a FULL update where each worker gets one bucket (one per pipeline stage, say), that bucket
     # lists every storage its workers should keep: they close the rest.
     counts = collections.Counter(w for p in plans for w in p.recipients)
     complete = options.scope == pb.UPDATE_SCOPE_FULL and all(n == 1 for n in counts.values())
+    # ``kept`` is the scan's own list when every tensor is owned: then its places index alike.
+    scanned = kept is scan.tensors
     jobs: list[Job] = []
     for p in plans:
-        tensors = [kept[i] for i in p.items]
-        exported = exporter.export_tensors(tensors, p.recipients)
+        places: tuple[Sequence[torch.UntypedStorage], Sequence[int | torch.SymInt]] | None = None
+        if scanned and len(p.items) == len(kept):
+            # One bucket of every tensor, in input order (plan_buckets keeps it within a group).
+            tensors: list[torch.Tensor] = kept
+            places = (scan.storages, scan.offsets)
+        else:
+            tensors = [kept[i] for i in p.items]
+            if scanned:
+                places = ([scan.storages[i] for i in p.items], [scan.offsets[i] for i in p.items])
+        exported = exporter.export_tensors(tensors, p.recipients, places)
         if exported is None:
             return None
         memo = exported.specs_memo.get(id(p))
         if memo is None or memo[0] is not p:
             # The same TensorSpec objects every update, so each bucket's spec message is reused.
             specs = [dataclasses.replace(s, offset_bytes=exported.offsets[j]) for j, s in enumerate(p.specs)]
-            exported.specs_memo[id(p)] = (p, specs)
-        else:
-            specs = memo[1]
-        jobs.append(
-            Job(
-                specs,
-                p.recipients,
-                sum(s.nbytes for s in p.specs),
-                in_place_job(exporter, exported, complete, tensors),
-            )
-        )
+            memo = (p, specs, sum(s.nbytes for s in p.specs))
+            exported.specs_memo[id(p)] = memo
+        jobs.append(Job(memo[1], p.recipients, memo[2], in_place_job(exporter, exported, complete, tensors)))
     return Jobs(jobs, [])
 
 
@@ -231,11 +241,14 @@ def _checked_plans(
     options: PushOptions,
     bucket_bytes: int,
     align_bytes: int,
+    scan: exp.TensorScan | None = None,
 ) -> tuple[tuple[planning.BucketPlan, ...], list[torch.Tensor]]:
     """The planning checks and bucket plans of ``items`` (kept per pusher), and the tensors the
-    plans' ``items`` index (those some worker owns)."""
+    plans' ``items`` index (those some worker owns: ``scan.tensors`` itself when that is all)."""
     cache = _PLANS.setdefault(staging, TensorPlans())
-    key = cache.key(items, manifests, options, bucket_bytes, align_bytes)
+    key = cache.key(
+        items, manifests, options, bucket_bytes, align_bytes, scan.rows if scan is not None else None
+    )
     known = cache.get(key)
     if known is None:
         # With ``cast_to`` a spec carries the dtype sent; packing converts while it copies.
@@ -262,7 +275,10 @@ def _checked_plans(
     else:
         plans = known.plans
     # plan_buckets indexes the filtered list; map back to the tensors.
-    kept = [t for (name, t) in items if name not in unknown] if unknown else [t for _, t in items]
+    if unknown:
+        kept = [t for (name, t) in items if name not in unknown]
+    else:
+        kept = scan.tensors if scan is not None else [t for _, t in items]
     return plans, kept
 
 

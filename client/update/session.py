@@ -24,6 +24,7 @@ from weightwire.client.rpc.stream import Connections, WorkerStream, settle_cance
 from weightwire.client.transports.route import Job, Route
 from weightwire.client.update.blame import collect_results
 from weightwire.client.update.options import PushOptions
+from weightwire.client.update.payload_refs import StorageSetRefs, WorkerKey
 from weightwire.client.update.staging import StagingPool, Stopped
 from weightwire.core.errors import PushError, Reason
 from weightwire.core.manifest import ShardManifest
@@ -56,11 +57,6 @@ class SessionProblem:
 CommitGate = Callable[[SessionProblem | None], str | None]
 
 
-# A worker as far as the layouts it keeps go: its address, manifest fingerprint and instance (a
-# restarted worker, or one with another manifest, is another and holds none).
-WorkerKey = tuple[str, str, str]
-
-
 class SpecTemplates:
     """The ``tensors`` part of a Bucket message per (job specs, base offset), built once, and the
     workers that kept it under its ``layout_id``.
@@ -76,7 +72,8 @@ class SpecTemplates:
     parses. Only what a worker acked is referred to, under its address, fingerprint and instance,
     and all of a worker's ids go at any failure of it (``forget``): a worker that let them go
     refuses with LAYOUT_UNKNOWN, and the pusher sends the same update again with its specs
-    (``layouts_let_go``).
+    (``layouts_let_go``). ``storage_sets`` does the same for the CUDA IPC payloads of a trainer's
+    storages (``payload_refs``), under the same rules.
     """
 
     _MAX_ENTRIES = 256
@@ -87,6 +84,7 @@ class SpecTemplates:
         self._layout_ids = layout_ids
         self._entries: dict[tuple[int, ...], tuple[list[TensorSpec], pb.Bucket, bytes]] = {}
         self._kept: dict[WorkerKey, set[bytes]] = {}
+        self.storage_sets = StorageSetRefs(enabled=layout_ids)
 
     def request(
         self,
@@ -128,18 +126,21 @@ class SpecTemplates:
         restarted, or let the specs go)."""
         for worker in [w for w in self._kept if w[0] == address]:
             del self._kept[worker]
+        self.storage_sets.forget(address)
+
+
+# What a worker answers when it no longer keeps what a bucket named (tensor specs by layout id, a
+# CUDA IPC storage set by its id).
+_LET_GO = frozenset({Reason.LAYOUT_UNKNOWN, Reason.STORAGE_SET_UNKNOWN})
 
 
 def layouts_let_go(error: PushError) -> bool:
-    """Whether ``error`` is only workers refusing tensor specs named by layout id
-    (LAYOUT_UNKNOWN), the others cancelled because of them, and none committed: the update may go
-    again at once, with its specs (the session forgot the refusing workers' ids)."""
+    """Whether ``error`` is only workers refusing tensor specs or storage sets named by id
+    (LAYOUT_UNKNOWN, STORAGE_SET_UNKNOWN), the others cancelled because of them, and none
+    committed: the update may go again at once, whole (the session forgot the refusing workers'
+    ids)."""
     kinds = {e.kind for e in error.failures.values()}
-    return (
-        not error.results
-        and Reason.LAYOUT_UNKNOWN in kinds
-        and kinds <= {Reason.LAYOUT_UNKNOWN, Reason.CANCELLED}
-    )
+    return not error.results and bool(kinds & _LET_GO) and kinds <= _LET_GO | {Reason.CANCELLED}
 
 
 def open_streams(
@@ -223,6 +224,10 @@ class UpdateSession:
             else {}
         )
         self._layout_ids: dict[int, bytes] = {}
+        # Who may be sent storage sets by name (``StorageSetRefs``).
+        self._set_keys: dict[str, WorkerKey] = {
+            a: (a, fingerprints.get(a, ""), m.instance_id) for a, m in manifests.items()
+        }
         # Streams opened while the update was planned (``open_streams``) are taken over as they are.
         self.streams: dict[str, WorkerStream] = {}
         for a in manifests:
@@ -341,7 +346,9 @@ class UpdateSession:
                 )
                 if request.bucket.layout_id:
                     self._layout_ids[job_id] = request.bucket.layout_id
-                request.bucket.payloads.extend(shares[a])
+                request.bucket.payloads.extend(
+                    self._templates.storage_sets.payloads(self._set_keys.get(a), shares[a])
+                )
                 if route.checksum is not None:
                     request.bucket.checksum.CopyFrom(route.checksum)
                 self.streams[a].send_bucket(job_id, request)
@@ -430,6 +437,8 @@ class UpdateSession:
         with self._cond:
             if ack.layout_kept and stream.address in self._worker_keys:
                 self._templates.kept(self._worker_keys[stream.address], self._layout_ids.get(job_id, b""))
+            if ack.storage_set_kept and stream.address in self._set_keys:
+                self._templates.storage_sets.kept(self._set_keys[stream.address], ack.storage_set_kept)
             waiting = self._pending.get(job_id)
             if waiting is None:
                 return

@@ -13,7 +13,8 @@ so senders that reuse their staging buffers open each handle once per worker pro
 A payload of several storages (``CudaIpcHandle.storages``: a trainer's own parameters, exported
 where they live) is kept by ``StorageSetCache``: each storage opened when a tensor first needs it,
 the views over them built once per layout, and the mappings the trainer no longer lists dropped
-(``CudaIpcStorageMapping``).
+(``CudaIpcStorageMapping``); a set sent with a ``storage_set_id`` may come in later updates as
+that name alone.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from weightwire.core.devices import DeviceRef, local_cuda_index
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.transports import table as transports
 from weightwire.core.transports.cuda_ipc import CudaIpcCache, CudaIpcFields, OpenedStorage
-from weightwire.core.transports.cuda_ipc_storages import OpenedStorageSet, StorageSetCache, has_storages
+from weightwire.core.transports.cuda_ipc_storages import OpenedStorageSet, StorageSetCache, names_storage_set
 from weightwire.server.rules.views import ReadBatch
 from weightwire.server.transports.importer import ImportContext, ImportedPayload, PayloadImporter
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -120,7 +121,8 @@ class CudaIpcStorageMapping(_ReadsAfterProducer):
 
     ``views_of`` places each tensor in its own storage (``views.batch_views`` asks it instead of
     viewing one flat buffer); ``fetch`` is where the producer event is waited for, once per use, as
-    for a single storage. Views are kept in ``view_memo`` while the set is kept.
+    for a single storage. Views are kept in ``view_memo`` while the set is kept. ``kept_as``: the
+    trainer's name for the set, which this worker keeps it under (the bucket's ack says so).
     """
 
     copy_chunk_bytes: int | None = None
@@ -146,6 +148,7 @@ class CudaIpcStorageMapping(_ReadsAfterProducer):
         self.handle_opened = opened
         self.peer_device_import = peer
         self.open_duration_ns = 0
+        self.kept_as = entry.set_id
 
     def _ready(self) -> StorageSetCache:
         return self._readable(self._cache)
@@ -249,19 +252,19 @@ class CudaIpcImporter(PayloadImporter):
         return self.cache.opens + self.storage_sets.opens
 
     def check(self, payload: pb.Payload) -> None:
-        if has_storages(payload.cuda_ipc):
+        if names_storage_set(payload.cuda_ipc):
             self.storage_sets.parse(payload.cuda_ipc)
             return
         CudaIpcFields.from_proto(payload.cuda_ipc)
 
     def cache_key(self, payload: pb.Payload) -> Hashable | None:
-        if has_storages(payload.cuda_ipc):
+        if names_storage_set(payload.cuda_ipc):
             return (self.field_name, self.storage_sets.parse(payload.cuda_ipc)[0])
         return (self.field_name, CudaIpcFields.from_proto(payload.cuda_ipc).cache_key)
 
     def open(self, payload: pb.Payload, ctx: ImportContext) -> tuple[ImportedPayload, bool]:
         index = self.local_index(ctx.source, peer=ctx.peer, own=ctx.own_device)
-        if has_storages(payload.cuda_ipc):
+        if names_storage_set(payload.cuda_ipc):
             sets = self.storage_sets
             entry, new = sets.open(payload.cuda_ipc, index)
             return CudaIpcStorageMapping(sets, entry, ctx.source, ctx.peer, new), new

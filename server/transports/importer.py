@@ -50,6 +50,14 @@ class ReceivesBytes(Protocol):
     bytes_received: int
 
 
+@runtime_checkable
+class KeptByName(Protocol):
+    """An opened payload this worker keeps under a name the trainer chose (a CUDA IPC storage set's
+    ``storage_set_id``; empty: none), for the bucket's ack (``BucketAck.storage_set_kept``)."""
+
+    kept_as: bytes
+
+
 class ImportedPayload(Protocol):
     """An opened payload. ``size_bytes`` is the real size of the underlying storage.
 

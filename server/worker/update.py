@@ -40,6 +40,7 @@ from weightwire.server.transports.importer import (
     FillsModel,
     ImportContext,
     ImportedPayload,
+    KeptByName,
     PayloadImporter,
     ReceivesBytes,
     transport_name,
@@ -92,6 +93,8 @@ class _Loaded:
     load_ns: int
     # Bytes that arrived over the network for it (a transfer group's mapping says; else 0).
     received: int = 0
+    # The trainer's name this worker keeps the payload's handle under (a CUDA IPC storage set).
+    kept_as: bytes = b""
 
 
 class Update:
@@ -256,6 +259,7 @@ class Update:
         ack.open_duration_ns = loaded.open_ns
         ack.load_duration_ns = loaded.load_ns
         ack.bytes_received = loaded.received
+        ack.storage_set_kept = loaded.kept_as
         return ack
 
     def _filler(self, msg: pb.Bucket) -> FillsModel | None:
@@ -334,6 +338,7 @@ class Update:
             received=cast(ReceivesBytes, mapping).bytes_received
             if has_capability(mapping, ReceivesBytes)
             else 0,
+            kept_as=cast(KeptByName, mapping).kept_as if has_capability(mapping, KeptByName) else b"",
         )
 
     def _will_write(self) -> None:

@@ -183,6 +183,48 @@ def test_restarted_trainer_gets_fresh_mappings(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @needs_gpus(1)
+def test_kept_parameters_go_as_the_name_of_their_storage_set(tmp_path: Path) -> None:
+    """From its second push of parameters kept in place a trainer sends the worker the name of the
+    storage set it keeps (CudaIpcHandle.storage_set_id), not the storages: the contents are the
+    new step's every time (the producer event is still waited for). A replaced parameter is a new
+    set, sent whole once. Another trainer's complete set drops the first one's: its next push is
+    refused by name (STORAGE_SET_UNKNOWN, nothing loaded) and goes again whole at once."""
+    dumps = tmp_path / "dumps"
+    spec = WorkerSpec("0", "tp0-pp0")
+    with workers([spec], tmp_path, dump_dir=dumps) as ws, trainer("0", [ws[0].address]) as tr:
+        a = ws[0].address
+        named = []
+        for version in (1, 2, 3):
+            answer = tr.call("push", version, {})
+            r = ok(answer)[a]
+            assert r["version"] == version and r["transport"] == "cuda_ipc"
+            assert r["handles_opened"] == (1 if version == 1 else 0), r
+            expect_dump(dumps, spec, version)
+            named.append(answer["storage_sets_named"])
+        assert named == [0, 1, 2]
+        answer = tr.call("replace", 4)
+        assert ok(answer)[a]["version"] == 4 and answer["storage_sets_named"] == 2
+        expect_dump(dumps, spec, 4)
+        answer = tr.call("push", 5, {})
+        assert ok(answer)[a]["handles_opened"] == 0 and answer["storage_sets_named"] == 3
+        expect_dump(dumps, spec, 5)
+        with trainer("0", [a]) as other:
+            ok(other.call("push", 6, {}))  # complete: the worker keeps only its set now
+            expect_dump(dumps, spec, 6)
+        answer = tr.call("push", 7, {})
+        r = ok(answer)[a]
+        # Named once (refused), then sent whole: its storages opened again.
+        assert r["version"] == 7 and r["handles_opened"] == 1 and answer["storage_sets_named"] == 4
+        expect_dump(dumps, spec, 7)
+        answer = tr.call("push", 8, {})
+        assert ok(answer)[a]["handles_opened"] == 0 and answer["storage_sets_named"] == 5
+        expect_dump(dumps, spec, 8)
+        st = tr.call("status")[a]
+        assert st["version"] == 8 and st["state"] == "CONSISTENT"
+
+
+@pytest.mark.gpu
+@needs_gpus(1)
 def test_demo_runs_on_cuda(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "weightwire.client.cli.main", "demo", "--device", "cuda"],

@@ -69,6 +69,10 @@ class Trainer:
         # Test-only look into the pusher: how many storages it exported where they live.
         return sum(getattr(e, "storages_shared", 0) for e in self.pusher._staging._exporters.values())
 
+    def storage_sets_named(self) -> int:
+        # Test-only look into the pusher: payloads sent as the name of a storage set the worker keeps.
+        return self.pusher._templates.storage_sets.payloads_named
+
     def replace(self, version: int) -> dict[str, Any]:
         """One parameter becomes a new allocation and the old one is freed (an optimizer that swaps
         tensors), then version ``version`` is pushed. The old allocation may stay reserved only while
@@ -87,6 +91,7 @@ class Trainer:
         answer["allocated_before"] = before
         answer["allocated_after"] = torch.cuda.memory_allocated(DEVICE)
         answer["storages_shared"] = self.storages_shared()
+        answer["storage_sets_named"] = self.storage_sets_named()
         return answer
 
     def _pushed(self, call: Any) -> dict[str, Any]:
@@ -113,6 +118,7 @@ class Trainer:
             )
         )
         answer["storages_shared"] = self.storages_shared()
+        answer["storage_sets_named"] = self.storage_sets_named()
         return answer
 
     def push_flat_buffer(self, version: int, opts: dict[str, Any]) -> dict[str, Any]:

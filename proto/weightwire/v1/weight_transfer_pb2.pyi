@@ -146,6 +146,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_DELTA_BASE_MISMATCH: _ClassVar[ErrorReason]
     ERROR_REASON_ENGINE_ASLEEP: _ClassVar[ErrorReason]
     ERROR_REASON_LAYOUT_UNKNOWN: _ClassVar[ErrorReason]
+    ERROR_REASON_STORAGE_SET_UNKNOWN: _ClassVar[ErrorReason]
     ERROR_REASON_UPDATE_IN_PROGRESS: _ClassVar[ErrorReason]
     ERROR_REASON_CHECKSUM_MISMATCH: _ClassVar[ErrorReason]
     ERROR_REASON_MESSAGE_TRUNCATED: _ClassVar[ErrorReason]
@@ -265,6 +266,7 @@ ERROR_REASON_GROUP_NOT_JOINED: ErrorReason
 ERROR_REASON_DELTA_BASE_MISMATCH: ErrorReason
 ERROR_REASON_ENGINE_ASLEEP: ErrorReason
 ERROR_REASON_LAYOUT_UNKNOWN: ErrorReason
+ERROR_REASON_STORAGE_SET_UNKNOWN: ErrorReason
 ERROR_REASON_UPDATE_IN_PROGRESS: ErrorReason
 ERROR_REASON_CHECKSUM_MISMATCH: ErrorReason
 ERROR_REASON_MESSAGE_TRUNCATED: ErrorReason
@@ -339,7 +341,7 @@ class DeltaBase(_message.Message):
     def __init__(self, base_version: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
-    __slots__ = ("memory_handle", "storage_offset_bytes", "storage_size_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "storages", "storages_complete")
+    __slots__ = ("memory_handle", "storage_offset_bytes", "storage_size_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "storages", "storages_complete", "storage_set_id")
     MEMORY_HANDLE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +351,7 @@ class CudaIpcHandle(_message.Message):
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     STORAGES_FIELD_NUMBER: _ClassVar[int]
     STORAGES_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SET_ID_FIELD_NUMBER: _ClassVar[int]
     memory_handle: bytes
     storage_offset_bytes: int
     storage_size_bytes: int
@@ -358,7 +361,8 @@ class CudaIpcHandle(_message.Message):
     event_sync_required: bool
     storages: _containers.RepeatedCompositeFieldContainer[CudaIpcStorage]
     storages_complete: bool
-    def __init__(self, memory_handle: _Optional[bytes] = ..., storage_offset_bytes: _Optional[int] = ..., storage_size_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: bool = ..., storages: _Optional[_Iterable[_Union[CudaIpcStorage, _Mapping]]] = ..., storages_complete: bool = ...) -> None: ...
+    storage_set_id: bytes
+    def __init__(self, memory_handle: _Optional[bytes] = ..., storage_offset_bytes: _Optional[int] = ..., storage_size_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: bool = ..., storages: _Optional[_Iterable[_Union[CudaIpcStorage, _Mapping]]] = ..., storages_complete: bool = ..., storage_set_id: _Optional[bytes] = ...) -> None: ...
 
 class CudaIpcStorage(_message.Message):
     __slots__ = ("memory_handle", "storage_offset_bytes", "storage_size_bytes", "ref_counter_handle", "ref_counter_offset", "payload_offset_bytes")
@@ -457,7 +461,7 @@ class PushWeightsRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., bucket: _Optional[_Union[Bucket, _Mapping]] = ..., commit: _Optional[_Union[UpdateCommit, _Mapping]] = ...) -> None: ...
 
 class BucketAck(_message.Message):
-    __slots__ = ("index", "tensors_loaded", "tensors_skipped", "bytes_loaded", "source_device", "transport", "peer_device_import", "handle_opened", "open_duration_ns", "load_duration_ns", "bytes_received", "layout_kept")
+    __slots__ = ("index", "tensors_loaded", "tensors_skipped", "bytes_loaded", "source_device", "transport", "peer_device_import", "handle_opened", "open_duration_ns", "load_duration_ns", "bytes_received", "layout_kept", "storage_set_kept")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_LOADED_FIELD_NUMBER: _ClassVar[int]
     TENSORS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
@@ -470,6 +474,7 @@ class BucketAck(_message.Message):
     LOAD_DURATION_NS_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_KEPT_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SET_KEPT_FIELD_NUMBER: _ClassVar[int]
     index: int
     tensors_loaded: int
     tensors_skipped: int
@@ -482,7 +487,8 @@ class BucketAck(_message.Message):
     load_duration_ns: int
     bytes_received: int
     layout_kept: bool
-    def __init__(self, index: _Optional[int] = ..., tensors_loaded: _Optional[int] = ..., tensors_skipped: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., source_device: _Optional[_Union[DeviceId, _Mapping]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., peer_device_import: bool = ..., handle_opened: bool = ..., open_duration_ns: _Optional[int] = ..., load_duration_ns: _Optional[int] = ..., bytes_received: _Optional[int] = ..., layout_kept: bool = ...) -> None: ...
+    storage_set_kept: bytes
+    def __init__(self, index: _Optional[int] = ..., tensors_loaded: _Optional[int] = ..., tensors_skipped: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., source_device: _Optional[_Union[DeviceId, _Mapping]] = ..., transport: _Optional[_Union[TransportKind, str]] = ..., peer_device_import: bool = ..., handle_opened: bool = ..., open_duration_ns: _Optional[int] = ..., load_duration_ns: _Optional[int] = ..., bytes_received: _Optional[int] = ..., layout_kept: bool = ..., storage_set_kept: _Optional[bytes] = ...) -> None: ...
 
 class UpdateResult(_message.Message):
     __slots__ = ("version", "previous_version", "scope", "bucket_count", "tensors_loaded", "bytes_loaded", "handles_opened", "duration_ns", "state", "update_id", "finish_time", "bytes_received", "encoding", "base_version", "delta_fallback", "delta_tensors", "changed_elements", "result_checksums_verified")

@@ -112,7 +112,7 @@ class WeightTransferServiceServicer(object):
         Codes and ErrorInfo reasons:
         INVALID_ARGUMENT: MALFORMED_STREAM (first message not a header, a second header, a message
         after commit (nothing is committed), an empty oneof, an update_id over 256 bytes, more than
-        2^20 buckets or tensor names in one update, a layout_id over 64 bytes), SCOPE_UNSPECIFIED, INVALID_VERSION, DTYPE_UNSPECIFIED,
+        2^20 buckets or tensor names in one update, a layout_id or storage_set_id over 64 bytes), SCOPE_UNSPECIFIED, INVALID_VERSION, DTYPE_UNSPECIFIED,
         DEVICE_KIND_UNSPECIFIED, INVALID_SHAPE, INVALID_OFFSET, INVALID_SIZE,
         TENSOR_OUT_OF_BOUNDS, PAYLOAD_COUNT_MISMATCH, PAYLOAD_LABEL_MISSING,
         DUPLICATE_PAYLOAD_LABEL, HANDLE_MISSING, INVALID_SHM_NAME, DUPLICATE_TENSOR,
@@ -129,6 +129,8 @@ class WeightTransferServiceServicer(object):
         LAYOUT_UNKNOWN (a bucket names tensor specs by layout_id that this worker does not hold for
         its manifest, or with payloads of other sizes or kinds; nothing of that bucket is loaded:
         send it with its tensors),
+        STORAGE_SET_UNKNOWN (a CUDA IPC payload names by storage_set_id a set of storages this worker
+        does not keep; nothing of that bucket is loaded: send the payload with its storages),
         GROUP_NOT_JOINED (a bucket names a transfer group this worker is not in; form it again),
         DELTA_BASE_MISMATCH (metadata: base_version, worker_version: the header's delta base is not
         this worker's version, or the worker is INCONSISTENT; refused at the header, nothing written).
