@@ -305,7 +305,7 @@ class Bench:
         rig.refill()
         devices = [self.device] + ([torch.device("cuda", 1)] if kind == "peer" else [])
         w.call({"cmd": "release"})
-        if kind in ("params", "state_dict", "params_list", "fresh", "buffers"):
+        if kind in ("params", "params_storages", "state_dict", "params_list", "fresh", "buffers"):
             # The README's line: every option left at its default.
             pusher = WeightPusher([addr])
         else:
@@ -322,11 +322,15 @@ class Bench:
         # Work of the trainer's own before each push, outside the timing (a fresh case's new storages).
         before: Callable[[], None] = nothing
         restore: contextlib.AbstractContextManager[Any] = (
-            force_packing() if kind == "packed" else contextlib.nullcontext()
+            force_packing()
+            if kind == "packed"
+            else storages_every_push()
+            if kind == "params_storages"
+            else contextlib.nullcontext()
         )
         try:
             pusher.manifests()
-            if kind in ("params", "state_dict", "params_list"):
+            if kind in ("params", "params_storages", "state_dict", "params_list"):
                 module = param_module(rig)
                 # What the module's own walk costs in this process (the README's line pays it inside push).
                 walk: Callable[[], Any] = (
@@ -338,7 +342,7 @@ class Bench:
                 def push(v: int) -> Any:
                     if kind == "params_list":  # a list of the parameters kept across steps
                         return pusher.push(kept, version=v)
-                    tensors = module.named_parameters() if kind == "params" else module.state_dict()
+                    tensors = module.named_parameters() if kind != "state_dict" else module.state_dict()
                     return pusher.push(tensors, version=v)
             elif kind in ("fresh", "fresh_copies"):
                 # Every parameter in a new storage before each push, as a gather, a conversion or a
@@ -763,6 +767,12 @@ class Bench:
             ("ww_params", "named_parameters", lambda: self.ww_case(rig, ww, "params", None), need),
             ("ww_params", "state_dict", lambda: self.ww_case(rig, ww, "state_dict", None), need),
             ("ww_params", "kept list", lambda: self.ww_case(rig, ww, "params_list", None), need),
+            (
+                "ww_params",
+                "storages sent",
+                lambda: self.ww_case(rig, ww, "params_storages", None),
+                need,
+            ),
             ("ww_fresh", "new storages", lambda: self.ww_case(rig, ww, "fresh", None), need),
             (
                 "ww_fresh",
@@ -872,6 +882,20 @@ def force_packing() -> Any:
         yield
     finally:
         jobs.exports_in_place = original
+
+
+@contextlib.contextmanager
+def storages_every_push() -> Any:
+    """Bench only: a push of kept parameters sends the worker its storage set whole every update,
+    never by name (``CudaIpcHandle.storage_set_id``), for the comparison in the same run."""
+    from weightwire.client.update.payload_refs import StorageSetRefs
+
+    original = StorageSetRefs.payloads
+    StorageSetRefs.payloads = lambda self, worker, payloads: payloads  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        StorageSetRefs.payloads = original  # type: ignore[method-assign]
 
 
 def share_for_pickle(buffer: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:

