@@ -396,7 +396,7 @@ class VLLMAdapter:
             unreported = sorted(
                 n
                 for n in names
-                if isinstance(loaded, set) and self.layout.targets[n].param_name not in loaded
+                if isinstance(loaded, set) and not _reported(self.layout.targets[n].param_name, loaded)
             )
             if not reached or unreported:
                 first = unreported[0] if unreported else sorted(names)[0]
@@ -490,6 +490,16 @@ def _repack_cpu_experts(layer: torch.nn.Module) -> None:
     experts = getattr(kernel, "fused_experts", None)
     if experts is not None and any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__):
         experts.process_weights_after_loading(layer)
+
+
+def _reported(param_name: str, loaded: set[str]) -> bool:
+    """Whether ``load_weights`` reported loading ``param_name``. A mixture-of-experts layer's
+    parameters live in its ``MoERunner``'s ``routed_experts`` child; vLLM 0.32 reports them under that
+    module's name, vLLM 0.26 (whose runner loads its experts itself) under the runner's."""
+    if param_name in loaded:
+        return True
+    module, _, leaf = param_name.rpartition(".")
+    return module.endswith(".routed_experts") and f"{module.removesuffix('.routed_experts')}.{leaf}" in loaded
 
 
 def _names(names: set[str], limit: int = 10) -> str:

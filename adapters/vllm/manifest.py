@@ -285,7 +285,8 @@ def _expert_targets(
         {
             "non-gated experts": not config.is_act_and_mul,
             "expert biases": bool(config.has_bias),
-            "padded intermediate or hidden sizes": bool(config.tp_shard_with_padding)
+            # tp_shard_with_padding: vLLM 0.32 (0.26 has no such field)
+            "padded intermediate or hidden sizes": bool(getattr(config, "tp_shard_with_padding", False))
             or (config.intermediate_size_per_partition_unpadded or config.intermediate_size_per_partition)
             != config.intermediate_size_per_partition
             or (config.hidden_dim_unpadded or config.hidden_dim) != config.hidden_dim,
