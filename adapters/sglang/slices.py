@@ -57,10 +57,16 @@ def kept_regions(adapter: SGLangAdapter) -> tuple[dict[str, tuple[torch.Tensor, 
         for t in targets:
             region = adapter._dst.get((t.param_name, t.shard_id, name))
             if region is None:
-                return (
-                    {},
-                    f"{name} -> {t.param_name}: its place in the parameter cannot be stated (quantized or repacked)",
-                )
+                if t.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv"):
+                    # SGLang's post-load processing of FP8 layers may requantise or rebind weight and
+                    # scale (DeepGEMM's UE8M0 scales, the CPU's AMX prepacking).
+                    why = (
+                        "an FP8 layer (quantized or repacked: its post-load processing may requantise or rebind "
+                        "it); push FP8 weights from one source"
+                    )
+                else:
+                    why = "its place in the parameter cannot be stated (quantized or repacked)"
+                return {}, f"{name} -> {t.param_name}: {why}"
             if tuple(region.shape) != want or region.dtype != targets[0].dtype:
                 return (
                     {},

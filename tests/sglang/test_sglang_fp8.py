@@ -118,6 +118,10 @@ def test_manifests_list_weights_and_scales_with_whole_blocks(running: tuple[CpuE
                 assert wp.offset == tp * wp.length
         # KV-cache scales are not checkpoint weights a trainer sends.
         assert not [n for n in m.tensors if n.endswith(("k_scale", "v_scale"))]
+        # No slices from every trainer rank into SGLang's FP8 layers (their post-load processing may
+        # requantise or rebind them, so nothing may be written in place): a multi-rank push is
+        # refused before any data moves (TRANSPORT_UNAVAILABLE), a single-source push loads them.
+        assert not m.receives_slices
 
 
 def test_pushes_land_as_fp8_bytes_and_scales(running: tuple[CpuEngine, WeightPusher]) -> None:
