@@ -80,6 +80,10 @@ __all__ = ["holdings_of", "push_slices"]
 
 # The trainer's own exchanges wait this much longer than one transfer may take.
 _GROUP_GRACE_S = 30.0
+# How long a rank told to stop its sends (rank 0 called the update off) waits for them to end: the
+# plan's comparison ends within its next poll; sends on a group that every other member tears down
+# fail at once.
+_STOP_GRACE_S = 5.0
 
 
 def _placements(name: str, t: Any) -> list[Placement]:
@@ -230,7 +234,10 @@ def _slices_payload(
 
 class _RankSends:
     """This rank's part of the plan, sent on a thread of its own: started on rank 0 once every
-    worker's bucket is queued (the last route's ``queued``), on the others right away."""
+    worker's bucket is queued (the last route's ``queued``), on the others right away. ``stop``
+    ends the plan's comparison, where the sends wait for workers that refused the update at its
+    header and never take part (CANCELLED); a rank other than 0 stops so when rank 0 calls the
+    update off (``wait``'s ``watch``)."""
 
     def __init__(
         self,
@@ -241,24 +248,65 @@ class _RankSends:
         boxes: dict[str, Box],
         buckets: Buckets,
     ) -> None:
-        self._send = lambda: update.send(formed, plan, local, boxes, buckets)
+        self._stop = threading.Event()
+        self._send = lambda: update.send(formed, plan, local, boxes, buckets, self._stop.is_set)
         self._thread: threading.Thread | None = None
+        # Set when the sends ended, or when rank 0 called the update off (``called_off``).
+        self._ended = threading.Event()
+        self.called_off: str | None = None
         self.error: WeightwireError | None = None
 
     def start(self) -> None:
         def run() -> None:
-            self.error = self._send()
+            try:
+                self.error = self._send()
+            finally:
+                self._ended.set()
 
         self._thread = threading.Thread(target=run, name="weightwire-slices-send", daemon=True)
         self._thread.start()
 
-    def wait(self) -> WeightwireError | None:
-        """The sends' error, once they ended (or why they never started)."""
-        if self._thread is None:
+    def stop(self) -> None:
+        """Stop the sends: the plan's comparison ends (CANCELLED), and ``wait`` waits for the
+        sends only ``_STOP_GRACE_S``."""
+        self._stop.set()
+        self._ended.set()
+
+    def wait(self, watch: Callable[[threading.Event], str | None] | None = None) -> WeightwireError | None:
+        """The sends' error, once they ended (or why they never started). ``watch(ended)``: blocks
+        until rank 0 calls the update off (its reason) or ``ended`` is set; watched meanwhile on a
+        thread of its own, and a call-off stops the sends. Stopped sends are waited for
+        ``_STOP_GRACE_S`` at most, then left to end at the group's timeout (CANCELLED)."""
+        thread = self._thread
+        if thread is None:
             return WeightwireError(
                 Reason.TRANSFER_FAILED, "the update stopped before this rank's sends started"
             )
-        self._thread.join()
+        if watch is not None:
+
+            def watching() -> None:
+                why = watch(self._ended)
+                if why is not None:
+                    self.called_off = why
+                    self.stop()
+
+            threading.Thread(target=watching, name="weightwire-call-off-watch", daemon=True).start()
+        self._ended.wait()
+        if self._stop.is_set():
+            thread.join(_STOP_GRACE_S)
+            if self.called_off is not None:
+                return WeightwireError(
+                    Reason.CANCELLED,
+                    f"trainer rank 0 called the update off: {self.called_off}",
+                    trainer_rank="0",
+                )
+            if thread.is_alive():
+                return WeightwireError(
+                    Reason.CANCELLED,
+                    f"the update was called off, and this rank's sends did not end within {_STOP_GRACE_S:g} s "
+                    "(they end at the group's timeout)",
+                )
+        thread.join()
         return self.error
 
 
@@ -290,6 +338,9 @@ class _SliceUpdate:
         self.everyone_ok = False
         # Why rank 0's outcome exchange failed (a rank was lost), kept for the error it raises.
         self.lost: RankLostError | None = None
+        # The group this update runs on, and which of its updates this is (``call_off``).
+        self.formed: FormedSources | None = None
+        self.update_index = 0
 
     def plan(
         self, items: Sequence[tuple[str, torch.Tensor]]
@@ -383,6 +434,8 @@ class _SliceUpdate:
         if self.deltas is not None:
             self.deltas.prepare(self.ranks, plan, local, boxes, self.link.device)
         formed = self.link.ensure(self.ranks, self.manifests, self.groups_held)
+        formed.updates += 1
+        self.formed, self.update_index = formed, formed.updates
         buckets = self._split(plan)
         sends = _RankSends(self, formed, plan, local, boxes, buckets)
         if self.ranks.rank == 0:
@@ -491,20 +544,35 @@ class _SliceUpdate:
 
         return prepare
 
+    def _call_off_watch(self) -> Callable[[threading.Event], str | None] | None:
+        """On a rank other than 0: what watches for rank 0 calling this update off."""
+        formed, index = self.formed, self.update_index
+        if self.ranks.rank == 0 or formed is None:
+            return None
+        return lambda ended: self.link.watch_call_off(formed, index, ended)
+
     def _outcome(self, problem: SessionProblem | None, sends: _RankSends) -> str | None:
         """The ranks' outcome exchange, on every rank once its sends ended: rank 0's commit gate
-        (``problem``: what keeps its session from committing). Whatever failed here tears this side
-        of the group down first, so that no member waits for bytes that will not come. Returns why
-        the update is called off, or None when every rank sent well."""
+        (``problem``: what keeps its session from committing). Rank 0 calls a failed update off
+        before it waits for anything (its own sends stop, the other ranks are told through its
+        store, ``SourcesLink.call_off``); the others watch for that while their sends run. Whatever
+        failed here tears this side of the group down first, so that no member waits for bytes
+        that will not come. Returns why the update is called off, or None when every rank sent well."""
+        formed = self.formed
         if problem is not None:
+            sends.stop()
+            if formed is not None:
+                self.link.call_off(formed, self.update_index, problem.message)
             self.link.teardown(
                 "a worker failed the update"
                 if problem.kind is GateProblem.WORKER_FAILED
                 else "the update failed"
             )
-        sent_error = sends.wait()
+        sent_error = sends.wait(self._call_off_watch())
         ok = problem is None and sent_error is None
         if not ok and problem is None:
+            if self.ranks.rank == 0 and formed is not None and sent_error is not None:
+                self.link.call_off(formed, self.update_index, sent_error.message)
             self.link.teardown("the update failed")
         try:
             verdicts = self.ranks.step(
@@ -539,40 +607,68 @@ class _SliceUpdate:
         local: dict[str, torch.Tensor],
         boxes: dict[str, Box],
         buckets: Buckets,
+        stopped: Callable[[], bool] | None = None,
     ) -> WeightwireError | None:
-        """This rank's part: the plan compared over the group, then its sends; the error, if any."""
+        """This rank's part: the plan compared over the group (CANCELLED once ``stopped()``), then
+        its sends; the error, if any. The process group is never held by this frame itself: after
+        a failure it is let go on a thread of its own (``_let_go``)."""
         me = self.ranks.rank
+        held: list[Any] = []
+        error: WeightwireError | None = None
         try:
-            group = formed.group
-            pg = group.process_group()
-            agree(pg, plan, group.rank, group.world_size, self.link.timeout_s)
-            if self.deltas is not None and self.deltas.is_delta:
-                send_streams(
-                    pg,
-                    formed.ranks,
-                    me,
-                    self.deltas.streams,
-                    timeout_s=self.link.timeout_s,
-                    max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
-                )
-                return None
-            send_slices(
+            held.append(formed.group.process_group())
+            self._send_on(held[0], formed, plan, local, boxes, buckets, stopped)
+        except WeightwireError as err:
+            error = without_frames(err)
+        except Exception as e:
+            error = WeightwireError(Reason.TRANSFER_FAILED, f"trainer rank {me}: sending failed: {e!r}")
+        if error is not None:
+            _let_go(held)
+        return error
+
+    def _send_on(
+        self,
+        pg: Any,
+        formed: FormedSources,
+        plan: TransferPlan,
+        local: dict[str, torch.Tensor],
+        boxes: dict[str, Box],
+        buckets: Buckets,
+        stopped: Callable[[], bool] | None,
+    ) -> None:
+        me = self.ranks.rank
+        group = formed.group
+        agree(pg, plan, group.rank, group.world_size, self.link.timeout_s, stopped)
+        if self.deltas is not None and self.deltas.is_delta:
+            send_streams(
                 pg,
-                plan,
                 formed.ranks,
                 me,
-                local,
-                boxes,
+                self.deltas.streams,
                 timeout_s=self.link.timeout_s,
                 max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
-                staging=self.link.staging,
-                buckets=buckets,
             )
-        except WeightwireError as err:
-            return without_frames(err)
-        except Exception as e:
-            return WeightwireError(Reason.TRANSFER_FAILED, f"trainer rank {me}: sending failed: {e!r}")
-        return None
+            return
+        send_slices(
+            pg,
+            plan,
+            formed.ranks,
+            me,
+            local,
+            boxes,
+            timeout_s=self.link.timeout_s,
+            max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+            staging=self.link.staging,
+            buckets=buckets,
+        )
+
+
+def _let_go(held: list[Any]) -> None:
+    """Drop the references in ``held`` (a process group) on a thread of their own. A group torn
+    down while an operation posted on it never ends (a plan comparison that workers which refused
+    the update never join) is destroyed where its last reference goes, and its destructor waits for
+    that operation, up to the group's timeout: never on the thread whose end the update waits for."""
+    threading.Thread(target=held.clear, name="weightwire-group-release", daemon=True).start()
 
 
 def _rank_lost(lost: RankLostError, outcome: RankResults) -> RankLostError:

@@ -8,12 +8,18 @@ is (an instance id), rank 0 serves the rendezvous store, plans the group (traine
 the workers by identity, ``plan_group``) and sends that plan to every worker (JoinTransferGroup) and
 to every rank; each rank then joins the group itself, on its own ``TransferGroupOptions.host``. Each
 rank ends with the same verdict: the group, or the same ``PushError``.
+
+During an update, rank 0 can call it off on the store it serves (``call_off``), before it waits for
+anything of the other ranks; every other rank watches for that (``watch_call_off``) while its sends
+run. Without it, a rank whose sends wait for workers that refused the update at its header (and so
+never join the plan's comparison) would hear rank 0's verdict only at the group's timeout.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -35,7 +41,8 @@ from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports.transfer_group import TransferGroup, check_backend
 from weightwire.core.transports.transfer_group_plan import MemberIdentity, check_spec, plan_group
 from weightwire.core.transports.transfer_group_slices import GroupRanks
-from weightwire.core.transports.transfer_group_store import StoreServer
+from weightwire.core.transports.transfer_group_store import StoreServer, as_timedelta, connect_store
+from weightwire.core.transports.transfer_group_store_table import StoreTimeout
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = ["FormedSources", "SourcesLink"]
@@ -46,6 +53,10 @@ log = logging.getLogger(__name__)
 _MAX_SPEC_BYTES = 4 << 20
 _MAX_PLANS = 8
 _MAX_BUCKETS = 4096
+# A rank watching for rank 0's call-off asks the store to wait this long at a time, so that the
+# watch ends this soon after the update's sends ended well.
+_WATCH_SLICE_S = 0.25
+_MAX_WHY_BYTES = 2000
 
 
 @dataclasses.dataclass
@@ -56,10 +67,26 @@ class FormedSources:
     group: TransferGroup
     ranks: GroupRanks
     identities: dict[str, tuple[str, str]]  # address -> (worker id, instance id) it was planned with
+    # Updates run on the group so far: the same count on every rank, so it names one update.
+    updates: int = 0
+    # A rank other than 0: its own connection to rank 0's store, to watch for call-offs on.
+    watch: Any = None
+    watch_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @property
     def group_id(self) -> str:
         return self.spec.group_id
+
+    def call_off_key(self, update: int) -> str:
+        return f"weightwire/{self.group_id}/called-off/{update}"
+
+    def close_watch(self) -> None:
+        """Drop the watch connection; on a thread of its own, as a watch may hold it for up to
+        ``_WATCH_SLICE_S``."""
+        with self.watch_lock:
+            conn, self.watch = self.watch, None
+        if conn is not None:
+            threading.Thread(target=conn.close, name="weightwire-watch-close", daemon=True).start()
 
 
 class SourcesLink(LinkBase):
@@ -200,16 +227,56 @@ class SourcesLink(LinkBase):
         )
         return self._formed
 
+    def call_off(self, formed: FormedSources, update: int, why: str) -> None:
+        """Rank 0: tell every other rank that update ``update`` on ``formed`` is called off, with
+        ``why``: a key on the store this rank serves, which they watch (``watch_call_off``) while
+        their sends run. Best effort: a rank that misses it still ends, at the group's timeout."""
+        server = self._store
+        store = server.store if server is not None else None
+        if store is None:
+            return
+        try:
+            store.set(formed.call_off_key(update), why.encode()[:_MAX_WHY_BYTES])
+        except Exception as e:
+            log.warning(
+                "could not call update %d of group %s off on the store: %s", update, formed.group_id, e
+            )
+
+    def watch_call_off(self, formed: FormedSources, update: int, until: threading.Event) -> str | None:
+        """A rank other than 0: wait until rank 0 calls update ``update`` off (``call_off``; returns
+        its reason) or ``until`` is set (None). Over a connection of its own to rank 0's store, made
+        at the group's first watch, each wait at most ``_WATCH_SLICE_S``. A store that cannot be
+        reached ends the watch (None): a rank 0 that is gone ends the update through its sockets
+        and the ranks' exchange."""
+        key = formed.call_off_key(update)
+        try:
+            with formed.watch_lock:
+                if formed.watch is None:
+                    formed.watch = connect_store(formed.spec.store_address, self.timeout_s)
+                conn = formed.watch
+            while not until.is_set():
+                try:
+                    conn.wait([key], as_timedelta(_WATCH_SLICE_S))
+                except StoreTimeout:
+                    continue
+                return bytes(conn.get(key)).decode("utf-8", "replace")
+        except Exception as e:
+            if not until.is_set():
+                log.info("stopped watching group %s for a call-off: %s", formed.group_id, e)
+        return None
+
     def teardown(self, why: str) -> None:
         """Destroy this rank's side of the group (its peers' pending operations fail at once)."""
         formed, self._formed = self._formed, None
         if formed is not None:
             log.info("tearing down transfer group %s: %s", formed.group_id, why)
+            formed.close_watch()
             formed.group.close()
 
     def close(self, wait_s: float = 10.0) -> None:
         formed, self._formed = self._formed, None
         if formed is not None:
+            formed.close_watch()
             formed.group.close(wait_s)
             if self._store is not None:  # rank 0 formed it: the workers leave too
                 self._leave_all(formed.group_id)

@@ -14,9 +14,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from group_fleet import Fleet
+from group_fleet import CONFIG, Fleet
 from helpers import wait_until
 from slice_ranks import Ranks
+from weightwire.adapters.torch.demo import full_checkpoint
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 pytestmark = pytest.mark.timeout(600)
@@ -97,5 +98,48 @@ def test_a_trainer_rank_killed_mid_push_ends_every_rank_at_once_naming_it(fleet:
         for f in answer["error"]["failures"].values():
             assert f["reason"] in ("TRANSFER_FAILED", "CANCELLED", "TRAINER_RANK_LOST"), f
         _survivors_end_at_their_old_version(fleet, None, before, died)
+    finally:
+        ranks.close()
+
+
+# A refusal is the workers' own answer, nothing died: every rank must have it this soon.
+REFUSED_WITHIN_S = 10.0
+
+
+def test_a_step_the_workers_refuse_at_its_header_ends_every_rank_at_once(fleet: Fleet) -> None:
+    """A stale step over the group the ranks formed: every worker refuses it at its header
+    (STALE_VERSION) and never joins the plan's comparison, which a trainer rank's sends wait in
+    once every bucket is queued. The ranks used to learn rank 0's verdict only when that
+    comparison reached the group's timeout (60 s here); every rank must end within seconds with
+    the workers' reason, nothing committed, and the next push lands (on a group formed anew).
+    Repeated: whether a rank was caught depended on timing."""
+    ranks = _ranks(fleet)
+    try:
+        version = fleet.next_version()
+        for attempt in range(3):
+            good = ranks.push(version=version, seed=5 + attempt)
+            assert [a["ok"] for a in good] == [True, True], good
+            assert {r["version"] for r in good[0]["results"].values()} == {version}
+            fleet.assert_holds(fleet.members[attempt], version, full_checkpoint(CONFIG, 5 + attempt))
+            started = time.monotonic()
+            ranks.command(op="push", version=version, seed=8)  # not newer than what they hold
+            answers = []
+            for r in (0, 1):
+                answers.append(ranks.read(r))
+                took = time.monotonic() - started
+                assert took < REFUSED_WITHIN_S, (
+                    f"attempt {attempt}: rank {r} ended after {took:.1f} s: {answers}"
+                )
+            assert [a["ok"] for a in answers] == [False, False], answers
+            failures = answers[0]["error"]["failures"]
+            assert failures == answers[1]["error"]["failures"], answers
+            assert set(failures) == set(fleet.addresses())
+            assert "STALE_VERSION" in {f["reason"] for f in failures.values()}, failures
+            assert {f["reason"] for f in failures.values()} <= {"STALE_VERSION", "CANCELLED"}, failures
+            for m in fleet.members:
+                assert wait_until(lambda m=m: m.status().state != pb.WORKER_STATE_UPDATING, timeout=10)
+                st = m.status()
+                assert (st.weights_version, st.state) == (version, pb.WORKER_STATE_CONSISTENT), m.worker_id
+            version += 1
     finally:
         ranks.close()
