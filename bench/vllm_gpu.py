@@ -337,6 +337,10 @@ class Driver:
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+        # Every check computes its prompts from scratch, as the start-up tokens were: a prefix kept
+        # from the generate before is read back through other kernels, whose rounding can flip a
+        # late greedy token (seen on an H100 between two generates with no update between them).
+        self.llm.reset_prefix_cache()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -435,9 +439,13 @@ class Driver:
 
 
 def check(got: Any, want: Any, what: str, out: dict[str, Any]) -> None:
+    """Record one check. A failed one is logged and kept (the run fails at its end, naming every
+    failed check), so the timings of the rest still come back from a device call."""
     out.setdefault("checks", []).append({"what": what, "ok": got == want})
     if got != want:
-        raise RuntimeError(f"{what}: got {got}, expected {want}")
+        out.setdefault("failed_checks", []).append({"what": what, "got": got, "want": want})
+        log("FAIL:", what, "got", got, "expected", want)
+        return
     log("ok:", what)
 
 
@@ -490,6 +498,7 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         log("trainer:", trainer.call())
         manifest = trainer.call(op="connect", endpoints=worker_endpoints(driver.llm))["manifest_tensors"]
         check(manifest, sorted(ckpt["X"]), "the worker's manifest lists the checkpoint's tensors", out)
+        driver.tokens()  # warm-up: the kernels' first calls (Triton autotuning) before any reference
         tokens_x = driver.tokens()
         log("tokens on X (engine started from X):", tokens_x)
         version = 0
@@ -692,6 +701,9 @@ def main() -> None:
     out: dict[str, Any] = {}
     try:
         run(args, out)
+        failed = out.get("failed_checks", [])
+        if failed:
+            raise RuntimeError(f"{len(failed)} check(s) failed: " + "; ".join(f["what"] for f in failed))
         out["outcome"] = "passed"
     except BaseException as e:
         out["outcome"] = f"failed: {type(e).__name__}: {e}"
