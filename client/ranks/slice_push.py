@@ -12,8 +12,8 @@ Every rank of the trainer's ``group`` runs the same push line; then, in order:
    error or difference fails every rank before anything is sent;
 2. the group of every trainer rank and the workers is formed, or reused (``transfer_group_sources``);
 3. rank 0 runs the update's ``UpdateSession`` (``weightwire.client.update.session``) over every
-   worker, its part of the plan split into buckets of at most the pusher's bucket size
-   (``split_buckets``), each a slices payload (``PerWorkerRoute``); once the last is queued, the
+   worker, its part of the plan split into buckets of at most the pusher's bucket size, each a
+   slices payload (``weightwire.client.ranks.slice_buckets``); once the last is queued, the
    route starts this rank's sends, and every other rank starts its own; every member compares the
    plan's fingerprint over the group (once per update), then every rank sends what the plan gives
    it (``send_slices``), bucket by bucket, while every worker receives one bucket at a time and
@@ -33,11 +33,10 @@ its streams of encodings (``send_streams``) in place of its regions' bytes in st
 
 from __future__ import annotations
 
-import collections
 import json
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from weightwire.client.inputs import plan as planning
@@ -47,9 +46,10 @@ from weightwire.client.inputs.types import PushResult
 from weightwire.client.ranks import rank_records
 from weightwire.client.ranks.rank_agreement import RankGroup, peer_failed
 from weightwire.client.ranks.rank_records import RankFailure, RankResults, SlicesPlanRecord
+from weightwire.client.ranks.rank_sends import RankSends, let_go
+from weightwire.client.ranks.slice_buckets import slice_jobs, split_for
 from weightwire.client.ranks.transfer_group_sources import FormedSources, SourcesLink
 from weightwire.client.rpc.stream import Connections
-from weightwire.client.transports.route import Job, PerWorkerRoute, Route
 from weightwire.client.update.session import GateProblem, SessionProblem, SpecTemplates, UpdateSession
 from weightwire.core import dtypes
 from weightwire.core.errors import PushError, Reason, WeightwireError, without_frames
@@ -70,7 +70,6 @@ from weightwire.core.transports.transfer_plan import (
     plan_transfers,
 )
 from weightwire.core.transports.transfer_plan import TensorSpec as Holding
-from weightwire.v1 import weight_transfer_pb2 as pb
 
 if TYPE_CHECKING:
     from weightwire.client.ranks.slice_deltas import SliceDeltas
@@ -80,10 +79,6 @@ __all__ = ["holdings_of", "push_slices"]
 
 # The trainer's own exchanges wait this much longer than one transfer may take.
 _GROUP_GRACE_S = 30.0
-# How long a rank told to stop its sends (rank 0 called the update off) waits for them to end: the
-# plan's comparison ends within its next poll; sends on a group that every other member tears down
-# fail at once.
-_STOP_GRACE_S = 5.0
 
 
 def _placements(name: str, t: Any) -> list[Placement]:
@@ -178,138 +173,6 @@ def _layout_key(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[object, ...]
     )
 
 
-def split_buckets(plan: TransferPlan, workers: Sequence[str], bucket_bytes: int) -> Buckets:
-    """Each worker's part of ``plan`` as buckets of at most ``bucket_bytes`` (a tensor whose
-    regions to the worker hold more goes alone in one): the tensors of each bucket, in plan order.
-    Every region of a tensor goes in the same bucket, so each bucket tiles what the worker keeps of
-    its tensors on its own (``check_slices``). A worker sent nothing gets one empty bucket."""
-    out = []
-    for w in workers:
-        sizes: dict[str, int] = {}
-        for t in plan.for_worker(w):
-            sizes[t.tensor] = sizes.get(t.tensor, 0) + t.nbytes
-        parts: list[list[str]] = [[]]
-        size = 0
-        for name, n in sizes.items():
-            if parts[-1] and size + n > bucket_bytes:
-                parts.append([])
-                size = 0
-            parts[-1].append(name)
-            size += n
-        out.append((w, tuple(frozenset(p) for p in parts)))
-    return tuple(out)
-
-
-def _slices_payload(
-    address: str,
-    formed: FormedSources,
-    plan: TransferPlan,
-    manifest: ShardManifest,
-    deltas: SliceDeltas | None = None,
-    tensors: frozenset[str] | None = None,
-) -> pb.Payload:
-    """The payload of ``address``'s part of ``plan`` (of its bucket of ``tensors``, when given):
-    the same message every update with the same plan and group (so the worker finds it checked
-    already), and in a delta update each region's ``TensorDelta`` (``deltas.regions``)."""
-    payload = pb.Payload()
-    payload.device.CopyFrom(manifest.device.to_proto())
-    h = payload.transfer_group
-    h.group_id = formed.group_id
-    h.mode = pb.TRANSFER_MODE_SLICES
-    h.plan_fingerprint = plan.fingerprint
-    h.max_message_bytes = DEFAULT_MAX_MESSAGE_BYTES
-    size = 0
-    for t in plan.for_worker(address):
-        if tensors is not None and t.tensor not in tensors:
-            continue
-        s = h.slices.add(tensor=t.tensor, source_rank=t.source)
-        if deltas is not None:
-            s.delta.CopyFrom(deltas.regions[t])
-        s.start.extend(a for a, _ in t.box)
-        s.stop.extend(b for _, b in t.box)
-        size += t.nbytes
-    payload.size_bytes = size
-    return payload
-
-
-class _RankSends:
-    """This rank's part of the plan, sent on a thread of its own: started on rank 0 once every
-    worker's bucket is queued (the last route's ``queued``), on the others right away. ``stop``
-    ends the plan's comparison, where the sends wait for workers that refused the update at its
-    header and never take part (CANCELLED); a rank other than 0 stops so when rank 0 calls the
-    update off (``wait``'s ``watch``)."""
-
-    def __init__(
-        self,
-        update: _SliceUpdate,
-        formed: FormedSources,
-        plan: TransferPlan,
-        local: dict[str, torch.Tensor],
-        boxes: dict[str, Box],
-        buckets: Buckets,
-    ) -> None:
-        self._stop = threading.Event()
-        self._send = lambda: update.send(formed, plan, local, boxes, buckets, self._stop.is_set)
-        self._thread: threading.Thread | None = None
-        # Set when the sends ended, or when rank 0 called the update off (``called_off``).
-        self._ended = threading.Event()
-        self.called_off: str | None = None
-        self.error: WeightwireError | None = None
-
-    def start(self) -> None:
-        def run() -> None:
-            try:
-                self.error = self._send()
-            finally:
-                self._ended.set()
-
-        self._thread = threading.Thread(target=run, name="weightwire-slices-send", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop the sends: the plan's comparison ends (CANCELLED), and ``wait`` waits for the
-        sends only ``_STOP_GRACE_S``."""
-        self._stop.set()
-        self._ended.set()
-
-    def wait(self, watch: Callable[[threading.Event], str | None] | None = None) -> WeightwireError | None:
-        """The sends' error, once they ended (or why they never started). ``watch(ended)``: blocks
-        until rank 0 calls the update off (its reason) or ``ended`` is set; watched meanwhile on a
-        thread of its own, and a call-off stops the sends. Stopped sends are waited for
-        ``_STOP_GRACE_S`` at most, then left to end at the group's timeout (CANCELLED)."""
-        thread = self._thread
-        if thread is None:
-            return WeightwireError(
-                Reason.TRANSFER_FAILED, "the update stopped before this rank's sends started"
-            )
-        if watch is not None:
-
-            def watching() -> None:
-                why = watch(self._ended)
-                if why is not None:
-                    self.called_off = why
-                    self.stop()
-
-            threading.Thread(target=watching, name="weightwire-call-off-watch", daemon=True).start()
-        self._ended.wait()
-        if self._stop.is_set():
-            thread.join(_STOP_GRACE_S)
-            if self.called_off is not None:
-                return WeightwireError(
-                    Reason.CANCELLED,
-                    f"trainer rank 0 called the update off: {self.called_off}",
-                    trainer_rank="0",
-                )
-            if thread.is_alive():
-                return WeightwireError(
-                    Reason.CANCELLED,
-                    f"the update was called off, and this rank's sends did not end within {_STOP_GRACE_S:g} s "
-                    "(they end at the group's timeout)",
-                )
-        thread.join()
-        return self.error
-
-
 class _SliceUpdate:
     def __init__(
         self,
@@ -322,7 +185,7 @@ class _SliceUpdate:
         bucket_bytes: int = planning.DEFAULT_BUCKET_BYTES,
     ) -> None:
         self.link = link
-        # What bounds a bucket (``split_buckets``): the pusher's bucket size, the same on every rank.
+        # What bounds a bucket (``slice_buckets.split_buckets``): the pusher's bucket size, the same on every rank.
         self.bucket_bytes = bucket_bytes
         # A push asked for as a delta (``slice_deltas``): what this rank records or sends of it.
         self.deltas = deltas
@@ -436,8 +299,11 @@ class _SliceUpdate:
         formed = self.link.ensure(self.ranks, self.manifests, self.groups_held)
         formed.updates += 1
         self.formed, self.update_index = formed, formed.updates
-        buckets = self._split(plan)
-        sends = _RankSends(self, formed, plan, local, boxes, buckets)
+        # A delta update goes as one bucket per worker (none given: ``send_streams`` sends each
+        # worker one stream).
+        delta = self.deltas is not None and self.deltas.is_delta
+        buckets = () if delta else split_for(self.link, plan, list(self.manifests), self.bucket_bytes)
+        sends = RankSends(lambda stopped: self.send(formed, plan, local, boxes, buckets, stopped))
         if self.ranks.rank == 0:
             outcome = self._streamed(formed, plan, sends, buckets)
         else:
@@ -456,50 +322,16 @@ class _SliceUpdate:
             raise PushError(shared.failures, shared.results)
         return shared.results
 
-    def _split(self, plan: TransferPlan) -> Buckets:
-        """Each worker's buckets (``split_buckets``); a delta update goes as one bucket per worker
-        (empty: ``send_streams`` sends each worker one stream)."""
-        if self.deltas is not None and self.deltas.is_delta:
-            return ()
-        key = ("split", plan.fingerprint, self.bucket_bytes, tuple(self.manifests))
-        split = self.link.plans.get(key)
-        if split is None:
-            split = split_buckets(plan, list(self.manifests), self.bucket_bytes)
-            self.link.remember_plan(key, split)
-        return cast(Buckets, split)
-
     def _streamed(
-        self, formed: FormedSources, plan: TransferPlan, sends: _RankSends, buckets: Buckets
+        self, formed: FormedSources, plan: TransferPlan, sends: RankSends, buckets: Buckets
     ) -> RankResults:
         """Rank 0: one ``UpdateSession`` over every worker, its part of the plan in the buckets
         ``buckets`` gives it (the workers' first buckets first, then their second ...), committed
         only when the ranks' outcome exchange (its commit gate) says every rank sent well."""
-        delta = self.deltas is not None and self.deltas.is_delta
-        sizes = self.deltas.sent_to if self.deltas is not None and delta else plan.bytes_to()
-        given = dict(buckets)
-        split: dict[str, tuple[frozenset[str] | None, ...]] = {
-            a: given.get(a, (None,)) for a in self.manifests
-        }
-        per_tensor: dict[tuple[str, str], int] = collections.Counter()
-        if given:
-            for t in plan.transfers:
-                for d in t.destinations:
-                    per_tensor[d, t.tensor] += t.nbytes
-        order = [
-            (a, j, parts[j])
-            for j in range(max(len(p) for p in split.values()))
-            for a, parts in split.items()
-            if j < len(parts)
-        ]
-        jobs = [
-            Job(
-                [],
-                (a,),
-                sizes.get(a, 0) if names is None else sum(per_tensor[a, n] for n in names),
-                self._route(a, j, names, formed, plan, sends if i == len(order) - 1 else None),
-            )
-            for i, (a, j, names) in enumerate(order)
-        ]
+        deltas = self.deltas if self.deltas is not None and self.deltas.is_delta else None
+        jobs = slice_jobs(
+            self.link, formed, plan, self.manifests, buckets, self.bucket_bytes, deltas, sends.start
+        )
         session = UpdateSession(
             jobs,
             self.manifests,
@@ -518,32 +350,6 @@ class _SliceUpdate:
                 {a: r for a, r in e.results.items() if isinstance(r, PushResult)}, dict(e.failures)
             )
 
-    def _route(
-        self,
-        address: str,
-        index: int,
-        names: frozenset[str] | None,
-        formed: FormedSources,
-        plan: TransferPlan,
-        sends: _RankSends | None,
-    ) -> Callable[[Callable[[], bool], float], Route]:
-        """``address``'s bucket ``index`` (of the tensors ``names``; None: its whole part): its
-        slices payload; the last one queued starts this rank's sends."""
-
-        def prepare(stopped: Callable[[], bool], deadline: float) -> Route:
-            key = (formed.group_id, plan.fingerprint, address, index, self.bucket_bytes)
-            deltas = self.deltas if self.deltas is not None and self.deltas.is_delta else None
-            payload = self.link.buckets.get(key) if deltas is None else None
-            if deltas is not None:
-                # New counts and checksums every update: built each time, never remembered.
-                payload = _slices_payload(address, formed, plan, self.manifests[address], deltas)
-            elif payload is None:
-                payload = _slices_payload(address, formed, plan, self.manifests[address], tensors=names)
-                self.link.remember_bucket(key, payload)
-            return PerWorkerRoute({address: payload}, on_queued=sends.start if sends is not None else None)
-
-        return prepare
-
     def _call_off_watch(self) -> Callable[[threading.Event], str | None] | None:
         """On a rank other than 0: what watches for rank 0 calling this update off."""
         formed, index = self.formed, self.update_index
@@ -551,7 +357,7 @@ class _SliceUpdate:
             return None
         return lambda ended: self.link.watch_call_off(formed, index, ended)
 
-    def _outcome(self, problem: SessionProblem | None, sends: _RankSends) -> str | None:
+    def _outcome(self, problem: SessionProblem | None, sends: RankSends) -> str | None:
         """The ranks' outcome exchange, on every rank once its sends ended: rank 0's commit gate
         (``problem``: what keeps its session from committing). Rank 0 calls a failed update off
         before it waits for anything (its own sends stop, the other ranks are told through its
@@ -611,7 +417,7 @@ class _SliceUpdate:
     ) -> WeightwireError | None:
         """This rank's part: the plan compared over the group (CANCELLED once ``stopped()``), then
         its sends; the error, if any. The process group is never held by this frame itself: after
-        a failure it is let go on a thread of its own (``_let_go``)."""
+        a failure it is let go on a thread of its own (``rank_sends.let_go``)."""
         me = self.ranks.rank
         held: list[Any] = []
         error: WeightwireError | None = None
@@ -623,7 +429,7 @@ class _SliceUpdate:
         except Exception as e:
             error = WeightwireError(Reason.TRANSFER_FAILED, f"trainer rank {me}: sending failed: {e!r}")
         if error is not None:
-            _let_go(held)
+            let_go(held)
         return error
 
     def _send_on(
@@ -661,14 +467,6 @@ class _SliceUpdate:
             staging=self.link.staging,
             buckets=buckets,
         )
-
-
-def _let_go(held: list[Any]) -> None:
-    """Drop the references in ``held`` (a process group) on a thread of their own. A group torn
-    down while an operation posted on it never ends (a plan comparison that workers which refused
-    the update never join) is destroyed where its last reference goes, and its destructor waits for
-    that operation, up to the group's timeout: never on the thread whose end the update waits for."""
-    threading.Thread(target=held.clear, name="weightwire-group-release", daemon=True).start()
 
 
 def _rank_lost(lost: RankLostError, outcome: RankResults) -> RankLostError:
@@ -709,6 +507,6 @@ def push_slices(
     workers' manifests and fingerprints (read inside the ranks' agreement: a rank that cannot read
     them fails every rank). ``deltas``: a push asked for as a delta (``slice_deltas``), prepared
     once the plan is agreed. ``bucket_bytes`` bounds each bucket a worker is sent
-    (``split_buckets``; a delta goes as one bucket per worker)."""
+    (``slice_buckets.split_buckets``; a delta goes as one bucket per worker)."""
     ranks = RankGroup(group, link.timeout_s + _GROUP_GRACE_S)
     return _SliceUpdate(link, connections, read_manifests, options, ranks, deltas, bucket_bytes).run(items)

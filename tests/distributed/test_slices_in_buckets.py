@@ -1,5 +1,5 @@
 """An every-rank-a-source push whose workers' parts are several times the pusher's bucket size goes
-as several buckets per worker (``slice_push.split_buckets``), and a trainer rank killed between two
+as several buckets per worker (``slice_buckets.split_buckets``), and a trainer rank killed between two
 of them leaves every worker CONSISTENT at its old version with its old weights, bit for bit.
 
 Real processes: two FSDP2 trainer ranks (``slice_trainer.py``, gloo) with a 32 KiB bucket size, into
