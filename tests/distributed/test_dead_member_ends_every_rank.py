@@ -1,7 +1,8 @@
 """A member of an every-rank-a-source push that dies mid-update (a worker, or a trainer rank,
 SIGKILLed) ends every rank within seconds, not at the transfer group's timeout, naming the member
 that died; no surviving worker commits or stays UPDATING, and every one is CONSISTENT at its old
-version (nothing of the update reached its model).
+version (nothing of the update reached its model). So does an update the workers refuse at its
+header, whose refusal used to reach the ranks only at the group's timeout.
 
 Real processes: two FSDP2 trainer ranks (``slice_trainer.py``, gloo) with a group timeout of 60 s,
 into four ``weightwire serve`` workers (TP2 x PP2). The bound (15 s) is generous for a loaded
