@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from weightwire.core.errors import Reason, WeightwireError
 
 __all__ = ["RankSends", "let_go"]
@@ -36,7 +37,13 @@ class RankSends:
         self.error: WeightwireError | None = None
 
     def start(self) -> None:
+        # A thread starts on GPU 0: the sends run on the caller's current GPU (NCCL sends from it,
+        # ``TransferGroupOptions.device`` asks it at each use).
+        gpu = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
         def run() -> None:
+            if gpu is not None:
+                torch.cuda.set_device(gpu)
             try:
                 self.error = self._send()
             finally:

@@ -444,7 +444,7 @@ class _SliceUpdate:
     ) -> None:
         me = self.ranks.rank
         group = formed.group
-        agree(pg, plan, group.rank, group.world_size, self.link.timeout_s, stopped)
+        agree(pg, plan, group.rank, group.world_size, self.link.timeout_s, stopped, self.link.device)
         if self.deltas is not None and self.deltas.is_delta:
             send_streams(
                 pg,

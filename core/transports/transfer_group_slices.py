@@ -159,11 +159,15 @@ def agree(
     world_size: int,
     timeout_s: float,
     stopped: Callable[[], bool] | None = None,
+    device: torch.device | None = None,
 ) -> None:
     """Every member's plan fingerprint against every other's; ``GROUP_PLAN_MISMATCH`` on every
     member naming the ranks that differ from this one (CANCELLED once ``stopped()``, see
-    ``transfer_group_waits.wait``)."""
+    ``transfer_group_waits.wait``). ``device`` is where the group's backend moves bytes from
+    (``transfer_group.staging_device``: the host for gloo, the member's GPU for NCCL)."""
     mine = torch.frombuffer(bytearray(bytes.fromhex(plan.fingerprint)), dtype=torch.uint8)
+    if device is not None:
+        mine = mine.to(device)
     # Primed with the complement of this member's fingerprint: a short or missing contribution
     # reads as a different plan, never as this one.
     gathered = [torch.bitwise_not(mine) for _ in range(world_size)]
@@ -190,15 +194,19 @@ def held_region(shard: torch.Tensor, box: Box, held: Box) -> torch.Tensor:
     return _region(shard, box, [a for a, _ in held])
 
 
-def _buffer(staging: dict[Any, torch.Tensor] | None, key: Any, nbytes: int) -> torch.Tensor:
-    """A message buffer of ``nbytes``, kept in ``staging`` across updates when the caller gives one
-    (the same plan makes the same messages, so each buffer is reused as is; a fresh allocation per
-    message and update is page faults on every byte)."""
+def _buffer(
+    staging: dict[Any, torch.Tensor] | None, key: Any, nbytes: int, device: torch.device
+) -> torch.Tensor:
+    """A message buffer of ``nbytes`` on ``device`` (where the message's regions live, which is
+    where the group's backend moves bytes from: the host for gloo, the GPU for NCCL), kept in
+    ``staging`` across updates when the caller gives one (the same plan makes the same messages, so
+    each buffer is reused as is; a fresh allocation per message and update is page faults on every
+    byte)."""
     if staging is None:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
     buf = staging.get(key)
-    if buf is None or buf.numel() != nbytes:
-        buf = staging[key] = torch.empty(nbytes, dtype=torch.uint8)
+    if buf is None or buf.numel() != nbytes or buf.device != device:
+        buf = staging[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
     return buf
 
 
@@ -312,11 +320,13 @@ def send_slices(
                     if r.is_contiguous():
                         buf = r
                     else:
-                        buf = _buffer(staging, ("alone", worker, bucket, index), t.nbytes)
+                        buf = _buffer(staging, ("alone", worker, bucket, index), t.nbytes, r.device)
                         copies.append((_view(buf, 0, t, r.dtype), r))
                     alone[t] = buf
             else:
-                buf = _buffer(staging, (worker, bucket, index), sum(t.nbytes for t in message))
+                buf = _buffer(
+                    staging, (worker, bucket, index), sum(t.nbytes for t in message), region(t).device
+                )
                 offset = 0
                 for t in message:
                     r = region(t)
@@ -424,7 +434,7 @@ def receive_slices(
                 if _alone(t, direct_min_bytes) and (r := region(t)).is_contiguous():
                     target = r  # received in place
                 else:
-                    target = _buffer(staging, (source, index), nbytes)
+                    target = _buffer(staging, (source, index), nbytes, region(t).device)
                     offset = 0
                     for t in message:
                         r = region(t)

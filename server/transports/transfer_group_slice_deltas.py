@@ -177,7 +177,7 @@ def receive_delta_bucket(
         # NCCL receives on the GPU: the streams land beside the kept tensors and apply there.
         device = kept[next(iter(checked.names))].device
     with lock:
-        agree(pg, checked.plan, group.rank, group.world_size, timeout_s, stopped)
+        agree(pg, checked.plan, group.rank, group.world_size, timeout_s, stopped, device)
         streams = receive_streams(
             pg,
             deltas.sizes,

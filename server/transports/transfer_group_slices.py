@@ -194,6 +194,14 @@ def check_kept(kept: Mapping[str, torch.Tensor], manifest: ShardManifest, names:
 
 
 @raises_without_frames
+def _backend_device(group: Any, kept: Mapping[str, torch.Tensor]) -> torch.device:
+    """Where the group's backend moves this worker's bytes from: the host for gloo (a GPU's kept
+    tensor receives through a host mirror), the kept tensors' GPU for NCCL."""
+    if group.backend == pb.TRANSFER_BACKEND_NCCL and kept:
+        return next(iter(kept.values())).device
+    return torch.device("cpu")
+
+
 def receive_bucket(
     member: JoinedGroup,
     checked: SlicePlan,
@@ -236,7 +244,15 @@ def receive_bucket(
     own = cast(dict[Any, torch.Tensor], cast(dict[object, Any], staging).setdefault(("bucket", ordinal), {}))
     with lock:
         if ordinal == 0:
-            agree(pg, checked.plan, group.rank, group.world_size, timeout_s, stopped)
+            agree(
+                pg,
+                checked.plan,
+                group.rank,
+                group.world_size,
+                timeout_s,
+                stopped,
+                _backend_device(group, into),
+            )
         received = receive_slices(
             pg,
             checked.plan,
