@@ -46,6 +46,9 @@ DEFAULT_STORAGE_CAPACITY = 2 * MAX_STORAGES_PER_PAYLOAD
 MAX_KEPT_STORAGE_SETS = 4
 # CudaIpcHandle.storage_set_id: a trainer's random name for a handle it sends again every update.
 MAX_STORAGE_SET_ID_BYTES = 64
+# Names one kept set answers to (a trainer that rebuilds the same payload names it anew); beyond
+# this the oldest name goes.
+MAX_NAMES_PER_SET = 8
 
 
 def has_storages(msg: pb.CudaIpcHandle) -> bool:
@@ -191,9 +194,9 @@ class OpenedStorageSet:
     flats: list[torch.Tensor | None]
     event: ReadyEvent | None = None
     view_memo: dict[int, object] = dataclasses.field(default_factory=dict)
-    # The trainer's name for this set (CudaIpcHandle.storage_set_id; empty: none): a later payload
-    # may be that name alone.
-    set_id: bytes = b""
+    # The trainer's names for this set (CudaIpcHandle.storage_set_id), oldest first: a later
+    # payload may be one of them alone.
+    names: list[bytes] = dataclasses.field(default_factory=list)
 
 
 class StorageSetCache:
@@ -215,7 +218,9 @@ class StorageSetCache:
     A set sent with a ``storage_set_id`` is kept under that name too, while the set is kept: a
     later payload naming it alone (``CudaIpcHandle.storage_set_id`` without storages) is that
     handle, found without receiving, parsing or serializing its storages again (399 shares, ~45 KB,
-    for an 8B model). A name of no kept set is STORAGE_SET_UNKNOWN.
+    for an 8B model). A name of no kept set is STORAGE_SET_UNKNOWN. The name is no part of the
+    set's key: the same storages sent under a new name (a trainer that built the same payload
+    again) are the same kept set, with its views, answering to both names.
     """
 
     MAX_KEPT_SETS = MAX_KEPT_STORAGE_SETS
@@ -280,7 +285,16 @@ class StorageSetCache:
             if last is not None and last[0] is msg:
                 # The same message again (checked, then opened, in one bucket): no second serialization.
                 return last[1], last[2]
-        raw = msg.SerializeToString(deterministic=True)
+        if msg.storage_set_id:
+            # The key is the handle without its name (sent whole only when a worker lacks the name);
+            # the name is checked here, as a known key skips the parse below.
+            _check_set_id(msg.storage_set_id)
+            bare = pb.CudaIpcHandle()
+            bare.CopyFrom(msg)
+            bare.ClearField("storage_set_id")
+            raw = bare.SerializeToString(deterministic=True)
+        else:
+            raw = msg.SerializeToString(deterministic=True)
         with self._lock:
             known = self._parsed.get(raw)
             if known is not None:
@@ -308,11 +322,7 @@ class StorageSetCache:
                 # Kept on another device only (a peer import of the same handle): name its storages.
                 raise storage_set_unknown(msg.storage_set_id, f"it keeps none on device {device_index}")
             if entry is None:
-                entry = OpenedStorageSet(
-                    key, parsed, device_index, [None] * len(parsed.storages), set_id=bytes(msg.storage_set_id)
-                )
-                if entry.set_id:
-                    self._ids[entry.set_id] = (raw, parsed)
+                entry = OpenedStorageSet(key, parsed, device_index, [None] * len(parsed.storages))
                 self._sets[key] = entry
                 # Storages another kept set opened already are this set's too (a trainer that
                 # replaced a few parameters sends a new set naming mostly the same storages).
@@ -330,6 +340,8 @@ class StorageSetCache:
                     dropped.append(self._drop_set(next(iter(self._sets))))
             else:
                 self._sets.move_to_end(key)
+            if not referred and msg.storage_set_id:
+                self._name(entry, bytes(msg.storage_set_id), raw, parsed)
             event_fields = parsed.event_fields
             if event_fields is not None and entry.event is None:
                 try:
@@ -381,6 +393,18 @@ class StorageSetCache:
             self._collect()
         return known[0]
 
+    def _name(self, entry: OpenedStorageSet, name: bytes, raw: bytes, parsed: CudaIpcStorageSet) -> None:
+        """Keep ``entry`` under the trainer's ``name`` too (caller holds the lock)."""
+        self._ids[name] = (raw, parsed)
+        if name in entry.names:
+            return
+        entry.names.append(name)
+        while len(entry.names) > MAX_NAMES_PER_SET:
+            old = entry.names.pop(0)
+            named = self._ids.get(old)
+            if named is not None and named[0] == raw:
+                del self._ids[old]
+
     @staticmethod
     def _storage_key(fields: CudaIpcFields) -> tuple[bytes, int, int, bytes, int]:
         return (*fields.cache_key, fields.ref_counter_offset)
@@ -402,9 +426,11 @@ class StorageSetCache:
         entry.flats = []
         # In place: a mapping object of an earlier bucket may still name this dict.
         entry.view_memo.clear()
-        named = self._ids.get(entry.set_id) if entry.set_id else None
-        if named is not None and named[0] == key[0] and not any(k[0] == key[0] for k in self._sets):
-            del self._ids[entry.set_id]
+        if not any(k[0] == key[0] for k in self._sets):
+            for name in entry.names:
+                named = self._ids.get(name)
+                if named is not None and named[0] == key[0]:
+                    del self._ids[name]
         return gone
 
     def release_all(self) -> int:

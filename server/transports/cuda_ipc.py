@@ -135,6 +135,7 @@ class CudaIpcStorageMapping(_ReadsAfterProducer):
         peer: bool,
         opened: bool,
         device: torch.device | None = None,
+        kept_as: bytes = b"",
     ) -> None:
         self._device = device if device is not None else torch.device("cuda", entry.device_index)
         self._cache: StorageSetCache | None = cache
@@ -148,7 +149,7 @@ class CudaIpcStorageMapping(_ReadsAfterProducer):
         self.handle_opened = opened
         self.peer_device_import = peer
         self.open_duration_ns = 0
-        self.kept_as = entry.set_id
+        self.kept_as = kept_as
 
     def _ready(self) -> StorageSetCache:
         return self._readable(self._cache)
@@ -267,7 +268,9 @@ class CudaIpcImporter(PayloadImporter):
         if names_storage_set(payload.cuda_ipc):
             sets = self.storage_sets
             entry, new = sets.open(payload.cuda_ipc, index)
-            return CudaIpcStorageMapping(sets, entry, ctx.source, ctx.peer, new), new
+            # Opened: the set is kept under the payload's name (sent with it, or the one it names).
+            name = bytes(payload.cuda_ipc.storage_set_id)
+            return CudaIpcStorageMapping(sets, entry, ctx.source, ctx.peer, new, kept_as=name), new
         fields = CudaIpcFields.from_proto(payload.cuda_ipc)
         opened = self.cache.open(fields, index)
         mapping = CudaIpcMapping(opened, ctx.source, ctx.peer)

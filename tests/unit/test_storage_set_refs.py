@@ -14,7 +14,11 @@ from weightwire.client.update.payload_refs import StorageSetRefs
 from weightwire.client.update.session import layouts_let_go
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import PushError, Reason, WeightwireError
-from weightwire.core.transports.cuda_ipc_storages import MAX_KEPT_STORAGE_SETS, names_storage_set
+from weightwire.core.transports.cuda_ipc_storages import (
+    MAX_KEPT_STORAGE_SETS,
+    MAX_NAMES_PER_SET,
+    names_storage_set,
+)
 from weightwire.server.transports.cuda_ipc import CudaIpcStorageMapping
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -43,13 +47,25 @@ def test_a_named_set_is_found_by_its_name_alone_with_its_event_and_mappings() ->
     whole = named(b"A" * 16, storage(1, 16, 0), storage(2, 16, 256))
     entry, new = cache.open(whole, 0)
     cache.storage(entry, 1)
-    assert new and entry.set_id == b"A" * 16 and names_storage_set(ref(b"A" * 16))
+    assert new and entry.names == [b"A" * 16] and names_storage_set(ref(b"A" * 16))
     again, new_again = cache.open(ref(b"A" * 16), 0)
     assert again is entry and not new_again
     assert cache.storage(again, 1)[0].item() == 2 and fake.opened == [2] and fake.events == [b"e" * 64]
+    # The same storages sent whole under a new name (a trainer that built the same payload again):
+    # the same kept set, views and all, answering to both names, at most MAX_NAMES_PER_SET of them.
+    again_whole = named(b"A2", storage(1, 16, 0), storage(2, 16, 256))
+    same, new_whole = cache.open(again_whole, 0)
+    assert same is entry and not new_whole and fake.opened == [2]
+    assert cache.open(ref(b"A" * 16), 0)[0] is entry and cache.open(ref(b"A2"), 0)[0] is entry
+    for i in range(MAX_NAMES_PER_SET):
+        cache.open(named(bytes([i]), storage(1, 16, 0), storage(2, 16, 256)), 0)
+    assert len(entry.names) == MAX_NAMES_PER_SET
+    assert refused(cache, ref(b"A" * 16)) == Reason.STORAGE_SET_UNKNOWN.name  # the oldest name went
     # The ack of a bucket loaded from either names the set (here one without an event to wait for).
     plain, _ = cache.open(named(b"C", storage(4, 16, 0), event=b""), 0)
-    mapping = CudaIpcStorageMapping(cache, plain, DeviceRef.host(), False, False, device=torch.device("cpu"))
+    mapping = CudaIpcStorageMapping(
+        cache, plain, DeviceRef.host(), False, False, device=torch.device("cpu"), kept_as=b"C"
+    )
     assert mapping.kept_as == b"C"
 
 
@@ -62,7 +78,7 @@ def test_a_name_the_worker_does_not_keep_is_refused_before_anything_opens() -> N
     # A complete set drops every other, and its name with it.
     cache.open(named(b"B", storage(3, 16, 0), complete=True), 0)
     assert refused(cache, ref(b"A")) == Reason.STORAGE_SET_UNKNOWN.name
-    assert cache.open(ref(b"B"), 0)[0].set_id == b"B"
+    assert cache.open(ref(b"B"), 0)[0].names == [b"B"]
     # Kept on one device only: another device's payload must bring its storages.
     with pytest.raises(WeightwireError) as e:
         cache.open(ref(b"B"), 1)
