@@ -20,7 +20,9 @@ the single-source one), kept for the next update; the receiving process costs an
 torch (~270 MB resident, most of it torch's shared libraries). A worker starts its first one with
 itself, and whenever it takes one for a group it starts the next, so that forming a group never
 waits for one to start (seconds, which would count against the group's formation timeout): while
-a group is formed a worker has two. NCCL members stay in the worker's process (a GPU communicator cannot be moved).
+a group is formed a worker has two. One started in advance imports torch at the idle scheduling
+priority, so that it takes no CPU from the update the worker is receiving meanwhile; taken for a
+group it runs at the normal one (``foreground``). NCCL members stay in the worker's process (a GPU communicator cannot be moved).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = [
     "IsolatedProcessGroup",
     "ReceivingProcess",
     "discard_spare",
+    "foreground",
     "isolation_enabled",
     "start_spare",
     "take_receiving_process",
@@ -110,6 +113,12 @@ class _Work:
         """A received tensor's bytes in the segment, shaped as the tensor (before ``land``)."""
         to, segment = self._copies[0]
         return segment.view(to.dtype).view(to.shape)
+
+    @property
+    def completed(self) -> threading.Event:
+        """Set when the receiving process reported the operation's end (a watched wait, ``until``,
+        wakes on it rather than at its next look)."""
+        return self.done
 
     def is_completed(self) -> bool:
         self._owner.flush()
@@ -446,6 +455,21 @@ class IsolatedProcessGroup:
         return self._owner.post(self._handle, "barrier", [], self._timeout_s)
 
 
+def foreground(pid: int) -> None:
+    """Every thread of process ``pid`` (a receiving process, started at the idle priority) at the
+    normal scheduling priority again; nothing where the platform has no such policies."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            if os.sched_getscheduler(int(tid)) == os.SCHED_IDLE:
+                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+        except (AttributeError, OSError, ValueError):
+            pass  # the thread ended, or the policy is not ours to change
+
+
 def _aligned(n: int) -> int:
     return (n + 63) & ~63
 
@@ -469,6 +493,7 @@ def take_receiving_process(timeout_s: float, group_id: str) -> ReceivingProcess:
             taken = ReceivingProcess()
         _spare = ReceivingProcess()
     taken.group_id = group_id
+    foreground(taken.pid)  # it may still be starting: from here on it is on the group's clock
     taken.wait_ready(min(max(timeout_s, 1.0), _START_TIMEOUT_S))
     return taken
 

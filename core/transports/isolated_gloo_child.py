@@ -6,6 +6,11 @@ shared-memory segments the worker mapped too, each operation reported when it en
 whole process on some malformed input from a peer (a message longer than the receive posted for
 it); here that ends this process only, and the worker refuses the update (``isolated_gloo``).
 
+It starts at the idle scheduling priority (``SCHED_IDLE``): a worker starts its next receiving
+process in advance while it receives an update, and importing torch (seconds of CPU) must not take
+the cores from that update; the worker raises it to the normal priority when it takes it for a
+group (``isolated_gloo.foreground``), and it raises every thread of its own again when it forms one.
+
 It ends when the worker hangs up or dies (the channel's end: its command loop runs on a thread
 gloo never holds; ``PR_SET_PDEATHSIG`` would fire when the worker's *thread* that started it ends),
 and touches no GPU.
@@ -66,6 +71,9 @@ class _Receiver:
         self.segments[int(message["segment"])] = (mm, self.torch.frombuffer(mm, dtype=self.torch.uint8))
 
     def _form(self, message: dict[str, Any]) -> None:
+        from weightwire.core.transports.isolated_gloo import foreground
+
+        foreground(os.getpid())  # gloo's threads, started here, take this thread's priority
         torch = self.torch
         from weightwire.core.transports.transfer_group import BACKENDS, backend_message
         from weightwire.core.transports.transfer_group_store import connect_store
@@ -158,6 +166,10 @@ class _Receiver:
 
 
 def main() -> None:
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass  # not Linux, or not allowed: start at the normal priority
     from weightwire.core.transports.isolated_gloo_channel import Channel
 
     channel = Channel(socket.socket(fileno=int(sys.argv[1])))

@@ -49,7 +49,7 @@ def wait(
     error (the peer's rank, so that whoever reads it can tell which member went away)."""
     if stopped is not None:
         deadline = time.monotonic() + timeout_s
-        until(work.is_completed, deadline, what, stopped)
+        until(work.is_completed, deadline, what, stopped, getattr(work, "completed", None))
         timeout_s = max(deadline - time.monotonic(), 0.001)
     try:
         work.wait(datetime.timedelta(seconds=timeout_s))
@@ -57,8 +57,17 @@ def wait(
         raise transfer_error(e, what, **(metadata or {})) from None
 
 
-def until(done: Callable[[], bool], deadline: float, what: str, stopped: Callable[[], bool]) -> None:
-    """Poll ``done()`` until it is true or ``deadline`` passes; CANCELLED as soon as ``stopped()``."""
+def until(
+    done: Callable[[], bool],
+    deadline: float,
+    what: str,
+    stopped: Callable[[], bool],
+    wake: threading.Event | None = None,
+) -> None:
+    """Poll ``done()`` until it is true or ``deadline`` passes; CANCELLED as soon as ``stopped()``.
+    With ``wake`` (an event set when ``done()`` becomes true) a pause between polls ends as soon as
+    it is set, so the wait ends when the operation does, not up to a pause later (50 ms at most, at
+    the end of a long receive); the pauses then only pace the looks at ``stopped()``."""
     pause = _FIRST_POLL_S
     while not done():
         if stopped():
@@ -69,7 +78,10 @@ def until(done: Callable[[], bool], deadline: float, what: str, stopped: Callabl
         left = deadline - time.monotonic()
         if left <= 0:
             return
-        time.sleep(min(pause, left))
+        if wake is not None:
+            wake.wait(min(pause, left))
+        else:
+            time.sleep(min(pause, left))
         pause = min(pause * 2, _LAST_POLL_S)
 
 
@@ -104,7 +116,7 @@ def watch_receives(
 
     threading.Thread(target=run, name="ww-slices-watch", daemon=True).start()
     # The thread's own waits end at the timeout; this one a little later, so theirs is the error.
-    until(finished.is_set, time.monotonic() + timeout_s + 1.0, whats[0][0], stopped)
+    until(finished.is_set, time.monotonic() + timeout_s + 1.0, whats[0][0], stopped, finished)
     if failed:
         raise failed[0]
     if not finished.is_set():
