@@ -2,7 +2,7 @@
 only GPU memory, so the plan comparison and every message buffer must live on the member's GPU.
 
 - ``agree`` over a real NCCL world of one (one GPU holds one NCCL rank): the fingerprint
-  comparison runs on the GPU (on the host, NCCL refuses the tensors).
+  comparison runs on the GPU, where NCCL takes its tensors.
 - ``send_slices`` / ``receive_slices`` from and into CUDA tensors whose regions are packed into
   messages: every tensor they post is on the GPU and the bytes arrive whole. The process group here
   is a stand-in named as such (``_Loopback``: what one member sends, the other receives, within
@@ -54,15 +54,21 @@ def _plan() -> tuple[Any, Any, dict[str, torch.Tensor], dict[str, Any], dict[str
 
 
 def test_plan_comparison_runs_on_the_gpu_over_real_nccl() -> None:
+    from weightwire.core.transports.transfer_group import _nccl
     from weightwire.core.transports.transfer_group_slices import agree
     from weightwire.core.transports.transfer_group_store import StoreServer, connect_store
 
     plan = _plan()[0]
     server = StoreServer("127.0.0.1", 0)
     try:
-        store = dist.PrefixStore("ww-slices-nccl", connect_store(server.address, 30.0))
-        pg = dist.ProcessGroupNCCL(store, 0, 1, dist.ProcessGroupNCCL.Options())
-        agree(pg, plan, 0, 1, 60.0, device=torch.device("cuda", torch.cuda.current_device()))
+        # Held here: a Python store whose Python object dies leaves its C++ side without its
+        # methods (pybind11 finds no override: "Not implemented"); the transfer group holds its own.
+        base = connect_store(server.address, 30.0)
+        store = dist.PrefixStore("ww-slices-nccl", base)
+        gpu = torch.device("cuda", torch.cuda.current_device())
+        # The transfer group's own NCCL factory (the options and eager connection it forms with).
+        pg = _nccl(store, 0, 1, datetime.timedelta(seconds=60), "127.0.0.1", gpu)
+        agree(pg, plan, 0, 1, 60.0, device=gpu)
         pg.barrier().wait(datetime.timedelta(seconds=60))
     finally:
         server.close()
