@@ -166,8 +166,10 @@ def run_trainer(args: argparse.Namespace) -> int:
     line = sys.stdin.readline()
     cmd = json.loads(line)
     store, pg = _bare_group(cmd["port"], me, world + len(workers), serve=me == 0)
+    # Written buffers: a never-written one (``torch.empty``) reads the kernel's one zero page, always
+    # in cache, where the push reads the model's bytes from memory.
     sources = [
-        (world + i, torch.empty(max(pairs[a][me], 1), dtype=torch.uint8), pairs[a][me])
+        (world + i, torch.full((max(pairs[a][me], 1),), 0x5A, dtype=torch.uint8), pairs[a][me])
         for i, a in enumerate(workers)
     ]
     bare = []
