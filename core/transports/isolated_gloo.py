@@ -22,7 +22,8 @@ itself, and whenever it takes one for a group it starts the next, so that formin
 waits for one to start (seconds, which would count against the group's formation timeout): while
 a group is formed a worker has two. One started in advance imports torch at the idle scheduling
 priority, so that it takes no CPU from the update the worker is receiving meanwhile; taken for a
-group it runs at the normal one (``foreground``). NCCL members stay in the worker's process (a GPU communicator cannot be moved).
+group, or ``_IDLE_START_S`` after its start (a host whose cores are never idle would starve it
+otherwise), it runs at the normal one (``foreground``). NCCL members stay in the worker's process (a GPU communicator cannot be moved).
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ log = logging.getLogger(__name__)
 
 # How long a new receiving process may take to import torch and say it is ready.
 _START_TIMEOUT_S = 60.0
+# How long a new receiving process stays at the idle priority at most (``foreground``): long enough
+# for the updates that follow a group's formation, short enough that one on a host whose cores are
+# never idle still starts well before it is needed.
+_IDLE_START_S = 5.0
 # Posts are sent in batches of at most this many (each flushed at the latest when waited on).
 _BATCH = 256
 # Below this a posted receive's whole landing zone is copied into its segment first, so that a
@@ -184,6 +189,9 @@ class ReceivingProcess:
         self.group_id = ""
         threading.Thread(target=self._read_replies, name="ww-isolated-replies", daemon=True).start()
         threading.Thread(target=self._read_stderr, name="ww-isolated-stderr", daemon=True).start()
+        raise_later = threading.Timer(_IDLE_START_S, self._foreground)
+        raise_later.daemon = True
+        raise_later.start()
 
     # --- lifetime ------------------------------------------------------------------------------
 
@@ -205,6 +213,10 @@ class ReceivingProcess:
         except OSError:
             pass
         self._channel.close()
+
+    def _foreground(self) -> None:
+        if self.alive:
+            foreground(self.pid)
 
     @property
     def alive(self) -> bool:

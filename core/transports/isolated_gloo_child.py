@@ -9,7 +9,7 @@ it); here that ends this process only, and the worker refuses the update (``isol
 It starts at the idle scheduling priority (``SCHED_IDLE``): a worker starts its next receiving
 process in advance while it receives an update, and importing torch (seconds of CPU) must not take
 the cores from that update; the worker raises it to the normal priority when it takes it for a
-group (``isolated_gloo.foreground``), and it raises every thread of its own again when it forms one.
+group or a few seconds after its start (``isolated_gloo.foreground``), and it raises every thread of its own again when it forms one.
 
 It ends when the worker hangs up or dies (the channel's end: its command loop runs on a thread
 gloo never holds; ``PR_SET_PDEATHSIG`` would fire when the worker's *thread* that started it ends),
