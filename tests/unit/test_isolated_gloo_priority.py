@@ -5,7 +5,10 @@ one once the worker takes it for a group."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -39,3 +42,36 @@ def test_a_receiving_process_starts_idle_and_runs_at_normal_priority_once_taken(
         assert proc.alive
     finally:
         proc.kill()
+
+
+_WITHOUT_SYS_NICE = ["setpriv", "--inh-caps=-sys_nice", "--bounding-set=-sys_nice"]
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0, reason="needs setpriv and root")
+def test_a_receiving_process_that_could_not_leave_the_idle_priority_starts_at_the_normal_one() -> None:
+    """Without CAP_SYS_NICE (an unprivileged user, a container's default capabilities) a thread at
+    the idle priority may not return to the normal one: the receiving process then never goes idle,
+    and forms its group as usual."""
+    script = textwrap.dedent(
+        """
+        import os, time
+        from weightwire.core.transports.isolated_gloo import ReceivingProcess
+        proc = ReceivingProcess()
+        try:
+            seen = set()
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                seen.add(os.sched_getscheduler(proc.pid))
+                time.sleep(0.005)
+            proc.wait_ready(60.0)
+            seen.add(os.sched_getscheduler(proc.pid))
+            print(sorted(seen), proc.alive)
+        finally:
+            proc.kill()
+        """
+    )
+    out = subprocess.run(
+        [*_WITHOUT_SYS_NICE, sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [f"[{os.SCHED_OTHER}]", "True"], out.stdout
