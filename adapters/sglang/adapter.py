@@ -139,6 +139,7 @@ class SGLangAdapter:
             worker_id=self.worker_id,
         )
         self._dst = destinations(model, self._params, self.layout) if direct_copy else {}
+        self._stated: frozenset[str] | None = None
         # Where each parameter's storage was when the regions above were stated (weights_resumed).
         self._param_ptrs = self._storage_ptrs()
 
@@ -203,6 +204,9 @@ class SGLangAdapter:
             self._gated(copy_step, what=what, phase="load")
             return
         check = pairs if state is None else None
+        # A set with a tensor of no region (a block-FP8 layer's) loads through load_weights for
+        # good; the others of it are checked until proven, so a slices update may copy them.
+        rest = self._unproven_with_regions(named) if check is None else None
 
         def step() -> None:
             self._synchronize()  # a forward launched before the pause may still read the weights
@@ -222,9 +226,43 @@ class SGLangAdapter:
                         len(named),
                         named[0][0],
                     )
+            elif rest is not None:
+                ok = rest.matches()
+                proved = {name for name, _ in named if name in self._regions_stated}
+                if ok:
+                    self.proven.update(proved)
+                else:
+                    self.proven.difference_update(proved)
+                    log.warning(
+                        "%s: SGLang's load_weights wrote other regions than the manifest's slice geometry names "
+                        "for tensor(s) loaded with %s",
+                        self.worker_id,
+                        named[0][0],
+                    )
 
         self._count_load(len(named), direct=False)
         self._gated(step, what=what, phase="load")
+
+    def _unproven_with_regions(self, named: list[tuple[str, torch.Tensor]]) -> DirectCopy | None:
+        """The regions of those of ``named`` that have regions, when some of ``named`` have none
+        and one of the others is not proven yet; else None."""
+        if not self._direct_copy or all(name in self._regions_stated for name, _ in named):
+            return None
+        with_regions = [(name, t) for name, t in named if name in self._regions_stated]
+        if not with_regions or all(name in self.proven for name, _ in with_regions):
+            return None
+        return direct_pairs(self.layout, self._dst, with_regions)
+
+    @property
+    def _regions_stated(self) -> frozenset[str]:
+        """Names every target of which has a region (``direct_copy.destinations``)."""
+        if self._stated is None:
+            self._stated = frozenset(
+                name
+                for name, targets in self.layout.targets.items()
+                if all((t.param_name, t.shard_id, name) in self._dst for t in targets)
+            )
+        return self._stated
 
     def _remember(self, key: tuple[str, ...], direct: bool) -> bool:
         if len(self._direct_state) >= _MAX_DIRECT_KEYS:
@@ -288,6 +326,7 @@ class SGLangAdapter:
         if moved:
             self._params = dict(self.model.named_parameters())
             self._dst = destinations(self.model, self._params, self.layout) if self._direct_copy else {}
+            self._stated = None
             self._param_ptrs = self._storage_ptrs()
         if (moved or discarded) and (self._direct_state or self.proven):
             log.info(

@@ -79,7 +79,7 @@ def destinations(
     out: Destinations = {}
     for param_name, targets in by_param.items():
         param = params[param_name]
-        if param.dim() == 0 or _quantized(model, param_name):
+        if param.dim() == 0 or quantized_layer(model, param_name):
             continue
         if any(t.expert_id is not None for t in targets):
             out.update(_expert_destinations(model, param_name, param, targets))
@@ -155,7 +155,7 @@ def _is_vocab(model: torch.nn.Module, param_name: str) -> bool:
     return isinstance(model.get_submodule(module_name) if module_name else model, VocabParallelEmbedding)
 
 
-def _quantized(model: torch.nn.Module, param_name: str) -> bool:
+def quantized_layer(model: torch.nn.Module, param_name: str) -> bool:
     """Whether the parameter belongs to a quantized layer: its post-load processing (rerun after
     every update) may rewrite or rebind what a direct copy would write into, so such layers always
     load through ``load_weights``."""

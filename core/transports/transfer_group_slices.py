@@ -214,6 +214,20 @@ def _view(buf: torch.Tensor, offset: int, t: Transfer, dtype: torch.dtype) -> to
     return buf[offset : offset + t.nbytes].view(dtype).view([b - a for a, b in t.box])
 
 
+def _packed(
+    buf: torch.Tensor, offset: int, t: Transfer, region: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Transfer ``t``'s bytes (``dtype`` on the wire) at ``offset`` of message buffer ``buf`` and
+    ``region``, as two tensors to copy either way: typed where ``offset`` is a multiple of the
+    element size, else, for a region of the wire's dtype, both as bytes. A message packs regions of
+    several dtypes one after another, so an FP8 region of an odd byte count puts the float32
+    scale after it off its alignment."""
+    if offset % dtype.itemsize == 0 or region.dtype != dtype or region.dim() == 0:
+        return _view(buf, offset, t, dtype), region
+    as_bytes = region.view(torch.uint8)  # needs the last dimension contiguous, as every region here is
+    return buf[offset : offset + t.nbytes].view(as_bytes.shape), as_bytes
+
+
 Op = tuple[int, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int, str, torch.Tensor | None]
 """(peer's group rank, the buffer sent or received into, the copies (to, from) before the send or
 after the receive, bytes, the peer's name for errors, and on the sending side the last byte of the
@@ -330,7 +344,7 @@ def send_slices(
                 offset = 0
                 for t in message:
                     r = region(t)
-                    copies.append((_view(buf, offset, t, r.dtype), r))
+                    copies.append(_packed(buf, offset, t, r, r.dtype))
                     offset += t.nbytes
             # The announcement goes out before the copies are made: its last byte is read from the
             # region itself.
@@ -438,7 +452,9 @@ def receive_slices(
                     offset = 0
                     for t in message:
                         r = region(t)
-                        copies.append((r, _view(target, offset, t, dtypes.to_torch(owned[t.tensor].dtype))))
+                        wire = dtypes.to_torch(owned[t.tensor].dtype)
+                        into_message, into_region = _packed(target, offset, t, r, wire)
+                        copies.append((into_region, into_message))
                         offset += t.nbytes
                 into.ops.append((source, target, copies, nbytes, f"trainer rank {source}", None))
 

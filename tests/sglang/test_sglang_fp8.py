@@ -10,20 +10,33 @@ slice; after a push each rank's parameters hold exactly its slice of the pushed 
 scales (as the loaders put them: q, k, v one after another); a bf16 trainer's weights go through
 ``quantize_for``; refusals (bf16 into an FP8 weight, a FULL update without one scale) leave every
 rank as it was. The tokens after a push are checked on a GPU (docs/validation.md).
+
+Every trainer rank a source: three trainer ranks of one gloo world (``helpers.slice_trainer_main``,
+this file run as a script; each rank a ``Shard(0)`` third of every tensor) push into the same two
+ranks over a transfer group. Thirds of 256 rows (86/86/84) cut through the 128 x 128 blocks and the
+scales' rows (1/1/0); each worker stages its whole-block half of every weight and scale and loads
+them through SGLang's ``load_weights`` at the commit. Checked: ``bytes_received`` is the manifest's
+kept bytes, and every parameter of both ranks equals, byte for byte, what SGLang's loader makes of
+the same checkpoint pushed from one source; a push from every rank missing one scale
+(INCOMPLETE_UPDATE) and one of bf16 into the FP8 layers (DTYPE_MISMATCH) are refused with every
+rank as it was.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
 from checkpoints import QWEN2, ModelSpec, full_checkpoint
 from cpu_engine import CpuEngine
+from helpers import TrainerRanks, slice_trainer_main
+from rank_fleet import assert_same_bytes
 from weightwire.adapters.sglang import discover
 from weightwire.client import PlanError, WeightPusher
-from weightwire.core.fp8_quant import dequantize_block, quantize_for
+from weightwire.core.fp8_quant import dequantize_block, quantize_block, quantize_for
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 pytestmark = [
@@ -99,7 +112,7 @@ def check_held(engine: CpuEngine, full: dict[str, torch.Tensor], version: int) -
 
 
 def test_manifests_list_weights_and_scales_with_whole_blocks(running: tuple[CpuEngine, WeightPusher]) -> None:
-    _, pusher = running
+    engine, pusher = running
     manifests = pusher.manifests()
     assert len(manifests) == 2
     for m in manifests.values():
@@ -118,10 +131,14 @@ def test_manifests_list_weights_and_scales_with_whole_blocks(running: tuple[CpuE
                 assert wp.offset == tp * wp.length
         # KV-cache scales are not checkpoint weights a trainer sends.
         assert not [n for n in m.tensors if n.endswith(("k_scale", "v_scale"))]
-        # No slices from every trainer rank into SGLang's FP8 layers (their post-load processing may
-        # requantise or rebind them, so nothing may be written in place): a multi-rank push is
-        # refused before any data moves (TRANSPORT_UNAVAILABLE), a single-source push loads them.
-        assert not m.receives_slices
+        # Slices from every trainer rank: staged, then loaded through load_weights (never copied
+        # in place: the FP8 layers' post-load processing may requantise or rebind them).
+        assert m.receives_slices
+        assert m.kept_bytes < m.total_bytes
+    for rank in engine.ranks:
+        # Deltas need regions to apply in: an FP8 rank takes its updates whole, and says so.
+        said = "".join(rank.stderr)
+        assert "does not apply deltas" in said and "block-FP8 layer" in said, said[-2000:]
 
 
 def test_pushes_land_as_fp8_bytes_and_scales(running: tuple[CpuEngine, WeightPusher]) -> None:
@@ -169,3 +186,99 @@ def test_refusals_name_the_dtype_and_the_missing_scale(running: tuple[CpuEngine,
         (version, pb.WORKER_STATE_CONSISTENT)
     }
     assert not any(engine.dump_exists(r, version + 1) for r in engine.ranks)
+
+
+MISSING = "model.layers.1.mlp.down_proj.weight_scale_inv"
+# Seeds the trainer ranks map to hostile checkpoints (slice_trainer_main pushes checkpoint(seed)).
+WITHOUT_SCALE, BF16 = 1000, 2000
+
+
+def trainer_checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    """What ``fp8_checkpoint`` makes, without the manifests (a trainer rank has none at hand);
+    the hostile seeds: one scale left out, or bf16 as it is."""
+    if seed >= BF16:
+        return full_checkpoint(SPEC, seed - BF16)
+    out = {}
+    for name, t in full_checkpoint(SPEC, seed % WITHOUT_SCALE).items():
+        if name.endswith(".weight") and any(f".{m}." in name for m in LINEARS):
+            out[name], out[name + "_scale_inv"] = quantize_block(t)
+        else:
+            out[name] = t
+    return {n: t for n, t in out.items() if n != MISSING} if seed >= WITHOUT_SCALE else out
+
+
+@pytest.fixture(scope="module")
+def trainers(running: tuple[CpuEngine, WeightPusher]) -> Iterator[TrainerRanks]:
+    _, pusher = running
+    ranks = TrainerRanks(__file__, list(pusher.manifests()), world=3)
+    try:
+        yield ranks
+    finally:
+        ranks.close()
+
+
+def test_slices_from_three_ranks_land_where_sglangs_loader_puts_them(
+    running: tuple[CpuEngine, WeightPusher], trainers: TrainerRanks
+) -> None:
+    engine, pusher = running
+    manifests = pusher.manifests()
+    version = max(s.weights_version for s in pusher.status().values())
+    assert trainer_checkpoint(5).keys() == fp8_checkpoint(pusher, 5).keys()
+    # The regions of the unquantized tensors (embedding, norms) are proven by a load from one source.
+    answers = trainers.push(version=version + 1, seed=5, single=True)
+    assert answers[0]["ok"], answers
+
+    answers = trainers.push(version=version + 2, seed=6)
+    assert all(a["ok"] for a in answers), answers
+    results = answers[0]["results"]
+    assert set(results) == set(manifests)
+    for address, r in results.items():
+        m = manifests[address]
+        assert (r["version"], r["state"], r["transport"]) == (version + 2, "CONSISTENT", "transfer_group"), r
+        assert r["bytes_received"] == m.kept_bytes < m.total_bytes, (address, r)
+    full = trainer_checkpoint(6)
+    check_held(engine, full, version + 2)
+
+    # The same checkpoint from one source, through SGLang's load_weights: the same bytes everywhere.
+    answers = trainers.push(version=version + 3, seed=6, single=True)
+    assert answers[0]["ok"], answers
+    for r in engine.ranks:
+        # Flat: the attention's KV-cache scales are 0-d (left as they were, NaN, by both pushes).
+        pushed, want = (
+            {n: t.reshape(-1) for n, t in engine.dump(r, v).items()} for v in (version + 2, version + 3)
+        )
+        assert_same_bytes(pushed, want, f"slices push, {r.worker_id}")
+
+
+def test_slices_missing_a_scale_or_bf16_into_fp8_are_refused(
+    running: tuple[CpuEngine, WeightPusher], trainers: TrainerRanks
+) -> None:
+    engine, pusher = running
+    version = max(s.weights_version for s in pusher.status().values())
+    for seed, reason, named in (
+        (WITHOUT_SCALE + 7, "INCOMPLETE_UPDATE", MISSING),
+        (BF16 + 7, "DTYPE_MISMATCH", "float8_e4m3fn"),
+    ):
+        answers = trainers.push(version=version + 1, seed=seed)
+        assert not any(a["ok"] for a in answers), answers
+        assert {a["reason"] for a in answers} == {reason}, answers
+        assert named in answers[0]["message"], answers[0]["message"]
+    assert {(s.weights_version, s.state) for s in pusher.status().values()} == {
+        (version, pb.WORKER_STATE_CONSISTENT)
+    }
+    assert not any(engine.dump_exists(r, version + 1) for r in engine.ranks)
+
+
+def local_fp8_shards() -> None:
+    """Every trainer rank builds the same full checkpoint, so each takes its own ``Shard(0)`` part
+    without a scatter (``src_data_rank=None``): gloo has no float8 collectives, and an FSDP trainer
+    holds its FP8 shards already."""
+    import torch.distributed.tensor as dt
+
+    scatter = dt.distribute_tensor
+    dt.distribute_tensor = lambda t, mesh, placements: scatter(t, mesh, placements, src_data_rank=None)  # type: ignore[assignment]
+
+
+if __name__ == "__main__":
+    local_fp8_shards()
+    sys.exit(slice_trainer_main(sys.argv[1:], trainer_checkpoint))

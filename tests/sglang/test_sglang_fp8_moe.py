@@ -11,13 +11,17 @@ whole-block half of the intermediate dimension; after a FULL push of checkpoint 
 one through ``quantize_for``) every parameter of both ranks equals, byte for byte, a fresh model
 loaded from it by SGLang's ``load_weights``; a FULL update without one expert's scale and bf16 into
 an FP8 expert are refused with every rank unchanged; blocks a rank's slice would split are refused
-at engine start, naming the experts layer. Expert parallelism: test_sglang_fp8_moe_ep.py.
+at engine start, naming the experts layer; a push from three trainer ranks of one gloo world
+(``helpers.slice_trainer_main``, this file run as a script; thirds of each expert's 256 rows cut
+through its blocks) lands the same bytes, each worker having received exactly its kept bytes.
+Expert parallelism: test_sglang_fp8_moe_ep.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +35,7 @@ from fp8_moe_checks import (
     check_tp2_manifests,
     fp8_checkpoint,
 )
+from helpers import TrainerRanks, slice_trainer_main
 from moe_checkpoints import write_model_dir
 from rank_fleet import RankFleet, assert_same_bytes, free_port
 from weightwire.adapters.sglang import discover
@@ -123,3 +128,36 @@ def test_refusals_before_anything_loads(running: tuple[Ranks, WeightPusher, Path
     for answer in ranks.ask("manifest_error 256"):
         assert "mlp.experts.w13_weight" in answer and "split a 256 x 256 FP8 block" in answer, answer
     assert ranks.ask("manifest_error 128") == ["none", "none"]
+
+
+def test_slices_from_three_ranks_land_where_sglangs_loader_puts_them(
+    running: tuple[Ranks, WeightPusher, Path],
+) -> None:
+    ranks, pusher, root = running
+    manifests = pusher.manifests()
+    assert all(m.receives_slices for m in manifests.values()), manifests
+    trainers = TrainerRanks(__file__, list(manifests), world=3)
+    try:
+        version = max(s.weights_version for s in pusher.status().values())
+        # The regions of the unquantized tensors (router, norms, embeddings) are proven by a load
+        # from one source (the earlier tests' pushes do it too).
+        assert trainers.push(version=version + 1, seed=5, single=True)[0]["ok"]
+        answers = trainers.push(version=version + 2, seed=6)
+    finally:
+        trainers.close()
+    assert all(a["ok"] for a in answers), answers
+    for address, r in answers[0]["results"].items():
+        m = manifests[address]
+        assert (r["version"], r["state"], r["transport"]) == (version + 2, "CONSISTENT", "transfer_group"), r
+        assert r["bytes_received"] == m.kept_bytes < m.total_bytes, (address, r)
+    pushed = ranks.dumps(root, "dump", "slices")
+    want = ranks.dumps(root, f"reference {write(fp8_checkpoint(seed=6), root / 'ckpt-slices')}", "ref-slices")
+    for r in range(2):
+        assert_same_bytes(pushed[r], want[r], f"slices push, rank {r}")
+
+
+if __name__ == "__main__":
+    from test_sglang_fp8 import local_fp8_shards
+
+    local_fp8_shards()
+    sys.exit(slice_trainer_main(sys.argv[1:], fp8_checkpoint))
