@@ -19,7 +19,9 @@ that every region the manifest's slice geometry names (this rank's piece of the 
 tensor, at its shard's rows of the fused parameter) holds exactly what SGLang's loaders wrote
 there; later loads of the same names copy those regions directly, in one grouped copy, without
 ``load_weights``' per-tensor Python. A region the geometry cannot state, or a check that fails,
-keeps those names on ``load_weights`` for good. ``prepare_load`` (views the worker serves again)
+keeps those names on ``load_weights`` for good; in a set with tensors of no region (a block-FP8
+layer's), the others' regions are still checked until proven (``proven``: what a slices update may
+copy, ``weightwire.adapters.sglang.slices``). ``prepare_load`` (views the worker serves again)
 works out the regions once.
 
 Built by ``weightwire.adapters.sglang.plugin`` inside each scheduler process; tests build it on a
