@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from weightwire.adapters.layout_rules import (
@@ -203,7 +203,7 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
                     "may repack what was pushed"
                 )
             local = model_format(module, leaf, param)
-            dtype = param.dtype
+            dtype = _model_format_dtype(module, leaf, param)
 
             linear = (
                 linear_feeds(module, layer_name, leaf, packed, _tp_ranks)
@@ -347,6 +347,22 @@ def _model_format_shapes() -> Any:
         return tuple(recorded.shape if recorded is not None else param.shape)
 
     return shape_of
+
+
+def _model_format_dtype(module: torch.nn.Module, leaf: str, param: torch.Tensor) -> torch.dtype:
+    """The dtype the parameter's weight loader takes (what a checkpoint holds for it), before any
+    post-load processing: vLLM's record for its layerwise reload where it has one; for a linear
+    layer's bias, which it does not record, the layer's ``params_dtype`` (the CPU backend's small
+    GEMMs turn a bf16 bias to float32 after loading; its loader still takes the model's dtype)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    recorded = get_layerwise_info(module).restore_metadata[0].get(leaf)
+    if recorded is not None:
+        return cast(torch.dtype, recorded.dtype)
+    if leaf == "bias" and isinstance(module, LinearBase):
+        return cast(torch.dtype, module.params_dtype)
+    return param.dtype
 
 
 def _packed_modules(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
