@@ -45,7 +45,7 @@ from weightwire.core.transports.transfer_group_slices import agree, kept_region
 from weightwire.core.transports.transfer_plan import Transfer, box_elements
 from weightwire.server.transports.importer import RegionChange
 from weightwire.server.transports.transfer_group_member import JoinedGroup
-from weightwire.server.transports.transfer_group_slices import SlicePlan
+from weightwire.server.transports.transfer_group_slices import SlicePlan, backend_device
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 __all__ = [
@@ -172,10 +172,8 @@ def receive_delta_bucket(
     group = member.group
     pg = group.process_group()
     timeout_s = group.timeout.total_seconds()
-    device = torch.device("cpu")
-    if group.backend == pb.TRANSFER_BACKEND_NCCL and checked.names:
-        # NCCL receives on the GPU: the streams land beside the kept tensors and apply there.
-        device = kept[next(iter(checked.names))].device
+    # NCCL receives on the GPU: the streams land beside the kept tensors and apply there.
+    device = backend_device(group, kept)
     with lock:
         agree(pg, checked.plan, group.rank, group.world_size, timeout_s, stopped, device)
         streams = receive_streams(

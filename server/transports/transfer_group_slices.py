@@ -32,7 +32,7 @@ from weightwire.core.transports.transfer_plan import Box, Transfer, TransferPlan
 from weightwire.server.transports.transfer_group_member import JoinedGroup
 from weightwire.v1 import weight_transfer_pb2 as pb
 
-__all__ = ["MAX_SLICES", "SlicePlan", "check_slices", "kept_shape", "receive_bucket"]
+__all__ = ["MAX_SLICES", "SlicePlan", "backend_device", "check_slices", "kept_shape", "receive_bucket"]
 
 MAX_SLICES = 65536
 MAX_MESSAGE_BYTES = 1 << 30
@@ -193,8 +193,7 @@ def check_kept(kept: Mapping[str, torch.Tensor], manifest: ShardManifest, names:
             )
 
 
-@raises_without_frames
-def _backend_device(group: Any, kept: Mapping[str, torch.Tensor]) -> torch.device:
+def backend_device(group: Any, kept: Mapping[str, torch.Tensor]) -> torch.device:
     """Where the group's backend moves this worker's bytes from: the host for gloo (a GPU's kept
     tensor receives through a host mirror), the kept tensors' GPU for NCCL."""
     if group.backend == pb.TRANSFER_BACKEND_NCCL and kept:
@@ -202,6 +201,7 @@ def _backend_device(group: Any, kept: Mapping[str, torch.Tensor]) -> torch.devic
     return torch.device("cpu")
 
 
+@raises_without_frames
 def receive_bucket(
     member: JoinedGroup,
     checked: SlicePlan,
@@ -251,7 +251,7 @@ def receive_bucket(
                 group.world_size,
                 timeout_s,
                 stopped,
-                _backend_device(group, into),
+                backend_device(group, into),
             )
         received = receive_slices(
             pg,
