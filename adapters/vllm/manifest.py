@@ -113,7 +113,7 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
     )
     tied = stage.tie_word_embeddings
     packed = _packed_modules(model)
-    model_format = _model_format_shapes()
+    model_format = _model_format()
 
     targets: dict[str, LoadTarget] = {}
     owner_of_param: dict[int, str] = {}
@@ -186,7 +186,9 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
                         f"quantized ({type(module.quant_method).__name__}): its process_weights_after_loading "
                         "may repack what was pushed"
                     )
-                for t in _expert_targets(module, layer_name, leaf, model_format(module, leaf, param), param):
+                for t in _expert_targets(
+                    module, layer_name, leaf, model_format(module, leaf, param)[0], param
+                ):
                     add(t.name, layer_name, leaf, t.shard_id, t.dtype, t.shape, t.pieces)
                 continue
             if fp8.is_kv_cache_scale(module, leaf):
@@ -202,8 +204,7 @@ def model_layout(model: torch.nn.Module, hf_config: Any) -> ModelLayout:  # noqa
                     f"quantized ({type(module.quant_method).__name__}): its process_weights_after_loading "
                     "may repack what was pushed"
                 )
-            local = model_format(module, leaf, param)
-            dtype = _model_format_dtype(module, leaf, param)
+            local, dtype = model_format(module, leaf, param)
 
             linear = (
                 linear_feeds(module, layer_name, leaf, packed, _tp_ranks)
@@ -332,37 +333,29 @@ def _expert_targets(
     ]
 
 
-def _model_format_shapes() -> Any:
-    """``shape_of(module, leaf, param)``: the parameter's model-format (pre-repacking) local shape.
+def _model_format() -> Any:
+    """``of(module, leaf, param)``: the parameter's model-format (pre-repacking) local shape and the
+    dtype its weight loader takes (what a checkpoint holds for it).
 
     vLLM records a meta copy of every parameter right after building the model, before loading and
-    kernel repacking (``record_metadata_for_reloading``), for its layerwise reload; that is the
-    shape its weight loaders fill. ``bias`` is not recorded there (vLLM never moves it to meta or
-    repacks it), so the live parameter tells.
+    kernel repacking (``record_metadata_for_reloading``), for its layerwise reload; that is what its
+    weight loaders fill. ``bias`` is not recorded there (vLLM never moves it to meta): its shape is
+    the live parameter's, and a linear layer's bias takes the layer's ``params_dtype`` (the CPU
+    backend's small GEMMs turn a bf16 bias to float32 after loading; its loader still takes the
+    model's dtype).
     """
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-    def shape_of(module: torch.nn.Module, leaf: str, param: torch.Tensor) -> tuple[int, ...]:
-        recorded = get_layerwise_info(module).restore_metadata[0].get(leaf)
-        return tuple(recorded.shape if recorded is not None else param.shape)
-
-    return shape_of
-
-
-def _model_format_dtype(module: torch.nn.Module, leaf: str, param: torch.Tensor) -> torch.dtype:
-    """The dtype the parameter's weight loader takes (what a checkpoint holds for it), before any
-    post-load processing: vLLM's record for its layerwise reload where it has one; for a linear
-    layer's bias, which it does not record, the layer's ``params_dtype`` (the CPU backend's small
-    GEMMs turn a bf16 bias to float32 after loading; its loader still takes the model's dtype)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    recorded = get_layerwise_info(module).restore_metadata[0].get(leaf)
-    if recorded is not None:
-        return cast(torch.dtype, recorded.dtype)
-    if leaf == "bias" and isinstance(module, LinearBase):
-        return cast(torch.dtype, module.params_dtype)
-    return param.dtype
+    def of(module: torch.nn.Module, leaf: str, param: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+        recorded = get_layerwise_info(module).restore_metadata[0].get(leaf)
+        if recorded is not None:
+            return tuple(recorded.shape), cast(torch.dtype, recorded.dtype)
+        if leaf == "bias" and isinstance(module, LinearBase):
+            return tuple(param.shape), cast(torch.dtype, module.params_dtype)
+        return tuple(param.shape), param.dtype
+
+    return of
 
 
 def _packed_modules(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
