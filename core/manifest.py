@@ -194,6 +194,9 @@ class ShardManifest:
     imports_cuda_ipc_storages: bool = False
     # Set the same way: this worker receives an M-to-N update's slices into the tensors it keeps.
     receives_slices: bool = False
+    # Set the same way: the algorithms this worker verifies a delta's result with (empty: a worker
+    # from before the field, or one that takes no deltas).
+    delta_checksum_algorithms: tuple[pb.ChecksumAlgorithm.ValueType, ...] = ()
 
     @classmethod
     def build(
@@ -245,6 +248,7 @@ class ShardManifest:
             ),
             fingerprint=self.fingerprint,
             transports=list(self.transports),
+            delta_checksum_algorithms=list(self.delta_checksum_algorithms),
             **{f: getattr(self, f) for f in _AS_IS},
         )
 
@@ -258,5 +262,6 @@ class ShardManifest:
             layer_end=msg.layer_range.end_layer,
             num_layers=msg.layer_range.num_layers,
             transports=tuple(msg.transports),
+            delta_checksum_algorithms=tuple(msg.delta_checksum_algorithms),
             **{f: getattr(msg, f) for f in _AS_IS},
         )

@@ -33,15 +33,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from weightwire.client.inputs.dtensor_gather import target_dtype
+from weightwire.client.inputs.dtensor_gather import CastTo, target_dtype
 from weightwire.client.inputs.plan import TensorSpec
 from weightwire.client.inputs.types import FlatBucket, PushResult
 from weightwire.client.transports import exporter as exp
 from weightwire.client.update import jobs as job_builders
 from weightwire.client.update.options import PushOptions
 from weightwire.client.update.routing import CheckedLayouts, manifest_changes
-from weightwire.core.delta import BaseKeeper, pack_delta, packed_size_bytes
-from weightwire.core.delta.encoding import Delta
+from weightwire.core.delta import BaseKeeper, crc_algorithm, pack_delta, packed_size_bytes
+from weightwire.core.delta.base_keeper import KeptUpdate, TensorUpdate
 from weightwire.core.errors import PushError, Reason
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports import table as transports
@@ -93,10 +93,10 @@ def transport_name(pusher: WeightPusher, manifests: Mapping[str, ShardManifest],
     return exp.choose_transport([m.device for m in manifests.values()], source)
 
 
-def _cast(items: Items, options: PushOptions) -> Items:
-    if options.cast_to is None:
+def _cast(items: Items, cast_to: CastTo) -> Items:
+    if cast_to is None:
         return items
-    return [(n, t.detach().to(target_dtype(t.dtype, options.cast_to))) for n, t in items]
+    return [(n, t.detach().to(target_dtype(t.dtype, cast_to))) for n, t in items]
 
 
 def _mark(
@@ -132,25 +132,29 @@ def push_delta(
     if ranked or name not in DELTA_TRANSPORTS:
         keeper.drop()
         return _full(pusher, items, options, pb.DELTA_FALLBACK_TRANSPORT, keep=False)
-    items = _cast(items, options)
+    # A delta casts each tensor chunk by chunk as it compares it (BaseKeeper.update_all); a whole
+    # update is cast first, as the keeper records what it sends.
+    cast_to = options.cast_to
     options = dataclasses.replace(options, cast_to=None)
     base = keeper.base_version
     if base is None:
-        return _full(pusher, items, options, pb.DELTA_FALLBACK_NO_BASE)
+        return _full(pusher, _cast(items, cast_to), options, pb.DELTA_FALLBACK_NO_BASE)
     statuses = pusher.status()
     if any(s.weights_version != base or s.state != pb.WORKER_STATE_CONSISTENT for s in statuses.values()):
         keeper.drop()
         if manifest_changes(statuses, manifests, pusher._fingerprints):
             # A restarted worker: the whole update is planned on what it serves now.
             pusher.manifests(refresh=True)
-        return _full(pusher, items, options, pb.DELTA_FALLBACK_BASE_MISMATCH)
+        return _full(pusher, _cast(items, cast_to), options, pb.DELTA_FALLBACK_BASE_MISMATCH)
     try:
-        return _send_delta(pusher, keeper, items, options, manifests, base, name)
+        return _send_delta(pusher, keeper, items, options, manifests, base, name, cast_to=cast_to)
     except PushError as e:
         keeper.drop()
         refused = sum(err.kind is Reason.DELTA_BASE_MISMATCH for err in e.failures.values())
         if refused:
-            return _full(pusher, items, options, pb.DELTA_FALLBACK_BASE_MISMATCH, refused=refused)
+            return _full(
+                pusher, _cast(items, cast_to), options, pb.DELTA_FALLBACK_BASE_MISMATCH, refused=refused
+            )
         raise
     except BaseException:
         keeper.drop()
@@ -188,14 +192,6 @@ def _full(
     return _mark(results, "FULL", fallback, _sent_whole(items, pusher.manifests()), refused)
 
 
-@dataclasses.dataclass
-class _Entry:
-    name: str
-    tensor: torch.Tensor
-    delta: Delta | None
-    checksums: list[pb.DeltaChecksum]
-
-
 def _parts(name: str, manifests: Mapping[str, ShardManifest]) -> list[tuple[int, int, int] | None]:
     parts: list[tuple[int, int, int] | None] = []
     for m in manifests.values():
@@ -208,21 +204,23 @@ def _parts(name: str, manifests: Mapping[str, ShardManifest]) -> list[tuple[int,
     return parts
 
 
-def by_owners(entries: Sequence[_Entry], manifests: Mapping[str, ShardManifest]) -> list[list[_Entry]]:
+def by_owners(
+    entries: Sequence[KeptUpdate], manifests: Mapping[str, ShardManifest]
+) -> list[list[KeptUpdate]]:
     """The entries grouped by the workers that own them, each group in input order, as a FULL
     push's buckets are (``plan.plan_buckets``): a pipeline stage's bucket goes only to its workers,
     and over a transfer group the workers that own the same tensors share one broadcast."""
-    groups: dict[tuple[str, ...], list[_Entry]] = {}
+    groups: dict[tuple[str, ...], list[KeptUpdate]] = {}
     for e in entries:
         owners = tuple(a for a, m in manifests.items() if e.name in m.tensors)
         groups.setdefault(owners, []).append(e)
     return list(groups.values())
 
 
-def pack_buckets(entries: Sequence[_Entry], limit: int) -> list[FlatBucket]:
+def pack_buckets(entries: Sequence[KeptUpdate], limit: int) -> list[FlatBucket]:
     """The entries packed in order into flat buckets of at most ``limit`` bytes (one larger entry
     goes alone)."""
-    layout: list[list[tuple[_Entry, int, int]]] = [[]]
+    layout: list[list[tuple[KeptUpdate, int, int]]] = [[]]
     end = 0
     for e in entries:
         size = e.tensor.nbytes if e.delta is None else packed_size_bytes(e.delta, 0)
@@ -260,19 +258,15 @@ def _send_delta(
     manifests: Mapping[str, ShardManifest],
     base: int,
     name: str,
+    *,
+    cast_to: CastTo = None,
 ) -> dict[str, PushResult]:
     keeper.begin(options.version)
-    entries = []
-    for n, t in items:
-        t = t.detach()
-        d = keeper.diff(n, t)
-        keeper.record(n, t, d)
-        checks = (
-            keeper.result_checksums(n, pb.CHECKSUM_ALGORITHM_CRC32, _parts(n, manifests))
-            if d is not None
-            else []
-        )
-        entries.append(_Entry(n, t, d, checks))
+    algorithm = crc_algorithm(m.delta_checksum_algorithms for m in manifests.values())
+    entries = keeper.update_all(
+        [TensorUpdate(n, t, target_dtype(t.dtype, cast_to), _parts(n, manifests)) for n, t in items],
+        algorithm,
+    )
     limit = pusher.bucket_size_bytes
     if name == transports.INLINE.name:
         limit = min(limit, exp.INLINE_MAX_BYTES)

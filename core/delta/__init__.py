@@ -10,8 +10,11 @@ sent (``base_keeper``). docs/deltas.md describes the design.
 
 from weightwire.core.delta.base_keeper import BaseKeeper, KeeperMemory
 from weightwire.core.delta.checksums import (
+    VERIFIED_ALGORITHMS,
     checksum,
     crc32,
+    crc32c,
+    crc_algorithm,
     preferred_algorithm,
     weighted_sum64,
     weighted_sum64_update,
@@ -33,6 +36,7 @@ __all__ = [
     "DELTA_BASE_MISMATCH",
     "DELTA_RESULT_MISMATCH",
     "INVALID_DELTA",
+    "VERIFIED_ALGORITHMS",
     "BaseKeeper",
     "Delta",
     "Encoding",
@@ -43,6 +47,8 @@ __all__ = [
     "checksum",
     "choose_encoding",
     "crc32",
+    "crc32c",
+    "crc_algorithm",
     "encode",
     "encoded_size_bytes",
     "pack_delta",

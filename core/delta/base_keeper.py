@@ -7,6 +7,12 @@ every worker committed, or ``drop()`` when any worker refused or failed. The bas
 advances at ``commit``; after ``drop`` there is no base, so the next push is sent whole (FULL) and
 becomes the new base.
 
+``update(name, new, ...)`` does diff, record and the result checksums of one tensor in one call,
+casting ``new`` to the sent dtype; ``update_all`` does it for an update's tensors. A host tensor
+whose base is on the host and whose recipients keep it whole goes through ``host_pass``: one
+chunked pass, on ``HOST_PASS_THREADS`` threads over the tensors, instead of a whole cast copy and
+separate whole-tensor diff, record and checksum.
+
 Memory: exactly one copy of every tensor ever recorded (its bytes, contiguous), never two: the copy
 is brought to the update's values in place at ``record`` (sparse writes for a sparse delta), which
 is safe because an update that does not commit drops the whole base anyway. A copy lives on the
@@ -18,12 +24,14 @@ tensor's size plus a byte per element; a device copy costs neither. ``memory()``
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
-from weightwire.core.delta.checksums import checksum, weighted_sum64, weighted_sum64_update
+from weightwire.core.delta.checksums import checksum, running_crc, weighted_sum64, weighted_sum64_update
 from weightwire.core.delta.encoding import Delta, Encoding, apply_delta, as_bits, changed_positions, encode
+from weightwire.core.delta.host_pass import HOST_PASS_THREADS, host_pass
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 
@@ -43,6 +51,32 @@ class KeeperMemory:
     tensors: int
     host_bytes: int
     device_bytes: int
+
+
+Part = tuple[int, int, int]  # (dim, offset, length) of a tensor, as OwnedTensor.pieces; None: whole
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptUpdate:
+    """One tensor of an update (``BaseKeeper.update``): its changes (None: it goes whole), the
+    tensor sent (in the sent dtype; with a delta only its shape and dtype are read) and, with a
+    delta, the result checksums of the parts its recipients keep."""
+
+    name: str
+    tensor: torch.Tensor
+    delta: Delta | None
+    checksums: list[pb.DeltaChecksum]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorUpdate:
+    """What ``BaseKeeper.update_all`` takes per tensor: its name, its value (any dtype), the dtype
+    it is sent as, and the parts its recipients keep."""
+
+    name: str
+    tensor: torch.Tensor
+    dtype: torch.dtype
+    parts: Sequence[Part | None] = (None,)
 
 
 class BaseKeeper:
@@ -117,6 +151,83 @@ class BaseKeeper:
             )
         apply_delta(kept.copy, delta)
 
+    def update(
+        self,
+        name: str,
+        new: torch.Tensor,
+        algorithm: pb.ChecksumAlgorithm.ValueType,
+        *,
+        dtype: torch.dtype | None = None,
+        parts: Sequence[Part | None] = (None,),
+    ) -> KeptUpdate:
+        """``diff``, ``record`` and ``result_checksums`` of ``new`` sent as ``dtype`` (default its
+        own), in one pass on the host where ``_host_base`` allows."""
+        item = TensorUpdate(name, new, dtype or new.dtype, parts)
+        kept = self._host_base(item, algorithm)
+        if kept is not None:
+            return self._pass(item, kept, algorithm, serial_cast=False)
+        return self._separately(item, algorithm)
+
+    def update_all(
+        self, items: Sequence[TensorUpdate], algorithm: pb.ChecksumAlgorithm.ValueType
+    ) -> list[KeptUpdate]:
+        """``update`` of each item, in order; the host passes run on ``HOST_PASS_THREADS`` threads
+        (one tensor per thread at a time), the rest on the calling thread."""
+        self._require_pending()
+        out: list[KeptUpdate | concurrent.futures.Future[KeptUpdate]] = []
+        threads = HOST_PASS_THREADS
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            for item in items:
+                kept = self._host_base(item, algorithm)
+                if kept is None:
+                    out.append(self._separately(item, algorithm))
+                elif threads > 1:
+                    out.append(pool.submit(self._pass, item, kept, algorithm, serial_cast=True))
+                else:
+                    out.append(self._pass(item, kept, algorithm, serial_cast=False))
+            return [u.result() if isinstance(u, concurrent.futures.Future) else u for u in out]
+
+    def _host_base(self, item: TensorUpdate, algorithm: pb.ChecksumAlgorithm.ValueType) -> _Kept | None:
+        """The kept copy ``host_pass`` brings forward, or None where it does not apply: no valid
+        base of the same shape and dtype, the tensor or the copy off the host, a non-contiguous
+        tensor, a cast between non-float dtypes, recipients that keep pieces, or a checksum that
+        is not continued over chunks (``running_crc``)."""
+        self._require_pending()
+        new = item.tensor
+        kept = self._kept.get(item.name) if self._base_version is not None else None
+        if (
+            kept is None
+            or not kept.valid
+            or kept.copy.shape != new.shape
+            or kept.copy.dtype != item.dtype
+            or kept.copy.device.type != "cpu"
+            or new.device.type != "cpu"
+            or not new.is_contiguous()
+            or running_crc(algorithm) is None
+            or any(p is not None for p in item.parts)
+        ):
+            return None
+        if new.dtype != item.dtype and not (new.dtype.is_floating_point and item.dtype.is_floating_point):
+            return None
+        return kept
+
+    def _pass(
+        self, item: TensorUpdate, kept: _Kept, algorithm: pb.ChecksumAlgorithm.ValueType, *, serial_cast: bool
+    ) -> KeptUpdate:
+        kept.weighted_sum = None
+        result = host_pass(kept.copy, item.tensor, running=running_crc(algorithm), serial_cast=serial_cast)
+        assert result.checksum is not None
+        check = pb.DeltaChecksum(checksum=pb.Checksum(algorithm=algorithm, value=result.checksum))
+        return KeptUpdate(item.name, kept.copy, result.delta, [check])
+
+    def _separately(self, item: TensorUpdate, algorithm: pb.ChecksumAlgorithm.ValueType) -> KeptUpdate:
+        new = item.tensor.detach()
+        sent = new if new.dtype == item.dtype else new.to(item.dtype)
+        delta = self.diff(item.name, sent)
+        self.record(item.name, sent, delta)
+        checks = self.result_checksums(item.name, algorithm, item.parts) if delta is not None else []
+        return KeptUpdate(item.name, sent, delta, checks)
+
     def _allocate(self, like: torch.Tensor) -> torch.Tensor:
         nbytes = like.numel() * like.element_size()
         if like.device.type == "cuda" and self.memory().device_bytes + nbytes <= self.device_budget_bytes:
@@ -146,7 +257,7 @@ class BaseKeeper:
         self,
         name: str,
         algorithm: pb.ChecksumAlgorithm.ValueType,
-        parts: Iterable[tuple[int, int, int] | None] = (None,),
+        parts: Iterable[Part | None] = (None,),
     ) -> list[pb.DeltaChecksum]:
         """``TensorDelta.result_checksums`` of ``name``: one per distinct part its recipients keep
         (None: the whole tensor; else an ``OwnedTensor.pieces`` entry as (dim, offset, length))."""

@@ -1,13 +1,16 @@
 """Checksums of a tensor's bytes: what a worker verifies after applying a delta.
 
-Two algorithms of the contract's ``ChecksumAlgorithm``, both over the target's elements in
+Three algorithms of the contract's ``ChecksumAlgorithm``, both over the target's elements in
 row-major order, whatever its strides:
 
-- ``CRC32`` (zlib's CRC-32 of the bytes, the algorithm buckets already use). On the host it reads
-  the tensor in place, without a copy, and zlib releases the GIL while it runs, so tensors can be
-  verified on several threads. It is the host's choice: it is the fastest exact check a CPU worker
-  has (measured against blake2b and the weighted sum below in BENCHMARKS.md, "Deltas"). A CUDA
-  tensor must be copied to the host for it, which is why there is a second algorithm.
+- ``CRC32C`` (CRC-32 with the Castagnoli polynomial, through the ``crc32c`` package): the host's
+  choice. CPUs have an instruction for it, so it runs several times faster than zlib's CRC-32 on
+  the same bytes (BENCHMARKS.md, "Deltas"); it reads the tensor in place and releases the GIL. A
+  trainer uses it only with workers that list it in their manifest
+  (``ShardManifest.delta_checksum_algorithms``); workers from before it get ``CRC32``.
+- ``CRC32`` (zlib's CRC-32 of the bytes, the algorithm buckets already use): what every worker
+  verifies. On the host it reads the tensor in place, and zlib releases the GIL while it runs. A
+  CUDA tensor must be copied to the host for either CRC, which is why there is a third algorithm.
 - ``WEIGHTED_SUM64``: sum of (2i + 1) * bits(i) modulo 2^64, where bits(i) is element i's raw bits
   as an unsigned integer. It is computed with integer kernels on the tensor's own device, so a
   CUDA worker checks its weights at memory speed without moving them, and it is linear: the
@@ -18,14 +21,17 @@ row-major order, whatever its strides:
   already authenticated.
 
 ``preferred_algorithm`` picks: the weighted sum when the tensors and every recipient are on CUDA,
-CRC-32 otherwise.
+else (``crc_algorithm``) CRC-32C when every recipient verifies it, else CRC-32. ``running_crc`` continues a CRC over
+consecutive pieces of one tensor's bytes (the trainer's one pass over a tensor checksums it
+chunk by chunk while the chunk is in cache).
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 
+import crc32c as _crc32c
 import numpy as np
 import torch
 from weightwire.core.delta.encoding import as_bits
@@ -50,6 +56,36 @@ def crc32(t: torch.Tensor) -> int:
         t = t.to("cpu")
     flat = as_bits(t).reshape(-1)
     return zlib.crc32(flat.view(torch.uint8).numpy())
+
+
+def crc32c(t: torch.Tensor) -> int:
+    """CRC-32C of ``t``'s bytes in row-major order (host: read in place when contiguous)."""
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    flat = as_bits(t).reshape(-1)
+    return int(_crc32c.crc32c(flat.view(torch.uint8).numpy()))
+
+
+def _zlib_crc(data: np.ndarray, crc: int) -> int:
+    return zlib.crc32(data.data, crc)
+
+
+def _castagnoli_crc(data: np.ndarray, crc: int) -> int:
+    return int(_crc32c.crc32c(data.data, crc))
+
+
+# Algorithms whose value can be continued over consecutive pieces of the bytes, by their function
+# (bytes, the value so far) -> the value with the bytes.
+_RUNNING: dict[int, Callable[[np.ndarray, int], int]] = {
+    pb.CHECKSUM_ALGORITHM_CRC32: _zlib_crc,
+    pb.CHECKSUM_ALGORITHM_CRC32C: _castagnoli_crc,
+}
+
+
+def running_crc(algorithm: pb.ChecksumAlgorithm.ValueType) -> Callable[[np.ndarray, int], int] | None:
+    """For CRC32 and CRC32C: a function (bytes, the value over the bytes before them) -> the value
+    over both, starting from 0; None for an algorithm that is not continued this way."""
+    return _RUNNING.get(algorithm)
 
 
 def _unsigned64(bits: torch.Tensor) -> torch.Tensor:
@@ -126,6 +162,8 @@ def weighted_sum64_update(
 
 def checksum(t: torch.Tensor, algorithm: pb.ChecksumAlgorithm.ValueType) -> int:
     """The value of ``algorithm`` over ``t``, as the contract's ``Checksum.value`` carries it."""
+    if algorithm == pb.CHECKSUM_ALGORITHM_CRC32C:
+        return crc32c(t)
     if algorithm == pb.CHECKSUM_ALGORITHM_CRC32:
         return crc32(t)
     if algorithm == pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64:
@@ -133,9 +171,36 @@ def checksum(t: torch.Tensor, algorithm: pb.ChecksumAlgorithm.ValueType) -> int:
     raise ValueError(f"no delta checksum algorithm {algorithm}")
 
 
-def preferred_algorithm(
-    source: torch.device, recipients: Iterable[torch.device | str]
+# What a worker of this version verifies a delta's result with (its manifest lists them), and what
+# a manifest that lists none means: a worker from before CRC32C.
+VERIFIED_ALGORITHMS = (
+    pb.CHECKSUM_ALGORITHM_CRC32C,
+    pb.CHECKSUM_ALGORITHM_CRC32,
+    pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64,
+)
+UNLISTED_ALGORITHMS = (pb.CHECKSUM_ALGORITHM_CRC32, pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64)
+
+
+def crc_algorithm(
+    verified: Iterable[Collection[pb.ChecksumAlgorithm.ValueType]],
 ) -> pb.ChecksumAlgorithm.ValueType:
-    """WEIGHTED_SUM64 when the source and every recipient are CUDA devices, else CRC32."""
+    """CRC32C when every recipient's ``verified`` (its manifest's ``delta_checksum_algorithms``;
+    empty: a worker from before CRC32C, which verifies CRC32) lists it, else CRC32; CRC32 for no
+    recipient."""
+    lists = [tuple(v) or UNLISTED_ALGORITHMS for v in verified]
+    if lists and all(pb.CHECKSUM_ALGORITHM_CRC32C in v for v in lists):
+        return pb.CHECKSUM_ALGORITHM_CRC32C
+    return pb.CHECKSUM_ALGORITHM_CRC32
+
+
+def preferred_algorithm(
+    source: torch.device,
+    recipients: Iterable[torch.device | str],
+    verified: Iterable[Collection[pb.ChecksumAlgorithm.ValueType]] = (),
+) -> pb.ChecksumAlgorithm.ValueType:
+    """WEIGHTED_SUM64 when the source and every recipient are CUDA devices, else ``crc_algorithm``
+    of the recipients' ``verified`` lists (none given: CRC32)."""
     kinds = {torch.device(d).type for d in recipients} | {source.type}
-    return pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64 if kinds == {"cuda"} else pb.CHECKSUM_ALGORITHM_CRC32
+    if kinds == {"cuda"}:
+        return pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64
+    return crc_algorithm(verified)

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 from weightwire.core import dtypes
-from weightwire.core.delta import read_delta
+from weightwire.core.delta import VERIFIED_ALGORITHMS, read_delta
 from weightwire.core.delta.errors import invalid_delta
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import OwnedTensor
@@ -26,8 +26,6 @@ MAX_DIMS = 32
 # The read of a delta's bytes starts at a multiple of this below its first part, so that the
 # parts keep their payload alignment in the bytes the worker reads (``views.ALIGN_BYTES``).
 DELTA_READ_ALIGN = 64
-# Checksum algorithms a delta's result may be verified with.
-_RESULT_ALGORITHMS = (pb.CHECKSUM_ALGORITHM_CRC32, pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +150,10 @@ def check_result_checksums(spec: CheckedSpec, owned: OwnedTensor) -> None:
                 f"tensor {spec.name!r}: its delta carries no result checksum for the part {what} this worker keeps",
                 tensor=spec.name,
             )
-        if algorithm not in _RESULT_ALGORITHMS:
+        if algorithm not in VERIFIED_ALGORITHMS:
             raise invalid_delta(
                 f"tensor {spec.name!r}: result checksum algorithm {algorithm} is unspecified or unknown; "
-                "use CHECKSUM_ALGORITHM_CRC32 or CHECKSUM_ALGORITHM_WEIGHTED_SUM64",
+                "use one of the manifest's delta_checksum_algorithms",
                 tensor=spec.name,
             )
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 from weightwire.core import dtypes
-from weightwire.core.delta import check_delta, read_delta, verify_result
+from weightwire.core.delta import VERIFIED_ALGORITHMS, check_delta, read_delta, verify_result
 from weightwire.core.delta.encoding import Delta, apply_delta
 from weightwire.core.delta.errors import invalid_delta
 from weightwire.core.errors import raises_without_frames
@@ -56,8 +56,6 @@ __all__ = [
     "read_regions",
     "receive_delta_bucket",
 ]
-
-_ALGORITHMS = (pb.CHECKSUM_ALGORITHM_CRC32, pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +101,10 @@ def check_slice_deltas(payload: pb.Payload, checked: SlicePlan, manifest: ShardM
         owned = manifest.tensors[t.tensor]
         sizes.append(encoded_nbytes(s.delta, box_elements(t.box), dtypes.itemsize(owned.dtype), **where))
         region_sums = [c for c in s.delta.result_checksums if not c.HasField("piece")]
-        if not region_sums or any(c.checksum.algorithm not in _ALGORITHMS for c in region_sums):
+        if not region_sums or any(c.checksum.algorithm not in VERIFIED_ALGORITHMS for c in region_sums):
             raise invalid_delta(
                 f"region {i} of {t.tensor!r}: a delta of a region needs a result checksum of the region (piece "
-                "unset) in CHECKSUM_ALGORITHM_CRC32 or CHECKSUM_ALGORITHM_WEIGHTED_SUM64",
+                "unset) in one of the manifest's delta_checksum_algorithms",
                 **where,
             )
         by_source.setdefault(t.source, []).append(i)

@@ -18,6 +18,7 @@ from typing import cast
 
 import torch
 from weightwire.core.capabilities import has_capability
+from weightwire.core.delta import VERIFIED_ALGORITHMS
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.manifest import ShardManifest
@@ -159,6 +160,8 @@ class WorkerService:
         keeps_tensors = has_capability(self.adapter, KeepsTensors)
         for importer in self.importers.values():
             importer.announce(manifest, keeps_tensors=keeps_tensors)
+        if has_capability(self.adapter, AppliesDeltas):
+            manifest.delta_checksum_algorithms[:] = VERIFIED_ALGORITHMS
         return pb.GetManifestResponse(manifest=manifest)
 
     def get_status(self) -> pb.GetStatusResponse:

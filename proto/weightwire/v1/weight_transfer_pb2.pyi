@@ -57,6 +57,7 @@ class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHECKSUM_ALGORITHM_UNSPECIFIED: _ClassVar[ChecksumAlgorithm]
     CHECKSUM_ALGORITHM_CRC32: _ClassVar[ChecksumAlgorithm]
     CHECKSUM_ALGORITHM_WEIGHTED_SUM64: _ClassVar[ChecksumAlgorithm]
+    CHECKSUM_ALGORITHM_CRC32C: _ClassVar[ChecksumAlgorithm]
 
 class UpdateScope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -201,6 +202,7 @@ DELTA_FALLBACK_NOT_SMALLER: DeltaFallback
 CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_CRC32: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_WEIGHTED_SUM64: ChecksumAlgorithm
+CHECKSUM_ALGORITHM_CRC32C: ChecksumAlgorithm
 UPDATE_SCOPE_UNSPECIFIED: UpdateScope
 UPDATE_SCOPE_FULL: UpdateScope
 UPDATE_SCOPE_PARTIAL: UpdateScope
@@ -603,7 +605,7 @@ class LayerRange(_message.Message):
     def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class ShardManifest(_message.Message):
-    __slots__ = ("device", "rank", "tensors", "layer_range", "fingerprint", "engine", "worker_id", "transports", "instance_id", "waits_for_cuda_ipc_events", "imports_cuda_ipc_storages", "receives_slices")
+    __slots__ = ("device", "rank", "tensors", "layer_range", "fingerprint", "engine", "worker_id", "transports", "instance_id", "waits_for_cuda_ipc_events", "imports_cuda_ipc_storages", "receives_slices", "delta_checksum_algorithms")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -616,6 +618,7 @@ class ShardManifest(_message.Message):
     WAITS_FOR_CUDA_IPC_EVENTS_FIELD_NUMBER: _ClassVar[int]
     IMPORTS_CUDA_IPC_STORAGES_FIELD_NUMBER: _ClassVar[int]
     RECEIVES_SLICES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_CHECKSUM_ALGORITHMS_FIELD_NUMBER: _ClassVar[int]
     device: DeviceId
     rank: ParallelRank
     tensors: _containers.RepeatedCompositeFieldContainer[OwnedTensor]
@@ -628,7 +631,8 @@ class ShardManifest(_message.Message):
     waits_for_cuda_ipc_events: bool
     imports_cuda_ipc_storages: bool
     receives_slices: bool
-    def __init__(self, device: _Optional[_Union[DeviceId, _Mapping]] = ..., rank: _Optional[_Union[ParallelRank, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[OwnedTensor, _Mapping]]] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., worker_id: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[TransportKind, str]]] = ..., instance_id: _Optional[str] = ..., waits_for_cuda_ipc_events: bool = ..., imports_cuda_ipc_storages: bool = ..., receives_slices: bool = ...) -> None: ...
+    delta_checksum_algorithms: _containers.RepeatedScalarFieldContainer[ChecksumAlgorithm]
+    def __init__(self, device: _Optional[_Union[DeviceId, _Mapping]] = ..., rank: _Optional[_Union[ParallelRank, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[OwnedTensor, _Mapping]]] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., fingerprint: _Optional[str] = ..., engine: _Optional[str] = ..., worker_id: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[TransportKind, str]]] = ..., instance_id: _Optional[str] = ..., waits_for_cuda_ipc_events: bool = ..., imports_cuda_ipc_storages: bool = ..., receives_slices: bool = ..., delta_checksum_algorithms: _Optional[_Iterable[_Union[ChecksumAlgorithm, str]]] = ...) -> None: ...
 
 class GetManifestRequest(_message.Message):
     __slots__ = ()
