@@ -111,6 +111,39 @@ class Checks:
         return ok
 
 
+def server_args_names() -> set[str]:
+    """The arguments ``sglang.Engine`` takes (a dataclass's fields in 0.5.17, a msgspec Struct's in 0.5.23)."""
+    import inspect
+
+    from sglang.srt.server_args import ServerArgs
+
+    return set(inspect.signature(ServerArgs).parameters)
+
+
+def gpu_engine_kwargs(model: str, dtype: str, eager: bool) -> dict[str, Any]:
+    """sglang_fp8_run.py's engine, with CUDA graphs unless ``eager``: decode graphs up to the 4
+    running requests, prefill graphs (SGLang 0.5.17's default on CUDA) up to 64 tokens."""
+    if "cuda_graph_max_bs_decode" in server_args_names():
+        graphs = {"cuda_graph_max_bs_decode": 4, "cuda_graph_max_bs_prefill": 64}
+    else:
+        graphs = {"cuda_graph_max_bs": 4}
+    return dict(
+        model_path=model,
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        attention_backend="triton",
+        sampling_backend="pytorch",
+        grammar_backend="none",
+        disable_cuda_graph=eager,
+        **graphs,
+        mem_fraction_static=0.10,
+        max_total_tokens=4096,
+        max_running_requests=4,
+        random_seed=0,
+        log_level="warning",
+    )
+
+
 class Engine(sglang_fp8_run.Engine):
     """``sglang.Engine`` in this process, with the GPU settings of sglang_fp8_run.py (CUDA graphs
     unless ``eager``) or the CPU ones of tests/sglang/real_engine.py."""
@@ -124,21 +157,7 @@ class Engine(sglang_fp8_run.Engine):
 
             kwargs = engine_kwargs(model, dtype=dtype)
         else:
-            kwargs = dict(
-                model_path=model,
-                skip_tokenizer_init=True,
-                dtype=dtype,
-                attention_backend="triton",
-                sampling_backend="pytorch",
-                grammar_backend="none",
-                disable_cuda_graph=eager,
-                cuda_graph_max_bs=4,
-                mem_fraction_static=0.10,
-                max_total_tokens=4096,
-                max_running_requests=4,
-                random_seed=0,
-                log_level="warning",
-            )
+            kwargs = gpu_engine_kwargs(model, dtype, eager)
         t0 = time.perf_counter()
         self.engine = sglang.Engine(**kwargs)
         self.start_s = time.perf_counter() - t0
@@ -426,6 +445,11 @@ def main() -> int:
 
         out["device"] = "cpu" if args.cpu else torch.cuda.get_device_name(0)
         out["versions"] = {"sglang": sglang.__version__, "torch": torch.__version__}
+        if args.cpu:  # what the GPU run will pass must at least be arguments of this SGLang
+            unknown = set(gpu_engine_kwargs("m", "bfloat16", False)) - server_args_names()
+            Checks(out)(
+                not unknown, "the GPU run's engine arguments are fields of ServerArgs", sorted(unknown)
+            )
         # The slices half runs on the FP8 engine (the bf16 one with --cpu: no FP8 kernels there).
         slices_on = "bf16" if args.cpu else "fp8"
         for label in ("bf16", "fp8"):
