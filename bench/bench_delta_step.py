@@ -23,13 +23,14 @@ Per step, recorded:
 
 - the fraction of bf16 elements changed since the previous step's bf16 weights, counted here
   bit by bit, and checked equal to the sum of the ``changed_count`` of the deltas the library made;
-- the deltas' encoded size (the ``Delta.size_bytes`` of what ``BaseKeeper.diff`` returned: the
+- the deltas' encoded size (the ``Delta.size_bytes`` of what ``BaseKeeper.update_all`` returned: the
   encoding ``choose_encoding`` picks by density) and the bytes of the buckets the push sent
   (``PushResult.encoded_bytes``), against the model's bf16 bytes;
 - the trainer's time in the library's own delta path, timed from outside by wrapping the pusher's
-  keeper and module functions (nothing in the library changes): the cast, ``BaseKeeper.diff``
-  (``encode``), ``record`` (the base brought forward), ``result_checksums`` (CRC-32 of every kept
-  part) and ``pack_buckets``;
+  keeper and module functions (nothing in the library changes): ``BaseKeeper.update_all`` (cast,
+  diff, the base brought forward and the result checksums, in one pass per host tensor), within it
+  the separate steps of tensors that do not take that pass (``diff``, ``record``,
+  ``result_checksums``), the whole cast of a FULL fallback, and ``pack_buckets``;
 - the whole ``push`` call of each transport, the worker's own time (``server_duration_s``) and,
   over the transfer group, the bytes that reached the worker over it (``bytes_received``).
 
@@ -61,6 +62,7 @@ from typing import Any
 
 import torch
 from weightwire.core.delta import choose_encoding
+from weightwire.v1 import weight_transfer_pb2 as pb
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common
@@ -153,7 +155,7 @@ class Timers:
 
 
 class DeltaWatch:
-    """What the instrumented keeper's ``diff`` returned during one push: changed elements,
+    """What the instrumented keeper's ``update_all`` returned during one push: changed elements,
     encoded bytes, encodings."""
 
     def __init__(self) -> None:
@@ -166,6 +168,7 @@ class DeltaWatch:
         self.encodings: dict[str, int] = {}
         self.whole = 0
         self.not_smallest: list[str] = []
+        self.algorithm = 0
 
     def see(self, new: torch.Tensor, delta: Any) -> None:
         self.elements += new.numel()
@@ -186,14 +189,17 @@ def instrument(pusher: Any, timers: Timers, watch: DeltaWatch) -> None:
     from weightwire.client.update import delta as delta_mod
 
     keeper = pusher.delta_keeper
-    diff = timers.wrap("diff_s", keeper.diff)
+    update_all = timers.wrap("update_s", keeper.update_all)
 
-    def watched_diff(name: str, new: torch.Tensor) -> Any:
-        d = diff(name, new)
-        watch.see(new, d)
-        return d
+    def watched_update_all(items: Any, algorithm: Any) -> Any:
+        out = update_all(items, algorithm)
+        for u in out:
+            watch.see(u.tensor, u.delta)
+        watch.algorithm = algorithm
+        return out
 
-    keeper.diff = watched_diff
+    keeper.update_all = watched_update_all
+    keeper.diff = timers.wrap("diff_s", keeper.diff)
     keeper.record = timers.wrap("record_s", keeper.record)
     keeper.result_checksums = timers.wrap("checksums_s", keeper.result_checksums)
     delta_mod.pack_buckets = timers.wrap("pack_s", delta_mod.pack_buckets)
@@ -358,6 +364,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     rec["encoded_bytes"] = watch.encoded
                     rec["encodings"] = dict(watch.encodings)
                     rec["not_smallest_encoding"] = watch.not_smallest
+                    rec["checksum_algorithm"] = pb.ChecksumAlgorithm.Name(watch.algorithm)
                     rec["trainer"] = timers.take()
             if step % args.full_every == 0:
                 # The FULL push of the same weights, in the same step: the reference of the ratios.
@@ -460,16 +467,16 @@ def summarize(res: dict[str, Any]) -> str:
     lines.append("")
     ts = res["transports"]
     lines.append(
-        "| step | changed | encoded / model | diff s | record s | CRC-32 s | pack s | cast s | "
+        "| step | changed | encoded / model | update_all s | diff s | record s | checksums s | pack s | cast s | "
         + " | ".join(f"{t} DELTA s | {t} FULL s" for t in ts)
         + " |"
     )
-    lines.append("| ---" * (8 + 2 * len(ts)) + " |")
+    lines.append("| ---" * (9 + 2 * len(ts)) + " |")
     for s in steps:
         tr = s["trainer"]
         lines.append(
             f"| {s['step']} | {s['changed_fraction']:.3%} | {s['encoded_bytes'] / model_bytes:.2%} "
-            f"| {tr.get('diff_s', 0):.2f} | {tr.get('record_s', 0):.2f} | {tr.get('checksums_s', 0):.2f} "
+            f"| {tr.get('update_s', 0):.3f} | {tr.get('diff_s', 0):.2f} | {tr.get('record_s', 0):.2f} | {tr.get('checksums_s', 0):.2f} "
             f"| {tr.get('pack_s', 0):.2f} | {tr.get('cast_s', 0):.2f} | "
             + " | ".join(
                 f"{s['push'][t]['push_s']:.2f} | "
@@ -510,14 +517,15 @@ def summarize(res: dict[str, Any]) -> str:
             f"| {d_b / full_b:.3f} | {wire[1]} | {ratio:.2f} | {1 / ratio:.2f} |"
         )
     lines.append("")
-    parts = ("diff_s", "record_s", "checksums_s", "pack_s")
+    parts = ("update_s", "pack_s")
     path = med(sum(s["trainer"].get(k, 0.0) for k in parts) / s["full"][ts[0]]["push_s"] for s in paired)
     lines.append(
-        f"trainer's delta path ({ts[0]} pusher: diff + record + CRC-32 + pack, the cast apart): median "
-        f"{med(sum(s['trainer'].get(k, 0.0) for k in parts) for s in steps):.2f} s over all steps, "
-        f"{path:.2f} x the {ts[0]} FULL push of its step; diff (encode) alone "
-        f"{med(s['trainer'].get('diff_s', 0.0) for s in steps):.2f} s, the cast "
-        f"{med(s['trainer'].get('cast_s', 0.0) for s in steps):.2f} s"
+        f"trainer's delta path ({ts[0]} pusher: update_all (cast, diff, record, checksums) + pack): median "
+        f"{med(sum(s['trainer'].get(k, 0.0) for k in parts) for s in steps):.3f} s over all steps, "
+        f"{path:.2f} x the {ts[0]} FULL push of its step; update_all alone "
+        f"{med(s['trainer'].get('update_s', 0.0) for s in steps):.3f} s, pack "
+        f"{med(s['trainer'].get('pack_s', 0.0) for s in steps):.3f} s; result checksums: "
+        f"{sorted({s.get('checksum_algorithm', '?') for s in steps})}"
     )
     lines.append(
         f"workers bit-identical to the trainer's bf16 weights after {len(steps)} delta steps: {res['bit_identical_after_deltas']}"

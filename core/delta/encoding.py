@@ -91,7 +91,9 @@ class NumpyOps(TorchOps):
         return torch.from_numpy(np.compress(mask.numpy(), flat.numpy()))
 
     def put(self, flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
-        np.put(flat.numpy(), indices.numpy(), values.numpy())
+        # indexed assignment with the indices as they came (int32 or int64): about twice as fast
+        # as np.put, which converts them and bounds-checks each one (check_delta checked them all)
+        flat.numpy()[indices.numpy()] = values.numpy()
 
     def place(self, flat: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> None:
         np.place(flat.numpy(), mask.numpy(), values.numpy())
@@ -416,11 +418,11 @@ def apply_delta(
             bits.masked_scatter_(mask.view(bits.shape), values)
         return
     assert delta.indices is not None
-    idx = _moved(delta.indices, device).to(torch.int64)
+    idx = _moved(delta.indices, device)
     if bits.is_contiguous():
         ops.put(bits.view(-1), idx, values)
     else:
-        bits.index_put_(torch.unravel_index(idx, bits.shape), values)
+        bits.index_put_(torch.unravel_index(idx.to(torch.int64), bits.shape), values)
 
 
 def _moved(t: torch.Tensor, device: torch.device) -> Any:

@@ -3,11 +3,14 @@ a real AdamW step on fp32 master weights between pushes, bf16 sent; after each p
 holds the trainer's tensors bit-exactly, from the second push on as a DELTA far smaller than the
 model; a worker set to another version by a FULL push from elsewhere makes the next delta push go
 whole by itself and land; a pusher over CUDA IPC would send FULL (over a transfer group deltas go
-as here: tests/distributed/test_group_deltas.py)."""
+as here: tests/distributed/test_group_deltas.py). A worker that keeps whole tensors and lists
+CRC32C gets CRC-32C result checksums (the trainer's one pass per tensor) and still catches a
+drifted norm; one whose manifest lists no algorithm (a worker from before the field) gets CRC-32."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ from weightwire.adapters.torch.demo import (
 from weightwire.client import WeightPusher
 from weightwire.core.errors import PushError, Reason
 from weightwire.core.manifest import ParallelRank
+from weightwire.v1 import weight_transfer_pb2 as pb
 
 CONFIG = DemoConfig(dtype=torch.bfloat16)
 
@@ -141,3 +145,86 @@ def test_a_drifted_worker_fails_the_delta_and_the_next_push_is_full(tp2: list[In
         results = pusher.push(trainer.params.items(), version=303, cast_to=torch.bfloat16, delta=True)
         assert {(r.encoding, r.delta_fallback) for r in results.values()} == {("FULL", "NO_BASE")}
         _assert_hold(tp2, trainer.bf16())
+
+
+@pytest.fixture(scope="module")
+def whole() -> Iterator[InProcessWorker]:
+    worker = _worker(ParallelRank())
+    yield worker
+    worker.server.stop(grace=0)  # type: ignore[attr-defined]
+
+
+def _verified(worker: InProcessWorker) -> int:
+    """The result checksums the worker verified in its last update."""
+    return worker.stub().GetStatus(pb.GetStatusRequest()).last_result.result_checksums_verified
+
+
+def _algorithms_sent(pusher: WeightPusher) -> list[int]:
+    """A spy on the pusher's keeper: the result checksum algorithm of each delta it computes."""
+    keeper = pusher.delta_keeper
+    seen: list[int] = []
+    update_all = keeper.update_all
+
+    def spied(items: Any, algorithm: int) -> Any:
+        seen.append(algorithm)
+        return update_all(items, algorithm)
+
+    keeper.update_all = spied  # type: ignore[method-assign]
+    return seen
+
+
+def test_a_worker_that_lists_crc32c_gets_it_and_a_drift_is_still_caught(whole: InProcessWorker) -> None:
+    trainer = Trainer()
+    with WeightPusher([whole.address]) as pusher:
+        (manifest,) = pusher.manifests().values()
+        assert pb.CHECKSUM_ALGORITHM_CRC32C in manifest.delta_checksum_algorithms
+        seen = _algorithms_sent(pusher)
+        pusher.push(trainer.params.items(), version=401, cast_to=torch.bfloat16, delta=True)
+        for version in (402, 403):
+            trainer.step()
+            (r,) = pusher.push(
+                trainer.params.items(), version=version, cast_to=torch.bfloat16, delta=True
+            ).values()
+            assert r.encoding == "DELTA" and _verified(whole) == len(trainer.params)
+            _assert_hold([whole], trainer.bf16())
+        assert seen == [pb.CHECKSUM_ALGORITHM_CRC32C] * 2
+        # A norm changed behind the trainer's back (the tensor a step moves least): caught.
+        with torch.no_grad():
+            whole.adapter.state()["model.layers.0.input_layernorm.weight"].view(-1)[0] += 1.0
+        trainer.step()
+        with pytest.raises(PushError) as raised:
+            pusher.push(trainer.params.items(), version=404, cast_to=torch.bfloat16, delta=True)
+        assert any(e.kind is Reason.DELTA_RESULT_MISMATCH for e in raised.value.failures.values())
+        (r,) = pusher.push(trainer.params.items(), version=405, cast_to=torch.bfloat16, delta=True).values()
+        assert (r.encoding, r.delta_fallback) == ("FULL", "NO_BASE")
+        _assert_hold([whole], trainer.bf16())
+
+
+def test_a_worker_from_before_crc32c_gets_crc32(whole: InProcessWorker) -> None:
+    # Stand-in for a worker from before ShardManifest.delta_checksum_algorithms (none can run
+    # here): this worker's published manifest without the field.
+    service: Any = whole.service
+    get_manifest = service.get_manifest
+
+    def without_field() -> pb.GetManifestResponse:
+        resp = get_manifest()
+        del resp.manifest.delta_checksum_algorithms[:]
+        return resp
+
+    service.get_manifest = without_field
+    try:
+        trainer = Trainer()
+        with WeightPusher([whole.address]) as pusher:
+            (manifest,) = pusher.manifests().values()
+            assert manifest.delta_checksum_algorithms == ()
+            seen = _algorithms_sent(pusher)
+            pusher.push(trainer.params.items(), version=501, cast_to=torch.bfloat16, delta=True)
+            trainer.step()
+            (r,) = pusher.push(
+                trainer.params.items(), version=502, cast_to=torch.bfloat16, delta=True
+            ).values()
+            assert r.encoding == "DELTA" and _verified(whole) == len(trainer.params)
+            assert seen == [pb.CHECKSUM_ALGORITHM_CRC32]
+            _assert_hold([whole], trainer.bf16())
+    finally:
+        del service.get_manifest

@@ -76,7 +76,10 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
 
 
-@pytest.mark.parametrize("algorithm", [pb.CHECKSUM_ALGORITHM_CRC32, pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64])
+@pytest.mark.parametrize(
+    "algorithm",
+    [pb.CHECKSUM_ALGORITHM_CRC32, pb.CHECKSUM_ALGORITHM_CRC32C, pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64],
+)
 def test_twenty_steps_bit_identical_and_a_restart_brought_back(algorithm: int) -> None:
     keeper, trainer, worker = BaseKeeper(), model(0), Worker()
     gen = torch.Generator().manual_seed(1)
@@ -96,9 +99,9 @@ def test_twenty_steps_bit_identical_and_a_restart_brought_back(algorithm: int) -
     assert kinds == ["FULL"] + ["DELTA"] * 9 + ["FULL"] + ["DELTA"] * 9
 
 
-def test_a_worker_that_drifted_is_caught_by_the_result_checksum() -> None:
+@pytest.mark.parametrize("algorithm", [pb.CHECKSUM_ALGORITHM_CRC32, pb.CHECKSUM_ALGORITHM_CRC32C])
+def test_a_worker_that_drifted_is_caught_by_the_result_checksum(algorithm: int) -> None:
     keeper, trainer, worker = BaseKeeper(), model(0), Worker()
-    algorithm = pb.CHECKSUM_ALGORITHM_CRC32
     push(keeper, trainer, worker, 1, algorithm)
     worker.weights["head"][0, 0] += 1  # something else wrote into the model
     step(trainer, torch.Generator().manual_seed(2))

@@ -122,6 +122,7 @@ def test_one_changed_element_always_changes_the_sum(
     bits[i] = bits[i] ^ 1 if dtype != torch.bool else 1 - bits[i]
     assert ck.weighted_sum64(u) != ck.weighted_sum64(t)
     assert ck.crc32(u) != ck.crc32(t)
+    assert ck.crc32c(u) != ck.crc32c(t)
 
 
 def test_preferred_algorithm() -> None:
@@ -130,3 +131,37 @@ def test_preferred_algorithm() -> None:
     assert ck.preferred_algorithm(cuda, ["cuda:0", "cpu"]) == pb.CHECKSUM_ALGORITHM_CRC32
     assert ck.preferred_algorithm(cpu, ["cuda:0"]) == pb.CHECKSUM_ALGORITHM_CRC32
     assert ck.preferred_algorithm(cpu, []) == pb.CHECKSUM_ALGORITHM_CRC32
+
+
+def test_crc32c_is_castagnolis_crc_of_the_row_major_bytes() -> None:
+    # the check value of CRC-32C (RFC 3720's polynomial) over the ASCII digits 1-9
+    digits = torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
+    assert ck.crc32c(digits) == 0xE3069283
+    t = random_tensor((6, 5), torch.bfloat16, 4)
+    assert ck.crc32c(t.t()) == ck.crc32c(t.t().contiguous())
+    assert ck.checksum(t, pb.CHECKSUM_ALGORITHM_CRC32C) == ck.crc32c(t)
+
+
+@pytest.mark.parametrize("algorithm", [pb.CHECKSUM_ALGORITHM_CRC32, pb.CHECKSUM_ALGORITHM_CRC32C])
+def test_a_running_crc_over_pieces_equals_the_whole(algorithm: int) -> None:
+    t = random_tensor((1000,), torch.bfloat16, 5)
+    bits = enc.as_bits(t).numpy()
+    running = ck.running_crc(algorithm)  # type: ignore[arg-type]
+    assert running is not None
+    value = 0
+    for start in range(0, 1000, 300):
+        value = running(bits[start : start + 300], value)
+    assert value == ck.checksum(t, algorithm)  # type: ignore[arg-type]
+    assert ck.running_crc(pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64) is None
+
+
+def test_crc32c_only_when_every_recipient_lists_it() -> None:
+    new = ck.VERIFIED_ALGORITHMS
+    old: tuple[int, ...] = ()  # a worker from before ShardManifest.delta_checksum_algorithms
+    assert ck.crc_algorithm([new, new]) == pb.CHECKSUM_ALGORITHM_CRC32C
+    assert ck.crc_algorithm([new, old]) == pb.CHECKSUM_ALGORITHM_CRC32
+    assert ck.crc_algorithm([(pb.CHECKSUM_ALGORITHM_CRC32,)]) == pb.CHECKSUM_ALGORITHM_CRC32
+    assert ck.crc_algorithm([]) == pb.CHECKSUM_ALGORITHM_CRC32
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert ck.preferred_algorithm(cpu, ["cpu"], [new]) == pb.CHECKSUM_ALGORITHM_CRC32C
+    assert ck.preferred_algorithm(cuda, ["cuda:0"], [new]) == pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64
