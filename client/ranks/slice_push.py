@@ -15,7 +15,8 @@ Every rank of the trainer's ``group`` runs the same push line; then, in order:
    worker, its part of the plan split into buckets of at most the pusher's bucket size, each a
    slices payload (``weightwire.client.ranks.slice_buckets``); once the last is queued, the
    route starts this rank's sends, and every other rank starts its own; every member compares the
-   plan's fingerprint over the group (once per update), then every rank sends what the plan gives
+   plan's fingerprint over the group (at most once per update, and only for a plan the group has
+   not agreed on before: ``transfer_group_agreement``), then every rank sends what the plan gives
    it (``send_slices``), bucket by bucket, while every worker receives one bucket at a time and
    holds it until the commit;
 4. the ranks exchange whether their sends ended well: on rank 0 that exchange is the session's
@@ -444,13 +445,25 @@ class _SliceUpdate:
     ) -> None:
         me = self.ranks.rank
         group = formed.group
-        agree(pg, plan, group.rank, group.world_size, self.link.timeout_s, stopped, self.link.device)
-        if self.deltas is not None and self.deltas.is_delta:
+        delta = self.deltas if self.deltas is not None and self.deltas.is_delta else None
+        # A delta's workers compare on every update (``transfer_group_slice_deltas``): so do the
+        # ranks then, and only the other updates count towards the group's agreed plans.
+        agree(
+            pg,
+            plan,
+            group.rank,
+            group.world_size,
+            self.link.timeout_s,
+            stopped,
+            self.link.device,
+            None if delta is not None else formed.agreed_plans,
+        )
+        if delta is not None:
             send_streams(
                 pg,
                 formed.ranks,
                 me,
-                self.deltas.streams,
+                delta.streams,
                 timeout_s=self.link.timeout_s,
                 max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
             )

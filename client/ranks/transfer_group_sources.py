@@ -39,6 +39,7 @@ from weightwire.client.transports.transfer_group_link import LinkBase
 from weightwire.core.errors import PushError, WeightwireError
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports.transfer_group import TransferGroup, check_backend
+from weightwire.core.transports.transfer_group_agreement import AgreedPlans
 from weightwire.core.transports.transfer_group_plan import MemberIdentity, check_spec, plan_group
 from weightwire.core.transports.transfer_group_slices import GroupRanks
 from weightwire.core.transports.transfer_group_store import StoreServer, as_timedelta, connect_store
@@ -69,6 +70,8 @@ class FormedSources:
     identities: dict[str, tuple[str, str]]  # address -> (worker id, instance id) it was planned with
     # Updates run on the group so far: the same count on every rank, so it names one update.
     updates: int = 0
+    # The plan fingerprints every member compared over this group (``transfer_group_agreement``).
+    agreed_plans: AgreedPlans = dataclasses.field(default_factory=AgreedPlans)
     # A rank other than 0: its own connection to rank 0's store, to watch for call-offs on.
     watch: Any = None
     watch_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)

@@ -12,8 +12,9 @@ Both sides derive the messages from the plan alone (``messages``): what one sour
 worker is the plan's transfers between them, the small ones packed back to back into messages of
 at most ``max_message_bytes``, every other one alone, sent from the shard and received into the
 kept tensor in place where its region is contiguous there. Every member first compares the
-plan's fingerprint with every other member (``agree``), so a member with another plan refuses
-before a byte moves instead of pairing the wrong bytes; each source then announces to each worker
+plan's fingerprint with every other member (``agree``, ``transfer_group_agreement``: once per group
+and plan), so a member with another plan refuses before a byte moves instead of pairing the wrong
+bytes; each source then announces to each worker
 the sizes and last bytes of its messages, so a message that arrives short is refused, not counted
 (``weightwire.core.transports.whole_messages``).
 
@@ -32,10 +33,12 @@ from typing import Any, cast
 
 import torch
 from weightwire.core import dtypes
-from weightwire.core.errors import Reason
 from weightwire.core.manifest import OwnedTensor
+
+# The plan comparison is part of this plane's interface (its callers import it from here).
+from weightwire.core.transports.transfer_group_agreement import AgreedPlans, agree  # noqa: F401
 from weightwire.core.transports.transfer_group_waits import post, wait, watch_receives
-from weightwire.core.transports.transfer_plan import Box, Transfer, TransferPlan, TransferPlanError
+from weightwire.core.transports.transfer_plan import Box, Transfer, TransferPlan
 from weightwire.core.transports.whole_messages import Arrivals, announce, last_byte
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
@@ -150,37 +153,6 @@ def send_sequence(
         for index in range(max((len(m) for _, m in streams), default=0)):
             out += [(w, bucket, index, m[index]) for w, m in streams if index < len(m)]
     return out
-
-
-def agree(
-    pg: Any,
-    plan: TransferPlan,
-    rank: int,
-    world_size: int,
-    timeout_s: float,
-    stopped: Callable[[], bool] | None = None,
-    device: torch.device | None = None,
-) -> None:
-    """Every member's plan fingerprint against every other's; ``GROUP_PLAN_MISMATCH`` on every
-    member naming the ranks that differ from this one (CANCELLED once ``stopped()``, see
-    ``transfer_group_waits.wait``). ``device`` is where the group's backend moves bytes from
-    (``transfer_group.staging_device``: the host for gloo, the member's GPU for NCCL)."""
-    mine = torch.frombuffer(bytearray(bytes.fromhex(plan.fingerprint)), dtype=torch.uint8)
-    if device is not None:
-        mine = mine.to(device)
-    # Primed with the complement of this member's fingerprint: a short or missing contribution
-    # reads as a different plan, never as this one.
-    gathered = [torch.bitwise_not(mine) for _ in range(world_size)]
-    work = post(lambda: pg.allgather([gathered], [mine]), "comparing transfer plans")
-    wait(work, timeout_s, "comparing transfer plans", stopped)
-    differ = [r for r, g in enumerate(gathered) if not torch.equal(g, mine)]
-    if differ:
-        raise TransferPlanError(
-            Reason.GROUP_PLAN_MISMATCH,
-            f"group rank {rank}'s transfer plan {plan.fingerprint} differs from that of rank(s) {differ}; "
-            "every member must plan from the same holdings and manifests",
-            ranks=",".join(map(str, differ)),
-        )
 
 
 def _region(t: torch.Tensor, box: Box, origin: Sequence[int]) -> torch.Tensor:

@@ -17,6 +17,7 @@ import time
 import torch
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.core.transports.transfer_group import TransferGroup, staging_device
+from weightwire.core.transports.transfer_group_agreement import AgreedPlans
 from weightwire.core.transports.transfer_group_plan import ANNOUNCEMENT_INDEX, check_ranges, clip, message_tag
 from weightwire.core.transports.whole_messages import Arrivals
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -112,6 +113,8 @@ class JoinedGroup:
         self.bytes_received = 0
         self.closed = False
         self.broken: WeightwireError | None = None
+        # The plan fingerprints every member compared over this group (``transfer_group_agreement``).
+        self.agreed_plans = AgreedPlans()
         self.thread = threading.Thread(target=self._run, name=f"ww-group-{group.group_id[:16]}", daemon=True)
         self.thread.start()
 

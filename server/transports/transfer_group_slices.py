@@ -8,7 +8,7 @@ region in plan order, each with the trainer member that sends it. Before a byte 
 checks that the regions of each named tensor tile exactly the pieces its manifest keeps of it (no
 gap, no overlap, nothing outside), that every source is a trainer member of its group, and that the
 payload's size is the regions' bytes; then every member of the group compares the plan's
-fingerprint with every other (``agree``) and the bytes arrive (``receive_slices``), each region into
+fingerprint with every other (``agree``: once per group and plan) and the bytes arrive (``receive_slices``), each region into
 its place in the kept tensor. What is checked is kept for the next update with the same handle (a
 trainer sends the same regions every step).
 """
@@ -215,8 +215,9 @@ def receive_bucket(
     landings: list[Callable[[], None]] | None = None,
     ordinal: int = 0,
 ) -> int:
-    """Agree on the plan with every member (at the update's first bucket, ``ordinal`` 0: the
-    trainer ranks compare it once per update too), check every source's announcement, then (after
+    """Agree on the plan with every member (at the update's first bucket, ``ordinal`` 0, unless
+    the group agreed on it at an earlier update: ``transfer_group_agreement``; the trainer ranks
+    decide the same way), check every source's announcement, then (after
     ``will_write``: from here on bytes may land in the model) receive every region into ``kept``.
     Returns the bytes received; TRANSFER_FAILED / GROUP_PLAN_MISMATCH / MESSAGE_TRUNCATED on
     failure, CANCELLED as soon as ``stopped()`` (the update's call ended) while the plans are
@@ -252,6 +253,7 @@ def receive_bucket(
                 timeout_s,
                 stopped,
                 backend_device(group, into),
+                member.agreed_plans,
             )
         received = receive_slices(
             pg,
