@@ -61,6 +61,7 @@ sys.path.insert(0, str(HERE))
 
 import sglang_fp8_run  # noqa: E402  (puts tests/sglang on sys.path too)
 import vllm_moe_run  # noqa: E402
+from run_checks import Checks  # noqa: E402
 from vllm_moe_run import MISSING_EXPERT, QUANTIZED, failure  # noqa: E402
 
 ROUTER = "model.layers.0.mlp.gate.weight"
@@ -98,17 +99,6 @@ def checkpoint(spec: Any, seed: int, fp8: bool) -> dict[str, Any]:
         else:
             out[name] = t
     return out
-
-
-class Checks:
-    def __init__(self, out: dict[str, Any]) -> None:
-        self.out = out
-        out.setdefault("checks", [])
-
-    def __call__(self, ok: bool, what: str, detail: Any = None) -> bool:
-        self.out["checks"].append({"ok": bool(ok), "what": what, "detail": detail})
-        log("PASS" if ok else "FAIL", what, "" if detail is None else json.dumps(detail, default=str)[:400])
-        return ok
 
 
 def server_args_names() -> set[str]:
@@ -181,7 +171,7 @@ class Half:
         import torch
 
         self.args, self.out, self.label, self.fp8 = args, out, label, fp8
-        self.check = Checks(out)
+        self.check = Checks(out, log)
         # On a CPU: float32, except FP8 (SGLang's FP8 layers take bf16 or fp16 only).
         self.spec = moe_spec(args.cpu and not fp8)
         self.device = "cpu" if args.cpu else "cuda"
@@ -447,7 +437,7 @@ def main() -> int:
         out["versions"] = {"sglang": sglang.__version__, "torch": torch.__version__}
         if args.cpu:  # what the GPU run will pass must at least be arguments of this SGLang
             unknown = set(gpu_engine_kwargs("m", "bfloat16", False)) - server_args_names()
-            Checks(out)(
+            Checks(out, log)(
                 not unknown, "the GPU run's engine arguments are fields of ServerArgs", sorted(unknown)
             )
         # The slices half runs on the FP8 engine (the bf16 one with --cpu: no FP8 kernels there).

@@ -33,6 +33,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from run_checks import Checks
+
 PROMPTS = [[1, 17, 33, 65, 129], [1, 5, 9], [7, 300, 11, 42]]
 NEW_TOKENS = 12
 VOCAB, HIDDEN, LAYERS = 4096, 512, 4
@@ -70,17 +72,6 @@ def checkpoint(seed: int, directory: Path | None = None) -> dict[str, Any]:
     return {k: v.detach().to("cuda").contiguous() for k, v in model.state_dict().items()}
 
 
-class Checks:
-    def __init__(self, out: dict[str, Any]) -> None:
-        self.out = out
-        out.setdefault("checks", [])
-
-    def __call__(self, ok: bool, what: str, detail: Any = None) -> bool:
-        self.out["checks"].append({"ok": bool(ok), "what": what, "detail": detail})
-        log("PASS" if ok else "FAIL", what, "" if detail is None else json.dumps(detail, default=str)[:300])
-        return ok
-
-
 def status(pusher: Any) -> tuple[int, str]:
     (st,) = pusher.status().values()
     return st.weights_version, {1: "CONSISTENT", 2: "UPDATING", 3: "INCONSISTENT"}.get(
@@ -112,7 +103,7 @@ def run_sglang(out: dict[str, Any], work: Path) -> None:
     from weightwire.adapters.sglang import discover
     from weightwire.client import WeightPusher
 
-    check = Checks(out)
+    check = Checks(out, log, detail_chars=300)
     sock = work / "sock"
     os.environ["WEIGHTWIRE_SGLANG_SOCKET_DIR"] = str(sock)
     os.environ["WEIGHTWIRE_SGLANG_PHASE_LOG"] = str(work / "phases.jsonl")
@@ -213,7 +204,7 @@ def run_vllm(out: dict[str, Any], work: Path) -> None:
 
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ["WEIGHTWIRE_VLLM_SOCKET_DIR"] = str(work / "sock")
-    check = Checks(out)
+    check = Checks(out, log, detail_chars=300)
     a = checkpoint(1, work / "ckpt-a")
     b = checkpoint(2)
     t0 = time.perf_counter()

@@ -43,6 +43,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from run_checks import Checks
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 PROMPTS = [[1, 17, 33, 65, 129], [1, 5, 9], [200, 2, 71, 8]]
 NEW = 12
@@ -58,17 +60,6 @@ LAYERS = 2
 
 def log(*args: Any) -> None:
     print("[vllm-fp8]", *args, flush=True)
-
-
-class Checks:
-    def __init__(self, out: dict[str, Any]) -> None:
-        self.out = out
-        out.setdefault("checks", [])
-
-    def __call__(self, ok: bool, what: str, detail: Any = None) -> bool:
-        self.out["checks"].append({"ok": bool(ok), "what": what, "detail": detail})
-        log("PASS" if ok else "FAIL", what, "" if detail is None else json.dumps(detail, default=str)[:300])
-        return ok
 
 
 def bf16_checkpoint(seed: int, device: str) -> dict[str, Any]:
@@ -177,7 +168,7 @@ def run(out: dict[str, Any], work: Path, cpu: bool) -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ["WEIGHTWIRE_VLLM_SOCKET_DIR"] = str(work / "sock")
     device = "cpu" if cpu else "cuda"
-    check = Checks(out)
+    check = Checks(out, log, detail_chars=300)
     out["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
     bf16_a, bf16_b = bf16_checkpoint(1, device), bf16_checkpoint(2, device)
     a, b = fp8_checkpoint(bf16_a), fp8_checkpoint(bf16_b)

@@ -44,6 +44,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from run_checks import Checks
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 PROMPTS = [[1, 17, 33, 65, 129], [1, 5, 9], [200, 2, 71, 8]]
 NEW = 12
@@ -72,17 +74,6 @@ def moe_checkpoints() -> Any:
     return module
 
 
-class Checks:
-    def __init__(self, out: dict[str, Any]) -> None:
-        self.out = out
-        out.setdefault("checks", [])
-
-    def __call__(self, ok: bool, what: str, detail: Any = None) -> bool:
-        self.out["checks"].append({"ok": bool(ok), "what": what, "detail": detail})
-        log("PASS" if ok else "FAIL", what, "" if detail is None else json.dumps(detail, default=str)[:400])
-        return ok
-
-
 def failure(e: BaseException) -> dict[str, Any]:
     failures = getattr(e, "failures", None)
     if failures:
@@ -96,7 +87,7 @@ class Run:
         import torch
 
         self.out, self.work, self.cpu, self.eager = out, work, cpu, eager
-        self.check = Checks(out)
+        self.check = Checks(out, log)
         self.moe = moe_checkpoints()
         self.spec = self.moe.MoESpec(
             arch=self.moe.QWEN3_MOE,
