@@ -16,7 +16,9 @@ pusher's ``delta_device_budget_bytes``). A push goes as a delta only when
   reaches it (over a transfer group, in a group formed anew with it) instead of failing the push
   with MANIFEST_CHANGED.
 
-A delta update's tensors are packed by ``pack_delta`` at 64-byte aligned offsets into flat buckets
+The keeper's ``update_all`` casts, diffs, brings the base forward and computes the result
+checksums (CRC-32C when every recipient's manifest lists it, else CRC-32) in one pass per host
+tensor. A delta update's tensors are packed by ``pack_delta`` at 64-byte aligned offsets into flat buckets
 (sizes from ``packed_size_bytes``), each with the result checksums of every part its recipients
 keep (their manifests' pieces); a tensor without a base (new, or a new shape) goes whole in the same
 update. Over a transfer group the byte ranges sent to a worker are the encodings (and whole

@@ -5,7 +5,8 @@ and their in-place, bounds-checked application (``encoding``, over the ``Delta``
 ``record`` and the torch kernels of ``torch_ops``), their layout in a payload and the contract's
 ``TensorDelta`` (``wire``), the checksums a worker verifies the result with (``checksums``), the
 worker's checks of the base and the result (``verify``), and the trainer's record of what it last
-sent (``base_keeper``). docs/deltas.md describes the design.
+sent (``base_keeper``, with its one pass per host tensor in ``host_pass``). docs/deltas.md
+describes the design.
 """
 
 from weightwire.core.delta.base_keeper import BaseKeeper, KeeperMemory
