@@ -67,6 +67,35 @@ def test_a_shard_several_times_the_bucket_size_goes_in_several_buckets_bit_exact
         ranks.close()
 
 
+def test_a_plan_changed_between_pushes_on_one_group_is_compared_again_and_lands(fleet: Fleet) -> None:
+    """One group, three pushes: the full plan (compared), a PARTIAL one of one tensor (a plan the
+    group never agreed on: compared again), the full plan again (agreed already: no comparison).
+    Each lands bit for bit on every worker, on the same group throughout."""
+    ranks = _ranks(fleet)
+    pushed = "model.layers.0.input_layernorm.weight"
+    drop = [n for n in full_checkpoint(CONFIG, 0) if n != pushed]
+    try:
+        groups = set()
+        expected = dict(full_checkpoint(CONFIG, 31))
+        for seed, scope in ((31, "full"), (32, "partial"), (33, "full")):
+            version = fleet.next_version()
+            partial = {"scope": "partial", "drop": drop} if scope == "partial" else {}
+            answers = ranks.push(version=version, seed=seed, **partial)
+            assert all(a["ok"] for a in answers), (seed, answers)
+            if scope == "partial":
+                expected[pushed] = full_checkpoint(CONFIG, seed)[pushed]
+            else:
+                expected = dict(full_checkpoint(CONFIG, seed))
+            for m in fleet.members:
+                r = answers[0]["results"][m.address]
+                assert (r["version"], r["state"]) == (version, "CONSISTENT"), (seed, m.worker_id)
+                fleet.assert_holds(m, version, expected)
+                groups.add(m.status().transfer_group.group_id)
+        assert len(groups) == 1, groups  # no push formed a new group: the plans were compared on one
+    finally:
+        ranks.close()
+
+
 def test_a_trainer_rank_killed_between_buckets_leaves_every_worker_at_its_old_weights(fleet: Fleet) -> None:
     ranks = _ranks(fleet)
     try:
