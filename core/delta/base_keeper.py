@@ -175,7 +175,8 @@ class BaseKeeper:
         (one tensor per thread at a time), the rest on the calling thread."""
         self._require_pending()
         out: list[KeptUpdate | concurrent.futures.Future[KeptUpdate]] = []
-        threads = HOST_PASS_THREADS
+        # a name twice (its second value diffed against its first) keeps the order on one thread
+        threads = HOST_PASS_THREADS if len({i.name for i in items}) == len(items) else 1
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             for item in items:
                 kept = self._host_base(item, algorithm)

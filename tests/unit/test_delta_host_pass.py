@@ -127,3 +127,17 @@ def test_the_weighted_sum_keeps_the_separate_steps() -> None:
     )
     (check,) = u.checksums
     assert check.checksum.value == checksum(master.to(torch.bfloat16), pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64)
+
+
+def test_a_name_twice_is_diffed_in_order() -> None:
+    old = torch.randn(1000)
+    keeper = keeper_with("w", old.to(torch.bfloat16))
+    first, second = old.clone(), old.clone()
+    first[:10] += 1.0
+    second[:20] += 1.0
+    out = keeper.update_all(
+        [TensorUpdate("w", first, torch.bfloat16), TensorUpdate("w", second, torch.bfloat16)],
+        pb.CHECKSUM_ALGORITHM_CRC32C,
+    )
+    assert [u.delta.changed_count for u in out if u.delta is not None] == [10, 10]
+    assert torch.equal(bits(keeper._kept["w"].copy), bits(second.to(torch.bfloat16)))
