@@ -3,8 +3,8 @@
 Three algorithms of the contract's ``ChecksumAlgorithm``, both over the target's elements in
 row-major order, whatever its strides:
 
-- ``CRC32C`` (CRC-32 with the Castagnoli polynomial, through the ``crc32c`` package): the host's
-  choice. CPUs have an instruction for it, so it runs several times faster than zlib's CRC-32 on
+- ``CRC32C`` (CRC-32 with the Castagnoli polynomial, through the ``crc32c`` package; a process
+  without the package neither lists nor sends it): the host's choice. CPUs have an instruction for it, so it runs several times faster than zlib's CRC-32 on
   the same bytes (BENCHMARKS.md, "Deltas"); it reads the tensor in place and releases the GIL. A
   trainer uses it only with workers that list it in their manifest
   (``ShardManifest.delta_checksum_algorithms``); workers from before it get ``CRC32``.
@@ -28,14 +28,21 @@ chunk by chunk while the chunk is in cache).
 
 from __future__ import annotations
 
+import importlib
 import zlib
 from collections.abc import Callable, Collection, Iterable
+from types import ModuleType
 
-import crc32c as _crc32c
 import numpy as np
 import torch
 from weightwire.core.delta.encoding import as_bits
 from weightwire.v1 import weight_transfer_pb2 as pb
+
+_crc32c: ModuleType | None
+try:
+    _crc32c = importlib.import_module("crc32c")
+except ImportError:  # an image installed without it: this process neither lists nor sends CRC32C
+    _crc32c = None
 
 _MASK64 = (1 << 64) - 1
 # Elements per kernel pass of the weighted sum: bounds its 64-bit temporaries (8 bytes per element
@@ -60,6 +67,8 @@ def crc32(t: torch.Tensor) -> int:
 
 def crc32c(t: torch.Tensor) -> int:
     """CRC-32C of ``t``'s bytes in row-major order (host: read in place when contiguous)."""
+    if _crc32c is None:
+        raise RuntimeError("CRC-32C needs the crc32c package (pip install crc32c)")
     if t.device.type != "cpu":
         t = t.to("cpu")
     flat = as_bits(t).reshape(-1)
@@ -71,15 +80,15 @@ def _zlib_crc(data: np.ndarray, crc: int) -> int:
 
 
 def _castagnoli_crc(data: np.ndarray, crc: int) -> int:
+    assert _crc32c is not None
     return int(_crc32c.crc32c(data.data, crc))
 
 
 # Algorithms whose value can be continued over consecutive pieces of the bytes, by their function
 # (bytes, the value so far) -> the value with the bytes.
-_RUNNING: dict[int, Callable[[np.ndarray, int], int]] = {
-    pb.CHECKSUM_ALGORITHM_CRC32: _zlib_crc,
-    pb.CHECKSUM_ALGORITHM_CRC32C: _castagnoli_crc,
-}
+_RUNNING: dict[int, Callable[[np.ndarray, int], int]] = {pb.CHECKSUM_ALGORITHM_CRC32: _zlib_crc}
+if _crc32c is not None:
+    _RUNNING[pb.CHECKSUM_ALGORITHM_CRC32C] = _castagnoli_crc
 
 
 def running_crc(algorithm: pb.ChecksumAlgorithm.ValueType) -> Callable[[np.ndarray, int], int] | None:
@@ -171,24 +180,22 @@ def checksum(t: torch.Tensor, algorithm: pb.ChecksumAlgorithm.ValueType) -> int:
     raise ValueError(f"no delta checksum algorithm {algorithm}")
 
 
-# What a worker of this version verifies a delta's result with (its manifest lists them), and what
-# a manifest that lists none means: a worker from before CRC32C.
-VERIFIED_ALGORITHMS = (
-    pb.CHECKSUM_ALGORITHM_CRC32C,
-    pb.CHECKSUM_ALGORITHM_CRC32,
-    pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64,
-)
+# What a manifest that lists no algorithm means: a worker from before CRC32C. What a worker of this
+# version verifies a delta's result with (its manifest lists them): those, and CRC32C where the
+# crc32c package is installed (a dependency, but an image may leave out its compiled wheel; such a
+# worker is then sent CRC32, and such a trainer sends it).
 UNLISTED_ALGORITHMS = (pb.CHECKSUM_ALGORITHM_CRC32, pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64)
+VERIFIED_ALGORITHMS = ((pb.CHECKSUM_ALGORITHM_CRC32C,) if _crc32c is not None else ()) + UNLISTED_ALGORITHMS
 
 
 def crc_algorithm(
     verified: Iterable[Collection[pb.ChecksumAlgorithm.ValueType]],
 ) -> pb.ChecksumAlgorithm.ValueType:
     """CRC32C when every recipient's ``verified`` (its manifest's ``delta_checksum_algorithms``;
-    empty: a worker from before CRC32C, which verifies CRC32) lists it, else CRC32; CRC32 for no
-    recipient."""
+    empty: a worker from before CRC32C, which verifies CRC32) lists it and this process has the
+    crc32c package, else CRC32; CRC32 for no recipient."""
     lists = [tuple(v) or UNLISTED_ALGORITHMS for v in verified]
-    if lists and all(pb.CHECKSUM_ALGORITHM_CRC32C in v for v in lists):
+    if _crc32c is not None and lists and all(pb.CHECKSUM_ALGORITHM_CRC32C in v for v in lists):
         return pb.CHECKSUM_ALGORITHM_CRC32C
     return pb.CHECKSUM_ALGORITHM_CRC32
 

@@ -4,6 +4,8 @@ and one changed element always changes it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -165,3 +167,30 @@ def test_crc32c_only_when_every_recipient_lists_it() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert ck.preferred_algorithm(cpu, ["cpu"], [new]) == pb.CHECKSUM_ALGORITHM_CRC32C
     assert ck.preferred_algorithm(cuda, ["cuda:0"], [new]) == pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64
+
+
+def test_a_process_without_the_crc32c_package_neither_lists_nor_sends_crc32c() -> None:
+    # crc32c is a compiled dependency an engine image may leave out: weightwire must import without
+    # it and fall back to CRC32 on both sides. sys.modules[name] = None makes its import fail.
+    script = """
+import sys
+sys.modules["crc32c"] = None
+import torch
+from weightwire.core.delta import checksums as ck
+from weightwire.v1 import weight_transfer_pb2 as pb
+crc32c = pb.CHECKSUM_ALGORITHM_CRC32C
+assert crc32c not in ck.VERIFIED_ALGORITHMS, ck.VERIFIED_ALGORITHMS
+assert pb.CHECKSUM_ALGORITHM_CRC32 in ck.VERIFIED_ALGORITHMS
+assert ck.crc_algorithm([(crc32c, pb.CHECKSUM_ALGORITHM_CRC32)]) == pb.CHECKSUM_ALGORITHM_CRC32
+assert ck.running_crc(crc32c) is None
+try:
+    ck.crc32c(torch.ones(4))
+except RuntimeError as e:
+    assert "crc32c" in str(e)
+else:
+    raise AssertionError("crc32c without its package")
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
