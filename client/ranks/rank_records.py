@@ -197,19 +197,21 @@ class MemberRecord:
 class DeltaDecisionRecord:
     """What a rank knows for deciding whether a multi-rank push goes as a delta: the base version
     its keeper holds (0: none) and, from rank 0, whether every worker holds that base consistently
-    and whether a worker restarted since its manifest was read."""
+    and whether a worker restarted since its manifest was read; ``crc32c``: whether this rank can
+    compute CRC-32C result checksums (and, from rank 0, every worker verifies them)."""
 
     base: int
     at_base: bool
     restarted: bool
+    crc32c: bool
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, d: object) -> DeltaDecisionRecord:
-        f = _take(d, {"base": int, "at_base": bool, "restarted": bool})
-        return cls(f["base"], f["at_base"], f["restarted"])
+        f = _take(d, {"base": int, "at_base": bool, "restarted": bool, "crc32c": bool})
+        return cls(f["base"], f["at_base"], f["restarted"], f["crc32c"])
 
 
 class StopCause(enum.Enum):

@@ -20,7 +20,8 @@ Per push, every rank of the trainer's group, in order:
    plan is agreed (``SliceDeltas.prepare``): FULL records the regions it sends as the next base;
    a delta diffs each of them against its base (a region without one goes as a DENSE delta),
    packs each worker's stream (the encodings of the regions it sends that worker, in plan order,
-   ``core.transports.transfer_group_slice_deltas``) with each region's CRC-32 result checksum,
+   ``core.transports.transfer_group_slice_deltas``) with each region's result checksum (CRC-32C
+   when every rank has the crc32c package and every worker lists it, agreed in step 1, else CRC-32),
    and the ranks exchange their regions' ``TensorDelta``s, which rank 0's buckets carry as
    ``SliceTransfer.delta``;
 3. every rank commits its keeper only when the update committed on every worker (every rank
@@ -45,7 +46,13 @@ from weightwire.client.ranks.rank_records import DeltaDecisionRecord, RankFailur
 from weightwire.client.update.delta import fallback_name
 from weightwire.client.update.options import PushOptions
 from weightwire.client.update.routing import manifest_changes
-from weightwire.core.delta import BaseKeeper, pack_delta, packed_size_bytes
+from weightwire.core.delta import (
+    VERIFIED_ALGORITHMS,
+    BaseKeeper,
+    crc_algorithm,
+    pack_delta,
+    packed_size_bytes,
+)
 from weightwire.core.delta.encoding import Delta, Encoding
 from weightwire.core.delta.record import as_bits
 from weightwire.core.errors import PushError, Reason, WeightwireError
@@ -97,10 +104,17 @@ class SliceDeltas:
     base version the delta is computed against. After ``prepare``: ``streams`` (this rank's, by
     worker), ``regions`` (every rank's deltas, by transfer) and ``sent_to`` (each worker's bytes)."""
 
-    def __init__(self, keeper: BaseKeeper, version: int, base: int | None) -> None:
+    def __init__(
+        self,
+        keeper: BaseKeeper,
+        version: int,
+        base: int | None,
+        algorithm: pb.ChecksumAlgorithm.ValueType = pb.CHECKSUM_ALGORITHM_CRC32,
+    ) -> None:
         self.keeper = keeper
         self.version = version
         self.base = base
+        self.algorithm = algorithm
         self.streams: dict[str, torch.Tensor] = {}
         self.regions: dict[Transfer, pb.TensorDelta] = {}
         self.sent_to: dict[str, int] = {}
@@ -167,7 +181,7 @@ class SliceDeltas:
             region = held_region(local[t.tensor], t.box, boxes[t.tensor])
             d = keeper.diff(key, region)
             keeper.record(key, region, d)
-            checks = keeper.result_checksums(key, pb.CHECKSUM_ALGORITHM_CRC32)
+            checks = keeper.result_checksums(key, self.algorithm)
             entries.append((t, d if d is not None else _dense(region), checks))
         messages: dict[Transfer, pb.TensorDelta] = {}
         workers = sorted({w for t in mine for w in t.destinations})
@@ -211,30 +225,42 @@ def _failure_of(rank: int, data: bytes) -> RankFailure:
         raise RecordError(rank, "the regions' deltas", str(e)[:300]) from None
 
 
-def _decide(pusher: WeightPusher, keeper: BaseKeeper, ranks: RankGroup) -> pb.DeltaFallback.ValueType:
-    """Step 1 of the module docstring: NONE (a delta against the keeper's base) or why FULL; the
-    same on every rank."""
+_CRC32C_HERE = pb.CHECKSUM_ALGORITHM_CRC32C in VERIFIED_ALGORITHMS  # this process has the crc32c package
+
+
+def _decide(
+    pusher: WeightPusher, keeper: BaseKeeper, ranks: RankGroup
+) -> tuple[pb.DeltaFallback.ValueType, pb.ChecksumAlgorithm.ValueType]:
+    """Step 1 of the module docstring: NONE (a delta against the keeper's base) or why FULL, and
+    the result checksums' algorithm; the same on every rank."""
     base = keeper.base_version
     at_base = restarted = False
+    crc32c = _CRC32C_HERE
     if ranks.rank == 0 and base is not None:
         try:
             statuses = pusher.status()
             at_base = all(
                 s.weights_version == base and s.state == pb.WORKER_STATE_CONSISTENT for s in statuses.values()
             )
-            restarted = bool(manifest_changes(statuses, pusher.manifests(), pusher._fingerprints))
+            manifests = pusher.manifests()
+            restarted = bool(manifest_changes(statuses, manifests, pusher._fingerprints))
+            verified = [m.delta_checksum_algorithms for m in manifests.values()]
+            crc32c = crc_algorithm(verified) == pb.CHECKSUM_ALGORITHM_CRC32C
         except WeightwireError:
             at_base = False  # a worker that does not answer: the whole update says why it fails
-    mine = DeltaDecisionRecord(base or 0, at_base, restarted)
+    mine = DeltaDecisionRecord(base or 0, at_base, restarted, crc32c)
     records = rank_records.exchange(ranks, mine, "whether the update is a delta")
     if records[0].restarted and pusher._sources is not None:
         pusher._sources.teardown("a worker restarted: its manifest is read again")
+    algorithm = (
+        pb.CHECKSUM_ALGORITHM_CRC32C if all(r.crc32c for r in records) else pb.CHECKSUM_ALGORITHM_CRC32
+    )
     bases = {r.base for r in records}
     if 0 in bases or len(bases) != 1:
-        return pb.DELTA_FALLBACK_NO_BASE
+        return pb.DELTA_FALLBACK_NO_BASE, algorithm
     if not records[0].at_base:
-        return pb.DELTA_FALLBACK_BASE_MISMATCH
-    return pb.DELTA_FALLBACK_NONE
+        return pb.DELTA_FALLBACK_BASE_MISMATCH, algorithm
+    return pb.DELTA_FALLBACK_NONE, algorithm
 
 
 def push_slices_delta(
@@ -244,13 +270,12 @@ def push_slices_delta(
     same on every rank."""
     keeper: BaseKeeper = pusher.delta_keeper
     ranks = RankGroup(group, pusher.timeout_s + _GRACE_S)
-    fallback = _decide(pusher, keeper, ranks)
+    fallback, algorithm = _decide(pusher, keeper, ranks)
     if fallback != pb.DELTA_FALLBACK_NONE:
         return send(pusher, items, options, group, SliceDeltas(keeper, options.version, None), fallback)
     try:
-        return send(
-            pusher, items, options, group, SliceDeltas(keeper, options.version, keeper.base_version), fallback
-        )
+        delta = SliceDeltas(keeper, options.version, keeper.base_version, algorithm)
+        return send(pusher, items, options, group, delta, fallback)
     except PushError as e:
         refused = sum(err.kind is Reason.DELTA_BASE_MISMATCH for err in e.failures.values())
         if not refused:
