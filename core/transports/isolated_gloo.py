@@ -17,13 +17,10 @@ worker refuses the update, leaves the group, and the next join starts a new rece
 and ``is_completed``), so the data planes post to it as they post to gloo. Memory: the segments
 hold what is posted at once (one update's receives on the every-rank-a-source plane, a bucket on
 the single-source one), kept for the next update; the receiving process costs an interpreter with
-torch (~270 MB resident, most of it torch's shared libraries). A worker starts its first one with
-itself, and whenever it takes one for a group it starts the next, so that forming a group never
-waits for one to start (seconds, which would count against the group's formation timeout): while
-a group is formed a worker has two. One started in advance imports torch at the idle scheduling
-priority, so that it takes no CPU from the update the worker is receiving meanwhile; taken for a
-group, or ``_IDLE_START_S`` after its start (a host whose cores are never idle would starve it
-otherwise), it runs at the normal one (``foreground``). NCCL members stay in the worker's process (a GPU communicator cannot be moved).
+torch (~270 MB resident, most of it torch's shared libraries); one is started in advance
+(``isolated_gloo_spare``), at the idle scheduling priority until it is taken for a group or
+``_IDLE_START_S`` after its start (``idle_priority``). NCCL members stay in the worker's process (a
+GPU communicator cannot be moved).
 """
 
 from __future__ import annotations
@@ -44,22 +41,13 @@ from typing import Any
 
 import torch
 from weightwire.core.errors import Reason, WeightwireError
+from weightwire.core.transports.idle_priority import foreground
 from weightwire.core.transports.isolated_gloo_channel import Channel, ChannelClosed
 
-__all__ = [
-    "IsolatedProcessGroup",
-    "ReceivingProcess",
-    "discard_spare",
-    "foreground",
-    "isolation_enabled",
-    "start_spare",
-    "take_receiving_process",
-]
+__all__ = ["IsolatedProcessGroup", "ReceivingProcess", "isolation_enabled"]
 
 log = logging.getLogger(__name__)
 
-# How long a new receiving process may take to import torch and say it is ready.
-_START_TIMEOUT_S = 60.0
 # How long a new receiving process stays at the idle priority at most (``foreground``): long enough
 # for the updates that follow a group's formation, short enough that one on a host whose cores are
 # never idle still starts well before it is needed.
@@ -467,62 +455,9 @@ class IsolatedProcessGroup:
         return self._owner.post(self._handle, "barrier", [], self._timeout_s)
 
 
-def foreground(pid: int) -> None:
-    """Every thread of process ``pid`` (a receiving process, started at the idle priority) at the
-    normal scheduling priority again; nothing where the platform has no such policies."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return
-    for tid in tids:
-        try:
-            if os.sched_getscheduler(int(tid)) == os.SCHED_IDLE:
-                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
-        except (AttributeError, OSError, ValueError):
-            pass  # the thread ended, or the policy is not ours to change
-
-
 def _aligned(n: int) -> int:
     return (n + 63) & ~63
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-_spare: ReceivingProcess | None = None
-_spare_lock = threading.Lock()
-
-
-def take_receiving_process(timeout_s: float, group_id: str) -> ReceivingProcess:
-    """A started receiving process for group ``group_id``: the one started in advance when there is
-    one; another is started in advance at once, for the next group (a trainer that forms a new
-    group makes the worker leave this one and join that one in the same call)."""
-    global _spare
-    with _spare_lock:
-        taken, _spare = _spare, None
-        if taken is None or not taken.alive:
-            taken = ReceivingProcess()
-        _spare = ReceivingProcess()
-    taken.group_id = group_id
-    foreground(taken.pid)  # it may still be starting: from here on it is on the group's clock
-    taken.wait_ready(min(max(timeout_s, 1.0), _START_TIMEOUT_S))
-    return taken
-
-
-def start_spare() -> None:
-    """Start a receiving process in advance for the first group (the worker starts), so that
-    joining it costs no start-up."""
-    global _spare
-    with _spare_lock:
-        if _spare is None or not _spare.alive:
-            _spare = ReceivingProcess()
-
-
-def discard_spare() -> None:
-    """The worker stops: end the process started in advance, if any."""
-    global _spare
-    with _spare_lock:
-        spare, _spare = _spare, None
-    if spare is not None:
-        spare.kill()

@@ -6,11 +6,9 @@ shared-memory segments the worker mapped too, each operation reported when it en
 whole process on some malformed input from a peer (a message longer than the receive posted for
 it); here that ends this process only, and the worker refuses the update (``isolated_gloo``).
 
-It starts at the idle scheduling priority (``SCHED_IDLE``) where it may leave it again
-(``_may_leave_idle``; else at the normal one): a worker starts its next receiving
-process in advance while it receives an update, and importing torch (seconds of CPU) must not take
-the cores from that update; the worker raises it to the normal priority when it takes it for a
-group or a few seconds after its start (``isolated_gloo.foreground``), and it raises every thread of its own again when it forms one.
+It starts at the idle scheduling priority where it may leave it again, and goes back to the normal
+one when it is taken for a group, a few seconds after its start, and when it forms one
+(``idle_priority``).
 
 It ends when the worker hangs up or dies (the channel's end: its command loop runs on a thread
 gloo never holds; ``PR_SET_PDEATHSIG`` would fire when the worker's *thread* that started it ends),
@@ -72,7 +70,7 @@ class _Receiver:
         self.segments[int(message["segment"])] = (mm, self.torch.frombuffer(mm, dtype=self.torch.uint8))
 
     def _form(self, message: dict[str, Any]) -> None:
-        from weightwire.core.transports.isolated_gloo import foreground
+        from weightwire.core.transports.idle_priority import foreground
 
         foreground(os.getpid())  # gloo's threads, started here, take this thread's priority
         torch = self.torch
@@ -166,32 +164,10 @@ class _Receiver:
             os._exit(0)
 
 
-def _may_leave_idle() -> bool:
-    """Whether a thread of this process may go back from the idle scheduling priority to the normal
-    one. Linux allows it only with CAP_SYS_NICE or an RLIMIT_NICE that permits nice 0 (an
-    unprivileged user, or root in a container without that capability, may not), and a receiving
-    process left at the idle priority beside busy engine threads would starve: tried on a thread
-    of its own, which then ends."""
-    allowed: list[bool] = []
-
-    def probe() -> None:
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-            allowed.append(True)
-        except (AttributeError, OSError):
-            pass
-
-    thread = threading.Thread(target=probe, name="weightwire-priority-probe")
-    thread.start()
-    thread.join()
-    return bool(allowed)
-
-
 def main() -> None:
-    if _may_leave_idle():
-        # Not Linux or not allowed to return: start (and stay) at the normal priority.
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    from weightwire.core.transports.idle_priority import enter_idle
+
+    enter_idle()  # before torch's import (idle_priority)
     from weightwire.core.transports.isolated_gloo_channel import Channel
 
     channel = Channel(socket.socket(fileno=int(sys.argv[1])))

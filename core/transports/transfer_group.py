@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 from weightwire.core.errors import Reason, WeightwireError
-from weightwire.core.transports.isolated_gloo import ReceivingProcess, take_receiving_process
+from weightwire.core.transports.isolated_gloo import ReceivingProcess
+from weightwire.core.transports.isolated_gloo_spare import take_receiving_process
 from weightwire.core.transports.transfer_group_plan import (
     MemberIdentity,
     check_spec,

@@ -18,7 +18,8 @@ import threading
 
 import torch
 from weightwire.core.errors import Reason, WeightwireError
-from weightwire.core.transports.isolated_gloo import discard_spare, isolation_enabled, start_spare
+from weightwire.core.transports.isolated_gloo import isolation_enabled
+from weightwire.core.transports.isolated_gloo_spare import discard_spare, start_spare
 from weightwire.core.transports.transfer_group import TransferGroup, backend_name, check_backend, close_groups
 from weightwire.core.transports.transfer_group_plan import (
     MemberIdentity,

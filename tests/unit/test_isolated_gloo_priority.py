@@ -12,7 +12,8 @@ import textwrap
 import time
 
 import pytest
-from weightwire.core.transports.isolated_gloo import ReceivingProcess, foreground
+from weightwire.core.transports.idle_priority import foreground
+from weightwire.core.transports.isolated_gloo import ReceivingProcess
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux scheduling policies")
 
