@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 CommitHook = Callable[[pb.UpdateResult], None]
 # How long a new update waits for one whose client cancelled it to end (its engine call returns).
 ABANDONED_WAIT_S = 30.0
+# How long a join or leave waits for an update that has ended (its outcome recorded, so the status
+# no longer says UPDATING) to let go of the worker (its mappings, its observers) before refusing.
+ENDING_WAIT_S = 5.0
 # How long after the commit the stream may take to end (the client closes its side right after it).
 END_AFTER_COMMIT_S = 30.0
 
@@ -194,6 +197,12 @@ class WorkerService:
         if group is None:
             raise WeightwireError(Reason.TRANSPORT_UNAVAILABLE, "this worker has no transfer-group importer")
         with self._mu:
+            deadline = time.monotonic() + ENDING_WAIT_S
+            while self._active is not None and self._active.finished:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._released.wait(left)  # woken by _release
             if self._active is not None:
                 raise WeightwireError(
                     Reason.UPDATE_IN_PROGRESS,

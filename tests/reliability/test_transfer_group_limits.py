@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -322,6 +323,52 @@ def test_an_update_whose_call_ends_while_waiting_for_group_bytes_ends_at_once(
     landed = push(worker.stub, full_update_requests(version, full, None), timeout=CALL_TIMEOUT_S)
     assert landed.code == grpc.StatusCode.OK, (landed.code, landed.reason, landed.message)
     assert worker.status().weights_version == version
+
+
+class _SlowToLetGo:
+    """An observer that takes its time over each finished update: the worker has recorded the
+    outcome (its status no longer says UPDATING) but holds the update until its observers ran."""
+
+    def __init__(self) -> None:
+        self.delay_s = 0.0
+
+    def update_started(self, version: int) -> None:
+        pass
+
+    def bucket_acked(self, ack: pb.BucketAck) -> None:
+        pass
+
+    def update_finished(self, outcome: object) -> None:
+        time.sleep(self.delay_s)
+
+
+def test_a_leave_as_soon_as_the_status_says_the_update_ended_is_taken(
+    worker: Worker, group: tuple[TransferGroup, pb.TransferGroupSpec]
+) -> None:
+    """A client that sees the update's failure in the status and leaves the group at once is not
+    refused with UPDATE_IN_PROGRESS while the ended update lets go of the worker."""
+    _, spec = group
+    slow = _SlowToLetGo()
+    worker.server.service.add_observer(slow)
+    version = worker.status().weights_version + 1
+    reqs = _norm_update(worker, spec, version, lambda size: [(0, size)])  # bytes never sent
+    feed = RequestFeed()
+    call = worker.stub.PushWeights(iter(feed), timeout=CALL_TIMEOUT_S)
+    for req in reqs[:2]:
+        feed.send(req)
+    assert wait_until(lambda: worker.status().state == pb.WORKER_STATE_UPDATING)
+    slow.delay_s = 1.0
+    try:
+        call.cancel()
+        feed.end()
+        assert wait_until(lambda: worker.status().state != pb.WORKER_STATE_UPDATING, timeout=CALL_TIMEOUT_S)
+        assert worker.status().last_error.version == version
+        left = worker.stub.LeaveTransferGroup(
+            pb.LeaveTransferGroupRequest(group_id=spec.group_id), timeout=CALL_TIMEOUT_S
+        )
+    finally:
+        slow.delay_s = 0.0
+    assert left.left is False  # the failed update already tore the group down
 
 
 @pytest.mark.parametrize("short", ["message", "announcement"])
