@@ -7,11 +7,10 @@ every worker committed, or ``drop()`` when any worker refused or failed. The bas
 advances at ``commit``; after ``drop`` there is no base, so the next push is sent whole (FULL) and
 becomes the new base.
 
-``update(name, new, ...)`` does diff, record and the result checksums of one tensor in one call,
-casting ``new`` to the sent dtype; ``update_all`` does it for an update's tensors. A host tensor
-whose base is on the host and whose recipients keep it whole goes through ``host_pass``: one
-chunked pass, on ``HOST_PASS_THREADS`` threads over the tensors, instead of a whole cast copy and
-separate whole-tensor diff, record and checksum.
+``update_all`` does diff, record and the result checksums of an update's tensors, casting each to
+the dtype it is sent as. A host tensor whose base is on the host and whose recipients keep it whole
+goes through ``host_pass``: one chunked pass, on ``HOST_PASS_THREADS`` threads over the tensors,
+instead of a whole cast copy and separate whole-tensor diff, record and checksum.
 
 Memory: exactly one copy of every tensor ever recorded (its bytes, contiguous), never two: the copy
 is brought to the update's values in place at ``record`` (sparse writes for a sparse delta), which
@@ -58,7 +57,7 @@ Part = tuple[int, int, int]  # (dim, offset, length) of a tensor, as OwnedTensor
 
 @dataclasses.dataclass(frozen=True)
 class KeptUpdate:
-    """One tensor of an update (``BaseKeeper.update``): its changes (None: it goes whole), the
+    """One tensor of an update (``BaseKeeper.update_all``): its changes (None: it goes whole), the
     tensor sent (in the sent dtype; with a delta only its shape and dtype are read) and, with a
     delta, the result checksums of the parts its recipients keep."""
 
@@ -151,28 +150,12 @@ class BaseKeeper:
             )
         apply_delta(kept.copy, delta)
 
-    def update(
-        self,
-        name: str,
-        new: torch.Tensor,
-        algorithm: pb.ChecksumAlgorithm.ValueType,
-        *,
-        dtype: torch.dtype | None = None,
-        parts: Sequence[Part | None] = (None,),
-    ) -> KeptUpdate:
-        """``diff``, ``record`` and ``result_checksums`` of ``new`` sent as ``dtype`` (default its
-        own), in one pass on the host where ``_host_base`` allows."""
-        item = TensorUpdate(name, new, dtype or new.dtype, parts)
-        kept = self._host_base(item, algorithm)
-        if kept is not None:
-            return self._pass(item, kept, algorithm, serial_cast=False)
-        return self._separately(item, algorithm)
-
     def update_all(
         self, items: Sequence[TensorUpdate], algorithm: pb.ChecksumAlgorithm.ValueType
     ) -> list[KeptUpdate]:
-        """``update`` of each item, in order; the host passes run on ``HOST_PASS_THREADS`` threads
-        (one tensor per thread at a time), the rest on the calling thread."""
+        """``diff``, ``record`` and ``result_checksums`` of each item sent as its ``dtype``, in order;
+        the host passes run on ``HOST_PASS_THREADS`` threads (one tensor per thread at a time), the
+        rest on the calling thread."""
         self._require_pending()
         out: list[KeptUpdate | concurrent.futures.Future[KeptUpdate]] = []
         # a name twice (its second value diffed against its first) keeps the order on one thread
