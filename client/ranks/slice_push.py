@@ -55,11 +55,11 @@ from weightwire.client.update.session import GateProblem, SessionProblem, SpecTe
 from weightwire.core import dtypes
 from weightwire.core.errors import PushError, Reason, WeightwireError, without_frames
 from weightwire.core.manifest import ShardManifest
+from weightwire.core.transports.transfer_group_agreement import agree
 from weightwire.core.transports.transfer_group_slice_deltas import send_streams
 from weightwire.core.transports.transfer_group_slices import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Buckets,
-    agree,
     send_slices,
 )
 from weightwire.core.transports.transfer_plan import (

@@ -34,9 +34,6 @@ from typing import Any, cast
 import torch
 from weightwire.core import dtypes
 from weightwire.core.manifest import OwnedTensor
-
-# The plan comparison is part of this plane's interface (its callers import it from here).
-from weightwire.core.transports.transfer_group_agreement import AgreedPlans, agree  # noqa: F401
 from weightwire.core.transports.transfer_group_waits import post, wait, watch_receives
 from weightwire.core.transports.transfer_plan import Box, Transfer, TransferPlan
 from weightwire.core.transports.whole_messages import Arrivals, announce, last_byte

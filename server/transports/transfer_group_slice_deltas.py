@@ -36,12 +36,13 @@ from weightwire.core.delta.encoding import Delta, apply_delta
 from weightwire.core.delta.errors import invalid_delta
 from weightwire.core.errors import raises_without_frames
 from weightwire.core.manifest import ShardManifest
+from weightwire.core.transports.transfer_group_agreement import agree
 from weightwire.core.transports.transfer_group_slice_deltas import (
     encoded_nbytes,
     receive_streams,
     stream_layout,
 )
-from weightwire.core.transports.transfer_group_slices import agree, kept_region
+from weightwire.core.transports.transfer_group_slices import kept_region
 from weightwire.core.transports.transfer_plan import Transfer, box_elements
 from weightwire.server.transports.importer import RegionChange
 from weightwire.server.transports.transfer_group_member import JoinedGroup

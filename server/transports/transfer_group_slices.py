@@ -26,8 +26,9 @@ import torch
 from weightwire.core import dtypes
 from weightwire.core.errors import Reason, WeightwireError, raises_without_frames
 from weightwire.core.manifest import OwnedTensor, ShardManifest
+from weightwire.core.transports.transfer_group_agreement import agree
 from weightwire.core.transports.transfer_group_plan import clip
-from weightwire.core.transports.transfer_group_slices import GroupRanks, Writes, agree, receive_slices
+from weightwire.core.transports.transfer_group_slices import GroupRanks, Writes, receive_slices
 from weightwire.core.transports.transfer_plan import Box, Transfer, TransferPlan, box_elements, kept_boxes
 from weightwire.server.transports.transfer_group_member import JoinedGroup
 from weightwire.v1 import weight_transfer_pb2 as pb

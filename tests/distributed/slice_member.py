@@ -38,11 +38,11 @@ from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import WeightwireError
 from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
+from weightwire.core.transports.transfer_group_agreement import agree
 from weightwire.core.transports.transfer_group_slices import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DIRECT_MIN_BYTES,
     GroupRanks,
-    agree,
     messages,
     receive_slices,
     send_slices,

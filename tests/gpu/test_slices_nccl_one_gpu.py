@@ -55,7 +55,7 @@ def _plan() -> tuple[Any, Any, dict[str, torch.Tensor], dict[str, Any], dict[str
 
 def test_plan_comparison_runs_on_the_gpu_over_real_nccl() -> None:
     from weightwire.core.transports.transfer_group import _nccl
-    from weightwire.core.transports.transfer_group_slices import agree
+    from weightwire.core.transports.transfer_group_agreement import agree
     from weightwire.core.transports.transfer_group_store import StoreServer, connect_store
 
     plan = _plan()[0]

@@ -26,13 +26,13 @@ from helpers import RequestFeed, error_info, full_update_requests, header, pack,
 from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports.transfer_group import TransferGroup
+from weightwire.core.transports.transfer_group_agreement import agree
 from weightwire.core.transports.transfer_group_plan import (
     ANNOUNCEMENT_INDEX,
     MemberIdentity,
     message_tag,
     plan_group,
 )
-from weightwire.core.transports.transfer_group_slices import agree
 from weightwire.core.transports.transfer_group_store import StoreServer
 from weightwire.core.transports.transfer_plan import TransferPlan
 from weightwire.core.transports.whole_messages import announce, last_byte
