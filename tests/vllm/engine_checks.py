@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import grpc
 import torch
 from helpers import RequestFeed, ShmSegments, bucket, header, pack, push, shm_payload
-from vllm_cpu import CpuEngine, ModelSpec, reference
+from vllm_cpu import CpuEngine, ModelSpec, greedy_slack, reference
 from weightwire.adapters.vllm import update_window
 from weightwire.client import GatheredBucket, PushError, PushResult, WeightPusher, layout_flat, pack_into
 from weightwire.core import dtypes
@@ -45,6 +45,18 @@ class Expected:
             f"the reference is ambiguous (top-2 logit gap {ref.min_logit_gap:.2e}): pick other test weights"
         )
         return ref.tokens
+
+    def check_generated(self, tokens: list[list[int]]) -> None:
+        """``tokens`` (an engine's greedy continuations) are greedy under these weights: every token
+        taken is within ``MIN_REFERENCE_GAP`` of the best logit. For weights no test chose (a sampled
+        training run's), whose greedy path may hold a near tie vLLM's and transformers' sums break
+        differently. Where no step is that close this is ``tokens == self.tokens()``: at the first
+        token that differs, the one taken would trail the best by the whole gap."""
+        slack = greedy_slack(self.spec, self.weights, tokens)
+        assert slack <= MIN_REFERENCE_GAP, (
+            f"the engine's tokens are not greedy under the weights it should hold: a token taken trails "
+            f"the best by {slack:.2e} (tokens {tokens}, greedy {reference(self.spec, self.weights).tokens})"
+        )
 
     def with_tensors(self, update: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {**self.weights, **update}

@@ -109,8 +109,8 @@ class Reference:
     min_logit_gap: float
 
 
-def reference(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> Reference:
-    """Greedy tokens of ``PROMPTS`` under ``state`` with transformers, and the smallest top-2 gap."""
+def reference_model(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> Any:
+    """The transformers model of ``spec`` holding ``state``, in eval mode."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_config(spec.hf_config()).eval()
@@ -121,6 +121,12 @@ def reference(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> Reference:
         )
     if spec.tie:
         model.tie_weights()
+    return model
+
+
+def reference(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> Reference:
+    """Greedy tokens of ``PROMPTS`` under ``state`` with transformers, and the smallest top-2 gap."""
+    model = reference_model(spec, state)
     tokens: list[list[int]] = []
     gap = float("inf")
     with torch.no_grad():
@@ -133,6 +139,23 @@ def reference(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> Reference:
                 ids.append(int(torch.argmax(logits)))
             tokens.append(ids[len(prompt) :])
     return Reference(tokens, gap)
+
+
+def greedy_slack(spec: ModelSpec, state: Mapping[str, torch.Tensor], tokens: list[list[int]]) -> float:
+    """How far ``tokens`` (continuations of ``PROMPTS``) are from greedy under ``state``: the largest
+    gap, over every step, between the best logit and the logit of the token taken, each step seeing
+    the given tokens before it. 0 for transformers' own greedy tokens; small where an engine broke a
+    near tie the other way; large where a token is not greedy under ``state`` at all."""
+    if len(tokens) != len(PROMPTS) or any(len(t) != NEW_TOKENS for t in tokens):
+        raise ValueError(f"expected {len(PROMPTS)} continuations of {NEW_TOKENS} tokens, got {tokens}")
+    model = reference_model(spec, state)
+    slack = 0.0
+    with torch.no_grad():
+        for prompt, taken in zip(PROMPTS, tokens, strict=True):
+            logits = model(torch.tensor([[*prompt, *taken]])).logits[0, len(prompt) - 1 : -1]
+            chosen = logits.gather(1, torch.tensor(taken)[:, None])[:, 0]
+            slack = max(slack, float((logits.max(dim=1).values - chosen).max()))
+    return slack
 
 
 def engine_env(tp: int, pp: int, socket_dir: Path, base_port: int | None = None) -> dict[str, str]:
