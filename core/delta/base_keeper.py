@@ -9,7 +9,7 @@ becomes the new base.
 
 ``update_all`` does diff, record and the result checksums of an update's tensors, casting each to
 the dtype it is sent as. A host tensor whose base is on the host and whose recipients keep it whole
-goes through ``host_pass``: one chunked pass, on ``HOST_PASS_THREADS`` threads over the tensors,
+goes through ``host_pass``: one chunked pass, on ``delta_threads()`` threads over the tensors,
 instead of a whole cast copy and separate whole-tensor diff, record and checksum.
 
 Memory: exactly one copy of every tensor ever recorded (its bytes, contiguous), never two: the copy
@@ -30,7 +30,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from weightwire.core.delta.checksums import checksum, running_crc, weighted_sum64, weighted_sum64_update
 from weightwire.core.delta.encoding import Delta, Encoding, apply_delta, as_bits, changed_positions, encode
-from weightwire.core.delta.host_pass import HOST_PASS_THREADS, host_pass
+from weightwire.core.delta.host_pass import host_pass
+from weightwire.core.delta.threads import delta_threads
 from weightwire.v1 import weight_transfer_pb2 as pb
 
 
@@ -154,12 +155,12 @@ class BaseKeeper:
         self, items: Sequence[TensorUpdate], algorithm: pb.ChecksumAlgorithm.ValueType
     ) -> list[KeptUpdate]:
         """``diff``, ``record`` and ``result_checksums`` of each item sent as its ``dtype``, in order;
-        the host passes run on ``HOST_PASS_THREADS`` threads (one tensor per thread at a time), the
+        the host passes run on ``delta_threads()`` threads (one tensor per thread at a time), the
         rest on the calling thread."""
         self._require_pending()
         out: list[KeptUpdate | concurrent.futures.Future[KeptUpdate]] = []
         # a name twice (its second value diffed against its first) keeps the order on one thread
-        threads = HOST_PASS_THREADS if len({i.name for i in items}) == len(items) else 1
+        threads = delta_threads() if len({i.name for i in items}) == len(items) else 1
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             for item in items:
                 kept = self._host_base(item, algorithm)

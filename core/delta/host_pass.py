@@ -19,7 +19,6 @@ own bytes: valid until the next update brings the base forward.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 
 import numpy as np
@@ -30,11 +29,6 @@ from weightwire.core.delta.record import Delta, Encoding, as_bits, choose_encodi
 # Elements of one cast call when several threads run passes: at most torch's grain size, so that
 # each call runs on its own thread instead of all threads' calls sharing torch's intra-op pool.
 _SERIAL_CAST_ELEMENTS = 32768
-
-# Threads that run passes over different tensors at once (each tensor on one thread, so that its
-# checksum runs in order). The cast, compare, gather and checksum release the GIL, and on a 2-core
-# host two threads were measured faster than one (BENCHMARKS.md, "Deltas").
-HOST_PASS_THREADS = min(2, os.cpu_count() or 1)
 
 RunningChecksum = Callable[[np.ndarray, int], int]
 

@@ -2,7 +2,7 @@
 batch, before anything of the batch is written, then applied by the adapter (``AppliesDeltas``) and
 each kept part verified against the trainer's result checksum; the counts the result reports.
 
-A batch's tensors are verified on ``VERIFY_THREADS`` threads (the CRCs release the GIL), each
+A batch's tensors are verified on ``delta_threads()`` threads (the CRCs release the GIL), each
 tensor on one, and a mismatch is raised for the first tensor in the batch's order that has one."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import cast
 
 import torch
 from weightwire.core.delta import Delta, check_delta, read_delta, verify_result
+from weightwire.core.delta.threads import delta_threads
 from weightwire.core.errors import Reason, WeightwireError
 from weightwire.server.rules.layout import BucketLayout
 from weightwire.server.rules.validation import CheckedSpec
@@ -20,10 +21,6 @@ from weightwire.server.rules.views import ReadBatch, batch_views
 from weightwire.server.transports.importer import ImportedPayload
 from weightwire.server.worker.adapter import AppliesDeltas, EngineAdapter
 from weightwire.v1 import weight_transfer_pb2 as pb
-
-# Threads that verify a batch's tensors at once: what a 2-core host can run next to nothing else
-# while a worker applies an update.
-VERIFY_THREADS = 2
 
 
 class DeltaLoads:
@@ -104,9 +101,10 @@ def _verify_batch(
         msg = specs[name].delta
         assert msg is not None
         jobs.append((msg.result_checksums, adapter.delta_parts(name), name))
-    if len(jobs) < 2 or VERIFY_THREADS < 2:
+    threads = min(delta_threads(), len(jobs))
+    if threads < 2:
         return sum(verify_result(sums, parts, tensor=name) for sums, parts, name in jobs)
-    with concurrent.futures.ThreadPoolExecutor(min(VERIFY_THREADS, len(jobs))) as pool:
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         futures = [pool.submit(verify_result, sums, parts, tensor=name) for sums, parts, name in jobs]
         return sum(f.result() for f in futures)
 
