@@ -1,13 +1,12 @@
 """How many threads the host side of a delta runs: the trainer's passes over its tensors
 (``BaseKeeper.update_all``) and a worker's verification of a batch's result checksums.
 
-Both release the GIL in their inner steps (cast, compare, gather, CRC), so they scale with cores
-until memory bandwidth is the limit. The default is the cores this process may run on (its
-affinity, which a job scheduler or ``taskset`` sets, not the host's count), at most
-``MAX_DELTA_THREADS``; ``WEIGHTWIRE_DELTA_THREADS`` sets the count instead (1 keeps a delta to the
-calling thread, for a trainer whose other threads must keep the other cores); a value that is not
-a whole number of 1 or more is logged once and the default used, so that it never fails an update
-half-way on a worker."""
+Their inner steps (cast, compare, gather, CRC) release the GIL, yet more than two threads did not
+pay on the hosts measured. The default is the cores this process may run on (its affinity, which a
+job scheduler or ``taskset`` sets, not the host's count), at most ``MAX_DELTA_THREADS``;
+``WEIGHTWIRE_DELTA_THREADS`` sets the count instead (1 keeps a delta to the calling thread, for a
+trainer whose other threads must keep the other cores). A value that is not a whole number of 1 or
+more is logged once and the default used, so that it never fails an update half-way on a worker."""
 
 from __future__ import annotations
 
@@ -17,9 +16,9 @@ import os
 
 log = logging.getLogger(__name__)
 DELTA_THREADS_ENV = "WEIGHTWIRE_DELTA_THREADS"
-# Past this the passes are bound by memory bandwidth on the hosts measured (BENCHMARKS.md, "Deltas"),
-# and more threads only take cores from whatever else runs during the update.
-MAX_DELTA_THREADS = 8
+# Two were faster than one on a 2-core host; eight were slower than two on a 16-core one
+# (BENCHMARKS.md, "Deltas on a 16-core host").
+MAX_DELTA_THREADS = 2
 # What the environment may ask for at most.
 _MAX_ASKED_THREADS = 64
 

@@ -11,8 +11,8 @@ from weightwire.core.delta import threads
 
 def test_the_default_is_the_usable_cores_up_to_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(threads.DELTA_THREADS_ENV, raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    assert threads.delta_threads() == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    assert threads.delta_threads() == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(96)))
     assert threads.delta_threads() == threads.MAX_DELTA_THREADS
 
@@ -31,9 +31,9 @@ def test_the_environment_sets_the_count(monkeypatch: pytest.MonkeyPatch) -> None
 def test_a_bad_value_is_logged_and_the_default_used(
     raw: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setenv(threads.DELTA_THREADS_ENV, raw)
     threads._ignored.cache_clear()
     with caplog.at_level(logging.WARNING, logger=threads.__name__):
-        assert threads.delta_threads() == 3
+        assert threads.delta_threads() == threads.MAX_DELTA_THREADS
     assert f"{threads.DELTA_THREADS_ENV}={raw!r}" in caplog.text
