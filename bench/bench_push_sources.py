@@ -115,7 +115,7 @@ def run_trainer(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from weightwire.client import TransferGroupOptions, WeightPusher
-    from weightwire.client.ranks.slice_push import holdings_of
+    from weightwire.client.ranks.rank_holdings import holdings_of
     from weightwire.core.transports.transfer_plan import plan_transfers
 
     torch.set_num_threads(1)

@@ -41,18 +41,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from weightwire.client.inputs import plan as planning
-from weightwire.client.inputs.dtensor_gather import CastTo, RankLostError, is_dtensor, spec_of, target_dtype
+from weightwire.client.inputs.dtensor_gather import RankLostError, spec_of
 from weightwire.client.inputs.plan import PlanError
 from weightwire.client.inputs.types import PushResult
 from weightwire.client.ranks import rank_records
 from weightwire.client.ranks.rank_agreement import RankGroup, peer_failed
+from weightwire.client.ranks.rank_holdings import holdings_of, layout_key, local_parts
 from weightwire.client.ranks.rank_records import RankFailure, RankResults, SlicesPlanRecord
 from weightwire.client.ranks.rank_sends import RankSends, let_go
 from weightwire.client.ranks.slice_buckets import slice_jobs, split_for
 from weightwire.client.ranks.transfer_group_sources import FormedSources, SourcesLink
 from weightwire.client.rpc.stream import Connections
 from weightwire.client.update.session import GateProblem, SessionProblem, SpecTemplates, UpdateSession
-from weightwire.core import dtypes
 from weightwire.core.errors import PushError, Reason, WeightwireError, without_frames
 from weightwire.core.manifest import ShardManifest
 from weightwire.core.transports.transfer_group_agreement import agree
@@ -64,114 +64,18 @@ from weightwire.core.transports.transfer_group_slices import (
 )
 from weightwire.core.transports.transfer_plan import (
     Box,
-    Placement,
-    Replicate,
-    Shard,
     TransferPlan,
     plan_transfers,
 )
-from weightwire.core.transports.transfer_plan import TensorSpec as Holding
 
 if TYPE_CHECKING:
     from weightwire.client.ranks.slice_deltas import SliceDeltas
     from weightwire.client.update.options import PushOptions
 
-__all__ = ["holdings_of", "push_slices"]
+__all__ = ["push_slices"]
 
 # The trainer's own exchanges wait this much longer than one transfer may take.
 _GROUP_GRACE_S = 30.0
-
-
-def _placements(name: str, t: Any) -> list[Placement]:
-    from torch.distributed.tensor import Replicate as DReplicate
-    from torch.distributed.tensor import Shard as DShard
-
-    out: list[Placement] = []
-    for p in t.placements:
-        if type(p) is DShard:
-            out.append(Shard(int(p.dim)))
-        elif isinstance(p, DReplicate):
-            out.append(Replicate())
-        else:
-            raise PlanError(
-                Reason.TRANSPORT_UNAVAILABLE,
-                f"{name}: DTensor placement {p!r} is not one every rank can send its part of (Shard and Replicate "
-                "are); push without transfer_group=, which gathers it",
-                tensor=name,
-            )
-    return out
-
-
-def holdings_of(
-    items: Sequence[tuple[str, torch.Tensor]], group: Any, cast_to: CastTo = None
-) -> list[Holding]:
-    """What every rank of ``group`` holds of each tensor (in the dtype it is sent as)."""
-    import torch.distributed as dist
-
-    size = dist.get_world_size(group)
-    meshes: dict[int, list[int]] = {}
-    specs: list[Holding] = []
-    for name, t in items:
-        code = dtypes.from_torch(target_dtype(t.dtype, cast_to))
-        shape = tuple(int(d) for d in t.shape)
-        if not is_dtensor(t):
-            specs.append(Holding.whole_on(name, shape, code, range(size)))
-            continue
-        mesh = t.device_mesh  # type: ignore[attr-defined]
-        ranks = meshes.get(id(mesh))
-        if ranks is None:
-            ranks = meshes[id(mesh)] = [
-                dist.get_group_rank(group, int(g)) for g in mesh.mesh.flatten().tolist()
-            ]
-        if any(r < 0 for r in ranks):
-            raise PlanError(
-                Reason.TRANSPORT_UNAVAILABLE,
-                f"{name}: its device mesh has ranks outside the group given as group=",
-                tensor=name,
-            )
-        specs.append(Holding.dtensor(name, shape, code, tuple(mesh.shape), _placements(name, t), ranks))
-    return specs
-
-
-def local_parts(
-    items: Sequence[tuple[str, torch.Tensor]],
-    specs: Sequence[Holding],
-    rank: int,
-    cast_to: CastTo = None,
-    device: torch.device | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
-    """This rank's parts of ``items`` (the local shard of a DTensor; cast when asked, and on
-    ``device``, the one the group's backend sends from, when given) and the boxes they are."""
-    local: dict[str, torch.Tensor] = {}
-    boxes: dict[str, Box] = {}
-    for (name, t), spec in zip(items, specs, strict=True):
-        box = spec.holdings.get(rank)
-        if box is None:
-            continue
-        part = (t.to_local() if is_dtensor(t) else t).detach()  # type: ignore[attr-defined]
-        dtype = target_dtype(t.dtype, cast_to)
-        to = device if device is not None and part.device.type != device.type else part.device
-        local[name] = part if (part.dtype, part.device) == (dtype, to) else part.to(device=to, dtype=dtype)
-        boxes[name] = box
-    return local, boxes
-
-
-def _layout_key(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[object, ...]:
-    """What the plan of ``items`` depends on, cheap to build every push: names, dtypes, shapes and,
-    for a DTensor, its mesh's ranks and its placements (each distinct mesh read once)."""
-    meshes: dict[int, tuple[object, ...]] = {}
-
-    def mesh_of(t: Any) -> tuple[object, ...]:
-        mesh = t.device_mesh
-        key = meshes.get(id(mesh))
-        if key is None:
-            key = meshes[id(mesh)] = (tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()))
-        return key
-
-    return tuple(
-        (n, t.dtype, tuple(t.shape), (mesh_of(t), tuple(map(str, t.placements))) if is_dtensor(t) else None)  # type: ignore[attr-defined]
-        for n, t in items
-    )
 
 
 class _SliceUpdate:
@@ -227,7 +131,7 @@ class _SliceUpdate:
                     "multi-rank push over a transfer group needs every worker to",
                 )
             key = (
-                _layout_key(items),
+                layout_key(items),
                 opts.scope,
                 opts.allow_unowned,
                 str(opts.cast_to),
