@@ -42,7 +42,7 @@ from weightwire.client.transports import exporter as exp
 from weightwire.client.update import jobs as job_builders
 from weightwire.client.update.options import PushOptions
 from weightwire.client.update.routing import CheckedLayouts, manifest_changes
-from weightwire.core.delta import BaseKeeper, crc_algorithm, pack_delta, packed_size_bytes
+from weightwire.core.delta import BaseKeeper, pack_delta, packed_size_bytes, preferred_algorithm
 from weightwire.core.delta.base_keeper import KeptUpdate, TensorUpdate
 from weightwire.core.errors import PushError, Reason
 from weightwire.core.manifest import ShardManifest
@@ -252,6 +252,20 @@ def pack_buckets(entries: Sequence[KeptUpdate], limit: int) -> list[FlatBucket]:
     return buckets
 
 
+def checksum_algorithm(
+    items: Items, manifests: Mapping[str, ShardManifest]
+) -> pb.ChecksumAlgorithm.ValueType:
+    """The result checksum of a delta update: the weighted sum where every tensor and every
+    recipient is on CUDA (computed and verified where the weights are, without copying a tensor to
+    the host as a CRC needs), else CRC-32C or CRC-32 (``preferred_algorithm``)."""
+    on_cuda = bool(items) and all(t.device.type == "cuda" for _, t in items)
+    return preferred_algorithm(
+        torch.device("cuda" if on_cuda else "cpu"),
+        ["cuda" if m.device.kind == pb.DEVICE_KIND_CUDA else "cpu" for m in manifests.values()],
+        [m.delta_checksum_algorithms for m in manifests.values()],
+    )
+
+
 def _send_delta(
     pusher: WeightPusher,
     keeper: BaseKeeper,
@@ -264,7 +278,7 @@ def _send_delta(
     cast_to: CastTo = None,
 ) -> dict[str, PushResult]:
     keeper.begin(options.version)
-    algorithm = crc_algorithm(m.delta_checksum_algorithms for m in manifests.values())
+    algorithm = checksum_algorithm(items, manifests)
     entries = keeper.update_all(
         [TensorUpdate(n, t, target_dtype(t.dtype, cast_to), _parts(n, manifests)) for n, t in items],
         algorithm,

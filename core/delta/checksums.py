@@ -205,9 +205,12 @@ def preferred_algorithm(
     recipients: Iterable[torch.device | str],
     verified: Iterable[Collection[pb.ChecksumAlgorithm.ValueType]] = (),
 ) -> pb.ChecksumAlgorithm.ValueType:
-    """WEIGHTED_SUM64 when the source and every recipient are CUDA devices, else ``crc_algorithm``
-    of the recipients' ``verified`` lists (none given: CRC32)."""
+    """WEIGHTED_SUM64 when the source and every recipient are CUDA devices and every recipient's
+    ``verified`` list has it (an empty list: a worker from before the lists, which verifies it),
+    else ``crc_algorithm`` of the lists (none given: CRC32)."""
+    verified = list(verified)
     kinds = {torch.device(d).type for d in recipients} | {source.type}
-    if kinds == {"cuda"}:
+    lists = [tuple(v) or UNLISTED_ALGORITHMS for v in verified]
+    if kinds == {"cuda"} and all(pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64 in v for v in lists):
         return pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64
     return crc_algorithm(verified)

@@ -167,6 +167,30 @@ def test_crc32c_only_when_every_recipient_lists_it() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert ck.preferred_algorithm(cpu, ["cpu"], [new]) == pb.CHECKSUM_ALGORITHM_CRC32C
     assert ck.preferred_algorithm(cuda, ["cuda:0"], [new]) == pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64
+    # a CUDA recipient that does not list the weighted sum gets the best CRC it lists
+    crcs_only = (pb.CHECKSUM_ALGORITHM_CRC32C, pb.CHECKSUM_ALGORITHM_CRC32)
+    assert ck.preferred_algorithm(cuda, ["cuda:0"], [new, crcs_only]) == pb.CHECKSUM_ALGORITHM_CRC32C
+    assert ck.preferred_algorithm(cuda, ["cuda:0"], [old]) == pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64
+
+
+def test_a_delta_update_takes_the_weighted_sum_only_from_and_into_cuda() -> None:
+    from weightwire.client.update.delta import checksum_algorithm
+    from weightwire.core.devices import DeviceRef
+    from weightwire.core.manifest import ParallelRank, ShardManifest
+
+    def manifest(device: DeviceRef) -> ShardManifest:
+        return ShardManifest(
+            engine="torch", worker_id="w", rank=ParallelRank(), device=device, tensors={},
+            layer_start=0, layer_end=1, num_layers=1,
+            delta_checksum_algorithms=ck.VERIFIED_ALGORITHMS,
+        )  # fmt: skip
+
+    gpu, host = manifest(DeviceRef.cuda("00000000-0000-0000-0000-000000000001")), manifest(DeviceRef.host())
+    on_host = [("w", torch.zeros(4))]
+    # CUDA sources (the GPU branch) run in tests/gpu/test_cuda_deltas.py; here the host's
+    assert checksum_algorithm(on_host, {"a": gpu}) == pb.CHECKSUM_ALGORITHM_CRC32C
+    assert checksum_algorithm(on_host, {"a": host}) == pb.CHECKSUM_ALGORITHM_CRC32C
+    assert checksum_algorithm([], {"a": gpu}) == pb.CHECKSUM_ALGORITHM_CRC32C
 
 
 def test_a_process_without_the_crc32c_package_neither_lists_nor_sends_crc32c() -> None:
