@@ -17,7 +17,7 @@ import pytest
 import torch
 from gpu_procs import needs_gpus
 
-pytestmark = needs_gpus(1)
+pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 
 
 @pytest.fixture(scope="module")
