@@ -1,9 +1,9 @@
 """Delta updates from CUDA tensors into a worker whose weights are on CUDA (one GPU): the result
 checksum is the weighted sum, computed by the trainer from the changed elements on the GPU and
 verified by the worker on its GPU, with no copy of a tensor to the host for a CRC. A real gRPC
-worker (the demo model in bf16 on ``cuda:0``, in this process: host shared memory needs no second
-process), fp32 master weights on the GPU with a real AdamW step between pushes, bf16 sent over host
-shared memory; the trainer's base (what it last sent) on the host (the default) and on the GPU
+worker (the demo model in bf16 on ``cuda:0``, in this process: inline bytes need no second
+process), fp32 master weights on the GPU with a real AdamW step between pushes, bf16 sent inline (a
+CUDA worker takes host bytes only inline or over a transfer group); the trainer's base (what it last sent) on the host (the default) and on the GPU
 (``delta_keeper.device_budget_bytes``). After each push the worker holds the trainer's bf16 bits; a norm changed behind the
 trainer's back fails the delta with ``DELTA_RESULT_MISMATCH`` and the next push goes FULL.
 """
@@ -70,7 +70,7 @@ def test_cuda_deltas_are_checked_on_the_gpu_with_the_weighted_sum(worker: Any, d
             want = p.detach().to(torch.bfloat16).view(torch.int16)
             assert torch.equal(state[n].view(torch.int16), want), n
 
-    with WeightPusher([worker.address], transport="host_shm") as pusher:
+    with WeightPusher([worker.address], transport="inline") as pusher:
         (manifest,) = pusher.manifests().values()
         assert manifest.device.kind == pb.DEVICE_KIND_CUDA
         keeper = pusher.delta_keeper
