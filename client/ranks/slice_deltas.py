@@ -18,7 +18,8 @@ Per push, every rank of the trainer's group, in order:
    ``delta_fallback`` (NO_BASE: a rank without that base; BASE_MISMATCH: a worker not at it);
 2. the update of ``weightwire.client.ranks.slice_push`` with this rank's part prepared once the
    plan is agreed (``SliceDeltas.prepare``): FULL records the regions it sends as the next base;
-   a delta diffs each of them against its base (a region without one goes as a DENSE delta),
+   a delta diffs each of them against its base (``BaseKeeper.update_all``: a region contiguous in
+   its shard in one pass; a region without a base goes as a DENSE delta),
    packs each worker's stream (the encodings of the regions it sends that worker, in plan order,
    ``core.transports.transfer_group_slice_deltas``) with each region's result checksum (CRC-32C
    when every rank has the crc32c package and every worker lists it, agreed in step 1, else CRC-32),
@@ -53,6 +54,7 @@ from weightwire.core.delta import (
     pack_delta,
     packed_size_bytes,
 )
+from weightwire.core.delta.base_keeper import TensorUpdate
 from weightwire.core.delta.encoding import Delta, Encoding
 from weightwire.core.delta.record import as_bits
 from weightwire.core.errors import PushError, Reason, WeightwireError
@@ -175,14 +177,19 @@ class SliceDeltas:
         keeper = self.keeper
         keeper.begin(self.version)
         mine = plan.for_source(me)
+        regions = [held_region(local[t.tensor], t.box, boxes[t.tensor]) for t in mine]
+        # a region contiguous in its shard (whole rows) takes the one pass per tensor, the others
+        # diff, record and checksum in turn (BaseKeeper.update_all)
+        kept = keeper.update_all(
+            [TensorUpdate(region_key(t), r, r.dtype) for t, r in zip(mine, regions, strict=True)],
+            self.algorithm,
+        )
         entries: list[tuple[Transfer, Delta, list[pb.DeltaChecksum]]] = []
-        for t in mine:
-            key = region_key(t)
-            region = held_region(local[t.tensor], t.box, boxes[t.tensor])
-            d = keeper.diff(key, region)
-            keeper.record(key, region, d)
-            checks = keeper.result_checksums(key, self.algorithm)
-            entries.append((t, d if d is not None else _dense(region), checks))
+        for t, region, u in zip(mine, regions, kept, strict=True):
+            if u.delta is None:  # no base for it: its values whole, still checked after landing
+                entries.append((t, _dense(region), keeper.result_checksums(u.name, self.algorithm)))
+            else:
+                entries.append((t, u.delta, u.checksums))
         messages: dict[Transfer, pb.TensorDelta] = {}
         workers = sorted({w for t in mine for w in t.destinations})
         for w in workers:
