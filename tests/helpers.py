@@ -502,6 +502,21 @@ class InProcessWorker:
         return {k: v.detach().clone() for k, v in self.adapter.state().items()}
 
 
+def delta_algorithms_sent(pusher: Any) -> list[int]:
+    """A spy on a ``WeightPusher``'s delta keeper: the result checksum algorithm of each delta update
+    it computes, in order (a FULL update computes none)."""
+    keeper = pusher.delta_keeper
+    seen: list[int] = []
+    update_all = keeper.update_all
+
+    def spied(items: Any, algorithm: int) -> Any:
+        seen.append(algorithm)
+        return update_all(items, algorithm)
+
+    keeper.update_all = spied
+    return seen
+
+
 def start_demo_worker(
     rank: ParallelRank | None = None, *, seed: int = 0, **serve_kw: object
 ) -> InProcessWorker:

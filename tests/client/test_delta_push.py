@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import InProcessWorker
+from helpers import InProcessWorker, delta_algorithms_sent
 from weightwire.adapters.torch import TorchAdapter
 from weightwire.adapters.torch.demo import (
     DEMO_TP_RULES,
@@ -159,26 +159,12 @@ def _verified(worker: InProcessWorker) -> int:
     return worker.stub().GetStatus(pb.GetStatusRequest()).last_result.result_checksums_verified
 
 
-def _algorithms_sent(pusher: WeightPusher) -> list[int]:
-    """A spy on the pusher's keeper: the result checksum algorithm of each delta it computes."""
-    keeper = pusher.delta_keeper
-    seen: list[int] = []
-    update_all = keeper.update_all
-
-    def spied(items: Any, algorithm: int) -> Any:
-        seen.append(algorithm)
-        return update_all(items, algorithm)
-
-    keeper.update_all = spied  # type: ignore[method-assign]
-    return seen
-
-
 def test_a_worker_that_lists_crc32c_gets_it_and_a_drift_is_still_caught(whole: InProcessWorker) -> None:
     trainer = Trainer()
     with WeightPusher([whole.address]) as pusher:
         (manifest,) = pusher.manifests().values()
         assert pb.CHECKSUM_ALGORITHM_CRC32C in manifest.delta_checksum_algorithms
-        seen = _algorithms_sent(pusher)
+        seen = delta_algorithms_sent(pusher)
         pusher.push(trainer.params.items(), version=401, cast_to=torch.bfloat16, delta=True)
         for version in (402, 403):
             trainer.step()
@@ -217,7 +203,7 @@ def test_a_worker_from_before_crc32c_gets_crc32(whole: InProcessWorker) -> None:
         with WeightPusher([whole.address]) as pusher:
             (manifest,) = pusher.manifests().values()
             assert manifest.delta_checksum_algorithms == ()
-            seen = _algorithms_sent(pusher)
+            seen = delta_algorithms_sent(pusher)
             pusher.push(trainer.params.items(), version=501, cast_to=torch.bfloat16, delta=True)
             trainer.step()
             (r,) = pusher.push(

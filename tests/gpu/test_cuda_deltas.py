@@ -45,6 +45,7 @@ def worker() -> Iterator[Any]:
 
 @pytest.mark.parametrize("device_budget", [0, 1 << 30], ids=["base-on-host", "base-on-gpu"])
 def test_cuda_deltas_are_checked_on_the_gpu_with_the_weighted_sum(worker: Any, device_budget: int) -> None:
+    from helpers import delta_algorithms_sent
     from weightwire.adapters.torch.demo import DemoConfig, full_checkpoint
     from weightwire.client import WeightPusher
     from weightwire.core.errors import PushError, Reason
@@ -76,14 +77,7 @@ def test_cuda_deltas_are_checked_on_the_gpu_with_the_weighted_sum(worker: Any, d
         keeper = pusher.delta_keeper
         keeper.device_budget_bytes = device_budget
         v = 10 if device_budget else 0  # the module's one worker only takes newer versions
-        seen: list[int] = []
-        update_all = keeper.update_all
-
-        def spied(items: Any, algorithm: int) -> Any:
-            seen.append(algorithm)
-            return update_all(items, algorithm)
-
-        keeper.update_all = spied  # type: ignore[method-assign]
+        seen = delta_algorithms_sent(pusher)
         (r,) = pusher.push(params.items(), version=v + 1, cast_to=torch.bfloat16, delta=True).values()
         assert (r.encoding, r.delta_fallback) == ("FULL", "NO_BASE")
         for version in (v + 2, v + 3, v + 4):
