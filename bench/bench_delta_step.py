@@ -19,6 +19,13 @@ base). Every ratio is against the FULL push of the same step, because the load o
 drifts during a run. Not measured: every trainer rank a source (``SLICES``; whole slices in this
 version) and NCCL (GPUs).
 
+``--device cuda`` puts the trainer's model and optimizer and every worker's model on the GPU (one
+GPU, every process on it): the keeper then holds its base on the GPU
+(``delta_keeper.device_budget_bytes``), so the diff, the base and the result checksums run there
+(the weighted sum where every worker lists it), and gloo moves the packed bytes through host memory
+as between machines. A CUDA worker takes no host shared memory, so the default transports there
+are the transfer group and inline bytes.
+
 Per step, recorded:
 
 - the fraction of bf16 elements changed since the previous step's bf16 weights, counted here
@@ -42,6 +49,7 @@ and the printed tables (also ``--out``/delta_step.md).
 Rerun (a few minutes on 2 cores; ``--layers``, ``--steps`` to change the size and length)::
 
     .venv/bin/python bench/bench_delta_step.py --out bench/results/delta-step-cpu-2core
+    python3 bench/bench_delta_step.py --device cuda --transports transfer_group --steps 10 --out DIR
 """
 
 from __future__ import annotations
@@ -70,6 +78,8 @@ import common
 # The paths a delta is wired for (docs/deltas.md, "Transports"); transfer_group: gloo over loopback
 # TCP from this one trainer process (one source), as across machines.
 TRANSPORTS = ("host_shm", "inline", "transfer_group")
+# A CUDA worker refuses host shared memory (its payloads must be on its device or go by value).
+CUDA_TRANSPORTS = ("inline", "transfer_group")
 HOST = "127.0.0.1"
 
 
@@ -105,22 +115,23 @@ def digests(named: Iterator[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, s
 
     out = {}
     for name, t in named:
-        t = t.detach().contiguous()
+        t = t.detach().cpu().contiguous()
         out[name] = (crc32(t), hashlib.blake2b(t.view(torch.uint8).numpy().data).hexdigest())
     return out
 
 
-def _serve_worker(config: Any, conn: Any) -> None:
-    """A worker in its own process: the architecture in bf16 (its random values are replaced by
-    the first, FULL, push), served on a Unix socket; answers ``digest`` and ``stop`` on ``conn``."""
+def _serve_worker(config: Any, conn: Any, device: str) -> None:
+    """A worker in its own process: the architecture in bf16 on ``device`` (its random values are
+    replaced by the first, FULL, push), served on a Unix socket; answers ``digest`` and ``stop`` on
+    ``conn``."""
     from weightwire.adapters.torch import TorchAdapter
     from weightwire.core.manifest import ParallelRank
     from weightwire.server import serve
 
     torch.set_default_dtype(torch.bfloat16)
-    model = build_model(config)
+    model = build_model(config).to(device)
     torch.set_default_dtype(torch.float32)
-    adapter = TorchAdapter(model, rank=ParallelRank(), device=torch.device("cpu"), own_device=None)
+    adapter = TorchAdapter(model, rank=ParallelRank(), device=torch.device(device), own_device=None)
     server = serve(adapter, group_host=HOST)
     conn.send(server.address)
     while True:
@@ -227,14 +238,14 @@ def as_bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def workers(config: Any, transports: list[str]) -> Iterator[dict[str, tuple[str, Any]]]:
+def workers(config: Any, transports: list[str], device: str) -> Iterator[dict[str, tuple[str, Any]]]:
     """One worker process per transport: its address and its control pipe."""
     ctx = mp.get_context("spawn")
     started: dict[str, tuple[Any, Any]] = {}
     try:
         for t in transports:
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_serve_worker, args=(config, child), daemon=True)
+            p = ctx.Process(target=_serve_worker, args=(config, child, device), daemon=True)
             p.start()
             started[t] = (p, parent)
         out = {}
@@ -264,7 +275,8 @@ def make_pusher(address: str, transport: str, timeout_s: float) -> Any:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     config = model_config(args)
-    model = build_model(config)
+    device = torch.device(args.device)
+    model = build_model(config).to(device)
     model.train()
     params = dict(model.named_parameters())
     numel = {n: p.numel() for n, p in params.items()}
@@ -283,8 +295,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     timers, watch = Timers(), DeltaWatch()
     steps: list[dict[str, Any]] = []
     names = [f"{t}/{kind}" for t in transports for kind in ("delta", "full")]
-    with workers(config, names) as fleet:
+    with workers(config, names, args.device) as fleet:
         pushers = {t: make_pusher(fleet[f"{t}/delta"][0], t, args.timeout_s) for t in transports}
+        if device.type == "cuda":
+            for pusher in pushers.values():  # the base on the GPU with the masters: the diff runs there
+                pusher.delta_keeper.device_budget_bytes = 2 * model_bytes
         full_pushers = {t: make_pusher(fleet[f"{t}/full"][0], t, args.timeout_s) for t in transports}
         instrument(pushers[transports[0]], timers, watch)
         version = 1
@@ -307,12 +322,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         watch.reset()
         print(f"step 0: FULL push {first}", flush=True)
         for step in range(1, args.steps + 1):
-            tokens = torch.randint(config.vocab_size, (args.batch, args.seq), generator=gen)
+            tokens = torch.randint(config.vocab_size, (args.batch, args.seq), generator=gen).to(device)
             t0 = time.perf_counter()
             loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             train_s = time.perf_counter() - t0
             now = as_bf16(model)
             counts = changed_counts(now, prev)
@@ -396,7 +413,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not identical[t]:
                 bad = [n for n in want if got.get(n) != want[n]]
                 print(f"{t}: {len(bad)} tensors differ from the trainer's bf16 weights, e.g. {bad[:3]}")
-        keeper_bytes = pushers[transports[0]].delta_keeper.memory().host_bytes
+        keeper_memory = pushers[transports[0]].delta_keeper.memory()
         for pusher in [*pushers.values(), *full_pushers.values()]:
             pusher.close()
     return {
@@ -405,6 +422,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "bench": "delta_step",
                 "argv": common.public_argv(sys.argv[1:]),
                 "torch_threads": torch.get_num_threads(),
+                "device": args.device,
+                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                 "loadavg_before": load_before,
                 "loadavg_after": os.getloadavg(),
             }
@@ -432,7 +451,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "first_push": first,
         "steps": steps,
         "bit_identical_after_deltas": identical,
-        "keeper_host_bytes": keeper_bytes,
+        "keeper_host_bytes": keeper_memory.host_bytes,
+        "keeper_device_bytes": keeper_memory.device_bytes,
     }
 
 
@@ -531,7 +551,8 @@ def summarize(res: dict[str, Any]) -> str:
         f"workers bit-identical to the trainer's bf16 weights after {len(steps)} delta steps: {res['bit_identical_after_deltas']}"
     )
     lines.append(
-        f"keeper: {res['keeper_host_bytes'] / 2**20:.0f} MiB on the host; first push: {res['first_push']}"
+        f"keeper: {res['keeper_host_bytes'] / 2**20:.0f} MiB on the host, "
+        f"{res.get('keeper_device_bytes', 0) / 2**20:.0f} MiB on the device; first push: {res['first_push']}"
     )
     lines.append(f"not measured: {res['not_measured']}")
     lines.append(f"load average before/after: {res['env']['loadavg_before']} / {res['env']['loadavg_after']}")
@@ -559,7 +580,15 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--transports", default=",".join(TRANSPORTS), help="comma-separated, of " + ", ".join(TRANSPORTS)
+        "--device",
+        default="cpu",
+        help="where the trainer's model and every worker's model live (cpu, cuda: all on one GPU)",
+    )
+    ap.add_argument(
+        "--transports",
+        default=None,
+        help=f"comma-separated, of {', '.join(TRANSPORTS)} (default: all; with --device cuda "
+        f"{', '.join(CUDA_TRANSPORTS)})",
     )
     ap.add_argument(
         "--full-every", type=int, default=2, help="a FULL push() of the same weights every N steps"
@@ -567,7 +596,12 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--out", type=Path, default=None, help="folder for delta_step.json")
     args = ap.parse_args()
+    on_cuda = torch.device(args.device).type == "cuda"
+    if args.transports is None:
+        args.transports = ",".join(CUDA_TRANSPORTS if on_cuda else TRANSPORTS)
     for t in args.transports.split(","):
+        if on_cuda and t not in CUDA_TRANSPORTS:
+            raise SystemExit(f"--transports: a CUDA worker takes {CUDA_TRANSPORTS}, not {t!r}")
         if t not in TRANSPORTS:
             raise SystemExit(
                 f"--transports: {t!r} is not one of {TRANSPORTS} (the paths deltas are wired for)"
