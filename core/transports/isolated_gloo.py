@@ -256,10 +256,12 @@ class ReceivingProcess:
         tensors: Sequence[torch.Tensor],
         timeout_s: float,
         auto_land: bool = True,
+        primed_last: int | None = None,
         **args: int,
     ) -> _Work:
         """Post ``op`` on ``group``: ``tensors[0]`` is what is sent or received (an all-gather's
-        input, then its outputs)."""
+        input, then its outputs). ``primed_last``: a receive's segment ends with this byte instead
+        of what its tensor holds (``whole_messages``), and nothing of the tensor is read."""
         bufs, copies = [], []
         with self._lock:
             if self.ended is not None:
@@ -272,7 +274,10 @@ class ReceivingProcess:
                 view = segment.tensor[offset : offset + nbytes]
                 flat = t.reshape(-1).view(torch.uint8) if nbytes else view
                 received = op in ("recv", "broadcast") or (op == "allgather" and i > 0)
-                if not received or nbytes <= _COPY_IN_WHOLE_BYTES:
+                if received and primed_last is not None:
+                    if nbytes:
+                        view[-1:].fill_(primed_last)
+                elif not received or nbytes <= _COPY_IN_WHOLE_BYTES:
                     view.copy_(flat)
                 elif nbytes:
                     view[-1:].copy_(flat[-1:])
@@ -439,10 +444,21 @@ class IsolatedProcessGroup:
     # Receives can be held back from the caller's tensors until every one of an update arrived.
     stages_receives = True
 
-    def recv_staged(self, tensors: Sequence[torch.Tensor], src: int, tag: int) -> _Work:
-        """A receive whose bytes reach ``tensors`` only at the work's ``land``."""
+    def recv_staged(
+        self, tensors: Sequence[torch.Tensor], src: int, tag: int, *, last_byte: int | None = None
+    ) -> _Work:
+        """A receive whose bytes reach ``tensors`` only at the work's ``land``. ``last_byte``: what
+        the staged bytes end with until the message arrives (``whole_messages.Arrivals.primed``),
+        written there and not into ``tensors``, which nothing touches before ``land``."""
         return self._owner.post(
-            self._handle, "recv", tensors, self._timeout_s, auto_land=False, peer=src, tag=tag
+            self._handle,
+            "recv",
+            tensors,
+            self._timeout_s,
+            auto_land=False,
+            primed_last=last_byte,
+            peer=src,
+            tag=tag,
         )
 
     def broadcast(self, tensors: Sequence[torch.Tensor], opts: Any) -> _Work:

@@ -28,6 +28,7 @@ torch.distributed: any process group with
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -465,9 +466,15 @@ def _receive_messages(
         writes.before()
     works = []
     for (source, target, _, _, peer, _), index in zip(ops, indices, strict=True):
-        arrivals[source].prime(index, target)
-        recv = pg.recv_staged if staged else pg.recv
-        works.append(post(lambda b=target, s=source, r=recv: r([b], s, 0), f"receive from {peer}"))
+        if staged:
+            # Primed where the bytes are held: ``target`` may be the model's own tensor (a region
+            # received in place), which a failed update must leave as it was, byte for byte.
+            last = arrivals[source].primed(index, target)
+            receive = functools.partial(pg.recv_staged, [target], source, 0, last_byte=last)
+        else:
+            arrivals[source].prime(index, target)
+            receive = functools.partial(pg.recv, [target], source, 0)
+        works.append(post(receive, f"receive from {peer}"))
     received = 0
     for work, (source, target, copies, nbytes, peer, _), index in zip(works, ops, indices, strict=True):
         wait(

@@ -9,7 +9,9 @@ So a sender first sends each receiver an **announcement** of the messages that f
 count and the last byte of each, closed by a marker and the message count (``announce``). The
 receiver checks the counts against its own plan (``Arrivals.open``), then, before posting each
 receive, writes the complement of the announced last byte over the last byte of the message's
-landing zone (``Arrivals.prime``). After the receive that byte must equal the announced one
+landing zone (``Arrivals.prime``; a receive held back from the tensor until the update commits is
+primed where it is held instead, ``Arrivals.primed``, so a failed update never wrote the tensor at
+all). After the receive that byte must equal the announced one
 (``Arrivals.check``): a message short by even one byte leaves its last byte unwritten, and that
 byte then differs from the announced one in every bit. The announcement lands in a buffer whose
 closing marker was primed the same way, so a short announcement is caught too.
@@ -95,11 +97,18 @@ class Arrivals:
                 )
         self._lasts = [w & 0xFF for w in words[1 : 2 * n : 2]]
 
+    def primed(self, index: int, target: torch.Tensor) -> int:
+        """The byte to write over the last byte of message ``index``'s landing zone before its
+        receive is posted: the complement of the announced one. For a receive staged away from
+        ``target`` (its bytes reach ``target`` only when the update commits), written where it is
+        staged, never into ``target``: that is the model, which a failed update must leave as it was."""
+        self._check_size(index, target)
+        return 0xFF ^ self._lasts[index]
+
     def prime(self, index: int, target: torch.Tensor) -> None:
         """Before posting the receive of message ``index`` into ``target`` (contiguous): its last
-        byte gets the complement of the announced one."""
-        self._check_size(index, target)
-        _flat(target)[-1:].fill_(0xFF ^ self._lasts[index])
+        byte gets the complement of the announced one (``primed``)."""
+        _flat(target)[-1:].fill_(self.primed(index, target))
 
     def check(self, index: int, target: torch.Tensor) -> None:
         """After the receive of message ``index`` into ``target``: it ends with the announced byte,

@@ -15,6 +15,12 @@ rank lost mid-update). ``--direct-min-bytes 0`` sends every region of whole rows
 ``--short-messages data`` makes a trainer rank send every slices message at half its planned size
 (its announcements whole), ``--short-messages announcement`` its announcements at half theirs: a
 broken or hostile sender, for the test that a short message is refused, never counted.
+``--die-after-announcing`` makes a trainer rank exit once its announcements went out, before its
+first message. ``--isolated`` makes a worker receive as ``weightwire serve`` does: through a
+receiving process (``isolated_gloo``; every member then rendezvouses on weightwire's own store,
+which the test serves), its bytes held there until every message arrived whole and
+landed only then; a failed receive lands nothing, and the worker then reports whether its
+parameters are still bit for bit what they were before (``unchanged``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import collections
 import datetime
 import json
 import os
+from typing import Any
 
 import torch
 from weightwire.adapters.torch import TorchAdapter
@@ -38,15 +45,18 @@ from weightwire.core import dtypes
 from weightwire.core.devices import DeviceRef
 from weightwire.core.errors import WeightwireError
 from weightwire.core.manifest import OwnedTensor, ParallelRank, ShardManifest
+from weightwire.core.transports.isolated_gloo import ReceivingProcess
 from weightwire.core.transports.transfer_group_agreement import agree
 from weightwire.core.transports.transfer_group_slices import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DIRECT_MIN_BYTES,
     GroupRanks,
+    Writes,
     messages,
     receive_slices,
     send_slices,
 )
+from weightwire.core.transports.transfer_group_store import connect_store
 from weightwire.core.transports.transfer_plan import Shard, TensorSpec, plan_transfers
 
 CONFIG = DemoConfig()
@@ -92,6 +102,27 @@ class ShortSends:
         return getattr(self.pg, name)
 
 
+class DiesAfterAnnouncing:
+    """A process group whose owner exits (code 3) at its first message after the announcements,
+    once the announcements it posted were sent: a send to a peer it already sent to is a message."""
+
+    def __init__(self, pg: object) -> None:
+        self.pg, self.posted, self.peers = pg, [], set()
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> object:
+        if dst in self.peers:
+            for work in self.posted:
+                work.wait()
+            os._exit(3)
+        self.peers.add(dst)
+        work = self.pg.send(tensors, dst, tag)  # type: ignore[attr-defined]
+        self.posted.append(work)
+        return work
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.pg, name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", required=True)  # host:port
@@ -104,6 +135,8 @@ def main() -> None:
     ap.add_argument("--direct-min-bytes", type=int, default=DIRECT_MIN_BYTES)
     ap.add_argument("--die-after-agree", action="store_true")
     ap.add_argument("--short-messages", choices=["data", "announcement"])
+    ap.add_argument("--die-after-announcing", action="store_true")
+    ap.add_argument("--isolated", action="store_true")
     args = ap.parse_args()
     tp, pp, dp = (int(x) for x in args.engine.split(","))
 
@@ -128,13 +161,27 @@ def main() -> None:
     ranks = GroupRanks.of_plan(args.trainers, list(manifests))
 
     host, port = args.store.rsplit(":", 1)
-    store = torch.distributed.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=TIMEOUT_S))
+    store: Any
+    if args.isolated:  # every member on weightwire's store, which a receiving process speaks
+        store = connect_store(args.store, TIMEOUT_S)
+    else:
+        store = torch.distributed.TCPStore(
+            host, int(port), None, False, datetime.timedelta(seconds=TIMEOUT_S)
+        )
     opts = torch.distributed.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=TIMEOUT_S)
     opts._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=False)]
-    pg = torch.distributed.ProcessGroupGloo(
-        torch.distributed.PrefixStore(args.group, store), args.rank, ranks.world_size, opts
-    )
+    pg: Any
+    if args.isolated and args.rank >= args.trainers:
+        receiving = ReceivingProcess()
+        receiving.wait_ready(TIMEOUT_S)
+        pg = receiving.process_group(
+            args.store, [args.group], args.rank, ranks.world_size, opts._timeout, "127.0.0.1"
+        )
+    else:
+        pg = torch.distributed.ProcessGroupGloo(
+            torch.distributed.PrefixStore(args.group, store), args.rank, ranks.world_size, opts
+        )
     result: dict[str, object] = {"rank": args.rank, "fingerprint": plan.fingerprint}
     try:
         agree(pg, plan, args.rank, ranks.world_size, TIMEOUT_S)
@@ -149,8 +196,13 @@ def main() -> None:
             }
             holdings = {s.name: s.holdings[args.rank] for s in specs if args.rank in s.holdings}
             del full
+            sender = pg
+            if args.short_messages:
+                sender = ShortSends(pg, args.short_messages)
+            elif args.die_after_announcing:
+                sender = DiesAfterAnnouncing(pg)
             result["sent"] = send_slices(
-                ShortSends(pg, args.short_messages) if args.short_messages else pg,
+                sender,
                 plan,
                 ranks,
                 args.rank,
@@ -164,26 +216,35 @@ def main() -> None:
             worker = ranks.workers[args.rank - args.trainers]
             rank, adapter = workers[worker]
             params = adapter.state()
-            with torch.no_grad():
-                received = receive_slices(
-                    pg,
-                    plan,
-                    ranks,
-                    worker,
-                    params,
-                    manifests[worker].tensors,
-                    timeout_s=TIMEOUT_S,
-                    direct_min_bytes=args.direct_min_bytes,
-                )
-            want = expected_shard(full, rank, CONFIG)
+            before = {n: t.clone() for n, t in params.items()}
             in_place = sum(
                 1
                 for src in range(args.trainers)
                 for m in messages(plan, src, worker, DEFAULT_MAX_MESSAGE_BYTES, args.direct_min_bytes)
                 if len(m) == 1 and m[0].rows and m[0].nbytes >= args.direct_min_bytes
             )
+            result["in_place_messages"] = in_place
+            landings: list[Any] = []
+            with torch.no_grad():
+                try:
+                    received = receive_slices(
+                        pg,
+                        plan,
+                        ranks,
+                        worker,
+                        params,
+                        manifests[worker].tensors,
+                        timeout_s=TIMEOUT_S,
+                        direct_min_bytes=args.direct_min_bytes,
+                        writes=Writes(deferred=landings) if args.isolated else None,
+                    )
+                except WeightwireError:
+                    result["unchanged"] = all(torch.equal(params[n], t) for n, t in before.items())
+                    raise
+                for land in landings:  # the update commits: what was held back lands now
+                    land()
+            want = expected_shard(full, rank, CONFIG)
             result.update(
-                in_place_messages=in_place,
                 worker=worker,
                 received=received,
                 kept_bytes=manifests[worker].kept_bytes,

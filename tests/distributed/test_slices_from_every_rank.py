@@ -17,9 +17,11 @@ import os
 import subprocess
 import sys
 import uuid
+from typing import Any
 
 import pytest
 import torch
+from weightwire.core.transports.transfer_group_store import StoreServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.timeout(240)
@@ -32,12 +34,18 @@ def run_group(
     variant_rank: int | None = None,
     in_place: bool = False,
     die_rank: int | None = None,
+    die_after: str = "agree",
     short: tuple[int, str] | None = None,
+    isolated: bool = False,
 ) -> list[dict]:
     tp, pp, dp = engine
     world = trainers + tp * pp * dp
-    store = torch.distributed.TCPStore(
-        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
+    store: Any = (
+        StoreServer("127.0.0.1")
+        if isolated  # what a receiving process rendezvouses on
+        else torch.distributed.TCPStore(
+            "127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
+        )
     )
     group = uuid.uuid4().hex
     procs = []
@@ -61,7 +69,9 @@ def run_group(
         if in_place:
             cmd += ["--direct-min-bytes", "0"]
         if rank == die_rank:
-            cmd.append("--die-after-agree")
+            cmd.append(f"--die-after-{die_after}")
+        if isolated:
+            cmd.append("--isolated")
         if short is not None and rank == short[0]:
             cmd += ["--short-messages", short[1]]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -80,6 +90,8 @@ def run_group(
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        if isinstance(store, StoreServer):
+            store.close()
     return results
 
 
@@ -121,6 +133,29 @@ def test_a_trainer_rank_lost_after_the_check_ends_every_worker_with_a_reason() -
     assert all("received" not in r for r in workers)
     # The surviving trainer rank ends too: its sends completed or failed with the reason.
     assert results[0].get("error") in (None, "TRANSFER_FAILED"), results[0]
+
+
+def test_a_trainer_rank_lost_after_announcing_leaves_every_worker_s_tensors_untouched() -> None:
+    """As ``weightwire serve`` receives (a receiving process holding the bytes back until the
+    update commits), with regions received in place into the parameters: trainer rank 0 of 2
+    announces its messages and exits before the first. Each worker's receives were posted and
+    primed (whole_messages), yet its parameters stay bit for bit what they were: the priming is
+    where the bytes are held, never in the model a failed update must leave alone."""
+    results = run_group(2, (2, 1, 1), die_rank=0, die_after="announcing", in_place=True, isolated=True)
+    workers = results[2:]
+    assert all(r["in_place_messages"] > 0 for r in workers), workers
+    assert all(r.get("error") == "TRANSFER_FAILED" for r in workers), workers
+    assert all("trainer rank 0" in r["message"] for r in workers), workers
+    assert all(r["unchanged"] for r in workers), workers
+
+
+def test_isolated_workers_land_every_slice_when_the_update_completes() -> None:
+    """The same receive through a receiving process with regions in place, completing: every
+    worker's parameters equal its slices of the checkpoint only after what was held back lands."""
+    results = run_group(2, (2, 1, 1), in_place=True, isolated=True)
+    assert all("error" not in r for r in results), results
+    for r in results[2:]:
+        assert r["exact"] and r["in_place_messages"] > 0 and r["received"] == r["kept_bytes"], r
 
 
 @pytest.mark.parametrize("what", ["data", "announcement"])
