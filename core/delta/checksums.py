@@ -188,13 +188,20 @@ UNLISTED_ALGORITHMS = (pb.CHECKSUM_ALGORITHM_CRC32, pb.CHECKSUM_ALGORITHM_WEIGHT
 VERIFIED_ALGORITHMS = ((pb.CHECKSUM_ALGORITHM_CRC32C,) if _crc32c is not None else ()) + UNLISTED_ALGORITHMS
 
 
+def _listed(
+    verified: Iterable[Collection[pb.ChecksumAlgorithm.ValueType]],
+) -> list[tuple[pb.ChecksumAlgorithm.ValueType, ...]]:
+    """Each recipient's list, an empty one (a worker from before the lists) as what it verifies."""
+    return [tuple(v) or UNLISTED_ALGORITHMS for v in verified]
+
+
 def crc_algorithm(
     verified: Iterable[Collection[pb.ChecksumAlgorithm.ValueType]],
 ) -> pb.ChecksumAlgorithm.ValueType:
     """CRC32C when every recipient's ``verified`` (its manifest's ``delta_checksum_algorithms``;
     empty: a worker from before CRC32C, which verifies CRC32) lists it and this process has the
     crc32c package, else CRC32; CRC32 for no recipient."""
-    lists = [tuple(v) or UNLISTED_ALGORITHMS for v in verified]
+    lists = _listed(verified)
     if _crc32c is not None and lists and all(pb.CHECKSUM_ALGORITHM_CRC32C in v for v in lists):
         return pb.CHECKSUM_ALGORITHM_CRC32C
     return pb.CHECKSUM_ALGORITHM_CRC32
@@ -208,9 +215,8 @@ def preferred_algorithm(
     """WEIGHTED_SUM64 when the source and every recipient are CUDA devices and every recipient's
     ``verified`` list has it (an empty list: a worker from before the lists, which verifies it),
     else ``crc_algorithm`` of the lists (none given: CRC32)."""
-    verified = list(verified)
+    lists = _listed(verified)
     kinds = {torch.device(d).type for d in recipients} | {source.type}
-    lists = [tuple(v) or UNLISTED_ALGORITHMS for v in verified]
     if kinds == {"cuda"} and all(pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64 in v for v in lists):
         return pb.CHECKSUM_ALGORITHM_WEIGHTED_SUM64
-    return crc_algorithm(verified)
+    return crc_algorithm(lists)
