@@ -41,8 +41,15 @@ def collect_results(
     root: dict[str, WeightwireError] = {}
     cancelled: dict[str, WeightwireError] = {}
 
+    ids = [manifests[a].worker_id for a in streams]
+
     def name(a: str) -> str:
-        return manifests[a].worker_id or a
+        # Engines started apart (one per replica, one per machine) may give their workers the same
+        # id; the address then tells the user which one.
+        wid = manifests[a].worker_id
+        if not wid:
+            return a
+        return f"{wid} at {a}" if ids.count(wid) > 1 else wid
 
     # Every stream of an update has the same deadline, so when one worker hangs, the healthy
     # ones (idle, waiting for the commit that waits for the hung one) expire at the same moment
@@ -88,7 +95,7 @@ def collect_results(
                 worker=a,
             )
         elif err is not None:
-            root[a] = _named(err, wid)
+            root[a] = _named(err, name(a) if wid else "")
         else:
             root[a] = WeightwireError(
                 Reason.DEADLINE_EXCEEDED,
