@@ -74,7 +74,8 @@ if TYPE_CHECKING:
 
 __all__ = ["push_slices"]
 
-# The trainer's own exchanges wait this much longer than one transfer may take.
+# The trainer's own exchanges wait this much longer than one transfer, or rank 0's session over
+# the workers' streams, may take.
 _GROUP_GRACE_S = 30.0
 
 
@@ -425,5 +426,8 @@ def push_slices(
     them fails every rank). ``deltas``: a push asked for as a delta (``slice_deltas``), prepared
     once the plan is agreed. ``bucket_bytes`` bounds each bucket a worker is sent
     (``slice_buckets.split_buckets``; a delta goes as one bucket per worker)."""
-    ranks = RankGroup(group, link.timeout_s + _GROUP_GRACE_S)
+    # Rank 0's session may take up to the pusher's timeout (a worker that hangs rather than dies is
+    # waited for until then, and so is the status of each worker it cancelled) while the other
+    # ranks wait in the exchanges; their sends end within the group's timeout. Either may be longer.
+    ranks = RankGroup(group, max(link.timeout_s, connections.timeout_s) + _GROUP_GRACE_S)
     return _SliceUpdate(link, connections, read_manifests, options, ranks, deltas, bucket_bytes).run(items)

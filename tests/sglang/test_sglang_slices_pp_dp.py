@@ -10,7 +10,10 @@ and two engines of TP=2 as two DP replicas of one trainer (four workers; a separ
 replica is how a trainer reaches replicas on different machines). In each: one FULL push from one
 rank (it proves the direct-copy regions, which a slices bucket needs), then two slices pushes, each
 followed by every engine's greedy tokens equal to transformers' on the pushed weights and every
-worker's ``bytes_received`` equal to its manifest's kept bytes (less than the whole model).
+worker's ``bytes_received`` equal to its manifest's kept bytes (less than the whole model). With
+the two replicas, an engine worker of one of them is killed (SIGKILL) mid-push: the push fails on
+both trainer ranks naming it, the other replica stays CONSISTENT at its old version serving its old
+tokens, and once the lost replica's engine is started again the next pushes land on every worker.
 
 This file is also the trainer rank (``python test_sglang_slices_pp_dp.py ADDR...``, started by
 ``helpers.TrainerRanks``): ``helpers.slice_trainer_main`` on this module's checkpoints.
@@ -19,9 +22,12 @@ This file is also the trainer rank (``python test_sglang_slices_pp_dp.py ADDR...
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -66,10 +72,17 @@ def _free_ports(count: int) -> int:
 class Fleet:
     """The engines (one per replica), their workers' TCP addresses, the trainer ranks."""
 
-    def __init__(self, hosts: list[Any], addresses: list[str], stages: list[tuple[int, int]]) -> None:
+    def __init__(
+        self,
+        hosts: list[Any],
+        addresses: list[str],
+        stages: list[tuple[int, int]],
+        start: Callable[[int], Any],
+    ) -> None:
         from weightwire.client import WeightPusher
 
         self.hosts = hosts
+        self.start = start  # starts replica i's engine again, on the same worker ports
         self.stages = stages  # (pp_rank, tp_rank) of each worker, in address order
         self.addresses = addresses
         # A reader only (manifests); the trainer ranks push.
@@ -122,20 +135,23 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     hosts: list[Any] = []
     addresses: list[str] = []
     f: Fleet | None = None
+    bases = [_free_ports(tp * pp) for _ in range(engines)]
+
+    def start(replica: int) -> Any:
+        return EngineHost(
+            env,
+            engine_kwargs(model, tp=tp, pp=pp, dtype=SPEC.dtype_name, port=_free_ports(1)),
+            socket_dir="",  # TCP: the empty directory leaves WEIGHTWIRE_SGLANG_SOCKET_DIR unset
+            log_path=str(root / f"engine{replica}-{len(hosts)}.log"),
+            extra_env={"WEIGHTWIRE_SGLANG_BASE_PORT": str(bases[replica])},
+        )
+
     try:
         for replica in range(engines):
-            base = _free_ports(tp * pp)
-            hosts.append(
-                EngineHost(
-                    env,
-                    engine_kwargs(model, tp=tp, pp=pp, dtype=SPEC.dtype_name, port=_free_ports(1)),
-                    socket_dir="",  # TCP: the empty directory leaves WEIGHTWIRE_SGLANG_SOCKET_DIR unset
-                    log_path=str(root / f"engine{replica}.log"),
-                    extra_env={"WEIGHTWIRE_SGLANG_BASE_PORT": str(base)},
-                )
-            )
-            addresses += [f"127.0.0.1:{base + i}" for i in range(tp * pp)]
-        f = Fleet(hosts, addresses, [(p, t) for _ in range(engines) for p in range(pp) for t in range(tp)])
+            hosts.append(start(replica))
+            addresses += [f"127.0.0.1:{bases[replica] + i}" for i in range(tp * pp)]
+        stages = [(p, t) for _ in range(engines) for p in range(pp) for t in range(tp)]
+        f = Fleet(hosts, addresses, stages, start)
         assert wait_until(lambda: _all_answer(f), timeout=120), addresses
         yield f
     finally:
@@ -164,6 +180,77 @@ def test_full_push_then_slices_from_both_ranks_generate_transformers_tokens(flee
         after = fleet.tokens(seed)
         assert after != before, "consecutive checkpoints must give different tokens, or this shows nothing"
         before = after
+
+
+def _listening_pid(address: str) -> int:
+    """The process listening on ``address`` (host:port): an engine worker's scheduler process."""
+    import psutil  # an SGLang dependency
+
+    port = int(address.rsplit(":", 1)[1])
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+            return int(c.pid)
+    raise AssertionError(f"nothing listens on {address}")
+
+
+@pytest.mark.parametrize("fleet", ["tp2-dp2"], indirect=True)  # a replica must be left serving
+def test_an_engine_worker_killed_mid_push_is_named_and_the_other_replica_keeps_its_weights(
+    fleet: Fleet,
+) -> None:
+    from weightwire.client import WeightPusher
+    from weightwire.v1 import weight_transfer_pb2 as pb
+
+    assert len(fleet.hosts) == 2
+    per_replica = len(fleet.addresses) // len(fleet.hosts)
+    survivors, lost = fleet.addresses[:per_replica], fleet.addresses[per_replica:]
+    victim = lost[0]
+    old_version = max(s.weights_version for s in fleet.reader.status().values())
+    old_tokens = fleet.hosts[0].tokens(PROMPTS, NEW_TOKENS)
+    for host in fleet.hosts:
+        host.pause("abort")
+    try:
+        # Rank 1 waits just before its sends: every worker holds its bucket and waits for bytes.
+        fleet.ranks.send(0, json.dumps({"op": "push", "version": old_version + 1, "seed": 7}))
+        fleet.ranks.send(1, json.dumps({"op": "push", "version": old_version + 1, "seed": 7, "pause": True}))
+        assert fleet.ranks.read(1) == {"paused": True}
+        os.kill(_listening_pid(victim), signal.SIGKILL)
+        fleet.ranks.send(1, "go")
+        answers = [fleet.ranks.read(0), fleet.ranks.read(1)]
+    finally:
+        fleet.hosts[0].resume()
+    assert [a["ok"] for a in answers] == [False, False], answers
+    assert answers[0]["failures"] == answers[1]["failures"], json.dumps(answers, indent=1)
+    failures = answers[0]["failures"]
+    assert failures[victim]["reason"] in ("UNAVAILABLE", "TRANSFER_FAILED"), failures
+    for address in survivors:
+        # Cancelled because of the victim, or its own receive that still involved it failed.
+        assert failures[address]["reason"] in ("CANCELLED", "TRANSFER_FAILED"), failures[address]
+    reader = WeightPusher(survivors, timeout_s=30)
+    try:
+        states = lambda: {(s.weights_version, s.state) for s in reader.status().values()}  # noqa: E731
+        assert wait_until(lambda: states() == {(old_version, pb.WORKER_STATE_CONSISTENT)}, timeout=60), (
+            states()
+        )
+    finally:
+        reader.close()
+    assert fleet.hosts[0].tokens(PROMPTS, NEW_TOKENS) == old_tokens
+
+    # The lost replica's engine started again (its weights are the model directory's): a FULL push
+    # proves its direct-copy regions, and the next slices push lands on every worker.
+    fleet.hosts[1].stop()
+    fleet.hosts[1] = fleet.start(1)
+    assert wait_until(lambda: _all_answer(fleet), timeout=120), fleet.addresses
+    # Until its channels reconnect, UNAVAILABLE; then MANIFEST_CHANGED once (another instance: nothing
+    # is sent, and the next push reads the manifests again).
+    for _ in range(30):
+        answers = fleet.push(version=old_version + 1, seed=8, single=True)[:1]
+        if answers[0]["ok"]:
+            break
+        reasons = {f["reason"] for f in answers[0]["failures"].values()}
+        assert reasons <= {"UNAVAILABLE", "MANIFEST_CHANGED"}, answers
+    fleet.landed(answers, old_version + 1, slices=False)
+    fleet.landed(fleet.push(version=old_version + 2, seed=9), old_version + 2, slices=True)
+    assert fleet.tokens(9) != old_tokens
 
 
 if __name__ == "__main__":
