@@ -616,6 +616,28 @@ class TrainerRanks:
                 p.communicate()
 
 
+class DiesAtItsFirstData:
+    """A trainer rank's process group, until the rank's first data message: its announcements go
+    out (so every worker starts receiving, and lands the other ranks' bytes), then the process
+    exits with ``SLICE_RANK_DIED_EXIT_CODE`` (a send to a peer already sent to is a message)."""
+
+    def __init__(self, pg: Any) -> None:
+        self._pg = pg
+        self._announced: set[int] = set()
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        if dst in self._announced:
+            time.sleep(2)  # the other rank's messages arrive meanwhile
+            os._exit(SLICE_RANK_DIED_EXIT_CODE)  # lost mid-push: no cleanup, like a crash
+        self._announced.add(dst)
+        work = self._pg.send(tensors, dst, tag)
+        work.wait()
+        return work
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pg, name)
+
+
 def slice_trainer_main(
     addresses: list[str],
     checkpoint: Callable[[int], Mapping[str, torch.Tensor]],
@@ -643,26 +665,6 @@ def slice_trainer_main(
 
     real_send = slice_push.send_slices
     pause = [False]
-
-    class DiesAtItsFirstData:
-        """The group's process group, until this rank's first data message: its announcements go
-        out (so every worker starts receiving, and lands the other rank's bytes), then it dies."""
-
-        def __init__(self, pg: Any) -> None:
-            self._pg = pg
-            self._announced: set[int] = set()
-
-        def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
-            if dst in self._announced:
-                time.sleep(2)  # the other rank's messages arrive meanwhile
-                os._exit(SLICE_RANK_DIED_EXIT_CODE)  # lost mid-push: no cleanup, like a crash
-            self._announced.add(dst)
-            work = self._pg.send(tensors, dst, tag)
-            work.wait()
-            return work
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._pg, name)
 
     def paused_send(pg: Any, *args: Any, **kwargs: Any) -> int:
         if pause[0]:

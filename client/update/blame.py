@@ -12,6 +12,7 @@ that did not commit with its reason.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping
 
 from weightwire.client.inputs.types import PushResult
@@ -41,7 +42,7 @@ def collect_results(
     root: dict[str, WeightwireError] = {}
     cancelled: dict[str, WeightwireError] = {}
 
-    ids = [manifests[a].worker_id for a in streams]
+    ids = collections.Counter(manifests[a].worker_id for a in streams)
 
     def name(a: str) -> str:
         # Engines started apart (one per replica, one per machine) may give their workers the same
@@ -49,7 +50,7 @@ def collect_results(
         wid = manifests[a].worker_id
         if not wid:
             return a
-        return f"{wid} at {a}" if ids.count(wid) > 1 else wid
+        return f"{wid} at {a}" if ids[wid] > 1 else wid
 
     # Every stream of an update has the same deadline, so when one worker hangs, the healthy
     # ones (idle, waiting for the commit that waits for the hung one) expire at the same moment

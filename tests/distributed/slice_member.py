@@ -30,9 +30,13 @@ import collections
 import datetime
 import json
 import os
+import sys
 from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for helpers
+from helpers import DiesAtItsFirstData
 from weightwire.adapters.torch import TorchAdapter
 from weightwire.adapters.torch.demo import (
     DEMO_TP_RULES,
@@ -102,27 +106,6 @@ class ShortSends:
         return getattr(self.pg, name)
 
 
-class DiesAfterAnnouncing:
-    """A process group whose owner exits (code 3) at its first message after the announcements,
-    once the announcements it posted were sent: a send to a peer it already sent to is a message."""
-
-    def __init__(self, pg: object) -> None:
-        self.pg, self.posted, self.peers = pg, [], set()
-
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> object:
-        if dst in self.peers:
-            for work in self.posted:
-                work.wait()
-            os._exit(3)
-        self.peers.add(dst)
-        work = self.pg.send(tensors, dst, tag)  # type: ignore[attr-defined]
-        self.posted.append(work)
-        return work
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.pg, name)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", required=True)  # host:port
@@ -161,13 +144,6 @@ def main() -> None:
     ranks = GroupRanks.of_plan(args.trainers, list(manifests))
 
     host, port = args.store.rsplit(":", 1)
-    store: Any
-    if args.isolated:  # every member on weightwire's store, which a receiving process speaks
-        store = connect_store(args.store, TIMEOUT_S)
-    else:
-        store = torch.distributed.TCPStore(
-            host, int(port), None, False, datetime.timedelta(seconds=TIMEOUT_S)
-        )
     opts = torch.distributed.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=TIMEOUT_S)
     opts._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=False)]
@@ -179,6 +155,11 @@ def main() -> None:
             args.store, [args.group], args.rank, ranks.world_size, opts._timeout, "127.0.0.1"
         )
     else:
+        store: Any
+        if args.isolated:  # every member on weightwire's store, which a receiving process speaks
+            store = connect_store(args.store, TIMEOUT_S)
+        else:
+            store = torch.distributed.TCPStore(host, int(port), None, False, opts._timeout)
         pg = torch.distributed.ProcessGroupGloo(
             torch.distributed.PrefixStore(args.group, store), args.rank, ranks.world_size, opts
         )
@@ -200,7 +181,7 @@ def main() -> None:
             if args.short_messages:
                 sender = ShortSends(pg, args.short_messages)
             elif args.die_after_announcing:
-                sender = DiesAfterAnnouncing(pg)
+                sender = DiesAtItsFirstData(pg)  # exits with SLICE_RANK_DIED_EXIT_CODE (3)
             result["sent"] = send_slices(
                 sender,
                 plan,
