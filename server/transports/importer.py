@@ -164,8 +164,9 @@ class FillsModel(Protocol):
         """Check the payload against the manifest (raise WeightwireError); nothing waits yet."""
         ...
 
-    def staging_device(self, kept: torch.Tensor) -> torch.device:
-        """Where bytes bound for ``kept`` are best held before they reach it (where they arrive)."""
+    def stage(self, name: str, kept: torch.Tensor) -> torch.Tensor:
+        """A tensor of ``kept``'s shape and dtype where bytes bound for ``name`` are held before
+        they reach it: where they arrive. Its contents are undefined; the receive writes them all."""
         ...
 
     def fill(self, payload: pb.Payload, plan: FillPlan, into: FillTarget) -> int:

@@ -33,6 +33,7 @@ from weightwire.core.transports import table as transports
 from weightwire.core.transports.transfer_group_plan import check_ranges, clip
 from weightwire.server.rules.validation import CheckedSpec
 from weightwire.server.rules.views import ReadBatch
+from weightwire.server.transports.host_staging import HostStaging
 from weightwire.server.transports.importer import (
     FillPlan,
     FillTarget,
@@ -156,17 +157,26 @@ class GroupImporter(PayloadImporter):
         self._slices: dict[bytes, tuple[str, SlicePlan]] = {}
         self._slice_staging: tuple[str, dict[object, torch.Tensor]] = ("", {})
         self._slice_lock = threading.Lock()
+        # An SGLang or vLLM worker's slices held until the commit, over gloo (``stage``).
+        self._host_staging: tuple[str, HostStaging] = ("", HostStaging())
 
     def fills_model(self, payload: pb.Payload) -> bool:
         """A slices handle: its regions are received into the engine's kept tensors (``fill``)."""
         return payload.transfer_group.mode == pb.TRANSFER_MODE_SLICES
 
-    def staging_device(self, kept: torch.Tensor) -> torch.device:
+    def stage(self, name: str, kept: torch.Tensor) -> torch.Tensor:
         """gloo receives into host memory, so bytes bound for a kept tensor on a GPU are staged
-        there (no GPU memory); NCCL receives on the kept tensor's device."""
-        if self.membership.current().group.backend == pb.TRANSFER_BACKEND_GLOO:
-            return torch.device("cpu")
-        return kept.device
+        there (no GPU memory), in host buffers kept for the group's next update
+        (``host_staging``); NCCL receives on the kept tensor's device (the caching allocator
+        keeps that memory)."""
+        member = self.membership.current()
+        if member.group.backend != pb.TRANSFER_BACKEND_GLOO:
+            return torch.empty(kept.shape, dtype=kept.dtype, device=kept.device)
+        gid = member.group.group_id
+        staging = self._host_staging
+        if staging[0] != gid:
+            staging = self._host_staging = (gid, HostStaging())
+        return staging[1].take(name, kept.shape, kept.dtype)
 
     def announce(self, manifest: pb.ShardManifest, *, keeps_tensors: bool) -> None:
         # Slices land in the tensors the engine keeps: only an adapter that exposes them takes them.

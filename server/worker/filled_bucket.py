@@ -11,8 +11,8 @@ Where the bytes land depends on the adapter and the group; an update may come as
 buckets per worker, and none of them reaches the model before the update commits. One that also
 ``StagesSlices`` (SGLang and vLLM, whose writes go through the engine's own gates) first says
 whether it may take these tensors at all (``refuse_slices``, before anything waits); the bucket is
-then received into staging of the kept shapes, where the importer's bytes arrive
-(``staging_device``: host memory over gloo, whatever device the model is on; the GPU over NCCL),
+then received into staging of the kept shapes, where the importer's bytes arrive (``stage``: host
+memory over gloo, whatever device the model is on, kept for the next update; the GPU over NCCL),
 and handed to ``write_kept`` only when the update commits. One that only ``KeepsTensors`` (the
 demo's ``TorchAdapter``) has them received into its tensors: over gloo a worker's receives are
 staged in its receiving process's shared memory (``isolated_gloo``) and land when the update
@@ -129,10 +129,7 @@ def fill_bucket(
     if stager is not None and changes is None:
         # Held until the commit where the bytes arrive: host memory over gloo, even for a model
         # on a GPU (no GPU memory beyond the model's own), the GPU over NCCL.
-        into = {
-            n: torch.empty(kept[n].shape, dtype=kept[n].dtype, device=importer.staging_device(kept[n]))
-            for n in plan.names
-        }
+        into = {n: importer.stage(n, kept[n]) for n in plan.names}
     t0 = time.perf_counter_ns()
     landings: list[Callable[[], None]] = []
     try:
