@@ -37,6 +37,8 @@ from weightwire.core.manifest import ShardManifest
 # Bounds on what one rank sends: a per-bucket step (flag and one serialised Payload), and any other
 # record (digests, outcomes, the results of every worker a rank pushed to).
 STEP_SLOT_BYTES = 4096
+# What one rank's record of ``RankGroup.exchange`` may take to go in one collective (with its size).
+EXCHANGE_SLOT_BYTES = 2048
 MAX_RECORD_BYTES = 8 * 1024 * 1024
 _MESSAGE_CHARS = 2000
 
@@ -83,16 +85,27 @@ class RankGroup:
             ) from e
 
     def exchange(self, data: bytes, what: str, *, max_bytes: int = MAX_RECORD_BYTES) -> list[bytes]:
-        """Every rank's ``data`` (``data`` itself at this rank's index): two collectives (sizes, then bytes)."""
+        """Every rank's ``data`` (``data`` itself at this rank's index). One collective of a
+        fixed slot per rank (its size and, when it fits, its bytes) where every rank's data fits
+        ``EXCHANGE_SLOT_BYTES`` (the plan and outcome records of an update that goes well); a
+        second one of the largest data's size otherwise."""
         if len(data) > max_bytes:
             raise ValueError(f"{what}: {len(data)} bytes is more than the {max_bytes} a rank may send")
-        sizes = self._all_gather(torch.tensor([len(data)], dtype=torch.int64, device=self.device), what)
-        width = int(sizes.max())
-        buf = torch.zeros(max(width, 1), dtype=torch.uint8)
+        room = EXCHANGE_SLOT_BYTES - 8
+        slot = torch.zeros(EXCHANGE_SLOT_BYTES, dtype=torch.uint8)
+        slot[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        if 0 < len(data) <= room:
+            slot[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        rows = self._all_gather(slot.to(self.device), what)
+        # Every rank reads the same sizes, so every rank takes the same branch.
+        sizes = [max(0, min(int(n), max_bytes)) for n in rows[:, :8].clone().view(torch.int64).reshape(-1)]
+        if max(sizes) <= room:
+            return [bytes(rows[i, 8 : 8 + sizes[i]].numpy().tobytes()) for i in range(self.size)]
+        buf = torch.zeros(max(sizes), dtype=torch.uint8)
         if data:
             buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         rows = self._all_gather(buf.to(self.device), what)
-        return [bytes(rows[i, : int(sizes[i])].numpy().tobytes()) for i in range(self.size)]
+        return [bytes(rows[i, : sizes[i]].numpy().tobytes()) for i in range(self.size)]
 
     def step(self, ok: bool, payload: bytes, what: str) -> list[tuple[bool, bytes]]:
         """One fixed-size slot per rank (one collective): a flag and up to ``STEP_SLOT_BYTES`` bytes."""
