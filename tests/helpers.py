@@ -550,11 +550,9 @@ class TrainerRanks:
     def __init__(
         self, script: str, args: Sequence[str], *, world: int = 2, drop_env: Sequence[str] = ()
     ) -> None:
-        import socket
+        from ports import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         tests = os.path.dirname(os.path.abspath(__file__))
         env = {
             **os.environ,

@@ -5,20 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from typing import Any
 
 from group_fleet import QUIET_ENV
+from ports import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Ranks:

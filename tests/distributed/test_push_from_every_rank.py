@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from group_fleet import CONFIG, Fleet, Member
 from helpers import wait_until
-from slice_ranks import Ranks, free_port
+from ports import free_port
+from slice_ranks import Ranks
 from weightwire.adapters.torch.demo import full_checkpoint
 from weightwire.core.manifest import ShardManifest
 from weightwire.v1 import weight_transfer_pb2 as pb

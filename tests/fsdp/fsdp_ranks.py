@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 from helpers import WorkerProcess, demo_args, load_dump, spawn_worker, spawn_workers
+from ports import free_port
 from weightwire.adapters.torch.demo import DemoConfig, expected_shard, full_checkpoint
 from weightwire.core.manifest import ParallelRank
 from weightwire.v1 import weight_transfer_pb2 as pb
@@ -45,12 +45,6 @@ class RankRun:
             f"--- rank {i} (exit {rc}) ---\n{err[-4000:]}"
             for i, (rc, err) in enumerate(zip(self.returncodes, self.stderr, strict=True))
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_ranks(

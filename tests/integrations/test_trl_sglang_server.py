@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import types
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from checkpoints import LLAMA, ModelSpec, full_checkpoint, reference_tokens, write_model_dir
+from ports import free_port
 from real_engine import SGLANG_ENVS, cpu_env, stop_process_group
 from weightwire.adapters.discovery import discover
 from weightwire.client import PushError, WeightPusher
@@ -74,9 +74,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         pytest.skip("no SGLang 0.5.23 environment: `make install-sglang` makes it")
     root = tmp_path_factory.mktemp("trl-sglang")
     model = write_model_dir(SPEC, str(root / "model"), full_checkpoint(SPEC, seed=1))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     process_env = cpu_env(1)
     process_env["WEIGHTWIRE_SGLANG_SOCKET_DIR"] = f"/tmp/ww-sgl-{uuid.uuid4().hex[:10]}"
     log_path = str(root / "server.log")

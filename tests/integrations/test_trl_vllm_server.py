@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ import pytest
 import torch
 import transformers
 from engine_checks import Expected
+from ports import free_port
 from trl.experimental.async_grpo.async_grpo_trainer import WeightTransferProtocol
 from vllm_cpu import HERE, NEW_TOKENS, PROMPTS, ModelSpec, checkpoint, save_checkpoint
 from weightwire.client import PlanError, PushError
@@ -91,9 +91,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     model = save_checkpoint(SPEC, checkpoint(SPEC, START), tmp / "ckpt")
     # TRL's rollouts apply the chat template and ask vLLM for logprobs, which vLLM detokenizes.
     byte_tokenizer(SPEC.vocab).save_pretrained(model)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import WorkerProcess, demo_args, load_dump, spawn_workers
+from ports import free_port
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 from verl.utils.import_utils import import_external_libs
 from weightwire.adapters.torch.demo import DemoConfig, expected_shard, full_checkpoint
@@ -333,9 +333,3 @@ def test_verl_checkpoint_engine_manager_updates_over_ray(fleet: Fleet, local_ray
 
 async def _drain(engine: CheckpointEngine, step: int) -> list:
     return [item async for item in engine.receive_weights(global_steps=step)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

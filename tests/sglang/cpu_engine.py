@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 from checkpoints import ModelSpec
+from ports import free_port
 from weightwire.core.topology import pp_layer_span
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -122,7 +122,7 @@ class CpuEngine:
         os.makedirs(socket_dir, mode=0o700, exist_ok=True)
         os.makedirs(dump_dir, exist_ok=True)
         world = tp * pp
-        port = _free_port()
+        port = free_port()
         self.ranks: list[RankProcess] = []
         dtype = spec.dtype_name
         for rank in range(world):
@@ -232,9 +232,3 @@ def _pump(stream: Any, lines: queue.Queue[str | None]) -> None:
 def _collect(stream: Any, sink: list[str]) -> None:
     for line in stream:
         sink.append(line)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

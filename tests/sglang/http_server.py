@@ -4,7 +4,6 @@ its entry point), for the tests that drive an engine through its own HTTP routes
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.error
@@ -13,15 +12,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ports import free_port
 from real_engine import SGLANG_ENVS, cpu_env, stop_process_group
 
 START_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:

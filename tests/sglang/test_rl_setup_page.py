@@ -15,7 +15,8 @@ import sys
 
 import pytest
 from checkpoints import QWEN2, ModelSpec, full_checkpoint, reference_tokens, write_model_dir
-from http_server import free_port, http_server
+from http_server import http_server
+from ports import free_port
 from real_engine import SGLANG_ENVS
 from weightwire.adapters.sglang import discover
 from weightwire.client import WeightPusher

@@ -37,7 +37,8 @@ from fp8_moe_checks import (
 )
 from helpers import TrainerRanks, slice_trainer_main
 from moe_checkpoints import write_model_dir
-from rank_fleet import RankFleet, assert_same_bytes, free_port
+from ports import free_port
+from rank_fleet import RankFleet, assert_same_bytes
 from weightwire.adapters.sglang import discover
 from weightwire.client import WeightPusher
 from weightwire.core.fp8_quant import quantize_for

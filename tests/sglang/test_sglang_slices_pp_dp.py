@@ -25,7 +25,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 import pytest
 from checkpoints import LLAMA, ModelSpec, full_checkpoint, reference_tokens, write_model_dir
 from helpers import TrainerRanks, slice_trainer_main, wait_until
+from ports import free_ports
 
 SPEC = ModelSpec(LLAMA)
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
@@ -47,26 +47,6 @@ pytestmark = [
     pytest.mark.timeout(1500),
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed"),
 ]
-
-
-def _free_ports(count: int) -> int:
-    """A base port such that ``count`` consecutive ports from it are free on loopback."""
-    for _ in range(50):
-        socks = [socket.socket() for _ in range(count)]
-        try:
-            socks[0].bind(("127.0.0.1", 0))
-            base = int(socks[0].getsockname()[1])
-            if base + count > 65535:
-                continue
-            for i, s in enumerate(socks[1:], start=1):
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports on loopback")
 
 
 class Fleet:
@@ -135,12 +115,12 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     hosts: list[Any] = []
     addresses: list[str] = []
     f: Fleet | None = None
-    bases = [_free_ports(tp * pp) for _ in range(engines)]
+    bases = [free_ports(tp * pp) for _ in range(engines)]
 
     def start(replica: int) -> Any:
         return EngineHost(
             env,
-            engine_kwargs(model, tp=tp, pp=pp, dtype=SPEC.dtype_name, port=_free_ports(1)),
+            engine_kwargs(model, tp=tp, pp=pp, dtype=SPEC.dtype_name, port=free_ports(1)),
             socket_dir="",  # TCP: the empty directory leaves WEIGHTWIRE_SGLANG_SOCKET_DIR unset
             log_path=str(root / f"engine{replica}-{len(hosts)}.log"),
             extra_env={"WEIGHTWIRE_SGLANG_BASE_PORT": str(bases[replica])},

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from rank_fleet import RankFleet, assert_same_bytes, free_port
+from ports import free_port
+from rank_fleet import RankFleet, assert_same_bytes
 from vllm_cpu import ModelSpec, checkpoint, save_checkpoint
 from weightwire.adapters.vllm import discover
 from weightwire.client import PlanError, WeightPusher
