@@ -1,5 +1,7 @@
-"""Host tensors that hold an SGLang or vLLM worker's slices until the update commits
-(``filled_bucket``: a stager's bucket over gloo), kept from one update to the next.
+"""Host tensors a worker receives slices into over gloo, kept from one update to the next: an
+SGLang or vLLM worker's slices held until the update commits (``filled_bucket``: a stager's
+bucket), and the host copies of a torch-adapter worker's kept tensors on a GPU
+(``transfer_group_slices.receive_bucket``).
 
 Host memory allocated fresh is paid for again at its first touch on every update: a bucket's
 bytes copied from the receiving process into new tensors ran at about 2.5 x the time of the same

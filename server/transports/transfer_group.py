@@ -157,7 +157,8 @@ class GroupImporter(PayloadImporter):
         self._slices: dict[bytes, tuple[str, SlicePlan]] = {}
         self._slice_staging: tuple[str, dict[object, torch.Tensor]] = ("", {})
         self._slice_lock = threading.Lock()
-        # An SGLang or vLLM worker's slices held until the commit, over gloo (``stage``).
+        # Over gloo: an SGLang or vLLM worker's slices held until the commit (``stage``), a
+        # worker's host copies of kept tensors on a GPU (``receive_bucket``).
         self._host_staging: tuple[str, HostStaging] = ("", HostStaging())
 
     def fills_model(self, payload: pb.Payload) -> bool:
@@ -172,11 +173,14 @@ class GroupImporter(PayloadImporter):
         member = self.membership.current()
         if member.group.backend != pb.TRANSFER_BACKEND_GLOO:
             return torch.empty(kept.shape, dtype=kept.dtype, device=kept.device)
-        gid = member.group.group_id
+        return self._host_staging_of(member.group.group_id).take(name, kept.shape, kept.dtype)
+
+    def _host_staging_of(self, gid: str) -> HostStaging:
+        """The host buffers of group ``gid`` (a new group starts with none)."""
         staging = self._host_staging
         if staging[0] != gid:
             staging = self._host_staging = (gid, HostStaging())
-        return staging[1].take(name, kept.shape, kept.dtype)
+        return staging[1]
 
     def announce(self, manifest: pb.ShardManifest, *, keeps_tensors: bool) -> None:
         # Slices land in the tensors the engine keeps: only an adapter that exposes them takes them.
@@ -253,6 +257,7 @@ class GroupImporter(PayloadImporter):
                 ended.is_set if ended is not None else None,
                 into.landings,
                 into.ordinal,
+                self._host_staging_of(gid),
             )
         except WeightwireError as err:
             self.membership.teardown(f"{err.reason}: {clip(err.message, 200)}")

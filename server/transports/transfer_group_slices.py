@@ -30,6 +30,7 @@ from weightwire.core.transports.transfer_group_agreement import agree
 from weightwire.core.transports.transfer_group_plan import clip
 from weightwire.core.transports.transfer_group_slices import GroupRanks, Writes, receive_slices
 from weightwire.core.transports.transfer_plan import Box, Transfer, TransferPlan, box_elements, kept_boxes
+from weightwire.server.transports.host_staging import HostStaging
 from weightwire.server.transports.transfer_group_member import JoinedGroup
 from weightwire.v1 import weight_transfer_pb2 as pb
 
@@ -215,6 +216,7 @@ def receive_bucket(
     stopped: Callable[[], bool] | None = None,
     landings: list[Callable[[], None]] | None = None,
     ordinal: int = 0,
+    host: HostStaging | None = None,
 ) -> int:
     """Agree on the plan with every member (at the update's first bucket, ``ordinal`` 0, unless
     the group agreed on it at an earlier update: ``transfer_group_agreement``; the trainer ranks
@@ -232,7 +234,8 @@ def receive_bucket(
     (``isolated_gloo``) land only when the caller runs what is appended to it (at the commit).
     ``ordinal``: this bucket's place among the update's slices buckets; its buffers are kept apart
     from the other buckets' (``staging``), so that one update's buckets, landed at its commit,
-    never share one, and the next update with the same split finds each bucket's ready."""
+    never share one, and the next update with the same split finds each bucket's ready. ``host``:
+    where the host copies of kept tensors on a GPU come from over gloo (kept for the next update)."""
     group = member.group
     pg = group.process_group()
     timeout_s = group.timeout.total_seconds()
@@ -242,7 +245,9 @@ def receive_bucket(
         # gloo receives into host memory: a kept tensor on a GPU gets its bytes through a host copy.
         for name in checked.names:
             if into[name].device.type != "cpu":
-                mirrors[name] = into[name] = torch.empty(into[name].shape, dtype=into[name].dtype)
+                shape, dtype = into[name].shape, into[name].dtype
+                copy = host.take(name, shape, dtype) if host else torch.empty(shape, dtype=dtype)
+                mirrors[name] = into[name] = copy
     own = cast(dict[Any, torch.Tensor], cast(dict[object, Any], staging).setdefault(("bucket", ordinal), {}))
     with lock:
         if ordinal == 0:
@@ -271,8 +276,8 @@ def receive_bucket(
         )
 
     def mirror() -> None:
-        for name, host in mirrors.items():
-            kept[name].copy_(host)
+        for name, held in mirrors.items():
+            kept[name].copy_(held)
 
     if landings:
         landings.append(mirror)  # after the landing into the host mirrors

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import grpc
 import torch
@@ -46,7 +47,7 @@ class Member:
 
 
 class Fleet:
-    def __init__(self, socket_dir: str, dump_dir: str, replicas: int = 2) -> None:
+    def __init__(self, socket_dir: str, dump_dir: str, replicas: int = 2, extra: Sequence[str] = ()) -> None:
         self.dump_dir = dump_dir
         ranks = [
             ParallelRank(tp_rank=t, tp_size=2, pp_rank=p, pp_size=2, dp_rank=d, dp_size=replicas)
@@ -63,7 +64,7 @@ class Fleet:
                     pp=(r.pp_rank, 2),
                     dump_dir=dump_dir,
                     listen=f"unix:{sock}",
-                    extra=["--dp-rank", str(r.dp_rank), "--dp-size", str(replicas)],
+                    extra=["--dp-rank", str(r.dp_rank), "--dp-size", str(replicas), *extra],
                 )
             )
         os.environ.update(QUIET_ENV)
