@@ -444,6 +444,12 @@ def unary_error(call: Callable[[], Any]) -> tuple[grpc.StatusCode, str, dict[str
     return grpc.StatusCode.OK, "", {}
 
 
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The ``env://`` variables of trainer rank ``rank`` of a world on loopback whose rank 0 serves
+    the store on ``port`` (for ``init_process_group`` in a process a test starts)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, interval: float = 0.02) -> bool:
     """Poll ``predicate`` until true; False if it never became true (tests then fail on the state)."""
     deadline = time.monotonic() + timeout
@@ -556,9 +562,6 @@ class TrainerRanks:
         tests = os.path.dirname(os.path.abspath(__file__))
         env = {
             **os.environ,
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
             "PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p),
         }
         for key in drop_env:
@@ -571,7 +574,7 @@ class TrainerRanks:
                 stderr=subprocess.PIPE,
                 text=True,
                 cwd=os.path.dirname(os.path.abspath(script)),
-                env={**env, "RANK": str(r)},
+                env={**env, **rank_env(r, world, port)},
             )
             for r in range(world)
         ]

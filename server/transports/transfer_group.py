@@ -254,10 +254,10 @@ class GroupImporter(PayloadImporter):
                 self._slice_staging[1],
                 self._slice_lock,
                 into.will_write,
+                self._host_staging_of(gid),
                 ended.is_set if ended is not None else None,
                 into.landings,
                 into.ordinal,
-                self._host_staging_of(gid),
             )
         except WeightwireError as err:
             self.membership.teardown(f"{err.reason}: {clip(err.message, 200)}")

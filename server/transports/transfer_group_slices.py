@@ -213,10 +213,10 @@ def receive_bucket(
     staging: dict[object, torch.Tensor],
     lock: threading.Lock,
     will_write: Callable[[], None],
+    host: HostStaging,
     stopped: Callable[[], bool] | None = None,
     landings: list[Callable[[], None]] | None = None,
     ordinal: int = 0,
-    host: HostStaging | None = None,
 ) -> int:
     """Agree on the plan with every member (at the update's first bucket, ``ordinal`` 0, unless
     the group agreed on it at an earlier update: ``transfer_group_agreement``; the trainer ranks
@@ -235,7 +235,8 @@ def receive_bucket(
     ``ordinal``: this bucket's place among the update's slices buckets; its buffers are kept apart
     from the other buckets' (``staging``), so that one update's buckets, landed at its commit,
     never share one, and the next update with the same split finds each bucket's ready. ``host``:
-    where the host copies of kept tensors on a GPU come from over gloo (kept for the next update)."""
+    where the host copies of kept tensors on a GPU come from over gloo (the group's, kept for the
+    next update)."""
     group = member.group
     pg = group.process_group()
     timeout_s = group.timeout.total_seconds()
@@ -245,9 +246,7 @@ def receive_bucket(
         # gloo receives into host memory: a kept tensor on a GPU gets its bytes through a host copy.
         for name in checked.names:
             if into[name].device.type != "cpu":
-                shape, dtype = into[name].shape, into[name].dtype
-                copy = host.take(name, shape, dtype) if host else torch.empty(shape, dtype=dtype)
-                mirrors[name] = into[name] = copy
+                mirrors[name] = into[name] = host.take(name, into[name].shape, into[name].dtype)
     own = cast(dict[Any, torch.Tensor], cast(dict[object, Any], staging).setdefault(("bucket", ordinal), {}))
     with lock:
         if ordinal == 0:

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from group_fleet import QUIET_ENV
+from helpers import rank_env
 from ports import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,14 +28,7 @@ class Ranks:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                env={
-                    **os.environ,
-                    **QUIET_ENV,
-                    "RANK": str(r),
-                    "WORLD_SIZE": str(world),
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port),
-                },
+                env={**os.environ, **QUIET_ENV, **rank_env(r, world, port)},
             )
             for r in range(world)
         ]

@@ -59,6 +59,7 @@ def main() -> None:
 def test_every_rank_gets_every_record_in_one_collective_when_they_fit() -> None:
     # Here, not at the top: each rank runs this file as a script, without the tests' helpers.
     from group_fleet import QUIET_ENV
+    from helpers import rank_env
     from ports import free_port
 
     port = free_port()
@@ -68,14 +69,7 @@ def test_every_rank_gets_every_record_in_one_collective_when_they_fit() -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={
-                **os.environ,
-                **QUIET_ENV,
-                "RANK": str(r),
-                "WORLD_SIZE": str(WORLD),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            },
+            env={**os.environ, **QUIET_ENV, **rank_env(r, WORLD, port)},
         )
         for r in range(WORLD)
     ]

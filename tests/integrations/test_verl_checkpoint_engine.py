@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import WorkerProcess, demo_args, load_dump, spawn_workers
+from helpers import WorkerProcess, demo_args, load_dump, rank_env, spawn_workers
 from ports import free_port
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 from verl.utils.import_utils import import_external_libs
@@ -240,14 +240,7 @@ def test_disaggregated_every_actor_rank_a_source(fleet: Fleet) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(master_port),
-                "TORCH_CPP_LOG_LEVEL": "ERROR",
-            },
+            env={**os.environ, **rank_env(rank, world, master_port), "TORCH_CPP_LOG_LEVEL": "ERROR"},
         )
         for rank in range(world)
     ]
